@@ -1,0 +1,1 @@
+"""Triton kernels: one scan machinery (scan.py), coefficient builders, launcher and ops."""

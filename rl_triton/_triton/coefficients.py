@@ -1,0 +1,191 @@
+"""Per-estimator coefficient builders and output writers for `scan.scan_kernel`.
+
+A builder `*_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params, HAS_TRUNC, HAS_NEXT,
+HAS_LAST, VARIANT, BLOCK_A)` loads an estimator's raw inputs for one tile and returns
+`(alpha, beta, aux)`; a writer `*_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux,
+params, VARIANT)` turns the scanned tile into the outputs. The input slot numbers below are the
+order in which `rl_triton._triton.ops` passes the tensors.
+"""
+import triton
+import triton.language as tl
+
+from .scan import cut_flags, load_flag, load_step, load_value, offsets, store_out, successor
+
+# Slots of the value-based backward estimators (gae, lambda_returns, discounted_returns, vtrace).
+R, V, TERM, TRUNC, NEXT_V, LAST_V, TARGET_LP, BEHAVIOR_LP = 0, 1, 2, 3, 4, 5, 6, 7
+# Slots of retrace.
+(RT_R, RT_Q, RT_ACT, RT_PI, RT_MU, RT_TERM, RT_TRUNC, RT_LAST_Q, RT_LAST_PI) = range(9)
+# Slots of the forward estimators and of linear_scan.
+X, DONES = 0, 1
+ALPHA, BETA = 0, 1
+
+
+@triton.jit
+def gae_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params, HAS_TRUNC: tl.constexpr,
+             HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr, VARIANT: tl.constexpr,
+             BLOCK_A: tl.constexpr):
+    gamma = params[0]
+    lam = params[1]
+    r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
+    v = load_step(ins, st, s1, s2, V, t, b1, b2, mask)
+    term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
+    v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, T, True, HAS_NEXT,
+                          HAS_LAST, False)
+    alpha = r + tl.where(term, 0.0, gamma * v_succ) - v
+    beta = tl.where(cut, 0.0, gamma * lam)
+    return alpha, beta, v
+
+
+@triton.jit
+def gae_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
+              VARIANT: tl.constexpr):
+    store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)  # advantages
+    store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, res + aux)  # returns = A + V
+
+
+@triton.jit
+def lambda_returns_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params,
+                        HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+                        VARIANT: tl.constexpr, BLOCK_A: tl.constexpr):
+    gamma = params[0]
+    lam = params[1]
+    r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
+    term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
+    v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, T, True, HAS_NEXT,
+                          HAS_LAST, False)
+    keep = tl.where(cut, 0.0, lam)
+    alpha = r + tl.where(term, 0.0, gamma * (1.0 - keep) * v_succ)
+    beta = gamma * keep  # keep is 0 at terminations (cut includes them)
+    return alpha, beta, 0.0
+
+
+@triton.jit
+def discounted_returns_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params,
+                            HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr,
+                            HAS_LAST: tl.constexpr, VARIANT: tl.constexpr,
+                            BLOCK_A: tl.constexpr):
+    gamma = params[0]
+    r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
+    term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
+    v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, T, False, HAS_NEXT,
+                          HAS_LAST, False)
+    alpha = r + tl.where(term, 0.0, tl.where(cut, gamma * v_succ, 0.0))
+    beta = tl.where(cut, 0.0, gamma)
+    return alpha, beta, 0.0
+
+
+@triton.jit
+def single_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
+                 VARIANT: tl.constexpr):
+    store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)
+
+
+@triton.jit
+def vtrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params, HAS_TRUNC: tl.constexpr,
+                HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr, VARIANT: tl.constexpr,
+                BLOCK_A: tl.constexpr):
+    gamma = params[0]
+    lam = params[1]
+    rho_clip = params[2]
+    c_clip = params[3]
+    r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
+    v = load_step(ins, st, s1, s2, V, t, b1, b2, mask)
+    term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
+    v_succ, v_slot_next = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, T, True,
+                                    HAS_NEXT, HAS_LAST, True)
+    ratio = tl.exp(load_step(ins, st, s1, s2, TARGET_LP, t, b1, b2, mask)
+                   - load_step(ins, st, s1, s2, BEHAVIOR_LP, t, b1, b2, mask))
+    target = r + tl.where(term, 0.0, gamma * v_succ)
+    alpha = tl.minimum(ratio, rho_clip) * (target - v)
+    beta = tl.where(cut, 0.0, gamma * lam * tl.minimum(ratio, c_clip))
+    return alpha, beta, (r, v, term, cut, ratio, v_succ, v_slot_next)
+
+
+@triton.jit
+def vtrace_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
+                 VARIANT: tl.constexpr):
+    gamma = params[0]
+    lam = params[1]
+    pg_rho_clip = params[4]
+    r, v, term, cut, ratio, v_succ, v_slot_next = aux
+    store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, v + res)  # vs
+    # vs'[t] = vs[t+1] = V[t+1] + D[t+1] inside an episode and the window, v'[t] at a cut.
+    vs_succ = tl.where(cut, v_succ, v_slot_next + res_prev)
+    pg = tl.minimum(ratio, pg_rho_clip) * (
+        r + tl.where(term, 0.0, gamma * (lam * vs_succ + (1.0 - lam) * v_succ)) - v)
+    store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, pg)
+
+
+@triton.jit
+def retrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params, HAS_TRUNC: tl.constexpr,
+                 HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr, VARIANT: tl.constexpr,
+                 BLOCK_A: tl.constexpr):
+    gamma = params[0]
+    lam = params[1]
+    c_clip = params[2]
+    r = load_step(ins, st, s1, s2, RT_R, t, b1, b2, mask)
+    term, cut = cut_flags(ins, st, s1, s2, RT_TERM, RT_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
+    inside = mask & (t + 1 < T)  # slot t+1 is in the window
+    at_end = mask & (t == T - 1)  # slot t+1 is the bootstrap state s_T
+
+    # Q(s_{t+1}, a_{t+1}) and c[t+1] = lam * min(c_clip, pi(a_{t+1}|s_{t+1}) / mu(a_{t+1}|s_{t+1})).
+    a_next = tl.load(ins[RT_ACT] + offsets(t + 1, b1, b2, st[RT_ACT], s1[RT_ACT], s2[RT_ACT]),
+                     mask=inside, other=0)
+    q_row = offsets(t + 1, b1, b2, st[RT_Q], s1[RT_Q], s2[RT_Q])
+    pi_row = offsets(t + 1, b1, b2, st[RT_PI], s1[RT_PI], s2[RT_PI])
+    q_a_next = load_value(ins[RT_Q], q_row + a_next * sa[RT_Q], inside)
+    pi_a_next = load_value(ins[RT_PI], pi_row + a_next * sa[RT_PI], inside)
+    mu_next = tl.where(inside, load_step(ins, st, s1, s2, RT_MU, t + 1, b1, b2, inside), 1.0)
+    c_next = lam * tl.minimum(pi_a_next / mu_next, c_clip)
+
+    # E[t] = sum_a pi(a|s_{t+1}) Q(s_{t+1}, a), from slot t+1 or from the bootstrap state.
+    lq_row = offsets(t, b1, b2, st[RT_LAST_Q], s1[RT_LAST_Q], s2[RT_LAST_Q])
+    lpi_row = offsets(t, b1, b2, st[RT_LAST_PI], s1[RT_LAST_PI], s2[RT_LAST_PI])
+    expected = tl.zeros(mask.shape, tl.float32)
+    for a0 in range(0, n_act, BLOCK_A):
+        a = a0 + tl.arange(0, BLOCK_A)[None, None, :]
+        in_a = inside[:, :, None] & (a < n_act)
+        end_a = at_end[:, :, None] & (a < n_act)
+        q = load_value(ins[RT_Q], q_row[:, :, None] + a * sa[RT_Q], in_a)
+        p = load_value(ins[RT_PI], pi_row[:, :, None] + a * sa[RT_PI], in_a)
+        lq = load_value(ins[RT_LAST_Q], lq_row[:, :, None] + a * sa[RT_LAST_Q], end_a)
+        lp = load_value(ins[RT_LAST_PI], lpi_row[:, :, None] + a * sa[RT_LAST_PI], end_a)
+        expected += tl.sum(q * p + lq * lp, axis=2)
+
+    alpha = r + tl.where(term, 0.0, gamma * (expected - tl.where(cut, 0.0, c_next * q_a_next)))
+    beta = tl.where(cut, 0.0, gamma * c_next)
+    q_a = 0.0
+    if VARIANT == 1:  # also return G - Q(s_t, a_t)
+        a_t = tl.load(ins[RT_ACT] + offsets(t, b1, b2, st[RT_ACT], s1[RT_ACT], s2[RT_ACT]),
+                      mask=mask, other=0)
+        q_a = load_value(ins[RT_Q], offsets(t, b1, b2, st[RT_Q], s1[RT_Q], s2[RT_Q])
+                         + a_t * sa[RT_Q], mask)
+    return alpha, beta, q_a
+
+
+@triton.jit
+def retrace_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
+                  VARIANT: tl.constexpr):
+    store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)
+    if VARIANT == 1:
+        store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, res - aux)
+
+
+@triton.jit
+def forward_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params, HAS_TRUNC: tl.constexpr,
+                 HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr, VARIANT: tl.constexpr,
+                 BLOCK_A: tl.constexpr):
+    """Eligibility traces and episodic prefix sums: A[t] = x[t] + keep * (1 - done[t-1]) * A[t-1]."""
+    keep = params[0]
+    x = load_step(ins, st, s1, s2, X, t, b1, b2, mask)
+    done_before = load_flag(ins[DONES], offsets(t - 1, b1, b2, st[DONES], s1[DONES], s2[DONES]),
+                            mask & (t >= 1))
+    return x, tl.where(done_before, 0.0, keep), 0.0
+
+
+@triton.jit
+def linear_scan_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params,
+                     HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+                     VARIANT: tl.constexpr, BLOCK_A: tl.constexpr):
+    return (load_step(ins, st, s1, s2, ALPHA, t, b1, b2, mask),
+            load_step(ins, st, s1, s2, BETA, t, b1, b2, mask), 0.0)
