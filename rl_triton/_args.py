@@ -109,6 +109,8 @@ class Call:
                 return None
             raise ValueError(f"{name} is required")
         self._check(name, x, kind)
+        if trailing_shape is not None:
+            trailing = len(trailing_shape)
         lead = tuple(x.shape[:len(self.step_shape)])
         tail = tuple(x.shape[len(self.step_shape):])
         if lead != self.step_shape or len(tail) != trailing or (

@@ -2,7 +2,8 @@
 
 Each estimator forms its coefficients (alpha, beta) as whole tensors and evaluates the
 recurrence with a doubling scan: log2(T) vectorized steps over time-major `[T, ...]` tensors, all
-arithmetic in float32.
+arithmetic in `dtype` (float32 as a backend; the tests also run it in float64 as a fast
+vectorized check of large shapes).
 """
 from __future__ import annotations
 
@@ -50,12 +51,9 @@ def _cut(term, trunc):
     return torch.cat([done[:-1], torch.ones_like(done[-1:])])
 
 
-F32 = torch.float32
-
-
 def gae(rewards, values, terminated, truncated=None, *, last_value=None, next_values=None,
-        gamma=0.99, lam=0.95):
-    r, v, term, trunc, lv, nv = _prep(F32, rewards, values, terminated, truncated, last_value,
+        gamma=0.99, lam=0.95, dtype=torch.float32):
+    r, v, term, trunc, lv, nv = _prep(dtype, rewards, values, terminated, truncated, last_value,
                                       next_values)
     v_succ = _successor(v, nv, lv, r)
     alpha = r + gamma * (1 - term) * v_succ - v
@@ -65,8 +63,8 @@ def gae(rewards, values, terminated, truncated=None, *, last_value=None, next_va
 
 
 def lambda_returns(rewards, values, terminated, truncated=None, *, last_value=None,
-                   next_values=None, gamma=0.99, lam=0.95):
-    r, v, term, trunc, lv, nv = _prep(F32, rewards, values, terminated, truncated, last_value,
+                   next_values=None, gamma=0.99, lam=0.95, dtype=torch.float32):
+    r, v, term, trunc, lv, nv = _prep(dtype, rewards, values, terminated, truncated, last_value,
                                       next_values)
     v_succ = _successor(v, nv, lv, r)
     keep = lam * (1 - _cut(term, trunc))
@@ -76,8 +74,8 @@ def lambda_returns(rewards, values, terminated, truncated=None, *, last_value=No
 
 
 def discounted_returns(rewards, terminated, truncated=None, *, last_value=None, next_values=None,
-                       gamma=0.99):
-    r, term, trunc, lv, nv = _prep(F32, rewards, terminated, truncated, last_value, next_values)
+                       gamma=0.99, dtype=torch.float32):
+    r, term, trunc, lv, nv = _prep(dtype, rewards, terminated, truncated, last_value, next_values)
     v_succ = _successor(None, nv, lv, r)
     cut = _cut(term, trunc)
     alpha = r + gamma * (1 - term) * cut * v_succ
@@ -87,8 +85,8 @@ def discounted_returns(rewards, terminated, truncated=None, *, last_value=None, 
 
 def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, truncated=None, *,
            last_value=None, next_values=None, gamma=0.99, lam=1.0, rho_clip=1.0, c_clip=1.0,
-           pg_rho_clip=1.0):
-    r, v, term, tlp, blp, trunc, lv, nv = _prep(F32, rewards, values, terminated,
+           pg_rho_clip=1.0, dtype=torch.float32):
+    r, v, term, tlp, blp, trunc, lv, nv = _prep(dtype, rewards, values, terminated,
                                                 target_log_probs, behavior_log_probs, truncated,
                                                 last_value, next_values)
     v_succ = _successor(v, nv, lv, r)
@@ -107,8 +105,9 @@ def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, tr
 
 
 def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated, truncated=None,
-            *, last_q_values=None, last_target_probs=None, gamma=0.99, lam=1.0, c_clip=1.0):
-    r, q, pi, mu, term, trunc, lq, lpi = _prep(F32, rewards, q_values, target_probs,
+            *, last_q_values=None, last_target_probs=None, gamma=0.99, lam=1.0, c_clip=1.0,
+            dtype=torch.float32):
+    r, q, pi, mu, term, trunc, lq, lpi = _prep(dtype, rewards, q_values, target_probs,
                                                behavior_probs, terminated, truncated,
                                                last_q_values, last_target_probs)
     a = actions.long().unsqueeze(-1)
@@ -131,16 +130,16 @@ def _forward_keep(x, dones, scale):
     return scale * (1 - torch.cat([torch.zeros_like(d[:1]), d[:-1]]))
 
 
-def eligibility_traces(x, dones, *, gamma, lam, initial=None):
-    xs, d, init = _prep(F32, x, dones, initial)
+def eligibility_traces(x, dones, *, gamma, lam, initial=None, dtype=torch.float32):
+    xs, d, init = _prep(dtype, x, dones, initial)
     return scan(xs, _forward_keep(xs, d, gamma * lam), reverse=False, initial=init)
 
 
-def episodic_cumsum(x, dones, *, initial=None):
-    xs, d, init = _prep(F32, x, dones, initial)
+def episodic_cumsum(x, dones, *, initial=None, dtype=torch.float32):
+    xs, d, init = _prep(dtype, x, dones, initial)
     return scan(xs, _forward_keep(xs, d, 1.0), reverse=False, initial=init)
 
 
-def linear_scan(alpha, beta, *, reverse=True, initial=None):
-    al, be, init = _prep(F32, alpha, beta, initial)
+def linear_scan(alpha, beta, *, reverse=True, initial=None, dtype=torch.float32):
+    al, be, init = _prep(dtype, alpha, beta, initial)
     return scan(al, be, reverse=reverse, initial=init)

@@ -1,0 +1,145 @@
+"""Bad input: a clear exception naming the argument, before any kernel runs."""
+import pathlib
+import re
+
+import pytest
+import torch
+
+import rl_triton
+from cases import BACKENDS, make_case
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+def gae_args(T=6, N=3):
+    return dict(rewards=torch.randn(T, N), values=torch.randn(T, N),
+                terminated=torch.zeros(T, N, dtype=torch.bool), last_value=torch.randn(N))
+
+
+def raises(exc, match, fn, **kw):
+    with pytest.raises(exc, match=match):
+        fn(**kw)
+
+
+def test_mismatched_shapes_name_both(backend):
+    a = gae_args()
+    a["values"] = torch.randn(6, 4)
+    raises(ValueError, r"values has shape \(6, 4\) but rewards has shape \(6, 3\)", rl_triton.gae,
+           **a, backend=backend)
+    a = gae_args()
+    a["terminated"] = torch.zeros(5, 3, dtype=torch.bool)
+    raises(ValueError, r"terminated has shape \(5, 3\)", rl_triton.gae, **a, backend=backend)
+    a = gae_args()
+    a["last_value"] = torch.randn(6)
+    raises(ValueError, r"last_value has shape \(6,\) .* must have shape \(3,\)", rl_triton.gae,
+           **a, backend=backend)
+    raises(ValueError, r"last_value has shape \(3,\) .* must have shape \(6,\)", rl_triton.gae,
+           **gae_args(), time_dim=1, backend=backend)
+
+
+def test_retrace_shapes(backend):
+    c = make_case("retrace", 5, (2,))
+    s, e = c.steps, dict(c.extra)
+    bad = dict(s, target_probs=s["target_probs"][..., :3])
+    raises(ValueError, r"target_probs has shape \(5, 2, 3\)", rl_triton.retrace, **bad, **e,
+           backend=backend)
+    bad = dict(s, q_values=s["rewards"])
+    raises(ValueError, r"q_values has shape \(5, 2\)", rl_triton.retrace, **bad, **e,
+           backend=backend)
+    e2 = dict(e, last_q_values=None)
+    raises(ValueError, r"last_q_values is required", rl_triton.retrace, **s, **e2,
+           backend=backend)
+    bad = dict(s, actions=s["actions"].float())
+    raises(TypeError, r"actions has dtype torch.float32; expected an integer dtype",
+           rl_triton.retrace, **bad, **e, backend=backend)
+
+
+def test_forward_shapes(backend):
+    raises(ValueError, r"x has shape \(4, 3\) but dones has shape \(5, 3\)",
+           rl_triton.episodic_cumsum, x=torch.randn(4, 3), dones=torch.zeros(5, 3),
+           backend=backend)
+    raises(ValueError, r"initial has shape \(3,\) .* must have shape \(3, 2\)",
+           rl_triton.eligibility_traces, x=torch.randn(5, 3, 2), dones=torch.zeros(5, 3),
+           initial=torch.zeros(3), gamma=0.9, lam=0.9, backend=backend)
+    raises(ValueError, r"beta has shape \(5, 2\) but alpha has shape \(5, 3\)",
+           rl_triton.linear_scan, alpha=torch.randn(5, 3), beta=torch.randn(5, 2),
+           backend=backend)
+
+
+def test_dtypes(backend):
+    for name, dt, msg in [("rewards", torch.float64, "rewards has dtype torch.float64"),
+                          ("values", torch.int32, "values has dtype torch.int32"),
+                          ("terminated", torch.complex64, "terminated has dtype")]:
+        a = gae_args()
+        a[name] = a[name].to(dt)
+        raises(TypeError, msg, rl_triton.gae, **a, backend=backend)
+    raises(TypeError, "out_dtype must be one of", rl_triton.gae, **gae_args(), backend=backend,
+           out_dtype=torch.int32)
+    raises(TypeError, "rewards must be a torch.Tensor", rl_triton.gae,
+           **dict(gae_args(), rewards=[1.0, 2.0]), backend=backend)
+
+
+def test_devices(backend):
+    a = gae_args()
+    a["values"] = a["values"].to("meta")
+    raises(ValueError, "values is on meta but rewards is on cpu", rl_triton.gae, **a,
+           backend=backend)
+
+
+def test_time_dim(backend):
+    raises(ValueError, r"time_dim=2 is out of range for rewards with shape \(6, 3\)",
+           rl_triton.gae, **gae_args(), time_dim=2, backend=backend)
+    raises(ValueError, "time_dim=-3 is out of range", rl_triton.gae, **gae_args(), time_dim=-3,
+           backend=backend)
+    raises(TypeError, "time_dim must be an int", rl_triton.gae, **gae_args(), time_dim=0.0,
+           backend=backend)
+    raises(ValueError, "must have a time axis", rl_triton.gae,
+           **dict(gae_args(), rewards=torch.tensor(1.0)), backend=backend)
+
+
+def test_options_and_scalars(backend):
+    raises(ValueError, "backend must be one of", rl_triton.gae, **gae_args(), backend="cuda")
+    raises(ValueError, r"gamma=1.5 is outside \[0.0, 1.0\]", rl_triton.gae, **gae_args(),
+           gamma=1.5, backend=backend)
+    raises(ValueError, "lam=-0.1 is outside", rl_triton.gae, **gae_args(), lam=-0.1,
+           backend=backend)
+    raises(TypeError, "gamma must be a real number", rl_triton.gae, **gae_args(),
+           gamma=torch.tensor(0.9), backend=backend)
+    raises(ValueError, "gamma=nan", rl_triton.gae, **gae_args(), gamma=float("nan"),
+           backend=backend)
+    c = make_case("vtrace", 5, (2,))
+    raises(ValueError, r"rho_clip=0.0 is outside \(0.0, inf\)", rl_triton.vtrace, **c.steps,
+           **dict(c.extra, rho_clip=0.0), backend=backend)
+    raises(TypeError, "reverse must be a bool", rl_triton.linear_scan, alpha=torch.randn(3, 2),
+           beta=torch.randn(3, 2), reverse="yes", backend=backend)
+
+
+def test_missing_or_double_bootstrap(backend):
+    a = gae_args()
+    del a["last_value"]
+    for fn in (rl_triton.gae, rl_triton.lambda_returns):
+        raises(ValueError, "pass last_value .* or next_values", fn, **a, backend=backend)
+    c = make_case("vtrace", 5, (2,))
+    raises(ValueError, "pass last_value", rl_triton.vtrace,
+           **c.steps, **{k: v for k, v in c.extra.items() if k != "last_value"}, backend=backend)
+    raises(ValueError, "not both", rl_triton.gae, **gae_args(), next_values=torch.randn(6, 3),
+           backend=backend)
+    # discounted returns: a missing bootstrap means zero, no error
+    rl_triton.discounted_returns(a["rewards"], a["terminated"], backend=backend)
+    raises(ValueError, "values is required", rl_triton.lambda_returns,
+           **dict(a, values=None, last_value=torch.randn(3)), backend=backend)
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    raises(ValueError, "TRITON_INTERPRET=1", rl_triton.gae, **gae_args(), backend="triton")
+
+
+def test_no_assert_for_argument_checking():
+    """Asserts vanish under python -O: the package uses none."""
+    root = pathlib.Path(rl_triton.__file__).parent
+    for path in root.rglob("*.py"):
+        assert not re.search(r"^\s*assert\b", path.read_text(), re.M), path

@@ -1,0 +1,194 @@
+"""Every estimator, every backend, against its float64 sequential reference."""
+import itertools
+
+import pytest
+import torch
+
+from rl_triton._triton import config
+from cases import (BACKENDS, ESTIMATORS, FLAG_DTYPES, assert_close, make_case, rel_err,
+                   to_layout)
+
+SHAPES = [(1, (1,)), (37, (5,)), (333, (50,)), (16, (3, 4))]
+LAYOUTS = ["time-major", "batch-major", "transposed-view"]
+
+
+# The slow sequential loop runs its largest shape in one layout only.
+GRID = [(b, shape, layout) for b in BACKENDS for shape in SHAPES for layout in LAYOUTS
+        if not (b == "loop" and shape[0] * shape[1][0] > 2000 and layout != "time-major")]
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+@pytest.mark.parametrize("backend,shape,layout", GRID)
+def test_matches_reference(name, backend, shape, layout, device):
+    T, batch = shape
+    i = SHAPES.index(shape) + LAYOUTS.index(layout)
+    case = make_case(name, T, batch, device=device, flag_dtype=FLAG_DTYPES[i % len(FLAG_DTYPES)],
+                     trunc=i % 2 == 0, seed=i)
+    assert_close(case.call(layout, backend=backend), case.reference())
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+@pytest.mark.parametrize("flag_dtype", FLAG_DTYPES, ids=str)
+def test_flag_dtypes(name, flag_dtype, device):
+    case = make_case(name, 41, (3,), device=device, flag_dtype=flag_dtype, seed=7)
+    ref = case.reference()
+    for backend in ("torch", "triton"):
+        assert_close(case.call(backend=backend), ref)
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_inputs_float32_math(name, dtype, device):
+    """bf16 / f16 inputs, float32 arithmetic: the reference sees the same rounded inputs, so the
+    error is float32 rounding, not half-precision rounding."""
+    case = make_case(name, 77, (6,), dtype=dtype, device=device, seed=3)
+    ref = case.reference()
+    for backend in ("torch", "triton"):
+        for layout in ("time-major", "batch-major"):
+            assert_close(case.call(layout, backend=backend), ref, tol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gae", "lambda_returns", "vtrace"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_next_values_equals_last_value_path(name, backend, device):
+    """next_values = values shifted by one with last_value appended gives the same result."""
+    case = make_case(name, 53, (4,), device=device, seed=11)
+    with_last = case.call(backend=backend)
+    lv = case.extra.pop("last_value")
+    case.steps["next_values"] = torch.cat([case.steps["values"][1:], lv[None]])
+    with_next = case.call(backend=backend)
+    for a, b in zip(with_next, with_last):
+        assert rel_err(a, b) < 1e-6
+    assert_close(with_last, case.reference())
+
+
+@pytest.mark.parametrize("name", ["gae", "lambda_returns", "vtrace", "discounted_returns"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_same_step_autoreset_next_values(name, backend, device):
+    """next_values that differ from values[t+1] at truncations (same-step autoreset)."""
+    case = make_case(name, 61, (5,), device=device, seed=5, bootstrap="next_values",
+                     p_trunc=0.2)
+    assert_close(case.call("batch-major", backend=backend), case.reference())
+
+
+@pytest.mark.parametrize("name", ["eligibility_traces", "episodic_cumsum"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_trailing_feature_axes(name, backend, layout, device):
+    case = make_case(name, 29, (4,), features=(3, 2), device=device, seed=9)
+    assert_close(case.call(layout, backend=backend), case.reference())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_retrace_many_actions(backend, device):
+    case = make_case("retrace", 45, (3,), n_act=37, device=device, seed=2)
+    assert_close(case.call("batch-major", backend=backend), case.reference())
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+@pytest.mark.parametrize("time_major", [True, False])
+def test_long_rows_split_across_programs(name, time_major, device):
+    """T = 3 * block + 7, cut into several segments stitched by their carries."""
+    T = 3 * 16 + 7
+    case = make_case(name, T, (3,), device=device, seed=13)
+    layout = "time-major" if time_major else "batch-major"
+    ref = case.reference()
+    for n_seg in (1, 2, 4):
+        with config.override(block_t=16, block_b=2, n_seg=n_seg):
+            assert_close(case.call(layout, backend="triton"), ref)
+
+
+@pytest.mark.parametrize("name", ["gae", "vtrace", "retrace", "episodic_cumsum"])
+def test_strided_inputs_read_in_place(name, device):
+    """Slices of larger buffers and mixed layouts across arguments."""
+    case = make_case(name, 40, (6,), device=device, seed=17)
+    ref = case.reference()
+    for k, v in list(case.steps.items()):
+        if v is None:
+            continue
+        big = torch.zeros((v.shape[0] * 2, v.shape[1] + 3) + v.shape[2:], dtype=v.dtype,
+                          device=device)
+        big[::2, 1:1 + v.shape[1]] = v
+        case.steps[k] = big[::2, 1:1 + v.shape[1]]  # non-contiguous in both axes
+        assert not case.steps[k].is_contiguous()
+    assert_close(case.call(backend="triton"), ref)
+    assert_close(case.call(backend="torch"), ref)
+
+
+def permuted_memory(x, order):
+    """The same logical tensor, stored with its axes in memory order `order` (outermost first)."""
+    inverse = [order.index(i) for i in range(len(order))]
+    return x.permute(*order).contiguous().permute(*inverse)
+
+
+@pytest.mark.parametrize("name", ["gae", "retrace", "eligibility_traces", "linear_scan_forward"])
+@pytest.mark.parametrize("batch,order", [((3, 4), (2, 0, 1)), ((2, 3, 2), (3, 1, 0, 2))])
+def test_batch_axes_in_any_memory_order(name, batch, order, device):
+    """Several batch axes stored in a permuted order; with three axes that no two strides can
+    describe the launcher takes its contiguous fallback."""
+    case = make_case(name, 23, batch, device=device, seed=19)
+    ref = case.reference()
+    for k, v in case.steps.items():
+        if v is not None:
+            extra = tuple(range(len(order), v.ndim))
+            case.steps[k] = permuted_memory(v, list(order) + list(extra))
+    assert_close(case.call(backend="triton"), ref)
+    # the middle-time-axis layout [N1, T, N2] of the caller
+    steps = {k: (None if v is None else v.movedim(0, 1).contiguous())
+             for k, v in case.steps.items()}
+    out = case.fn(**steps, **case.extra, time_dim=1, backend="triton")
+    out = out if isinstance(out, tuple) else (out,)
+    assert_close(tuple(o.movedim(1, 0) for o in out), ref)
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inputs_not_modified(name, backend, device):
+    case = make_case(name, 19, (3,), device=device, seed=23)
+    before = {k: (None if v is None else v.clone()) for k, v in case.steps.items()}
+    extra_before = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                    for k, v in case.extra.items()}
+    case.call("batch-major", backend=backend)
+    case.call(backend=backend)
+    for k, v in case.steps.items():
+        if v is not None:
+            assert torch.equal(v, before[k]), k
+    for k, v in case.extra.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, extra_before[k]), k
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_inputs(name, backend, device):
+    for T, batch in [(0, (3,)), (5, (0,))]:
+        case = make_case(name, T, batch, device=device)
+        outs = case.call(backend=backend)
+        for o in outs:
+            assert o.shape[:2] == (T, *batch)[:2] and o.numel() == 0
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_dtype(out_dtype, backend, device):
+    case = make_case("gae", 21, (4,), device=device)
+    outs = case.call(backend=backend, out_dtype=out_dtype)
+    assert all(o.dtype == out_dtype for o in outs)
+    tol = 1e-2 if out_dtype == torch.bfloat16 else 1e-5
+    assert_close(outs, case.reference(), tol=tol)
+
+
+def test_outputs_in_caller_layout(device):
+    case = make_case("gae", 12, (7,), device=device)
+    adv, ret = case.fn(**{k: to_layout(v, "transposed-view") for k, v in case.steps.items()},
+                       **case.extra, time_dim=-1, backend="triton")
+    assert adv.shape == (7, 12) and adv.is_contiguous() and ret.is_contiguous()
+
+
+def test_backends_agree_with_each_other(device):
+    for name in ESTIMATORS:
+        case = make_case(name, 90, (7,), device=device, seed=31)
+        outs = {b: case.call(backend=b) for b in BACKENDS}
+        for a, b in itertools.combinations(BACKENDS, 2):
+            for x, y in zip(outs[a], outs[b]):
+                assert rel_err(x, y) < 2e-6, (name, a, b)

@@ -1,0 +1,120 @@
+"""On a CUDA device only: long rows, many rows, 64-bit indexing, memory traffic, composability.
+
+Large shapes are checked against the vectorized torch backend run in float64 (itself checked
+against the sequential references at small shapes), since a Python loop over 2^20 steps is slow.
+"""
+import pytest
+import torch
+
+import rl_triton
+from rl_triton import _torch
+from cases import ESTIMATORS, assert_close, make_case
+
+DEV = "cuda"
+
+
+def float64_vectorized(case):
+    extra = {k: v for k, v in case.extra.items() if k != "return_advantages"}
+    out = getattr(_torch, case.name)(**case.steps, **extra, dtype=torch.float64)
+    return out if isinstance(out, tuple) else (out,)
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+@pytest.mark.parametrize("T,batch", [(2**20, (1,)), (16, (2**20,)), (3 * 2**17 + 5, (3,))])
+@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
+def test_large_shapes(name, T, batch, layout):
+    n_act = 18
+    case = make_case(name, T, batch, device=DEV, seed=T % 97, n_act=n_act, p_term=0.001,
+                     p_trunc=0.001)
+    assert_close(case.call(layout, backend="triton"), float64_vectorized(case))
+
+
+@pytest.mark.parametrize("name", ["gae", "vtrace", "episodic_cumsum", "linear_scan_reverse"])
+def test_one_row_of_2_pow_24_steps(name):
+    case = make_case(name, 2**24, (1,), device=DEV, seed=1, p_term=1e-5, p_trunc=1e-5)
+    assert_close(case.call("batch-major", backend="triton"), float64_vectorized(case))
+
+
+def test_long_reverse_scan_without_boundaries():
+    """A reverse scan whose carry crosses every tile and segment (no cut anywhere)."""
+    T = 2**20
+    alpha = torch.randn(1, T, device=DEV)
+    beta = torch.full((1, T), 0.9999, device=DEV)
+    out = rl_triton.linear_scan(alpha, beta, time_dim=1)
+    ref = _torch.linear_scan(alpha.T, beta.T, reverse=True, dtype=torch.float64).T
+    assert_close((out,), (ref,))
+
+
+def test_64bit_indexing():
+    """More than 2^31 elements: offsets need 64 bits."""
+    n, T, k = 2**21 + 5, 1024, 7
+    x = torch.ones(n, T, device=DEV)
+    t = torch.arange(T, device=DEV)
+    dones = ((t % k) == k - 1).expand(n, T)  # a stride-0 view: read in place
+    out = rl_triton.episodic_cumsum(x, dones, time_dim=1)
+    expected = ((t % k) + 1).float()
+    assert out.numel() > 2**31
+    assert torch.equal(out[0], expected) and torch.equal(out[-1], expected)
+    assert torch.equal(out[n // 2 + 3], expected)
+    del x, out
+
+
+@pytest.mark.parametrize("layout", ["time-major", "transposed-view", "batch-major"])
+def test_no_hidden_copies(layout):
+    """Device memory grows by the outputs alone (plus a few kB of carries)."""
+    case = make_case("vtrace", 4096, (1024,), device=DEV)
+    steps = {k: v if layout == "time-major" else (
+        v.movedim(0, 1) if layout == "transposed-view" else v.movedim(0, 1).contiguous())
+             for k, v in case.steps.items()}
+    td = 0 if layout == "time-major" else 1
+    rl_triton.vtrace(**steps, **case.extra, time_dim=td)  # compile outside the measurement
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    outs = rl_triton.vtrace(**steps, **case.extra, time_dim=td)
+    torch.cuda.synchronize()
+    out_bytes = sum(o.numel() * o.element_size() for o in outs)
+    assert torch.cuda.max_memory_allocated() - base <= out_bytes + 2**20
+
+
+def test_torch_compile_fullgraph():
+    case = make_case("gae", 128, (64,), device=DEV, seed=3)
+
+    def step(r, v, term, trunc, lv):
+        adv, ret = rl_triton.gae(r, v, term, trunc, last_value=lv)
+        return (adv - adv.mean()) / (adv.std() + 1e-8), ret
+
+    s = case.steps
+    args = (s["rewards"], s["values"], s["terminated"], s["truncated"], case.extra["last_value"])
+    compiled = torch.compile(step, fullgraph=True)
+    for a, b in zip(compiled(*args), step(*args)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_cuda_graph_replay():
+    case = make_case("gae", 128, (256,), device=DEV, seed=5)
+    static = {k: v.clone() for k, v in case.steps.items()}
+    lv = case.extra["last_value"].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        rl_triton.gae(**static, last_value=lv)  # warm up (compile) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        adv, ret = rl_triton.gae(**static, last_value=lv)
+    for seed in (6, 7):
+        new = make_case("gae", 128, (256,), device=DEV, seed=seed)
+        for k, v in new.steps.items():
+            static[k].copy_(v)
+        lv.copy_(new.extra["last_value"])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close((adv, ret), new.reference())
+
+
+def test_other_device_index():
+    """Tensors on the current device only are assumed nowhere: works on any visible index."""
+    idx = torch.cuda.device_count() - 1
+    case = make_case("gae", 64, (8,), device=f"cuda:{idx}")
+    assert_close(case.call(backend="triton"), case.reference())
