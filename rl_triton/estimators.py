@@ -123,7 +123,7 @@ def gae(rewards, values, terminated, truncated=None, *, last_value=None, next_va
                                             last_value, next_values)
     call.require_bootstrap(next_values, last_value)
     gamma, lam = check_scalar("gamma", gamma), check_scalar("lam", lam)
-    backend, out_dtype = _backend(backend, call), check_out_dtype(out_dtype)
+    out_dtype, backend = check_out_dtype(out_dtype), _backend(backend, call)
     if call.T == 0 or rewards.numel() == 0:
         return _empty(call, out_dtype, 2)
     if backend == "triton":
@@ -158,7 +158,7 @@ def lambda_returns(rewards, values, terminated, truncated=None, *, last_value=No
                                             values_optional=next_values is not None)
     call.require_bootstrap(next_values, last_value)
     gamma, lam = check_scalar("gamma", gamma), check_scalar("lam", lam)
-    backend, out_dtype = _backend(backend, call), check_out_dtype(out_dtype)
+    out_dtype, backend = check_out_dtype(out_dtype), _backend(backend, call)
     if call.T == 0 or rewards.numel() == 0:
         return _empty(call, out_dtype, 1)
     if backend == "triton":
@@ -195,7 +195,7 @@ def discounted_returns(rewards, terminated, truncated=None, *, last_value=None, 
     if nv is not None and lv is not None:
         call.require_bootstrap(nv, lv)  # raises: not both
     gamma = check_scalar("gamma", gamma)
-    backend, out_dtype = _backend(backend, call), check_out_dtype(out_dtype)
+    out_dtype, backend = check_out_dtype(out_dtype), _backend(backend, call)
     if call.T == 0 or rewards.numel() == 0:
         return _empty(call, out_dtype, 1)
     if backend == "triton":
@@ -238,7 +238,7 @@ def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, tr
     rho_clip = check_scalar("rho_clip", rho_clip, high=None, low_open=True)
     c_clip = check_scalar("c_clip", c_clip, high=None, low_open=True)
     pg_rho_clip = check_scalar("pg_rho_clip", pg_rho_clip, high=None, low_open=True)
-    backend, out_dtype = _backend(backend, call), check_out_dtype(out_dtype)
+    out_dtype, backend = check_out_dtype(out_dtype), _backend(backend, call)
     if call.T == 0 or rewards.numel() == 0:
         return _empty(call, out_dtype, 2)
     if backend == "triton":
@@ -296,7 +296,7 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
     c_clip = check_scalar("c_clip", c_clip, high=None, low_open=True)
     if not isinstance(return_advantages, bool):
         raise TypeError(f"return_advantages must be a bool, got {type(return_advantages).__name__}")
-    backend, out_dtype = _backend(backend, call), check_out_dtype(out_dtype)
+    out_dtype, backend = check_out_dtype(out_dtype), _backend(backend, call)
     n_out = 2 if return_advantages else 1
     if call.T == 0 or rewards.numel() == 0:
         return _empty(call, out_dtype, n_out)
@@ -341,7 +341,7 @@ def eligibility_traces(x, dones, *, gamma, lam, initial=None, time_dim=0, backen
     """
     call, xs, d, init, features = _forward_args(x, dones, initial, time_dim)
     gamma, lam = check_scalar("gamma", gamma), check_scalar("lam", lam)
-    backend, out_dtype = _backend(backend, call), check_out_dtype(out_dtype)
+    out_dtype, backend = check_out_dtype(out_dtype), _backend(backend, call)
     if call.T == 0 or x.numel() == 0:
         return _empty(call, out_dtype, 1, features)
     if backend == "triton":
@@ -368,7 +368,7 @@ def episodic_cumsum(x, dones, *, initial=None, time_dim=0, backend="auto",
         >>> episode_return_so_far = rl_triton.episodic_cumsum(rewards, dones)
     """
     call, xs, d, init, features = _forward_args(x, dones, initial, time_dim)
-    backend, out_dtype = _backend(backend, call), check_out_dtype(out_dtype)
+    out_dtype, backend = check_out_dtype(out_dtype), _backend(backend, call)
     if call.T == 0 or x.numel() == 0:
         return _empty(call, out_dtype, 1, features)
     if backend == "triton":
@@ -402,7 +402,7 @@ def linear_scan(alpha, beta, *, reverse=True, initial=None, time_dim=0, backend=
     init = call.bootstrap("initial", initial)
     if not isinstance(reverse, bool):
         raise TypeError(f"reverse must be a bool, got {type(reverse).__name__}")
-    backend, out_dtype = _backend(backend, call), check_out_dtype(out_dtype)
+    out_dtype, backend = check_out_dtype(out_dtype), _backend(backend, call)
     if call.T == 0 or alpha.numel() == 0:
         return _empty(call, out_dtype, 1)
     if backend == "triton":

@@ -7,6 +7,7 @@ import torch
 
 import rl_triton
 from cases import BACKENDS, make_case
+from conftest import DEVICE
 
 
 @pytest.fixture(params=BACKENDS)
@@ -14,9 +15,10 @@ def backend(request):
     return request.param
 
 
-def gae_args(T=6, N=3):
-    return dict(rewards=torch.randn(T, N), values=torch.randn(T, N),
-                terminated=torch.zeros(T, N, dtype=torch.bool), last_value=torch.randn(N))
+def gae_args(T=6, N=3, device=DEVICE):
+    return dict(rewards=torch.randn(T, N, device=device), values=torch.randn(T, N, device=device),
+                terminated=torch.zeros(T, N, dtype=torch.bool, device=device),
+                last_value=torch.randn(N, device=device))
 
 
 def raises(exc, match, fn, **kw):
@@ -26,14 +28,14 @@ def raises(exc, match, fn, **kw):
 
 def test_mismatched_shapes_name_both(backend):
     a = gae_args()
-    a["values"] = torch.randn(6, 4)
+    a["values"] = torch.randn(6, 4, device=DEVICE)
     raises(ValueError, r"values has shape \(6, 4\) but rewards has shape \(6, 3\)", rl_triton.gae,
            **a, backend=backend)
     a = gae_args()
-    a["terminated"] = torch.zeros(5, 3, dtype=torch.bool)
+    a["terminated"] = torch.zeros(5, 3, dtype=torch.bool, device=DEVICE)
     raises(ValueError, r"terminated has shape \(5, 3\)", rl_triton.gae, **a, backend=backend)
     a = gae_args()
-    a["last_value"] = torch.randn(6)
+    a["last_value"] = torch.randn(6, device=DEVICE)
     raises(ValueError, r"last_value has shape \(6,\) .* must have shape \(3,\)", rl_triton.gae,
            **a, backend=backend)
     raises(ValueError, r"last_value has shape \(3,\) .* must have shape \(6,\)", rl_triton.gae,
@@ -85,7 +87,7 @@ def test_dtypes(backend):
 def test_devices(backend):
     a = gae_args()
     a["values"] = a["values"].to("meta")
-    raises(ValueError, "values is on meta but rewards is on cpu", rl_triton.gae, **a,
+    raises(ValueError, "values is on meta but rewards is on (cpu|cuda)", rl_triton.gae, **a,
            backend=backend)
 
 
@@ -122,20 +124,22 @@ def test_missing_or_double_bootstrap(backend):
     del a["last_value"]
     for fn in (rl_triton.gae, rl_triton.lambda_returns):
         raises(ValueError, "pass last_value .* or next_values", fn, **a, backend=backend)
+    raises(ValueError, "values is required", rl_triton.lambda_returns,
+           **dict(a, values=None, last_value=torch.randn(3, device=DEVICE)), backend=backend)
     c = make_case("vtrace", 5, (2,))
     raises(ValueError, "pass last_value", rl_triton.vtrace,
            **c.steps, **{k: v for k, v in c.extra.items() if k != "last_value"}, backend=backend)
-    raises(ValueError, "not both", rl_triton.gae, **gae_args(), next_values=torch.randn(6, 3),
+    raises(ValueError, "not both", rl_triton.gae, **gae_args(),
+           next_values=torch.randn(6, 3, device=DEVICE),
            backend=backend)
     # discounted returns: a missing bootstrap means zero, no error
     rl_triton.discounted_returns(a["rewards"], a["terminated"], backend=backend)
-    raises(ValueError, "values is required", rl_triton.lambda_returns,
-           **dict(a, values=None, last_value=torch.randn(3)), backend=backend)
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    raises(ValueError, "TRITON_INTERPRET=1", rl_triton.gae, **gae_args(), backend="triton")
+    raises(ValueError, "TRITON_INTERPRET=1", rl_triton.gae, **gae_args(device="cpu"),
+           backend="triton")
 
 
 def test_no_assert_for_argument_checking():

@@ -139,7 +139,7 @@ def scan_kernel(
     outs, ost, os1, os2,  # outputs likewise
     init, init_s1, init_s2,  # the initial carry A[T] (reverse) or A[-1] (forward)
     agg,  # float32 scratch [2, n_seg, B]: each segment's composed map (PHASE 0 writes it)
-    params,  # the estimator's float scalars (gamma, lambda, clips): runtime values
+    scalars,  # the estimator's float scalars (gamma, lambda, clips): runtime values
     T, B, B2, n_act, chunks_per_seg, n_seg,
     COEF: tl.constexpr, STORE: tl.constexpr, REVERSE: tl.constexpr, EXCLUSIVE: tl.constexpr,
     HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
@@ -190,7 +190,7 @@ def scan_kernel(
         if INT64:
             t = t.to(tl.int64)
         mask = (t < T) & mask_b[None, :]
-        alpha, beta, aux = COEF(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params,
+        alpha, beta, aux = COEF(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, scalars,
                                 HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A)
         # Padding steps are the identity map: they pass the carry through unchanged.
         alpha = tl.where(mask, alpha, 0.0)
@@ -200,7 +200,7 @@ def scan_kernel(
             agg_a, agg_b = ta + tb * agg_a, agg_b * tb
         else:
             res, res_prev, carry = scan_tile(alpha, beta, carry, REVERSE, EXCLUSIVE, BLOCK_T)
-            STORE(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params, VARIANT)
+            STORE(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, scalars, VARIANT)
 
     if PHASE == 0:
         tl.store(agg + seg * B + b, agg_a, mask=mask_b)
