@@ -11,13 +11,16 @@ import triton.language as tl
 
 from .scan import cut_flags, load_flag, load_step, load_value, offsets, store_out, successor
 
-# Slots of the value-based backward estimators (gae, lambda_returns, discounted_returns, vtrace).
-R, V, TERM, TRUNC, NEXT_V, LAST_V, TARGET_LP, BEHAVIOR_LP = 0, 1, 2, 3, 4, 5, 6, 7
-# Slots of retrace.
-(RT_R, RT_Q, RT_ACT, RT_PI, RT_MU, RT_TERM, RT_TRUNC, RT_LAST_Q, RT_LAST_PI) = range(9)
-# Slots of the forward estimators and of linear_scan.
-X, DONES = 0, 1
-ALPHA, BETA = 0, 1
+# Slot numbers (compile-time constants, as Triton requires of globals read inside kernels).
+_c = tl.constexpr
+# the value-based backward estimators (gae, lambda_returns, discounted_returns, vtrace)
+R, V, TERM, TRUNC, NEXT_V, LAST_V, TARGET_LP, BEHAVIOR_LP = (_c(i) for i in range(8))
+# retrace
+RT_R, RT_Q, RT_ACT, RT_PI, RT_MU, RT_TERM, RT_TRUNC, RT_LAST_Q, RT_LAST_PI = (
+    _c(i) for i in range(9))
+# the forward estimators, and linear_scan
+X, DONES = _c(0), _c(1)
+ALPHA, BETA = _c(0), _c(1)
 
 
 @triton.jit

@@ -42,6 +42,7 @@ SCAN_REVERSE = Kernel(C.linear_scan_coef, C.single_store, reverse=True)
 SCAN_FORWARD = Kernel(C.linear_scan_coef, C.single_store, reverse=False)
 
 INT32_MAX = 2**31 - 1
+_RETRACE_ACTION_SLOTS = tuple(s.value for s in (C.RT_Q, C.RT_PI, C.RT_LAST_Q, C.RT_LAST_PI))
 
 
 def _batch_groups(views, bshape):
@@ -244,7 +245,7 @@ def retrace(rewards: Tensor, q_values: Tensor, actions: Tensor, target_probs: Te
            _tm(target_probs, time_dim), _tm(behavior_probs, time_dim), _tm(terminated, time_dim),
            _tm(truncated, time_dim), over_time(last_q_values, T), over_time(last_target_probs, T)]
     launch(RETRACE, T, tuple(ins[0].shape[1:]), ins, [_tm(o, time_dim) for o in outs],
-           (gamma, lam, c_clip), action_slots=(C.RT_Q, C.RT_PI, C.RT_LAST_Q, C.RT_LAST_PI),
+           (gamma, lam, c_clip), action_slots=_RETRACE_ACTION_SLOTS,
            has_trunc=truncated is not None, variant=int(return_advantages))
     if not return_advantages:
         outs.append(outs[0].new_empty(0))
