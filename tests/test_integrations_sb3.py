@@ -1,6 +1,7 @@
 """Stable-Baselines3 integration: rl_triton's GAE inside SB3's PPO / A2C equals SB3's own."""
 import copy
 import os
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton backend on CPU; before triton loads
 
@@ -14,8 +15,8 @@ from stable_baselines3 import A2C, PPO  # noqa: E402
 from stable_baselines3.common.buffers import DictRolloutBuffer, RolloutBuffer  # noqa: E402
 from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
 
-from rl_triton.integrations.sb3 import (RLTritonDictRolloutBuffer, RLTritonRolloutBuffer,  # noqa: E402
-                                        revert_rl_triton, use_rl_triton)
+from rl_triton.integrations.sb3 import (  # noqa: E402
+    RLTritonDictRolloutBuffer, RLTritonRolloutBuffer, revert_rl_triton, use_rl_triton)
 
 triton_ok = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -39,7 +40,8 @@ def _checked_compute(self, last_values, dones):
 
 
 def _checked(cls):
-    return type("Checked" + cls.__name__, (cls,), {"compute_returns_and_advantage": _checked_compute})
+    return type("Checked" + cls.__name__, (cls,),
+                {"compute_returns_and_advantage": _checked_compute})
 
 
 _Checked = _checked(RLTritonRolloutBuffer)
@@ -97,7 +99,8 @@ def test_helper_on_existing_model_and_revert():
     assert model.rollout_buffer is buf and buf.backend == "auto"
     revert_rl_triton(model)
     assert type(model.rollout_buffer) is RolloutBuffer
-    assert model.rollout_buffer_class is RolloutBuffer and "backend" not in model.rollout_buffer_kwargs
+    assert model.rollout_buffer_class is RolloutBuffer
+    assert "backend" not in model.rollout_buffer_kwargs
     with pytest.raises(ValueError, match="backend"):
         use_rl_triton(model, backend="cuda")
     with pytest.raises(TypeError, match="RLTritonGAEMixin"):
@@ -133,5 +136,6 @@ def test_import_rl_triton_does_not_import_frameworks():
     code = ("import sys, rl_triton, rl_triton.integrations; "
             "bad = [m for m in ('stable_baselines3', 'torchrl', 'tensordict', 'gymnasium') "
             "if m in sys.modules]; assert not bad, bad")
-    subprocess.run([sys.executable, "-c", code], check=True,
-                   env={**os.environ, "PYTHONPATH": os.getcwd()})
+    root = str(Path(__file__).resolve().parent.parent)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root,
+                   env={**os.environ, "PYTHONPATH": root})

@@ -48,7 +48,8 @@ class RLTritonGAEMixin:
         rewards = torch.from_numpy(self.rewards).to(device)
         values = torch.from_numpy(self.values).to(device)
         # episode_starts[t + 1] says that step t ended an episode (SB3 treats every done alike)
-        last_done = torch.as_tensor(np.asarray(dones, dtype=np.float32).reshape(1, -1), device=device)
+        last_done = torch.as_tensor(np.asarray(dones, dtype=np.float32).reshape(1, -1),
+                                    device=device)
         terminated = torch.cat([torch.from_numpy(self.episode_starts[1:]).to(device), last_done])
         last_value = last_values.detach().reshape(-1).to(device=device, dtype=torch.float32)
         advantages, returns = estimators.gae(rewards, values, terminated, last_value=last_value,
