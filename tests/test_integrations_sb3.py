@@ -5,12 +5,12 @@ from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton backend on CPU; before triton loads
 
-import gymnasium as gym
 import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("stable_baselines3")
+import gymnasium as gym  # noqa: E402
 from stable_baselines3 import A2C, PPO  # noqa: E402
 from stable_baselines3.common.buffers import DictRolloutBuffer, RolloutBuffer  # noqa: E402
 from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
