@@ -62,6 +62,48 @@ def _triton_ops():
     return ops
 
 
+# Launch plans of earlier Triton calls, by signature: every tensor's shape, strides, dtype and
+# device, and the options. A call with a known signature passed the same argument checks
+# before, so it goes straight to the launch (host work: a dict look-up, the output
+# allocations, the kernel launch).
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+
+
+def _signature(name, tensors, options):
+    try:
+        return (name, options) + tuple(None if t is None else (t.shape, t.stride(), t.dtype,
+                                                               t.device) for t in tensors)
+    except AttributeError:  # not a tensor: the checks will say so
+        return None
+
+
+def _cached(name, tensors, options, scalars):
+    if torch.compiler.is_compiling():
+        return None
+    plan = _PLANS.get(_signature(name, tensors, options))
+    return None if plan is None else plan.run(tensors, scalars)
+
+
+def _triton(name, tensors, options, scalars, make_plan, op_args):
+    """Run a checked call on the Triton backend: a custom op inside torch.compile, else a
+    launch plan (cached under the call's signature when it reads the tensors in place)."""
+    ops = _triton_ops()
+    if torch.compiler.is_compiling():
+        out = ops.OPS[name](*op_args)
+        return list(out) if isinstance(out, tuple) else [out]
+    plan, copy = make_plan(ops)
+    if copy is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[_signature(name, tensors, options)] = plan
+    return plan.run(tensors if copy is None else copy(tensors), scalars)
+
+
+def _one_or_tuple(outs):
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
 def _python(backend: str, name: str):
     """The torch or loop implementation of estimator `name`."""
     if backend == "torch":
@@ -118,18 +160,24 @@ def gae(rewards, values, terminated, truncated=None, *, last_value=None, next_va
         >>> terminated = torch.rand(T, N) < 0.01
         >>> adv, ret = rl_triton.gae(rewards, values, terminated, last_value=torch.randn(N))
     """
+    gamma, lam = check_scalar("gamma", gamma), check_scalar("lam", lam)
+    tensors = (rewards, values, terminated, truncated, last_value, next_values)
+    options = (time_dim, backend, out_dtype)
+    outs = _cached("gae", tensors, options, (gamma, lam))
+    if outs is not None:
+        return tuple(outs)
     call = Call("rewards", rewards, time_dim)
     r, v, term, trunc, lv, nv = _value_args(call, rewards, values, terminated, truncated,
                                             last_value, next_values)
     call.require_bootstrap(next_values, last_value)
-    gamma, lam = check_scalar("gamma", gamma), check_scalar("lam", lam)
     out_dtype, backend = check_out_dtype(out_dtype), _backend(backend, call)
     if call.T == 0 or rewards.numel() == 0:
         return _empty(call, out_dtype, 2)
     if backend == "triton":
-        ops = _triton_ops()
-        return ops.call(ops.gae, rewards, values, terminated, truncated, last_value, next_values,
-                        gamma, lam, call.time_dim, out_dtype)
+        td = call.time_dim
+        return tuple(_triton("gae", tensors, options, (gamma, lam), lambda ops: (
+            ops.plan_value_estimator(ops.GAE, 2, tensors, td, out_dtype)),
+            (*tensors, gamma, lam, td, out_dtype)))
     adv, ret = _python(backend, "gae")(r, v, term, trunc, last_value=lv, next_values=nv,
                                        gamma=gamma, lam=lam)
     return _finish(call, out_dtype, adv, ret)
@@ -152,19 +200,25 @@ def lambda_returns(rewards, values, terminated, truncated=None, *, last_value=No
 
         >>> G = rl_triton.lambda_returns(rewards, values, terminated, last_value=v_last, lam=0.9)
     """
+    gamma, lam = check_scalar("gamma", gamma), check_scalar("lam", lam)
+    tensors = (rewards, values, terminated, truncated, last_value, next_values)
+    options = (time_dim, backend, out_dtype)
+    outs = _cached("lambda_returns", tensors, options, (gamma, lam))
+    if outs is not None:
+        return outs[0]
     call = Call("rewards", rewards, time_dim)
     r, v, term, trunc, lv, nv = _value_args(call, rewards, values, terminated, truncated,
                                             last_value, next_values,
                                             values_optional=next_values is not None)
     call.require_bootstrap(next_values, last_value)
-    gamma, lam = check_scalar("gamma", gamma), check_scalar("lam", lam)
     out_dtype, backend = check_out_dtype(out_dtype), _backend(backend, call)
     if call.T == 0 or rewards.numel() == 0:
         return _empty(call, out_dtype, 1)
     if backend == "triton":
-        ops = _triton_ops()
-        return ops.call(ops.lambda_returns, rewards, values, terminated, truncated, last_value,
-                        next_values, gamma, lam, call.time_dim, out_dtype)
+        td = call.time_dim
+        return _triton("lambda_returns", tensors, options, (gamma, lam), lambda ops: (
+            ops.plan_value_estimator(ops.LAMBDA_RETURNS, 1, tensors, td, out_dtype)),
+            (*tensors, gamma, lam, td, out_dtype))[0]
     g = _python(backend, "lambda_returns")(r, v, term, trunc, last_value=lv, next_values=nv,
                                            gamma=gamma, lam=lam)
     return _finish(call, out_dtype, g)
@@ -186,6 +240,12 @@ def discounted_returns(rewards, terminated, truncated=None, *, last_value=None, 
 
         >>> G = rl_triton.discounted_returns(rewards, terminated, gamma=0.99)
     """
+    gamma = check_scalar("gamma", gamma)
+    tensors = (rewards, None, terminated, truncated, last_value, next_values)
+    options = (time_dim, backend, out_dtype)
+    outs = _cached("discounted_returns", tensors, options, (gamma,))
+    if outs is not None:
+        return outs[0]
     call = Call("rewards", rewards, time_dim)
     r = call.step("rewards", rewards)
     term = call.step("terminated", terminated, FLAG)
@@ -194,14 +254,14 @@ def discounted_returns(rewards, terminated, truncated=None, *, last_value=None, 
     lv = call.bootstrap("last_value", last_value)
     if nv is not None and lv is not None:
         call.require_bootstrap(nv, lv)  # raises: not both
-    gamma = check_scalar("gamma", gamma)
     out_dtype, backend = check_out_dtype(out_dtype), _backend(backend, call)
     if call.T == 0 or rewards.numel() == 0:
         return _empty(call, out_dtype, 1)
     if backend == "triton":
-        ops = _triton_ops()
-        return ops.call(ops.discounted_returns, rewards, terminated, truncated, last_value,
-                        next_values, gamma, call.time_dim, out_dtype)
+        td = call.time_dim
+        return _triton("discounted_returns", tensors, options, (gamma,), lambda ops: (
+            ops.plan_value_estimator(ops.DISCOUNTED_RETURNS, 1, tensors, td, out_dtype)),
+            (rewards, terminated, truncated, last_value, next_values, gamma, td, out_dtype))[0]
     g = _python(backend, "discounted_returns")(r, term, trunc, last_value=lv, next_values=nv,
                                                gamma=gamma)
     return _finish(call, out_dtype, g)
@@ -228,24 +288,32 @@ def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, tr
         >>> vs, pg_adv = rl_triton.vtrace(rewards, values, terminated, logp_target, logp_behavior,
         ...                               last_value=v_last)
     """
+    gamma, lam = check_scalar("gamma", gamma), check_scalar("lam", lam)
+    rho_clip = check_scalar("rho_clip", rho_clip, high=None, low_open=True)
+    c_clip = check_scalar("c_clip", c_clip, high=None, low_open=True)
+    pg_rho_clip = check_scalar("pg_rho_clip", pg_rho_clip, high=None, low_open=True)
+    scalars = (gamma, lam, rho_clip, c_clip, pg_rho_clip)
+    tensors = (rewards, values, terminated, truncated, last_value, next_values, target_log_probs,
+               behavior_log_probs)
+    options = (time_dim, backend, out_dtype)
+    outs = _cached("vtrace", tensors, options, scalars)
+    if outs is not None:
+        return tuple(outs)
     call = Call("rewards", rewards, time_dim)
     r, v, term, trunc, lv, nv = _value_args(call, rewards, values, terminated, truncated,
                                             last_value, next_values)
     tlp = call.step("target_log_probs", target_log_probs)
     blp = call.step("behavior_log_probs", behavior_log_probs)
     call.require_bootstrap(next_values, last_value)
-    gamma, lam = check_scalar("gamma", gamma), check_scalar("lam", lam)
-    rho_clip = check_scalar("rho_clip", rho_clip, high=None, low_open=True)
-    c_clip = check_scalar("c_clip", c_clip, high=None, low_open=True)
-    pg_rho_clip = check_scalar("pg_rho_clip", pg_rho_clip, high=None, low_open=True)
     out_dtype, backend = check_out_dtype(out_dtype), _backend(backend, call)
     if call.T == 0 or rewards.numel() == 0:
         return _empty(call, out_dtype, 2)
     if backend == "triton":
-        ops = _triton_ops()
-        return ops.call(ops.vtrace, rewards, values, terminated, target_log_probs,
-                        behavior_log_probs, truncated, last_value, next_values, gamma, lam,
-                        rho_clip, c_clip, pg_rho_clip, call.time_dim, out_dtype)
+        td = call.time_dim
+        return tuple(_triton("vtrace", tensors, options, scalars, lambda ops: (
+            ops.plan_value_estimator(ops.VTRACE, 2, tensors, td, out_dtype)),
+            (rewards, values, terminated, target_log_probs, behavior_log_probs, truncated,
+             last_value, next_values, *scalars, td, out_dtype)))
     vs, pg = _python(backend, "vtrace")(r, v, term, tlp, blp, trunc, last_value=lv,
                                         next_values=nv, gamma=gamma, lam=lam, rho_clip=rho_clip,
                                         c_clip=c_clip, pg_rho_clip=pg_rho_clip)
@@ -278,6 +346,14 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
         >>> G = rl_triton.retrace(rewards, q, actions, pi, mu_taken, terminated,
         ...                       last_q_values=q_last, last_target_probs=pi_last, lam=0.95)
     """
+    gamma, lam = check_scalar("gamma", gamma), check_scalar("lam", lam)
+    c_clip = check_scalar("c_clip", c_clip, high=None, low_open=True)
+    tensors = (rewards, q_values, actions, target_probs, behavior_probs, terminated, truncated,
+               last_q_values, last_target_probs)
+    options = (time_dim, backend, out_dtype, return_advantages)
+    outs = _cached("retrace", tensors, options, (gamma, lam, c_clip))
+    if outs is not None:
+        return _one_or_tuple(outs)
     call = Call("rewards", rewards, time_dim)
     r = call.step("rewards", rewards)
     q = call.step("q_values", q_values, trailing=1)
@@ -292,8 +368,6 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
     lq = call.bootstrap("last_q_values", last_q_values, trailing_shape=(n_act,), optional=False)
     lpi = call.bootstrap("last_target_probs", last_target_probs, trailing_shape=(n_act,),
                          optional=False)
-    gamma, lam = check_scalar("gamma", gamma), check_scalar("lam", lam)
-    c_clip = check_scalar("c_clip", c_clip, high=None, low_open=True)
     if not isinstance(return_advantages, bool):
         raise TypeError(f"return_advantages must be a bool, got {type(return_advantages).__name__}")
     out_dtype, backend = check_out_dtype(out_dtype), _backend(backend, call)
@@ -301,11 +375,11 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
     if call.T == 0 or rewards.numel() == 0:
         return _empty(call, out_dtype, n_out)
     if backend == "triton":
-        ops = _triton_ops()
-        g, adv = ops.call(ops.retrace, rewards, q_values, actions, target_probs, behavior_probs,
-                          terminated, truncated, last_q_values, last_target_probs, gamma, lam,
-                          c_clip, return_advantages, call.time_dim, out_dtype)
-        return (g, adv) if return_advantages else g
+        td = call.time_dim
+        outs = _triton("retrace", tensors, options, (gamma, lam, c_clip), lambda ops: (
+            ops.plan_retrace(tensors, return_advantages, td, out_dtype)),
+            (*tensors, gamma, lam, c_clip, return_advantages, td, out_dtype))
+        return _one_or_tuple(outs[:n_out])
     g, adv = _python(backend, "retrace")(r, q, a, pi, mu, term, trunc, last_q_values=lq,
                                          last_target_probs=lpi, gamma=gamma, lam=lam,
                                          c_clip=c_clip)
@@ -320,6 +394,11 @@ def _forward_args(x, dones, initial, time_dim):
     d = call.step("dones", dones, FLAG)
     init = call.bootstrap("initial", initial, trailing_shape=features)
     return call, xs, d, init, features
+
+
+def _forward_triton(tensors, options, keep, td, out_dtype):
+    return _triton("forward_scan", tensors, options, (keep,), lambda ops: (
+        ops.plan_forward_scan(tensors, td, out_dtype)), (*tensors, keep, td, out_dtype))[0]
 
 
 def eligibility_traces(x, dones, *, gamma, lam, initial=None, time_dim=0, backend="auto",
@@ -339,15 +418,17 @@ def eligibility_traces(x, dones, *, gamma, lam, initial=None, time_dim=0, backen
 
         >>> z = rl_triton.eligibility_traces(grads, dones, gamma=0.99, lam=0.9)  # grads [T, N, D]
     """
-    call, xs, d, init, features = _forward_args(x, dones, initial, time_dim)
     gamma, lam = check_scalar("gamma", gamma), check_scalar("lam", lam)
+    tensors, options = (x, dones, initial), (time_dim, backend, out_dtype)
+    outs = _cached("forward_scan", tensors, options, (gamma * lam,))
+    if outs is not None:
+        return outs[0]
+    call, xs, d, init, features = _forward_args(x, dones, initial, time_dim)
     out_dtype, backend = check_out_dtype(out_dtype), _backend(backend, call)
     if call.T == 0 or x.numel() == 0:
         return _empty(call, out_dtype, 1, features)
     if backend == "triton":
-        ops = _triton_ops()
-        return ops.call(ops.forward_scan, x, dones, initial, gamma * lam, call.time_dim,
-                        out_dtype)
+        return _forward_triton(tensors, options, gamma * lam, call.time_dim, out_dtype)
     z = _python(backend, "eligibility_traces")(xs, d, gamma=gamma, lam=lam, initial=init)
     return _finish(call, out_dtype, z, trailing_shape=features)
 
@@ -367,13 +448,16 @@ def episodic_cumsum(x, dones, *, initial=None, time_dim=0, backend="auto",
 
         >>> episode_return_so_far = rl_triton.episodic_cumsum(rewards, dones)
     """
+    tensors, options = (x, dones, initial), (time_dim, backend, out_dtype)
+    outs = _cached("forward_scan", tensors, options, (1.0,))
+    if outs is not None:
+        return outs[0]
     call, xs, d, init, features = _forward_args(x, dones, initial, time_dim)
     out_dtype, backend = check_out_dtype(out_dtype), _backend(backend, call)
     if call.T == 0 or x.numel() == 0:
         return _empty(call, out_dtype, 1, features)
     if backend == "triton":
-        ops = _triton_ops()
-        return ops.call(ops.forward_scan, x, dones, initial, 1.0, call.time_dim, out_dtype)
+        return _forward_triton(tensors, options, 1.0, call.time_dim, out_dtype)
     c = _python(backend, "episodic_cumsum")(xs, d, initial=init)
     return _finish(call, out_dtype, c, trailing_shape=features)
 
@@ -396,17 +480,23 @@ def linear_scan(alpha, beta, *, reverse=True, initial=None, time_dim=0, backend=
         >>> # discounted reward-to-go with a fixed gamma, no episode ends
         >>> G = rl_triton.linear_scan(rewards, torch.full_like(rewards, 0.99))
     """
+    if not isinstance(reverse, bool):
+        raise TypeError(f"reverse must be a bool, got {type(reverse).__name__}")
+    tensors, options = (alpha, beta, initial), (time_dim, backend, out_dtype, reverse)
+    outs = _cached("linear_scan", tensors, options, (0.0,))
+    if outs is not None:
+        return outs[0]
     call = Call("alpha", alpha, time_dim)
     al = call.step("alpha", alpha)
     be = call.step("beta", beta)
     init = call.bootstrap("initial", initial)
-    if not isinstance(reverse, bool):
-        raise TypeError(f"reverse must be a bool, got {type(reverse).__name__}")
     out_dtype, backend = check_out_dtype(out_dtype), _backend(backend, call)
     if call.T == 0 or alpha.numel() == 0:
         return _empty(call, out_dtype, 1)
     if backend == "triton":
-        ops = _triton_ops()
-        return ops.call(ops.linear_scan, alpha, beta, initial, reverse, call.time_dim, out_dtype)
+        td = call.time_dim
+        return _triton("linear_scan", tensors, options, (0.0,), lambda ops: (
+            ops.plan_linear_scan(tensors, reverse, td, out_dtype)),
+            (alpha, beta, initial, reverse, td, out_dtype))[0]
     a = _python(backend, "linear_scan")(al, be, reverse=reverse, initial=init)
     return _finish(call, out_dtype, a)

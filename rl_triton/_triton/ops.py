@@ -4,7 +4,7 @@ Each op takes the caller's tensors in their own layout (already checked by `rl_t
 describes every tensor to `scan.scan_kernel` by its strides (no copies), allocates the outputs in
 the caller's layout, and launches. The ops are `torch.library.custom_op`s (`rl_triton::gae`, ...)
 with fake implementations, so compiled code sees them as single opaque nodes; eager calls skip
-the dispatcher and run the implementation directly.
+the dispatcher and run a `Launch` plan directly (cached by `rl_triton.estimators`).
 """
 from __future__ import annotations
 
@@ -80,128 +80,201 @@ def over_time(x: Optional[Tensor], T: int) -> Optional[Tensor]:
     return None if x is None else x.unsqueeze(0).expand(T, *x.shape)
 
 
-def launch(kernel: Kernel, T: int, bshape: tuple, ins: list, outs: list, params: tuple, *,
-           init: Optional[Tensor] = None, action_slots: tuple = (), has_trunc: bool = False,
-           has_next: bool = False, has_last: bool = False, variant: int = 0) -> None:
-    """Run `kernel` over views shaped [T, *bshape] (None for unused slots), writing `outs`.
+class Launch:
+    """One estimator call's kernel launch, minus its data: grid, strides, tiles, flags.
 
-    The views in `action_slots` carry a trailing action axis, [T, *bshape, n_act].
+    Everything here depends only on the inputs' shapes, strides, dtypes and devices, so a plan
+    built once serves every later call with the same signature (`run`), skipping argument
+    checks and stride analysis: the per-call host work left is output allocation and the launch.
+    Slot i of the kernel reads caller tensor `src[i]` (None: unused slot).
     """
-    B = math.prod(bshape)
-    if T == 0 or B == 0:
-        return
-    device = outs[0].device
-    results = outs
-    for attempt in range(2):
-        if attempt == 1:
-            # Batch axes that two strides cannot describe (e.g. a 3-D slice with the time axis
-            # in the middle): fall back to contiguous copies. Ordinary layouts never get here.
-            ins = [None if x is None else x.contiguous() for x in ins]
-            outs = [torch.empty(o.shape, dtype=o.dtype, device=device) for o in outs]
-            init = None if init is None else init.contiguous()
+
+    def __init__(self, kernel: Kernel, T: int, bshape: tuple, ins: list, src: list,
+                 out_shape: tuple, time_dim: int, n_out: int, out_dtype: torch.dtype, *,
+                 init: Optional[Tensor] = None, init_src: Optional[int] = None,
+                 action_slots: tuple = (), has_trunc: bool = False, has_next: bool = False,
+                 has_last: bool = False, variant: int = 0):
+        self.T, self.B = T, math.prod(bshape)
+        self.out_shape, self.out_dtype, self.n_out = out_shape, out_dtype, n_out
+        self.src, self.init_src = src, init_src
+        self.device = device = next(x for x in ins if x is not None).device
+        out_view = torch.empty(out_shape, device="meta").movedim(time_dim, 0)
         flat = [x[..., 0] if (i in action_slots and x is not None) else x
                 for i, x in enumerate(ins)]
         init_view = over_time(init, T)
-        present = [x for x in flat if x is not None] + list(outs)
-        if init_view is not None:
-            present.append(init_view)
+        present = [x for x in flat if x is not None] + [out_view] + (
+            [init_view] if init_view is not None else [])
         groups = _batch_groups(present, bshape)
-        if groups is not None:
-            break
-    n_act = max([ins[i].shape[-1] for i in action_slots] + [1])
-    sa = tuple(ins[i].stride(-1) if i in action_slots else 0 for i in range(len(ins)))
-    (B1, g1), (B2, g2) = groups
-    stride1 = dict(zip(map(id, present), g1))
-    stride2 = dict(zip(map(id, present), g2))
-    dummy = outs[0]
+        self.ok = groups is not None
+        if not self.ok:
+            return
+        (B1, g1), (B2, g2) = groups
+        stride1 = dict(zip(map(id, present), g1))
+        stride2 = dict(zip(map(id, present), g2))
 
-    def describe(views):
-        ptrs, st, s1, s2 = [], [], [], []
-        for v in views:
-            ptrs.append(dummy if v is None else v)
-            st.append(0 if v is None else v.stride(0))
-            s1.append(0 if v is None else stride1[id(v)])
-            s2.append(0 if v is None else stride2[id(v)])
-        return tuple(ptrs), tuple(st), tuple(s1), tuple(s2)
+        def strides(views):
+            return (tuple(0 if v is None else v.stride(0) for v in views),
+                    tuple(0 if v is None else stride1[id(v)] for v in views),
+                    tuple(0 if v is None else stride2[id(v)] for v in views))
 
-    largest = max([_extent(v, (n_act - 1) * a) for v, a in zip(flat, sa) if v is not None]
-                  + [_extent(v) for v in present])
-    ptrs, st, s1, s2 = describe(flat)
-    optrs, ost, os1, os2 = describe(outs)
-    first = flat[0] if flat[0] is not None else outs[0]
-    cfg = config.choose(T, B, time_contiguous=first.stride(0) == 1 and T > 1,
-                        weight=kernel.weight, device=device)
-    if init_view is not None:
-        init_args = (init_view, stride1[id(init_view)], stride2[id(init_view)])
-    else:
-        init_args = (dummy, 0, 0)
-    agg = (torch.empty(2 * cfg.n_seg * B, dtype=torch.float32, device=device)
-           if cfg.n_seg > 1 else _no_scratch(device))
-    args = (ptrs, st, s1, s2, sa, optrs, ost, os1, os2, *init_args, agg,
-            tuple(float(p) for p in params), T, B, B2, n_act, cfg.chunks_per_seg, cfg.n_seg)
-    meta = dict(COEF=kernel.coef, STORE=kernel.store, REVERSE=kernel.reverse,
-                EXCLUSIVE=kernel.exclusive, HAS_TRUNC=has_trunc, HAS_NEXT=has_next,
-                HAS_LAST=has_last, HAS_INIT=init is not None, VARIANT=variant,
-                INT64=largest > INT32_MAX or 2 * cfg.n_seg * B > INT32_MAX,
-                BLOCK_T=cfg.block_t, BLOCK_B=cfg.block_b,
-                BLOCK_A=min(_pow2(n_act), 32), num_warps=cfg.num_warps)
-    grid = (triton.cdiv(B, cfg.block_b), cfg.n_seg)
-    with _on(device):
-        if cfg.n_seg > 1:
-            scan_kernel[grid](*args, PHASE=0, **meta)
-        scan_kernel[grid](*args, PHASE=1, **meta)
-    if results is not outs:
-        for r, o in zip(results, outs):
-            r.copy_(o)
+        n_act = max([ins[i].shape[-1] for i in action_slots] + [1])
+        sa = tuple(ins[i].stride(-1) if i in action_slots else 0 for i in range(len(ins)))
+        largest = max([_extent(v, (n_act - 1) * a) for v, a in zip(flat, sa) if v is not None]
+                      + [_extent(v) for v in present])
+        first = flat[0]
+        cfg = config.choose(T, self.B, time_contiguous=first.stride(0) == 1 and T > 1,
+                            weight=kernel.weight, device=device)
+        self.n_seg = cfg.n_seg
+        self.in_strides = strides(flat) + (sa,)
+        self.out_strides = tuple(s * n_out for s in strides([out_view]))  # n_out alike
+        self.init_strides = ((stride1[id(init_view)], stride2[id(init_view)])
+                             if init_view is not None else (0, 0))
+        self.ints = (T, self.B, B2, n_act, cfg.chunks_per_seg, cfg.n_seg)
+        self.grid = (triton.cdiv(self.B, cfg.block_b), cfg.n_seg)
+        self.meta = dict(COEF=kernel.coef, STORE=kernel.store, REVERSE=kernel.reverse,
+                         EXCLUSIVE=kernel.exclusive, HAS_TRUNC=has_trunc, HAS_NEXT=has_next,
+                         HAS_LAST=has_last, HAS_INIT=init is not None, VARIANT=variant,
+                         INT64=largest > INT32_MAX or 2 * cfg.n_seg * self.B > INT32_MAX,
+                         BLOCK_T=cfg.block_t, BLOCK_B=cfg.block_b,
+                         BLOCK_A=min(_pow2(n_act), 32), num_warps=cfg.num_warps)
+        self.switch = device.type == "cuda" and device.index != torch.cuda.current_device()
+        self.no_scratch = _no_scratch(device)
+
+    def run(self, tensors: tuple, scalars: tuple) -> list:
+        """Allocate the outputs and launch on `tensors` (the caller's, in signature order)."""
+        outs = [torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+                for _ in range(self.n_out)]
+        if self.T == 0 or self.B == 0:
+            return outs
+        ptrs = tuple(outs[0] if i is None else tensors[i] for i in self.src)
+        init = outs[0] if self.init_src is None else tensors[self.init_src]
+        agg = (torch.empty(2 * self.n_seg * self.B, dtype=torch.float32, device=self.device)
+               if self.n_seg > 1 else self.no_scratch)
+        args = (ptrs, *self.in_strides, tuple(outs), *self.out_strides, init, *self.init_strides,
+                agg, scalars, *self.ints)
+        if self.switch:
+            with torch.cuda.device(self.device):
+                self._launch(args)
+        else:
+            self._launch(args)
+        return outs
+
+    def _launch(self, args):
+        if self.n_seg > 1:
+            scan_kernel[self.grid](*args, PHASE=0, **self.meta)
+        scan_kernel[self.grid](*args, PHASE=1, **self.meta)
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _on(device: torch.device):
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
-        return torch.cuda.device(device)
-    return _NULL
-
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NULL = _Null()
-
-
-# ---- the ops: caller-layout tensors in, new outputs out --------------------------------------
+# ---- plans: caller-layout tensors in, a Launch out -------------------------------------------
+# Each `plan_*` takes the caller's tensors in the order of its `tensors` tuple and returns
+# `_plan_with_fallback`'s (plan, copy).
 
 def _tm(x: Optional[Tensor], time_dim: int) -> Optional[Tensor]:
     return None if x is None else x.movedim(time_dim, 0)
 
 
-def _value_estimator(kernel: Kernel, n_out: int, rewards, values, terminated, truncated,
-                     last_value, next_values, extra: list, params: tuple, time_dim: int,
-                     out_dtype: torch.dtype):
-    outs = [torch.empty(rewards.shape, dtype=out_dtype, device=rewards.device)
-            for _ in range(n_out)]
-    r = _tm(rewards, time_dim)
-    ins = [r, _tm(values, time_dim), _tm(terminated, time_dim), _tm(truncated, time_dim),
-           _tm(next_values, time_dim), over_time(last_value, r.shape[0])]
-    ins += [_tm(x, time_dim) for x in extra]
-    launch(kernel, r.shape[0], tuple(r.shape[1:]), ins, [_tm(o, time_dim) for o in outs], params,
-           has_trunc=truncated is not None, has_next=next_values is not None,
-           has_last=last_value is not None)
-    return outs
+def _contiguous(tensors):
+    return tuple(None if t is None else t.contiguous() for t in tensors)
+
+
+def _plan_with_fallback(build, tensors, copy=_contiguous):
+    """(plan, copy): copy is None when the plan reads the caller's tensors in place, else the
+    function that makes the copies it reads (batch axes that no two strides describe)."""
+    plan = build(tensors)
+    if plan.ok:
+        return plan, None
+    return build(copy(tensors)), copy
+
+
+def plan_value_estimator(kernel: Kernel, n_out: int, tensors: tuple, time_dim: int,
+                         out_dtype: torch.dtype):
+    """tensors: (rewards, values, terminated, truncated, last_value, next_values, *extra)."""
+
+    def build(ts):
+        rewards, values, terminated, truncated, last_value, next_values, *extra = ts
+        r = _tm(rewards, time_dim)
+        T = r.shape[0]
+        ins = [r, _tm(values, time_dim), _tm(terminated, time_dim), _tm(truncated, time_dim),
+               _tm(next_values, time_dim), over_time(last_value, T)]
+        ins += [_tm(x, time_dim) for x in extra]
+        src = [0, 1, 2, 3, 5, 4] + [6 + i for i in range(len(extra))]
+        src = [i if ts[i] is not None else None for i in src]
+        return Launch(kernel, T, tuple(r.shape[1:]), ins, src, tuple(rewards.shape), time_dim,
+                      n_out, out_dtype, has_trunc=truncated is not None,
+                      has_next=next_values is not None, has_last=last_value is not None)
+
+    return _plan_with_fallback(build, tensors)
+
+
+def plan_retrace(tensors: tuple, return_advantages: bool, time_dim: int, out_dtype: torch.dtype):
+    """tensors: (rewards, q_values, actions, target_probs, behavior_probs, terminated,
+    truncated, last_q_values, last_target_probs)."""
+
+    def build(ts):
+        rewards, q, actions, pi, mu, term, trunc, last_q, last_pi = ts
+        T = rewards.shape[time_dim]
+        ins = [_tm(rewards, time_dim), _tm(q, time_dim), _tm(actions, time_dim),
+               _tm(pi, time_dim), _tm(mu, time_dim), _tm(term, time_dim), _tm(trunc, time_dim),
+               over_time(last_q, T), over_time(last_pi, T)]
+        src = [i if ts[i] is not None else None for i in range(9)]
+        return Launch(RETRACE, T, tuple(ins[0].shape[1:]), ins, src, tuple(rewards.shape),
+                      time_dim, 2 if return_advantages else 1, out_dtype,
+                      action_slots=_RETRACE_ACTION_SLOTS, has_trunc=trunc is not None,
+                      variant=int(return_advantages))
+
+    return _plan_with_fallback(build, tensors)
+
+
+def plan_forward_scan(tensors: tuple, time_dim: int, out_dtype: torch.dtype):
+    """Eligibility traces and episodic prefix sums. tensors: (x, dones, initial)."""
+
+    def build(ts):
+        x, dones, initial = ts
+        xt = _tm(x, time_dim)
+        d = _tm(dones, time_dim)
+        d = d[(...,) + (None,) * (xt.ndim - d.ndim)].expand(xt.shape)  # broadcast over features
+        return Launch(FORWARD, xt.shape[0], tuple(xt.shape[1:]), [xt, d],
+                      [0, 1], tuple(x.shape), time_dim, 1, out_dtype, init=initial,
+                      init_src=None if initial is None else 2)
+
+    def copy(ts):  # the flags materialized over the feature axes, so one group describes them
+        x, dones, initial = ts
+        d = dones[(...,) + (None,) * (x.ndim - dones.ndim)].expand(x.shape)
+        return _contiguous((x, d, initial))
+
+    return _plan_with_fallback(build, tensors, copy)
+
+
+def plan_linear_scan(tensors: tuple, reverse: bool, time_dim: int, out_dtype: torch.dtype):
+    """tensors: (alpha, beta, initial)."""
+
+    def build(ts):
+        alpha, beta, initial = ts
+        a = _tm(alpha, time_dim)
+        return Launch(SCAN_REVERSE if reverse else SCAN_FORWARD, a.shape[0],
+                      tuple(a.shape[1:]), [a, _tm(beta, time_dim)], [0, 1], tuple(alpha.shape),
+                      time_dim, 1, out_dtype, init=initial,
+                      init_src=None if initial is None else 2)
+
+    return _plan_with_fallback(build, tensors)
+
+
+# ---- the ops: what torch.compile sees --------------------------------------------------------
+
+def _run(plan_and_copy, tensors, scalars):
+    plan, copy = plan_and_copy
+    return plan.run(tensors if copy is None else copy(tensors), scalars)
 
 
 def gae(rewards: Tensor, values: Tensor, terminated: Tensor, truncated: Optional[Tensor],
         last_value: Optional[Tensor], next_values: Optional[Tensor], gamma: float, lam: float,
         time_dim: int, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    adv, ret = _value_estimator(GAE, 2, rewards, values, terminated, truncated, last_value,
-                                next_values, [], (gamma, lam), time_dim, out_dtype)
+    ts = (rewards, values, terminated, truncated, last_value, next_values)
+    adv, ret = _run(plan_value_estimator(GAE, 2, ts, time_dim, out_dtype), ts, (gamma, lam))
     return adv, ret
 
 
@@ -209,15 +282,17 @@ def lambda_returns(rewards: Tensor, values: Optional[Tensor], terminated: Tensor
                    truncated: Optional[Tensor], last_value: Optional[Tensor],
                    next_values: Optional[Tensor], gamma: float, lam: float, time_dim: int,
                    out_dtype: torch.dtype) -> Tensor:
-    return _value_estimator(LAMBDA_RETURNS, 1, rewards, values, terminated, truncated, last_value,
-                            next_values, [], (gamma, lam), time_dim, out_dtype)[0]
+    ts = (rewards, values, terminated, truncated, last_value, next_values)
+    return _run(plan_value_estimator(LAMBDA_RETURNS, 1, ts, time_dim, out_dtype), ts,
+                (gamma, lam))[0]
 
 
 def discounted_returns(rewards: Tensor, terminated: Tensor, truncated: Optional[Tensor],
                        last_value: Optional[Tensor], next_values: Optional[Tensor], gamma: float,
                        time_dim: int, out_dtype: torch.dtype) -> Tensor:
-    return _value_estimator(DISCOUNTED_RETURNS, 1, rewards, None, terminated, truncated,
-                            last_value, next_values, [], (gamma,), time_dim, out_dtype)[0]
+    ts = (rewards, None, terminated, truncated, last_value, next_values)
+    return _run(plan_value_estimator(DISCOUNTED_RETURNS, 1, ts, time_dim, out_dtype), ts,
+                (gamma,))[0]
 
 
 def vtrace(rewards: Tensor, values: Tensor, terminated: Tensor, target_log_probs: Tensor,
@@ -225,9 +300,10 @@ def vtrace(rewards: Tensor, values: Tensor, terminated: Tensor, target_log_probs
            next_values: Optional[Tensor], gamma: float, lam: float, rho_clip: float,
            c_clip: float, pg_rho_clip: float, time_dim: int,
            out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    vs, pg = _value_estimator(VTRACE, 2, rewards, values, terminated, truncated, last_value,
-                              next_values, [target_log_probs, behavior_log_probs],
-                              (gamma, lam, rho_clip, c_clip, pg_rho_clip), time_dim, out_dtype)
+    ts = (rewards, values, terminated, truncated, last_value, next_values, target_log_probs,
+          behavior_log_probs)
+    vs, pg = _run(plan_value_estimator(VTRACE, 2, ts, time_dim, out_dtype), ts,
+                  (gamma, lam, rho_clip, c_clip, pg_rho_clip))
     return vs, pg
 
 
@@ -237,16 +313,10 @@ def retrace(rewards: Tensor, q_values: Tensor, actions: Tensor, target_probs: Te
             c_clip: float, return_advantages: bool, time_dim: int,
             out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(G, G - Q(s_t, a_t)); the second is empty unless return_advantages."""
-    n_out = 2 if return_advantages else 1
-    outs = [torch.empty(rewards.shape, dtype=out_dtype, device=rewards.device)
-            for _ in range(n_out)]
-    T = rewards.shape[time_dim]
-    ins = [_tm(rewards, time_dim), _tm(q_values, time_dim), _tm(actions, time_dim),
-           _tm(target_probs, time_dim), _tm(behavior_probs, time_dim), _tm(terminated, time_dim),
-           _tm(truncated, time_dim), over_time(last_q_values, T), over_time(last_target_probs, T)]
-    launch(RETRACE, T, tuple(ins[0].shape[1:]), ins, [_tm(o, time_dim) for o in outs],
-           (gamma, lam, c_clip), action_slots=_RETRACE_ACTION_SLOTS,
-           has_trunc=truncated is not None, variant=int(return_advantages))
+    ts = (rewards, q_values, actions, target_probs, behavior_probs, terminated, truncated,
+          last_q_values, last_target_probs)
+    outs = _run(plan_retrace(ts, return_advantages, time_dim, out_dtype), ts,
+                (gamma, lam, c_clip))
     if not return_advantages:
         outs.append(outs[0].new_empty(0))
     return outs[0], outs[1]
@@ -255,22 +325,14 @@ def retrace(rewards: Tensor, q_values: Tensor, actions: Tensor, target_probs: Te
 def forward_scan(x: Tensor, dones: Tensor, initial: Optional[Tensor], keep: float, time_dim: int,
                  out_dtype: torch.dtype) -> Tensor:
     """Eligibility traces (keep = gamma * lam) and episodic prefix sums (keep = 1)."""
-    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    xt = _tm(x, time_dim)
-    d = _tm(dones, time_dim)
-    d = d[(...,) + (None,) * (xt.ndim - d.ndim)].expand(xt.shape)  # broadcast over features
-    launch(FORWARD, xt.shape[0], tuple(xt.shape[1:]), [xt, d], [_tm(out, time_dim)], (keep,),
-           init=initial)
-    return out
+    ts = (x, dones, initial)
+    return _run(plan_forward_scan(ts, time_dim, out_dtype), ts, (keep,))[0]
 
 
 def linear_scan(alpha: Tensor, beta: Tensor, initial: Optional[Tensor], reverse: bool,
                 time_dim: int, out_dtype: torch.dtype) -> Tensor:
-    out = torch.empty(alpha.shape, dtype=out_dtype, device=alpha.device)
-    a = _tm(alpha, time_dim)
-    launch(SCAN_REVERSE if reverse else SCAN_FORWARD, a.shape[0], tuple(a.shape[1:]),
-           [a, _tm(beta, time_dim)], [_tm(out, time_dim)], (0.0,), init=initial)
-    return out
+    ts = (alpha, beta, initial)
+    return _run(plan_linear_scan(ts, reverse, time_dim, out_dtype), ts, (0.0,))[0]
 
 
 # ---- registration ----------------------------------------------------------------------------
@@ -303,9 +365,3 @@ for _fn, _fake in _FAKES.items():
                                                 mutates_args=())
     OPS[_fn.__name__].register_fake(_fake)
 
-
-def call(fn, *args):
-    """Run `fn`: through its custom op inside torch.compile, directly (no dispatcher) in eager."""
-    if torch.compiler.is_compiling():
-        return OPS[fn.__name__](*args)
-    return fn(*args)

@@ -1,0 +1,336 @@
+"""`python -m rl_triton.bench`: the benchmark harness (one for the whole project).
+
+For every estimator, shape (N envs x T steps), layout, input dtype and truncation setting it
+1. checks rl_triton's result against a float64 computation of the same inputs,
+2. times the call: device time (`triton.testing.do_bench`, median, L2 flushed between calls) and
+   full-call time (synchronize, host timer, call, synchronize; median of >= 200 calls),
+3. reports the achieved bandwidth (minimal bytes / device time) as a fraction of the copy
+   bandwidth measured in the same run, and the speedup over the baselines: the sequential loop
+   (`backend="loop"`, CleanRL-style), the torch backend eager, and the torch backend under
+   `torch.compile`.
+It writes `bench.json`, `bench.md` and `bench.png` into `--out`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+import rl_triton
+from rl_triton import _torch
+
+ESTIMATORS = ["gae", "vtrace", "retrace", "lambda_returns", "discounted_returns",
+              "eligibility_traces", "episodic_cumsum"]
+SHAPES = ["16384x16", "4096x128", "16384x1024", "128x128", "1024x1024", "512x4096",
+          "64x32768", "16x131072", "4x1048576"]
+LAYOUTS = ["time-major", "batch-major"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+N_ACTIONS = 18  # Atari
+LOOP_MAX_T = 4096  # the sequential loop baseline is timed up to this many steps
+
+
+@dataclass
+class Row:
+    estimator: str
+    shape: str
+    layout: str
+    dtype: str
+    truncation: bool
+    impl: str  # "rl_triton", "torch", "compile" or "loop"
+    bytes: int
+    device_us: float
+    full_us: float
+    bandwidth_fraction: float
+    rel_err: float
+
+
+# ---- inputs ----------------------------------------------------------------------------------
+
+def make_inputs(name, N, T, layout, dtype, truncation, device, seed=0):
+    """Keyword arguments of `rl_triton.<name>` for an N x T problem, and the minimal bytes."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    tm = layout == "time-major"
+    shape = (T, N) if tm else (N, T)
+
+    def randn(*extra):
+        return torch.randn(shape + extra, generator=g, device=device).to(dtype)
+
+    def flag(p):
+        return torch.rand(shape, generator=g, device=device) < p
+
+    kw = {"time_dim": 0 if tm else 1}
+    term = flag(0.01)
+    trunc = flag(0.01) if truncation else None
+    if name in ("gae", "lambda_returns", "vtrace"):
+        kw.update(rewards=randn(), values=randn(), terminated=term, truncated=trunc,
+                  last_value=torch.randn(N, generator=g, device=device).to(dtype))
+        if name == "vtrace":
+            blp = randn() - 1
+            kw.update(target_log_probs=(blp + 0.3 * randn()).to(dtype), behavior_log_probs=blp)
+    elif name == "discounted_returns":
+        kw.update(rewards=randn(), terminated=term, truncated=trunc,
+                  last_value=torch.randn(N, generator=g, device=device).to(dtype))
+    elif name == "retrace":
+        pi = torch.softmax(randn(N_ACTIONS).float(), -1).to(dtype)
+        last_pi = torch.softmax(torch.randn(N, N_ACTIONS, generator=g, device=device), -1)
+        kw.update(rewards=randn(), q_values=randn(N_ACTIONS),
+                  actions=torch.randint(0, N_ACTIONS, shape, generator=g, device=device),
+                  target_probs=pi, behavior_probs=(0.2 + 0.8 * torch.rand(
+                      shape, generator=g, device=device)).to(dtype), terminated=term,
+                  truncated=trunc, last_q_values=torch.randn(N, N_ACTIONS, generator=g,
+                                                             device=device).to(dtype),
+                  last_target_probs=last_pi.to(dtype))
+    else:  # forward scans
+        kw.update(x=randn(), dones=term | trunc if trunc is not None else term)
+        if name == "eligibility_traces":
+            kw.update(gamma=0.99, lam=0.95)
+    n_out = 2 if name in ("gae", "vtrace") else 1
+    tensors = [v for v in kw.values() if isinstance(v, torch.Tensor)]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors) + n_out * N * T * 4
+    return kw, nbytes
+
+
+def float64_result(name, kw):
+    """The same inputs through the vectorized torch backend in float64, time-major."""
+    td = kw["time_dim"]
+    args = {k: (v.movedim(td, 0) if isinstance(v, torch.Tensor) and v.ndim >= 2 and k not in (
+        "last_value", "last_q_values", "last_target_probs") else v)
+        for k, v in kw.items() if k != "time_dim"}
+    out = getattr(_torch, name)(**args, dtype=torch.float64)
+    out = out[:1] if name == "retrace" else out
+    return out if isinstance(out, tuple) else (out,)
+
+
+def rel_err(outs, refs, td):
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    worst = 0.0
+    for o, r in zip(outs, refs):
+        o = o.movedim(td, 0).double()
+        worst = max(worst, ((o - r).norm() / r.norm().clamp_min(1e-30)).item())
+    return worst
+
+
+# ---- timing ----------------------------------------------------------------------------------
+
+def device_time_us(fn) -> float:
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def full_call_us(fn, calls=200, warmup=20) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    src = torch.empty(2**28, dtype=torch.float32, device=device)  # 1 GiB
+    dst = torch.empty_like(src)
+    us = device_time_us(lambda: dst.copy_(src))
+    return 2 * src.numel() * 4 / (us * 1e-6)
+
+
+def launch_floor(device):
+    x = torch.zeros(1, device=device)
+    return device_time_us(lambda: x.add_(1)), full_call_us(lambda: x.add_(1), calls=1000)
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+def parse_shape(s):
+    n, t = s.lower().split("x")
+    return int(n), int(t)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m rl_triton.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--estimators", default=",".join(ESTIMATORS))
+    p.add_argument("--shapes", default=",".join(SHAPES), help="N x T, e.g. 4096x128")
+    p.add_argument("--layouts", default=",".join(LAYOUTS))
+    p.add_argument("--dtypes", default=",".join(DTYPES))
+    p.add_argument("--truncation", default="both", choices=["both", "yes", "no"])
+    p.add_argument("--baselines", default="torch,compile,loop",
+                   help="comma list of torch, compile, loop, or 'none'; baselines are timed "
+                        "on float32 inputs in the first layout only")
+    p.add_argument("--out", default="bench_out")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("rl_triton.bench needs a CUDA device")
+    device = torch.device("cuda")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    estimators = args.estimators.split(",")
+    shapes = args.shapes.split(",")
+    layouts = args.layouts.split(",")
+    dtypes = args.dtypes.split(",")
+    truncs = {"both": [False, True], "yes": [True], "no": [False]}[args.truncation]
+    baselines = [] if args.baselines == "none" else args.baselines.split(",")
+
+    import triton
+    env = dict(gpu=torch.cuda.get_device_name(device), torch=torch.__version__,
+               triton=triton.__version__, date=time.strftime("%Y-%m-%d"),
+               driver=_driver_version())
+    bw = copy_bandwidth(device)
+    floor_dev, floor_full = launch_floor(device)
+    env.update(copy_bandwidth_gbs=bw / 1e9, launch_floor_device_us=floor_dev,
+               launch_floor_full_us=floor_full)
+    print(f"# {env['gpu']} driver {env['driver']}, torch {env['torch']}, triton "
+          f"{env['triton']}: copy {bw / 1e9:.0f} GB/s, launch floor {floor_dev:.1f} us device /"
+          f" {floor_full:.1f} us full call", flush=True)
+
+    rows: list[Row] = []
+    configs = [(e, s, lay, dt, tr) for e in estimators for s in shapes for lay in layouts
+               for dt in dtypes for tr in truncs]
+    t_start = time.time()
+    for i, (name, shape, layout, dt, tr) in enumerate(configs):
+        N, T = parse_shape(shape)
+        kw, nbytes = make_inputs(name, N, T, layout, DTYPES[dt], tr, device, seed=i)
+        fn = getattr(rl_triton, name)
+        refs = float64_result(name, kw)
+        impls = [("rl_triton", lambda: fn(**kw))]
+        if dt == dtypes[0] and layout == layouts[0]:
+            torch_fn = _partial(fn, kw, backend="torch")
+            for b in baselines:
+                if b == "torch":
+                    impls.append(("torch", torch_fn))
+                elif b == "compile":
+                    impls.append(("compile", _compiled(name, kw)))
+                elif b == "loop" and T <= LOOP_MAX_T:
+                    impls.append(("loop", _partial(fn, kw, backend="loop")))
+        for impl, f in impls:
+            err = rel_err(f(), refs, kw["time_dim"])
+            tol = 1e-5 if impl != "loop" else 1e-4
+            if not err < tol:
+                raise SystemExit(f"{impl} {name} {shape} {layout} {dt} trunc={tr}: relative "
+                                 f"error {err:.3g} >= {tol}; not timing a wrong result")
+            dev = device_time_us(f)
+            full = full_call_us(f, calls=200 if dev < 5000 else 25)
+            row = Row(name, shape, layout, dt, tr, impl, nbytes, dev, full,
+                      nbytes / (dev * 1e-6) / bw, err)
+            rows.append(row)
+            print(f"[{i + 1}/{len(configs)} {time.time() - t_start:6.0f}s] {name:18s} {shape:>10s}"
+                  f" {layout:11s} {dt:8s} trunc={int(tr)} {impl:9s} {dev:9.1f} us dev "
+                  f"{full:9.1f} us full  {row.bandwidth_fraction:5.2f} of copy bw", flush=True)
+        del kw, refs
+    result = dict(env=env, rows=[asdict(r) for r in rows])
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    (out / "bench.md").write_text(markdown(result))
+    plot(result, out / "bench.png")
+    print(markdown(result))
+
+
+def _driver_version():
+    try:
+        import subprocess
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001 - informational only
+        return "unknown"
+
+
+def _partial(fn, kw, **extra):
+    return lambda: fn(**kw, **extra)
+
+
+def _compiled(name, kw):
+    fn = torch.compile(getattr(rl_triton, name), dynamic=False)
+    return lambda: fn(**kw, backend="torch")
+
+
+# ---- reports ---------------------------------------------------------------------------------
+
+def markdown(result) -> str:
+    env, rows = result["env"], result["rows"]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    lines = [f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, triton {env['triton']}, "
+             f"{env['date']}. Copy bandwidth {env['copy_bandwidth_gbs']:.0f} GB/s; launch floor "
+             f"{env['launch_floor_device_us']:.1f} us device, {env['launch_floor_full_us']:.1f} us "
+             "full call.", "",
+             "rl_triton, device / full-call µs (bandwidth fraction of copy):", "",
+             "| estimator | layout | dtype | trunc | " + " | ".join(shapes) + " |",
+             "|---" * (4 + len(shapes)) + "|"]
+    mine = [r for r in rows if r["impl"] == "rl_triton"]
+    keys = list(dict.fromkeys((r["estimator"], r["layout"], r["dtype"], r["truncation"])
+                              for r in mine))
+    cell = {(r["estimator"], r["layout"], r["dtype"], r["truncation"], r["shape"]): r
+            for r in mine}
+    for k in keys:
+        cells = []
+        for s in shapes:
+            r = cell.get(k + (s,))
+            cells.append("" if r is None else
+                         f"{r['device_us']:.0f} / {r['full_us']:.0f} ({r['bandwidth_fraction']:.2f})")
+        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {'yes' if k[3] else 'no'} | "
+                     + " | ".join(cells) + " |")
+    base = [r for r in rows if r["impl"] != "rl_triton"]
+    if base:
+        lines += ["", "Speedup of rl_triton over the baselines (same inputs), full-call time "
+                  "(device time in brackets):", "",
+                  "| estimator | baseline | layout | trunc | " + " | ".join(shapes) + " |",
+                  "|---" * (4 + len(shapes)) + "|"]
+        bkeys = list(dict.fromkeys((r["estimator"], r["impl"], r["layout"], r["dtype"],
+                                    r["truncation"]) for r in base))
+        bcell = {(r["estimator"], r["impl"], r["layout"], r["dtype"], r["truncation"],
+                  r["shape"]): r for r in base}
+        for k in bkeys:
+            cells = []
+            for s in shapes:
+                b, m = bcell.get(k + (s,)), cell.get((k[0], k[2], k[3], k[4], s))
+                cells.append("" if b is None or m is None else
+                             f"{b['full_us'] / m['full_us']:.1f}x ({b['device_us'] / m['device_us']:.1f}x)")
+            lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {'yes' if k[4] else 'no'} | "
+                         + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    rows = [r for r in result["rows"] if r["impl"] == "rl_triton"]
+    names = list(dict.fromkeys(r["estimator"] for r in rows))
+    fig, axes = plt.subplots(2, len(names), figsize=(3.2 * len(names), 6), squeeze=False)
+    for j, name in enumerate(names):
+        for (layout, dt, tr), marker in zip(
+                sorted({(r["layout"], r["dtype"], r["truncation"]) for r in rows}),
+                "os^v<>dp*h"):
+            sel = sorted((r for r in rows if r["estimator"] == name and (
+                r["layout"], r["dtype"], r["truncation"]) == (layout, dt, tr)),
+                key=lambda r: r["bytes"])
+            label = f"{layout[:5]} {dt[:4]}{' tr' if tr else ''}"
+            x = [r["bytes"] / 1e6 for r in sel]
+            axes[0][j].loglog(x, [r["device_us"] for r in sel], marker, ms=3, label=label)
+            axes[1][j].semilogx(x, [r["bandwidth_fraction"] for r in sel], marker, ms=3)
+        axes[0][j].set_title(name, fontsize=9)
+        axes[1][j].set_ylim(0, 1.05)
+        axes[1][j].set_xlabel("minimal MB moved")
+    axes[0][0].set_ylabel("device time (µs)")
+    axes[1][0].set_ylabel("fraction of copy bandwidth")
+    axes[0][0].legend(fontsize=6)
+    fig.suptitle(f"rl_triton on {result['env']['gpu']} ({result['env']['date']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+if __name__ == "__main__":
+    main()
