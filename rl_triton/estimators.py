@@ -62,8 +62,8 @@ def _triton_ops():
     return ops
 
 
-# Launch plans of earlier Triton calls, by signature: every tensor's shape, strides, dtype and
-# device, and the options. A call with a known signature passed the same argument checks
+# Launch plans of earlier Triton calls, by signature: every tensor's shape, strides, dtype,
+# device and 16-byte alignment (the compiled kernel's specialization), and the options. A call with a known signature passed the same argument checks
 # before, so it goes straight to the launch (host work: a dict look-up, the output
 # allocations, the kernel launch).
 _PLANS: dict = {}
@@ -72,8 +72,8 @@ _MAX_PLANS = 4096
 
 def _signature(name, tensors, options):
     try:
-        return (name, options) + tuple(None if t is None else (t.shape, t.stride(), t.dtype,
-                                                               t.device) for t in tensors)
+        return (name, options) + tuple(None if t is None else (
+            t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors)
     except AttributeError:  # not a tensor: the checks will say so
         return None
 
