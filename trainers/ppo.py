@@ -112,15 +112,12 @@ def make_envs(args):
         kwargs = dict(episodic_life=True, reward_clip=True) if atari else {}
         envs = envpool.make(args.env_id, env_type="gymnasium", num_envs=args.num_envs,
                             seed=args.seed, **kwargs)
-        envs.num_envs = args.num_envs
-        envs.single_action_space = envs.action_space
-        envs.single_observation_space = envs.observation_space
-        envs.is_atari = atari
-    else:
-        # CartPole has a numpy-vectorized implementation (vector_entry_point); others run in a loop
-        envs = gym.make_vec(args.env_id, num_envs=args.num_envs)
-        envs.is_atari = False
-    return envs
+        if not hasattr(envs, "single_action_space"):  # EnvPool < 1.0: the spaces are per env
+            envs.single_action_space = envs.action_space
+            envs.single_observation_space = envs.observation_space
+        return envs
+    # CartPole has a numpy-vectorized implementation (vector_entry_point); others run in a loop
+    return gym.make_vec(args.env_id, num_envs=args.num_envs)
 
 
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
@@ -284,6 +281,7 @@ def train(args: Args):
     # env setup
     envs = make_envs(args)
     continuous = isinstance(envs.single_action_space, gym.spaces.Box)
+    is_atari = len(envs.single_observation_space.shape) == 3  # EnvPool Atari: 4 x 84 x 84 frames
     agent = (GaussianAgent(envs) if continuous else Agent(envs)).to(device)
     optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     credit_assignment = make_credit_assignment(args, device)
@@ -292,7 +290,7 @@ def train(args: Args):
         low, high = envs.single_action_space.low, envs.single_action_space.high
 
     # ALGO Logic: Storage setup
-    obs_dtype = torch.uint8 if envs.is_atari else torch.float32
+    obs_dtype = torch.uint8 if is_atari else torch.float32
     obs = torch.zeros((args.num_steps, args.num_envs) + envs.single_observation_space.shape, dtype=obs_dtype).to(device)
     actions = torch.zeros((args.num_steps, args.num_envs) + envs.single_action_space.shape).to(device)
     logprobs = torch.zeros((args.num_steps, args.num_envs)).to(device)
@@ -307,7 +305,8 @@ def train(args: Args):
     # TRY NOT TO MODIFY: start the game
     global_step = 0
     start_time = time.time()
-    next_obs, _ = envs.reset(seed=args.seed)
+    envpool_envs = type(envs).__module__.startswith("envpool")
+    next_obs, _ = envs.reset() if envpool_envs else envs.reset(seed=args.seed)  # EnvPool: seeded in make
     next_obs = torch.as_tensor(next_obs).to(device)
     next_valid = np.ones(args.num_envs, dtype=bool)
     episode_return = np.zeros(args.num_envs)
@@ -346,10 +345,10 @@ def train(args: Args):
             next_obs = torch.as_tensor(next_obs).to(device)
 
             # episode statistics in raw rewards; an Atari game ends at game over, not at a life loss
-            episode_return += info["reward"] if envs.is_atari else reward
+            episode_return += info["reward"] if is_atari else reward
             episode_length += next_valid
             next_valid = ~done
-            game_over = (info["terminated"].astype(bool) | trunc) if envs.is_atari else done
+            game_over = (info["terminated"].astype(bool) | trunc) if is_atari else done
             if game_over.any():
                 finished_returns.extend(episode_return[game_over].tolist())
                 finished_lengths.extend(episode_length[game_over].tolist())
