@@ -99,13 +99,16 @@ class Args:
     """the number of iterations (computed in runtime)"""
 
 
+def env_backend(args):
+    if args.env_backend == "auto":
+        return "envpool" if importlib.util.find_spec("envpool") else "gymnasium"
+    return args.env_backend
+
+
 def make_envs(args):
     """A vector environment with next-step autoreset: after a step that ends an episode, the next
     step returns the first observation of the next episode, with reward 0 and no flags."""
-    backend = args.env_backend
-    if backend == "auto":
-        backend = "envpool" if importlib.util.find_spec("envpool") else "gymnasium"
-    if backend == "envpool":
+    if env_backend(args) == "envpool":
         import envpool
 
         atari = "episodic_life" in envpool.make_spec(args.env_id)._config_keys
@@ -305,8 +308,7 @@ def train(args: Args):
     # TRY NOT TO MODIFY: start the game
     global_step = 0
     start_time = time.time()
-    envpool_envs = type(envs).__module__.startswith("envpool")
-    next_obs, _ = envs.reset() if envpool_envs else envs.reset(seed=args.seed)  # EnvPool: seeded in make
+    next_obs, _ = envs.reset() if env_backend(args) == "envpool" else envs.reset(seed=args.seed)
     next_obs = torch.as_tensor(next_obs).to(device)
     next_valid = np.ones(args.num_envs, dtype=bool)
     episode_return = np.zeros(args.num_envs)
