@@ -166,3 +166,93 @@ def test_ppo_advantages_at_a_truncation(ppo, tmp_path, monkeypatch, backend):
     torch.testing.assert_close(adv[7, 1], torch.tensor(b1), rtol=1e-5, atol=1e-5)
     # four reset transitions (env 0: slots 3, 7; env 1: slots 2, 5) stay out of the loss
     assert scalars(run_dir)["perf/valid_fraction"][0] == pytest.approx(12 / 16)
+
+
+@pytest.fixture(scope="module")
+def impala():
+    return load("impala")
+
+
+@pytest.fixture(scope="module")
+def retrace():
+    return load("retrace")
+
+
+def tiny_impala_args(impala, tmp_path, backend, **kw):
+    args = dict(env_id="CartPole-v1", env_backend="gymnasium", credit_backend=backend,
+                num_envs=4, num_steps=16, total_timesteps=128, num_minibatches=2, policy_lag=3,
+                cuda=False, log_dir=str(tmp_path), **COMPILE)
+    args.update(kw)
+    return impala.Args(**args)
+
+
+def tiny_retrace_args(retrace, tmp_path, backend, **kw):
+    args = dict(env_id="CartPole-v1", env_backend="gymnasium", credit_backend=backend,
+                num_envs=4, num_steps=8, total_timesteps=128, learning_starts=64, batch_size=4,
+                end_e=1.0,  # random acting: CartPole episodes of ~20 steps end inside the run
+                buffer_size=16, target_network_frequency=2, cuda=False, log_dir=str(tmp_path),
+                **COMPILE)
+    args.update(kw)
+    return retrace.Args(**args)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_impala_logs(impala, tmp_path, backend):
+    _, run_dir = impala.train(tiny_impala_args(impala, tmp_path, backend))
+    assert pathlib.Path(run_dir).name.startswith(f"CartPole-v1__impala__{backend}__1__")
+    logged = scalars(run_dir)
+    assert PERF_TAGS | {"charts/episodic_return", "charts/SPS", "losses/value_loss",
+                        "losses/policy_loss", "losses/importance_ratio"} <= set(logged)
+    assert len(logged["perf/credit_ms"]) == 2
+    assert all(np.isfinite(v).all() for v in logged.values())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_retrace_logs(retrace, tmp_path, backend):
+    _, run_dir = retrace.train(tiny_retrace_args(retrace, tmp_path, backend))
+    assert pathlib.Path(run_dir).name.startswith(f"CartPole-v1__retrace__{backend}__1__")
+    logged = scalars(run_dir)
+    assert PERF_TAGS | {"charts/episodic_return", "charts/SPS", "losses/td_loss"} <= set(logged)
+    assert len(logged["perf/rollout_ms"]) == 4 and len(logged["perf/credit_ms"]) == 3
+    assert all(np.isfinite(v).all() for v in logged.values())
+
+
+@pytest.mark.parametrize("name", ["impala", "retrace"])
+def test_off_policy_backends_train_identically(name, tmp_path):
+    module = load(name)
+    tiny = tiny_impala_args if name == "impala" else tiny_retrace_args
+    params = {}
+    for backend in BACKENDS:
+        net, _ = module.train(tiny(module, tmp_path / backend, backend))
+        params[backend] = torch.nn.utils.parameters_to_vector(net.parameters()).detach()
+    for backend in BACKENDS[1:]:
+        torch.testing.assert_close(params[backend], params["loop"], rtol=0, atol=1e-5)
+
+
+def test_credit_loops_match_rl_triton(impala, retrace):
+    """The inline loops (the `loop` backend) compute what SPEC.md defines, as rl_triton does."""
+    torch.manual_seed(0)
+    T, N, A = 24, 5, 3
+    r, v = torch.randn(T, N), torch.randn(T, N)
+    term = (torch.rand(T, N) < 0.1).float()
+    trunc = (torch.rand(T, N) < 0.1).float() * (1 - term)
+    lv = torch.randn(N)
+    tlp, blp = torch.randn(T, N) * 0.3, torch.randn(T, N) * 0.3
+    kw = dict(gamma=0.97, lam=0.9, rho_clip=1.0, c_clip=0.9, pg_rho_clip=1.2)
+    got = impala.vtrace_loop(r, v, term, tlp, blp, trunc, last_value=lv, **kw)
+    want = rl_triton_module().vtrace(r, v, term, tlp, blp, trunc, last_value=lv, backend="loop", **kw)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    q, a = torch.randn(T, N, A), torch.randint(0, A, (T, N))
+    pi, mu = torch.softmax(torch.randn(T, N, A), -1), torch.rand(T, N) * 0.9 + 0.1
+    lq, lpi = torch.randn(N, A), torch.softmax(torch.randn(N, A), -1)
+    kw = dict(gamma=0.97, lam=0.9, c_clip=1.0)
+    got = retrace.retrace_loop(r, q, a, pi, mu, term, trunc, last_q_values=lq, last_target_probs=lpi, **kw)
+    want = rl_triton_module().retrace(r, q, a, pi, mu, term, trunc, last_q_values=lq,
+                                      last_target_probs=lpi, backend="loop", **kw)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def rl_triton_module():
+    import rl_triton
+    return rl_triton
