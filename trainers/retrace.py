@@ -79,10 +79,12 @@ class Args:
     the Triton kernels, or rl_triton's choice (Triton on CUDA, torch on CPU)"""
     compile_backend: str = "inductor"
     """the torch.compile backend used by `--credit-backend compile`"""
-    total_timesteps: int = 300000
+    total_timesteps: int = 500000
     """total timesteps of the experiments"""
-    learning_rate: float = 2.5e-4
+    learning_rate: float = 1e-4
     """the learning rate of the optimizer"""
+    anneal_lr: bool = True
+    """Toggle learning rate annealing (linearly to zero at the end of training)"""
     num_envs: int = 8
     """the number of parallel game environments"""
     num_steps: int = 16
@@ -95,7 +97,7 @@ class Args:
     """the lambda of Retrace"""
     c_clip: float = 1.0
     """the truncation of the trace coefficients"""
-    target_network_frequency: int = 250
+    target_network_frequency: int = 500
     """the number of updates between target network copies"""
     batch_size: int = 32
     """the number of sequences per update"""
@@ -288,6 +290,10 @@ def train(args: Args):
     recent_returns = deque(maxlen=100)
 
     for iteration in range(1, args.num_iterations + 1):
+        if args.anneal_lr:
+            frac = 1.0 - (iteration - 1.0) / args.num_iterations
+            optimizer.param_groups[0]["lr"] = frac * args.learning_rate
+
         # the actors: epsilon-greedy, storing mu(a_t | s_t) of the action taken
         rollout_start = time.perf_counter()
         finished_returns, finished_lengths = [], []
