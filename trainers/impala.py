@@ -57,7 +57,7 @@ class Args:
     """the torch.compile backend used by `--credit-backend compile`"""
     total_timesteps: int = 500000
     """total timesteps of the experiments"""
-    learning_rate: float = 1e-3
+    learning_rate: float = 5e-4
     """the learning rate of the optimizer"""
     num_envs: int = 16
     """the number of parallel game environments (actors)"""
