@@ -19,6 +19,7 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--threshold", type=float, default=None)
     parser.add_argument("--title", default=None)
+    parser.add_argument("--labels", nargs="*", default=None, help="one legend label per run")
     args = parser.parse_args()
 
     import matplotlib
@@ -27,11 +28,13 @@ def main():
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    for run in args.runs:
+    for i, run in enumerate(args.runs):
         acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
         acc.Reload()
         name = pathlib.Path(run).name.split("__")
         label = f"{name[1]} ({name[2]}, seed {name[3]})" if len(name) == 5 else pathlib.Path(run).name
+        if args.labels:
+            label = args.labels[i]
         ep = acc.Scalars("charts/episodic_return")
         avg = acc.Scalars("charts/avg_return_100")
         line, = ax.plot([e.step for e in avg], [e.value for e in avg], label=f"{label}: last 100")
