@@ -9,7 +9,6 @@ Prints, per run, the final average over the last 100 episodes and the first step
 import argparse
 import pathlib
 
-import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 
