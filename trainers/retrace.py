@@ -30,30 +30,6 @@ from torch.utils.tensorboard import SummaryWriter
 import rl_triton
 
 
-def _patch_rl_triton_retrace():
-    """rl_triton 0.1.0's `retrace` rejects every `target_probs` (estimators.py calls
-    `Call.step(..., trailing_shape=(A,))` without `trailing=1`). Until that one-line fix lands in
-    the library, let `Call.step` infer `trailing` from `trailing_shape`; a no-op once fixed."""
-    probe = dict(last_q_values=torch.zeros(1, 2), last_target_probs=torch.ones(1, 2) / 2)
-    try:
-        rl_triton.retrace(torch.zeros(1, 1), torch.zeros(1, 1, 2), torch.zeros(1, 1, dtype=torch.long),
-                          torch.ones(1, 1, 2) / 2, torch.ones(1, 1), torch.zeros(1, 1), backend="torch", **probe)
-    except ValueError:
-        from rl_triton import _args
-
-        step = _args.Call.step
-
-        def step_with_trailing(self, name, x, kind=_args.VALUE, *, trailing=0, trailing_shape=None, optional=False):
-            if trailing_shape is not None and trailing == 0:
-                trailing = len(trailing_shape)
-            return step(self, name, x, kind, trailing=trailing, trailing_shape=trailing_shape, optional=optional)
-
-        _args.Call.step = step_with_trailing
-
-
-_patch_rl_triton_retrace()
-
-
 @dataclass
 class Args:
     exp_name: str = "retrace"
