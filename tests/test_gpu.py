@@ -29,6 +29,15 @@ def test_large_shapes(name, T, batch, layout):
     assert_close(case.call(layout, backend="triton"), float64_vectorized(case))
 
 
+@pytest.mark.parametrize("name", ESTIMATORS)
+@pytest.mark.parametrize("T,batch", [(128, (256,)), (1000, (130,)), (4096, (300,)), (77, (1000,))])
+@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
+def test_many_row_tiles_and_segments(name, T, batch, layout):
+    """Several row tiles, each split into several time segments (the default split rule)."""
+    case = make_case(name, T, batch, device=DEV, seed=T + batch[0])
+    assert_close(case.call(layout, backend="triton"), float64_vectorized(case))
+
+
 @pytest.mark.parametrize("name", ["gae", "vtrace", "episodic_cumsum", "linear_scan_reverse"])
 def test_one_row_of_2_pow_24_steps(name):
     case = make_case(name, 2**24, (1,), device=DEV, seed=1, p_term=1e-5, p_trunc=1e-5)
