@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -203,7 +202,7 @@ def main(argv=None):
         kw, nbytes = make_inputs(name, N, T, layout, DTYPES[dt], tr, device, seed=i)
         fn = getattr(rl_triton, name)
         refs = float64_result(name, kw)
-        impls = [("rl_triton", lambda: fn(**kw))]
+        impls = [("rl_triton", _partial(fn, kw))]
         if dt == dtypes[0] and layout == layouts[0]:
             torch_fn = _partial(fn, kw, backend="torch")
             for b in baselines:

@@ -43,7 +43,7 @@ import os
 import torch
 
 from . import _torch, reference
-from ._args import FLAG, INDEX, VALUE, Call, check_backend, check_out_dtype, check_scalar
+from ._args import FLAG, INDEX, Call, check_backend, check_out_dtype, check_scalar
 
 _LOOP_DTYPE = torch.float32
 

@@ -12,7 +12,6 @@ import textwrap
 import types
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton backend on CPU; before triton loads
 
 import pytest
 import torch

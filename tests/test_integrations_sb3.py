@@ -3,11 +3,9 @@ import copy
 import os
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton backend on CPU; before triton loads
 
 import numpy as np
 import pytest
-import torch
 
 pytest.importorskip("stable_baselines3")
 import gymnasium as gym  # noqa: E402

@@ -1,7 +1,6 @@
 """TorchRL integration: rl_triton's estimators equal TorchRL's on the same TensorDict."""
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton backend on CPU; before triton loads
 
 import pytest
 import torch

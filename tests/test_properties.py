@@ -1,5 +1,4 @@
 """Property-based tests: random shapes, layouts and flag patterns against the references."""
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -1,9 +1,7 @@
 """The trainers in trainers/ run one or two tiny iterations on CPU with every credit backend (Triton
 through its interpreter), write the TensorBoard tags they promise, feed their loss the advantages
 SPEC.md defines at a truncation, and train identically whatever the backend."""
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (CPU-only machines)
 
 import importlib.util
 import pathlib
