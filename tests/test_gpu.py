@@ -110,14 +110,15 @@ def test_cuda_graph_replay():
     case = make_case("gae", 128, (256,), device=DEV, seed=5)
     static = {k: v.clone() for k, v in case.steps.items()}
     lv = case.extra["last_value"].clone()
+    params = dict(gamma=case.extra["gamma"], lam=case.extra["lam"])  # as the reference uses
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        rl_triton.gae(**static, last_value=lv)  # warm up (compile) outside the capture
+        rl_triton.gae(**static, last_value=lv, **params)  # compile outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        adv, ret = rl_triton.gae(**static, last_value=lv)
+        adv, ret = rl_triton.gae(**static, last_value=lv, **params)
     for seed in (6, 7):
         new = make_case("gae", 128, (256,), device=DEV, seed=seed)
         for k, v in new.steps.items():

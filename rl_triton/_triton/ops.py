@@ -145,11 +145,10 @@ class Launch:
 
     def run(self, tensors: tuple, scalars: tuple) -> list:
         """Allocate the outputs and launch on `tensors` (the caller's, in signature order)."""
-        if self.n_out == 1:
-            outs = (torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device),)
-        else:  # one allocation for all outputs
-            outs = torch.empty((self.n_out, *self.out_shape), dtype=self.out_dtype,
-                               device=self.device).unbind(0)
+        # One allocation each: outputs that are views of one buffer would alias, which custom
+        # ops (torch.compile) forbid.
+        outs = tuple(torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+                     for _ in range(self.n_out))
         ptrs = tuple(outs[0] if i is None else tensors[i] for i in self.src)
         init = outs[0] if self.init_src is None else tensors[self.init_src]
         agg = (torch.empty(2 * self.n_seg * self.B, dtype=torch.float32, device=self.device)
