@@ -386,19 +386,27 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
     return _finish(call, out_dtype, *((g, adv) if return_advantages else (g,)))
 
 
-def _forward_args(x, dones, initial, time_dim):
+def _forward_scan(name, x, dones, initial, keep, time_dim, backend, out_dtype, **py_kwargs):
+    """Eligibility traces (keep = gamma * lam) and episodic prefix sums (keep = 1): one kernel."""
+    tensors, options = (x, dones, initial), (time_dim, backend, out_dtype)
+    outs = _cached("forward_scan", tensors, options, (keep,))
+    if outs is not None:
+        return outs[0]
     call = Call("dones", dones, time_dim, kind=FLAG)
     xs = call.step("x", x, trailing=max(0, x.ndim - dones.ndim) if isinstance(
         x, torch.Tensor) else 0)
     features = tuple(xs.shape[1 + len(call.batch_shape):])
     d = call.step("dones", dones, FLAG)
     init = call.bootstrap("initial", initial, trailing_shape=features)
-    return call, xs, d, init, features
-
-
-def _forward_triton(tensors, options, keep, td, out_dtype):
-    return _triton("forward_scan", tensors, options, (keep,), lambda ops: (
-        ops.plan_forward_scan(tensors, td, out_dtype)), (*tensors, keep, td, out_dtype))[0]
+    out_dtype, backend = check_out_dtype(out_dtype), _backend(backend, call)
+    if call.T == 0 or x.numel() == 0:
+        return _empty(call, out_dtype, 1, features)
+    if backend == "triton":
+        td = call.time_dim
+        return _triton("forward_scan", tensors, options, (keep,), lambda ops: (
+            ops.plan_forward_scan(tensors, td, out_dtype)), (*tensors, keep, td, out_dtype))[0]
+    out = _python(backend, name)(xs, d, initial=init, **py_kwargs)
+    return _finish(call, out_dtype, out, trailing_shape=features)
 
 
 def eligibility_traces(x, dones, *, gamma, lam, initial=None, time_dim=0, backend="auto",
@@ -419,18 +427,8 @@ def eligibility_traces(x, dones, *, gamma, lam, initial=None, time_dim=0, backen
         >>> z = rl_triton.eligibility_traces(grads, dones, gamma=0.99, lam=0.9)  # grads [T, N, D]
     """
     gamma, lam = check_scalar("gamma", gamma), check_scalar("lam", lam)
-    tensors, options = (x, dones, initial), (time_dim, backend, out_dtype)
-    outs = _cached("forward_scan", tensors, options, (gamma * lam,))
-    if outs is not None:
-        return outs[0]
-    call, xs, d, init, features = _forward_args(x, dones, initial, time_dim)
-    out_dtype, backend = check_out_dtype(out_dtype), _backend(backend, call)
-    if call.T == 0 or x.numel() == 0:
-        return _empty(call, out_dtype, 1, features)
-    if backend == "triton":
-        return _forward_triton(tensors, options, gamma * lam, call.time_dim, out_dtype)
-    z = _python(backend, "eligibility_traces")(xs, d, gamma=gamma, lam=lam, initial=init)
-    return _finish(call, out_dtype, z, trailing_shape=features)
+    return _forward_scan("eligibility_traces", x, dones, initial, gamma * lam, time_dim, backend,
+                         out_dtype, gamma=gamma, lam=lam)
 
 
 def episodic_cumsum(x, dones, *, initial=None, time_dim=0, backend="auto",
@@ -448,18 +446,7 @@ def episodic_cumsum(x, dones, *, initial=None, time_dim=0, backend="auto",
 
         >>> episode_return_so_far = rl_triton.episodic_cumsum(rewards, dones)
     """
-    tensors, options = (x, dones, initial), (time_dim, backend, out_dtype)
-    outs = _cached("forward_scan", tensors, options, (1.0,))
-    if outs is not None:
-        return outs[0]
-    call, xs, d, init, features = _forward_args(x, dones, initial, time_dim)
-    out_dtype, backend = check_out_dtype(out_dtype), _backend(backend, call)
-    if call.T == 0 or x.numel() == 0:
-        return _empty(call, out_dtype, 1, features)
-    if backend == "triton":
-        return _forward_triton(tensors, options, 1.0, call.time_dim, out_dtype)
-    c = _python(backend, "episodic_cumsum")(xs, d, initial=init)
-    return _finish(call, out_dtype, c, trailing_shape=features)
+    return _forward_scan("episodic_cumsum", x, dones, initial, 1.0, time_dim, backend, out_dtype)
 
 
 def linear_scan(alpha, beta, *, reverse=True, initial=None, time_dim=0, backend="auto",
