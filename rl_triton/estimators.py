@@ -63,9 +63,9 @@ def _triton_ops():
 
 
 # Launch plans of earlier Triton calls, by signature: every tensor's shape, strides, dtype,
-# device and 16-byte alignment (the compiled kernel's specialization), and the options. A call with a known signature passed the same argument checks
-# before, so it goes straight to the launch (host work: a dict look-up, the output
-# allocations, the kernel launch).
+# device and 16-byte alignment (the compiled kernel's specialization), and the options. A call
+# with a known signature passed the same argument checks before, so it goes straight to the
+# launch (host work: a dict look-up, the output allocations, the kernel launch).
 _PLANS: dict = {}
 _MAX_PLANS = 4096
 
@@ -81,7 +81,10 @@ def _signature(name, tensors, options):
 def _cached(name, tensors, options, scalars):
     if torch.compiler.is_compiling():
         return None
-    plan = _PLANS.get(_signature(name, tensors, options))
+    try:
+        plan = _PLANS.get(_signature(name, tensors, options))
+    except TypeError:  # an unhashable option: the checks will say what is wrong with it
+        return None
     return None if plan is None else plan.run(tensors, scalars)
 
 
@@ -119,12 +122,11 @@ def _finish(call: Call, out_dtype, *results, trailing_shape=()):
         out, view = call.output(out_dtype, trailing_shape)
         view.copy_(res)
         outs.append(out)
-    return outs[0] if len(outs) == 1 else tuple(outs)
+    return _one_or_tuple(outs)
 
 
 def _empty(call: Call, out_dtype, n: int, trailing_shape=()):
-    outs = [call.output(out_dtype, trailing_shape)[0] for _ in range(n)]
-    return outs[0] if n == 1 else tuple(outs)
+    return _one_or_tuple([call.output(out_dtype, trailing_shape)[0] for _ in range(n)])
 
 
 def _value_args(call: Call, rewards, values, terminated, truncated, last_value, next_values, *,

@@ -98,6 +98,8 @@ def test_time_dim(backend):
            backend=backend)
     raises(TypeError, "time_dim must be an int", rl_triton.gae, **gae_args(), time_dim=0.0,
            backend=backend)
+    raises(TypeError, "time_dim must be an int", rl_triton.gae, **gae_args(), time_dim=[0],
+           backend=backend)
     raises(ValueError, "must have a time axis", rl_triton.gae,
            **dict(gae_args(), rewards=torch.tensor(1.0)), backend=backend)
 
