@@ -137,7 +137,6 @@ class Launch:
                          INT64=largest > INT32_MAX or 2 * cfg.n_seg * self.B > INT32_MAX,
                          BLOCK_T=cfg.block_t, BLOCK_B=cfg.block_b,
                          BLOCK_A=min(_pow2(n_act), 32), num_warps=cfg.num_warps)
-        self.switch = device.type == "cuda" and device.index != torch.cuda.current_device()
         self.device_index = device.index
         self.no_scratch = _no_scratch(device)
         self.phases = (0, 1) if cfg.n_seg > 1 else (1,)
@@ -155,7 +154,8 @@ class Launch:
                if self.n_seg > 1 else self.no_scratch)
         args = (ptrs, *self.in_strides, outs, *self.out_strides, init, *self.init_strides,
                 agg, scalars, *self.ints)
-        if self.switch:
+        # the caller's current device may change between calls with one plan: check each time
+        if self.device.type == "cuda" and self.device_index != torch.cuda.current_device():
             with torch.cuda.device(self.device):
                 self._launch(args)
         else:
