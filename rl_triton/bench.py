@@ -168,12 +168,20 @@ def main(argv=None):
                    help="comma list of torch, compile, loop, or 'none'; baselines are timed "
                         "on float32 inputs in the first layout only")
     p.add_argument("--out", default="bench_out")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop starting new configurations after this long; the reports cover "
+                        "what was measured")
+    p.add_argument("--report", default=None,
+                   help="only write bench.md and bench.png into --out from this bench.json")
     args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.report:
+        write_reports(json.loads(Path(args.report).read_text()), out)
+        return
     if not torch.cuda.is_available():
         sys.exit("rl_triton.bench needs a CUDA device")
     device = torch.device("cuda")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     estimators = args.estimators.split(",")
     shapes = args.shapes.split(",")
     layouts = args.layouts.split(",")
@@ -194,10 +202,14 @@ def main(argv=None):
           f" {floor_full:.1f} us full call", flush=True)
 
     rows: list[Row] = []
+    (out / "bench.json").write_text(json.dumps(dict(env=env, rows=[]), indent=1))
     configs = [(e, s, lay, dt, tr) for e in estimators for s in shapes for lay in layouts
                for dt in dtypes for tr in truncs]
     t_start = time.time()
     for i, (name, shape, layout, dt, tr) in enumerate(configs):
+        if args.max_seconds is not None and time.time() - t_start > args.max_seconds:
+            print(f"# stopped after {i} of {len(configs)} configurations (--max-seconds)")
+            break
         N, T = parse_shape(shape)
         kw, nbytes = make_inputs(name, N, T, layout, DTYPES[dt], tr, device, seed=i)
         fn = getattr(rl_triton, name)
@@ -227,8 +239,14 @@ def main(argv=None):
                   f" {layout:11s} {dt:8s} trunc={int(tr)} {impl:9s} {dev:9.1f} us dev "
                   f"{full:9.1f} us full  {row.bandwidth_fraction:5.2f} of copy bw", flush=True)
         del kw, refs
-    result = dict(env=env, rows=[asdict(r) for r in rows])
-    (out / "bench.json").write_text(json.dumps(result, indent=1))
+        # after every configuration, so that a run cut short keeps what it measured
+        (out / "bench.json").write_text(json.dumps(dict(env=env, rows=[asdict(r) for r in rows]),
+                                                   indent=1))
+    write_reports(json.loads((out / "bench.json").read_text()), out)
+
+
+def write_reports(result, out: Path):
+    """bench.md and bench.png from a bench.json result (also: `--report bench.json`)."""
     (out / "bench.md").write_text(markdown(result))
     plot(result, out / "bench.png")
     print(markdown(result))

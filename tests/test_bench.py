@@ -1,0 +1,40 @@
+"""The benchmark harness's own logic, on the CPU: inputs, its correctness check, its reports.
+(Timing needs a CUDA device: `python -m rl_triton.bench` on the GPU.)"""
+import json
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import rl_triton
+from rl_triton import bench
+
+
+@pytest.mark.parametrize("name", bench.ESTIMATORS)
+@pytest.mark.parametrize("layout", bench.LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_inputs_and_check(name, layout, dtype):
+    kw, nbytes = bench.make_inputs(name, 5, 37, layout, dtype, True, "cpu")
+    refs = bench.float64_result(name, kw)
+    out = getattr(rl_triton, name)(**kw, backend="torch")
+    assert bench.rel_err(out, refs, kw["time_dim"]) < 1e-5
+    wrong = out[0] + 1e-2 if isinstance(out, tuple) else out + 1e-2
+    assert bench.rel_err(wrong, refs[:1], kw["time_dim"]) > 1e-5  # the check can fail
+    tensors = [v for v in kw.values() if isinstance(v, torch.Tensor)]
+    assert nbytes > sum(t.numel() * t.element_size() for t in tensors)  # outputs counted
+
+
+def test_reports(tmp_path):
+    env = dict(gpu="GPU", driver="1", torch="t", triton="tr", date="2026-11-29",
+               copy_bandwidth_gbs=4000.0, launch_floor_device_us=4.0, launch_floor_full_us=13.0)
+    rows = [bench.Row("gae", s, "time-major", "float32", True, impl, 10**6, dev, dev + 10,
+                      0.5, 1e-7)
+            for s, base in (("128x128", 1.0), ("4096x128", 2.0))
+            for impl, dev in (("rl_triton", 5.0 * base), ("torch", 50.0 * base))]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(dict(env=env, rows=[asdict(r) for r in rows])))
+    bench.main(["--report", str(path), "--out", str(tmp_path / "r")])
+    md = (tmp_path / "r" / "bench.md").read_text()
+    assert "| gae | time-major | float32 | yes | 5 / 15 (0.50) | 10 / 20 (0.50) |" in md
+    assert "| gae | torch | time-major | yes | 4.0x (10.0x) | 5.5x (10.0x) |" in md
+    assert (tmp_path / "r" / "bench.png").stat().st_size > 1000
