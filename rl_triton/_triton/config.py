@@ -1,6 +1,6 @@
 """Tile shapes, warps and the split of long rows: chosen here and nowhere else.
 
-The rule (checked against measurements in docs/benchmarks.md):
+The rule (a first choice, not yet tuned against measurements; docs/benchmarks.md has the status):
 - a tile holds about `TILE_ELEMENTS / weight` steps x rows; heavier estimators (V-trace scans four
   values per step, Retrace walks the action axis) take smaller tiles;
 - the tile's long side follows the contiguous axis of memory: time for batch-major data
