@@ -1,6 +1,7 @@
 """Sequential references: the readable definition of every estimator.
 
-Each function is the plain loop of SPEC.md, written to be checked by eye against the formulas.
+Each function is the plain loop of the specification (the recurrences in the docstrings of
+`rl_triton.estimators`), written to be checked by eye against the formulas.
 They take time-major tensors (`[T, *batch]`, time on axis 0) and compute in `dtype`: float64 in
 the tests, float32 as the library's `backend="loop"`. Flags are read as `flag != 0`.
 

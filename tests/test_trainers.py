@@ -1,6 +1,6 @@
 """The trainers in trainers/ run one or two tiny iterations on CPU with every credit backend (Triton
 through its interpreter), write the TensorBoard tags they promise, feed their loss the advantages
-SPEC.md defines at a truncation, and train identically whatever the backend."""
+the specification defines at a truncation, and train identically whatever the backend."""
 
 
 import importlib.util
@@ -228,7 +228,7 @@ def test_off_policy_backends_train_identically(name, tmp_path):
 
 
 def test_credit_loops_match_rl_triton(impala, retrace):
-    """The inline loops (the `loop` backend) compute what SPEC.md defines, as rl_triton does."""
+    """The inline loops (the `loop` backend) compute what the specification defines, as rl_triton does."""
     torch.manual_seed(0)
     T, N, A = 24, 5, 3
     r, v = torch.randn(T, N), torch.randn(T, N)
