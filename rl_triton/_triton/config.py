@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 TILE_ELEMENTS = 2048
+MAX_ACTION_BLOCK = 32  # Retrace walks the action axis in blocks of at most this many actions
 MIN_BLOCK_T = 16
 MAX_ROWS_TIME_MAJOR = 64
 PROGRAMS_PER_SM = 2
@@ -57,6 +58,11 @@ def _multiprocessors(device: torch.device) -> int:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def action_block(n_act: int) -> int:
+    """Actions loaded at once along Retrace's action axis."""
+    return min(_pow2(n_act), MAX_ACTION_BLOCK)
 
 
 def choose(T: int, B: int, *, time_contiguous: bool, weight: int, device: torch.device) -> TileConfig:

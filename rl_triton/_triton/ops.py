@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 import triton
+from triton.runtime import driver
 
 from . import coefficients as C
 from . import config
@@ -136,7 +137,7 @@ class Launch:
                          HAS_LAST=has_last, HAS_INIT=init is not None, VARIANT=variant,
                          INT64=largest > INT32_MAX or 2 * cfg.n_seg * self.B > INT32_MAX,
                          BLOCK_T=cfg.block_t, BLOCK_B=cfg.block_b,
-                         BLOCK_A=min(_pow2(n_act), 32), num_warps=cfg.num_warps)
+                         BLOCK_A=config.action_block(n_act), num_warps=cfg.num_warps)
         self.device_index = device.index
         self.no_scratch = _no_scratch(device)
         self.phases = (0, 1) if cfg.n_seg > 1 else (1,)
@@ -186,15 +187,10 @@ def _hooks_set() -> bool:
 
 
 def _stream(device_index: int):
-    from triton.runtime import driver
     return driver.active.get_current_stream(device_index)
 
 
 _ARG_NAMES = scan_kernel.arg_names
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 # ---- plans: caller-layout tensors in, a Launch out -------------------------------------------
