@@ -1,4 +1,5 @@
-"""The one place where tiles, warps and the split of long rows are chosen."""
+"""The one place where tiles, warps and the look-back window are chosen."""
+import pytest
 import torch
 
 from rl_triton._triton import config
@@ -6,38 +7,60 @@ from rl_triton._triton import config
 CPU = torch.device("cpu")
 
 
-def choose(T, B, time_contiguous, weight=1):
-    return config.choose(T, B, time_contiguous=time_contiguous, weight=weight, device=CPU)
+@pytest.fixture(autouse=True)
+def h200(monkeypatch):
+    """Choose as for a GPU with 132 multiprocessors."""
+    monkeypatch.setattr(config, "_multiprocessors", lambda device: 132)
+
+
+def choose(T, B, time_contiguous, n_act=0):
+    return config.choose(T, B, time_contiguous=time_contiguous, device=CPU, n_act=n_act)
 
 
 def test_tile_follows_the_contiguous_axis():
     bm = choose(4096, 512, time_contiguous=True)  # [N, T]: long side along time
     assert bm.block_t >= 256 and bm.block_t * bm.block_b <= config.TILE_ELEMENTS
     tm = choose(4096, 512, time_contiguous=False)  # [T, N]: long side along rows, <= 64
-    assert tm.block_b == config.MAX_ROWS_TIME_MAJOR and tm.block_t * tm.block_b <= config.TILE_ELEMENTS
+    assert tm.block_b == config.MAX_ROWS_TIME_MAJOR
+    assert tm.block_t * tm.block_b <= config.TILE_ELEMENTS
 
 
-def test_heavier_estimators_take_smaller_tiles():
-    light, heavy = choose(4096, 512, True), choose(4096, 512, True, weight=8)
-    assert heavy.block_t * heavy.block_b < light.block_t * light.block_b
-    assert heavy.block_t * heavy.block_b <= config.TILE_ELEMENTS // 8
+def test_retrace_counts_its_action_block():
+    plain, retrace = choose(4096, 512, True), choose(4096, 512, True, n_act=18)
+    assert config.action_block(18) == 32
+    assert retrace.block_t * retrace.block_b * 32 <= config.TILE_ELEMENTS
+    assert retrace.block_t * retrace.block_b < plain.block_t * plain.block_b
+
+
+def test_small_problems_take_smaller_tiles_for_more_programs():
+    big, small = choose(1 << 20, 64, True), choose(128, 128, True)
+    assert big.block_t * big.block_b == config.TILE_ELEMENTS
+    assert small.block_t * small.block_b < config.TILE_ELEMENTS
+    assert small.block_t * small.block_b >= config.MIN_TILE_ELEMENTS
 
 
 def test_short_and_tiny_shapes():
     c = choose(1, 1, time_contiguous=False)
-    assert c.block_t == config.MIN_BLOCK_T and c.block_b == 1 and c.n_seg == 1
+    assert c.block_t == config.MIN_BLOCK_T and c.block_b == 1 and c.chunks(1) == 1
 
 
-def test_long_rows_are_split_and_cover_every_chunk():
+def test_long_rows_are_cut_into_tiles():
     for T, B in [(10**6, 1), (3 * 16 + 7, 2), (100, 3)]:
         for tc in (True, False):
             c = choose(T, B, tc)
-            n_chunks = -(-T // c.block_t)
-            assert c.n_seg * c.chunks_per_seg >= n_chunks > (c.n_seg - 1) * c.chunks_per_seg
+            assert (c.chunks(T) - 1) * c.block_t < T <= c.chunks(T) * c.block_t
+    assert choose(1 << 20, 4, True).chunks(1 << 20) >= 256  # a handful of rows fills the GPU
+
+
+def test_warps_follow_the_tile():
+    for T, B, n_act in [(4096, 512, 0), (128, 128, 0), (4096, 512, 18), (1, 1, 0)]:
+        c = choose(T, B, True, n_act)
+        assert 1 <= c.num_warps <= config.MAX_WARPS
+        assert c.num_warps & (c.num_warps - 1) == 0
 
 
 def test_override_is_scoped():
-    with config.override(block_t=16, block_b=2, n_seg=3):
+    with config.override(block_t=16, block_b=2, window=3):
         c = choose(1000, 5, True)
-        assert (c.block_t, c.block_b, c.n_seg) == (16, 2, 3)
+        assert (c.block_t, c.block_b, c.window) == (16, 2, 3)
     assert choose(1000, 5, True).block_t != 16

@@ -120,6 +120,12 @@ def vtrace_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, param
 
 
 @triton.jit
+def mask_b_of(mask):
+    """[1, BLOCK_B]: the rows of a [BLOCK_T, BLOCK_B] mask that hold any step."""
+    return tl.max(mask.to(tl.int32), axis=0)[None, :] != 0
+
+
+@triton.jit
 def retrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params, HAS_TRUNC: tl.constexpr,
                  HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr, VARIANT: tl.constexpr,
                  BLOCK_A: tl.constexpr):
@@ -129,31 +135,44 @@ def retrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params, HAS_TRU
     r = load_step(ins, st, s1, s2, RT_R, t, b1, b2, mask)
     term, cut = cut_flags(ins, st, s1, s2, RT_TERM, RT_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
     inside = mask & (t + 1 < T)  # slot t+1 is in the window
-    at_end = mask & (t == T - 1)  # slot t+1 is the bootstrap state s_T
 
-    # Q(s_{t+1}, a_{t+1}) and c[t+1] = lam * min(c_clip, pi(a_{t+1}|s_{t+1}) / mu(a_{t+1}|s_{t+1})).
+    # Slot t+1's action a_{t+1}, and its rows Q(s_{t+1}, .) and pi(.|s_{t+1}), walked in blocks
+    # of BLOCK_A actions: E[t] = sum_a pi(a|s_{t+1}) Q(s_{t+1}, a), and the entries of a_{t+1}
+    # picked from the same registers (no second read).
     a_next = tl.load(ins[RT_ACT] + offsets(t + 1, b1, b2, st[RT_ACT], s1[RT_ACT], s2[RT_ACT]),
                      mask=inside, other=0)
-    q_row = offsets(t + 1, b1, b2, st[RT_Q], s1[RT_Q], s2[RT_Q])
-    pi_row = offsets(t + 1, b1, b2, st[RT_PI], s1[RT_PI], s2[RT_PI])
-    q_a_next = load_value(ins[RT_Q], q_row + a_next * sa[RT_Q], inside)
-    pi_a_next = load_value(ins[RT_PI], pi_row + a_next * sa[RT_PI], inside)
-    mu_next = tl.where(inside, load_step(ins, st, s1, s2, RT_MU, t + 1, b1, b2, inside), 1.0)
-    c_next = lam * tl.minimum(pi_a_next / mu_next, c_clip)
-
-    # E[t] = sum_a pi(a|s_{t+1}) Q(s_{t+1}, a), from slot t+1 or from the bootstrap state.
-    lq_row = offsets(t, b1, b2, st[RT_LAST_Q], s1[RT_LAST_Q], s2[RT_LAST_Q])
-    lpi_row = offsets(t, b1, b2, st[RT_LAST_PI], s1[RT_LAST_PI], s2[RT_LAST_PI])
+    q_row = offsets(t + 1, b1, b2, st[RT_Q], s1[RT_Q], s2[RT_Q])[:, :, None]
+    pi_row = offsets(t + 1, b1, b2, st[RT_PI], s1[RT_PI], s2[RT_PI])[:, :, None]
     expected = tl.zeros(mask.shape, tl.float32)
+    q_a_next = tl.zeros(mask.shape, tl.float32)
+    pi_a_next = tl.zeros(mask.shape, tl.float32)
     for a0 in range(0, n_act, BLOCK_A):
         a = a0 + tl.arange(0, BLOCK_A)[None, None, :]
         in_a = inside[:, :, None] & (a < n_act)
-        end_a = at_end[:, :, None] & (a < n_act)
-        q = load_value(ins[RT_Q], q_row[:, :, None] + a * sa[RT_Q], in_a)
-        p = load_value(ins[RT_PI], pi_row[:, :, None] + a * sa[RT_PI], in_a)
-        lq = load_value(ins[RT_LAST_Q], lq_row[:, :, None] + a * sa[RT_LAST_Q], end_a)
-        lp = load_value(ins[RT_LAST_PI], lpi_row[:, :, None] + a * sa[RT_LAST_PI], end_a)
-        expected += tl.sum(q * p + lq * lp, axis=2)
+        q = load_value(ins[RT_Q], q_row + a * sa[RT_Q], in_a)
+        p = load_value(ins[RT_PI], pi_row + a * sa[RT_PI], in_a)
+        expected += tl.sum(q * p, axis=2)
+        taken = a == a_next[:, :, None]
+        q_a_next += tl.sum(tl.where(taken, q, 0.0), axis=2)
+        pi_a_next += tl.sum(tl.where(taken, p, 0.0), axis=2)
+    mu_next = tl.where(inside, load_step(ins, st, s1, s2, RT_MU, t + 1, b1, b2, inside), 1.0)
+    c_next = lam * tl.minimum(pi_a_next / mu_next, c_clip)
+
+    # At t = T-1, E comes from the bootstrap state s_T: read by the tile that holds T-1 only.
+    # (The bootstrap tensors have a zero time stride: one row per batch entry.)
+    if tl.max(t) >= T - 1:
+        last = mask_b_of(mask)
+        lq_row = offsets(0, b1, b2, st[RT_LAST_Q], s1[RT_LAST_Q], s2[RT_LAST_Q])[:, :, None]
+        lpi_row = offsets(0, b1, b2, st[RT_LAST_PI], s1[RT_LAST_PI],
+                          s2[RT_LAST_PI])[:, :, None]
+        end = tl.zeros(last.shape, tl.float32)
+        for a0 in range(0, n_act, BLOCK_A):
+            a = a0 + tl.arange(0, BLOCK_A)[None, None, :]
+            end_a = last[:, :, None] & (a < n_act)
+            end += tl.sum(load_value(ins[RT_LAST_Q], lq_row + a * sa[RT_LAST_Q], end_a)
+                          * load_value(ins[RT_LAST_PI], lpi_row + a * sa[RT_LAST_PI], end_a),
+                          axis=2)
+        expected = tl.where(t == T - 1, end, expected)
 
     alpha = r + tl.where(term, 0.0, gamma * (expected - tl.where(cut, 0.0, c_next * q_a_next)))
     beta = tl.where(cut, 0.0, gamma * c_next)

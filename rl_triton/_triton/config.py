@@ -1,13 +1,16 @@
-"""Tile shapes, warps and the split of long rows: chosen here and nowhere else.
+"""Tile shapes, warps and the look-back window: chosen here and nowhere else.
 
-The rule (a first choice, not yet tuned against measurements; docs/benchmarks.md has the status):
-- a tile holds about `TILE_ELEMENTS / weight` steps x rows; heavier estimators (V-trace scans four
-  values per step, Retrace walks the action axis) take smaller tiles;
+One program scans one tile of `block_t` steps x `block_b` rows; rows longer than a tile are
+split into tiles that run in parallel and find their carries by look-back (`scan.py`). The rule:
+- a tile holds about `TILE_ELEMENTS` values (for Retrace, steps x actions in its action block):
+  enough bytes per program to keep the memory system busy, few enough registers per thread;
 - the tile's long side follows the contiguous axis of memory: time for batch-major data
-  (`[N, T]`), rows for time-major data (`[T, N]`, at most 64 rows so that a time-major tile's
-  transposition through shared memory stays small);
-- when the rows alone give fewer programs than `PROGRAMS_PER_SM` per multiprocessor, the time axis
-  is split into segments that run in parallel and are stitched by their carries.
+  (`[N, T]`), rows for time-major data (`[T, N]`, at most `MAX_ROWS_TIME_MAJOR` rows, so that
+  the scan along time, which crosses threads, stays small);
+- when the tiles would not give `MIN_PROGRAMS_PER_SM` programs per multiprocessor, they shrink (down
+  to `MIN_TILE_ELEMENTS`): small problems are latency-bound, and more programs hide the latency;
+- `ELEMENTS_PER_THREAD` values per thread set the warps.
+docs/benchmarks.md has the measurements behind the numbers.
 """
 from __future__ import annotations
 
@@ -18,11 +21,14 @@ from dataclasses import dataclass, replace
 import torch
 
 TILE_ELEMENTS = 2048
+MIN_TILE_ELEMENTS = 256
+MIN_PROGRAMS_PER_SM = 4
 MAX_ACTION_BLOCK = 32  # Retrace walks the action axis in blocks of at most this many actions
 MIN_BLOCK_T = 16
 MAX_ROWS_TIME_MAJOR = 64
-PROGRAMS_PER_SM = 2
-NUM_WARPS = 4
+ELEMENTS_PER_THREAD = 16
+MAX_WARPS = 8
+WINDOW = 16  # tiles read per step of the look-back
 
 
 @dataclass(frozen=True)
@@ -30,8 +36,11 @@ class TileConfig:
     block_t: int
     block_b: int
     num_warps: int
-    n_seg: int  # segments the time axis is split into (grid axis 1)
-    chunks_per_seg: int  # tiles of block_t steps per segment
+    window: int = WINDOW
+
+    def chunks(self, T: int) -> int:
+        """Tiles along the time axis."""
+        return -(-T // self.block_t)
 
 
 _overrides: dict = {}
@@ -39,7 +48,7 @@ _overrides: dict = {}
 
 @contextlib.contextmanager
 def override(**fields):
-    """Force tile fields (block_t, block_b, num_warps, n_seg) inside the block: for tests."""
+    """Force tile fields (block_t, block_b, num_warps, window) inside the block: for tests."""
     old = dict(_overrides)
     _overrides.update(fields)
     try:
@@ -65,22 +74,31 @@ def action_block(n_act: int) -> int:
     return min(_pow2(n_act), MAX_ACTION_BLOCK)
 
 
-def choose(T: int, B: int, *, time_contiguous: bool, weight: int, device: torch.device) -> TileConfig:
-    elements = max(MIN_BLOCK_T, TILE_ELEMENTS // weight)
+def _tile(T: int, B: int, steps: int, time_contiguous: bool) -> tuple[int, int]:
     if time_contiguous:
-        block_t = max(MIN_BLOCK_T, min(_pow2(T), elements))
-        block_b = max(1, min(_pow2(B), elements // block_t))
+        block_t = max(MIN_BLOCK_T, min(_pow2(T), steps))
+        block_b = max(1, min(_pow2(B), steps // block_t))
     else:
-        block_b = max(1, min(_pow2(B), MAX_ROWS_TIME_MAJOR, elements // MIN_BLOCK_T))
-        block_t = max(MIN_BLOCK_T, min(_pow2(T), elements // block_b))
-    cfg = TileConfig(block_t, block_b, NUM_WARPS, 1, 1)
+        block_b = max(1, min(_pow2(B), MAX_ROWS_TIME_MAJOR, steps // MIN_BLOCK_T))
+        block_t = max(MIN_BLOCK_T, min(_pow2(T), steps // block_b))
+    return block_t, block_b
+
+
+def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
+           n_act: int = 0) -> TileConfig:
+    """The tile for T steps x B rows; `n_act` > 0 for Retrace's action axis."""
+    per_step = action_block(n_act) if n_act else 1
+    elements = TILE_ELEMENTS
+    target = MIN_PROGRAMS_PER_SM * _multiprocessors(device)
+    while True:
+        steps = max(1, elements // per_step)
+        block_t, block_b = _tile(T, B, steps, time_contiguous)
+        tiles = -(-T // block_t) * -(-B // block_b)
+        if tiles >= target or elements // 2 < MIN_TILE_ELEMENTS:
+            break
+        elements //= 2
+    warps = block_t * block_b * per_step // (32 * ELEMENTS_PER_THREAD)
+    cfg = TileConfig(block_t, block_b, min(MAX_WARPS, _pow2(max(1, warps))))
     if _overrides:
-        cfg = replace(cfg, **{k: v for k, v in _overrides.items() if k != "n_seg"})
-    n_chunks = -(-T // cfg.block_t)
-    row_tiles = -(-B // cfg.block_b)
-    n_seg = _overrides.get("n_seg")
-    if n_seg is None:
-        n_seg = max(1, PROGRAMS_PER_SM * _multiprocessors(device) // row_tiles)
-    n_seg = max(1, min(n_seg, n_chunks))
-    per_seg = -(-n_chunks // n_seg)
-    return replace(cfg, n_seg=-(-n_chunks // per_seg), chunks_per_seg=per_seg)
+        cfg = replace(cfg, **_overrides)
+    return cfg

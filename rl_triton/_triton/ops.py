@@ -8,7 +8,6 @@ the dispatcher and run a `Launch` plan directly (cached by `rl_triton.estimators
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -30,14 +29,13 @@ class Kernel:
     store: object
     reverse: bool
     exclusive: bool = False  # the writer needs A at the previous step in scan order
-    weight: int = 1  # relative register cost of a step: smaller tiles for heavier estimators
 
 
 GAE = Kernel(C.gae_coef, C.gae_store, reverse=True)
 LAMBDA_RETURNS = Kernel(C.lambda_returns_coef, C.single_store, reverse=True)
 DISCOUNTED_RETURNS = Kernel(C.discounted_returns_coef, C.single_store, reverse=True)
-VTRACE = Kernel(C.vtrace_coef, C.vtrace_store, reverse=True, exclusive=True, weight=2)
-RETRACE = Kernel(C.retrace_coef, C.retrace_store, reverse=True, weight=8)
+VTRACE = Kernel(C.vtrace_coef, C.vtrace_store, reverse=True, exclusive=True)
+RETRACE = Kernel(C.retrace_coef, C.retrace_store, reverse=True)
 FORWARD = Kernel(C.forward_coef, C.single_store, reverse=False)
 SCAN_REVERSE = Kernel(C.linear_scan_coef, C.single_store, reverse=True)
 SCAN_FORWARD = Kernel(C.linear_scan_coef, C.single_store, reverse=False)
@@ -69,11 +67,6 @@ def _batch_groups(views, bshape):
 
 def _extent(v: Tensor, extra: int = 0) -> int:
     return extra + sum((n - 1) * s for n, s in zip(v.shape, v.stride()) if n > 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _no_scratch(device: torch.device) -> Tensor:
-    return torch.zeros(1, dtype=torch.float32, device=device)
 
 
 def over_time(x: Optional[Tensor], T: int) -> Optional[Tensor]:
@@ -124,24 +117,28 @@ class Launch:
                       + [_extent(v) for v in present])
         first = flat[0]
         cfg = config.choose(T, self.B, time_contiguous=first.stride(0) == 1 and T > 1,
-                            weight=kernel.weight, device=device)
-        self.n_seg = cfg.n_seg
+                            device=device, n_act=n_act if action_slots else 0)
+        n_chunks = cfg.chunks(T)
+        n_row_tiles = triton.cdiv(self.B, cfg.block_b)
+        self.lookback = n_chunks > 1
+        self.grid = (n_row_tiles * (n_chunks if self.lookback else 1), 1)
+        # look-back scratch: a ticket counter, then two words per (tile, row)
+        self.state_size = 1 + 2 * self.grid[0] * cfg.block_b if self.lookback else 1
         self.in_strides = strides(flat) + (sa,)
         self.out_strides = tuple(s * n_out for s in strides([out_view]))  # n_out alike
         self.init_strides = ((stride1[id(init_view)], stride2[id(init_view)])
                              if init_view is not None else (0, 0))
-        self.ints = (T, self.B, B2, n_act, cfg.chunks_per_seg, cfg.n_seg)
-        self.grid = (triton.cdiv(self.B, cfg.block_b), cfg.n_seg)
+        self.ints = (T, self.B, B2, n_act, n_row_tiles, n_chunks)
         self.meta = dict(COEF=kernel.coef, STORE=kernel.store, REVERSE=kernel.reverse,
                          EXCLUSIVE=kernel.exclusive, HAS_TRUNC=has_trunc, HAS_NEXT=has_next,
                          HAS_LAST=has_last, HAS_INIT=init is not None, VARIANT=variant,
-                         INT64=largest > INT32_MAX or 2 * cfg.n_seg * self.B > INT32_MAX,
+                         LOOKBACK=self.lookback, WINDOW=cfg.window,
+                         INT64=largest > INT32_MAX or self.state_size > INT32_MAX,
                          BLOCK_T=cfg.block_t, BLOCK_B=cfg.block_b,
                          BLOCK_A=config.action_block(n_act), num_warps=cfg.num_warps)
         self.device_index = device.index
-        self.no_scratch = _no_scratch(device)
-        self.phases = (0, 1) if cfg.n_seg > 1 else (1,)
-        self.compiled, self.tails = {}, {}
+        self.states = {}  # look-back scratch by stream: launches on one stream never overlap
+        self.compiled, self.tail = None, ()
 
     def run(self, tensors: tuple, scalars: tuple) -> list:
         """Allocate the outputs and launch on `tensors` (the caller's, in signature order)."""
@@ -151,39 +148,49 @@ class Launch:
                      for _ in range(self.n_out))
         ptrs = tuple(outs[0] if i is None else tensors[i] for i in self.src)
         init = outs[0] if self.init_src is None else tensors[self.init_src]
-        agg = (torch.empty(2 * self.n_seg * self.B, dtype=torch.float32, device=self.device)
-               if self.n_seg > 1 else self.no_scratch)
-        args = (ptrs, *self.in_strides, outs, *self.out_strides, init, *self.init_strides,
-                agg, scalars, *self.ints)
         # the caller's current device may change between calls with one plan: check each time
         if self.device.type == "cuda" and self.device_index != torch.cuda.current_device():
             with torch.cuda.device(self.device):
-                self._launch(args)
+                self._launch(ptrs, outs, init, scalars)
         else:
-            self._launch(args)
+            self._launch(ptrs, outs, init, scalars)
         return list(outs)
 
-    def _launch(self, args):
-        for phase in self.phases:
-            kernel = self.compiled.get(phase)
-            if kernel is None or _hooks_set():
-                kernel = scan_kernel[self.grid](*args, PHASE=phase, **self.meta)
-                if hasattr(kernel, "packed_metadata"):  # compiled (not the interpreter)
-                    self.compiled[phase] = kernel
-                    self.tails[phase] = tuple(dict(self.meta, PHASE=phase)[name]
-                                              for name in _ARG_NAMES[len(args):])
-                continue
-            # Launch the compiled kernel directly: what JITFunction.run does once it has found
-            # the kernel in its cache, minus re-deriving the specialization key from the
-            # arguments (the plan's signature fixes it, pointer alignment included).
-            kernel.run(self.grid[0], self.grid[1], 1, _stream(self.device_index), kernel.function,
-                       kernel.packed_metadata, None, None, None, *args, *self.tails[phase])
+    def _launch(self, ptrs, outs, init, scalars):
+        stream = _stream(self.device_index) if self.device.type == "cuda" else None
+        state = self.states.get(stream)
+        if state is None:
+            # Zeroed once; the kernel tags what it writes with its launch number (scan.py).
+            state = self.states[stream] = torch.zeros(self.state_size, dtype=torch.int64,
+                                                      device=self.device)
+        args = (ptrs, *self.in_strides, outs, *self.out_strides, init, *self.init_strides,
+                state, scalars, *self.ints)
+        kernel = self.compiled
+        if kernel is None:
+            kernel = scan_kernel[self.grid](*args, **self.meta)
+            if hasattr(kernel, "packed_metadata"):  # compiled (not the interpreter)
+                self.compiled = kernel
+                self.tail = tuple(self.meta[name] for name in _ARG_NAMES[len(args):])
+            return
+        # Launch the compiled kernel directly: what JITFunction.run does once it has found the
+        # kernel in its cache, minus re-deriving the specialization key from the arguments (the
+        # plan's signature fixes it, pointer alignment included). Launch hooks (profilers) are
+        # honoured as JITFunction.run honours them.
+        enter, leave = _launch_hooks()
+        meta = (kernel.launch_metadata(self.grid + (1,), stream, *args, *self.tail)
+                if enter is not None else None)
+        kernel.run(self.grid[0], self.grid[1], 1, stream, kernel.function, kernel.packed_metadata,
+                   meta, enter, leave, *args, *self.tail)
 
 
-def _hooks_set() -> bool:
+def _launch_hooks():
+    """Triton's launch hooks (profilers), None when none is installed."""
     knobs = getattr(triton, "knobs", None)
-    return knobs is not None and (knobs.runtime.launch_enter_hook is not None
-                                  or knobs.runtime.launch_exit_hook is not None)
+    if knobs is None:
+        return None, None
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    # Newer Triton keeps a (possibly empty) chain of hooks rather than None.
+    return tuple(None if h is None or getattr(h, "calls", True) == [] else h for h in hooks)
 
 
 def _stream(device_index: int):
