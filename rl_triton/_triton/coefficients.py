@@ -1,6 +1,6 @@
 """Per-estimator coefficient builders and output writers for `scan.scan_kernel`.
 
-A builder `*_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params, HAS_TRUNC, HAS_NEXT,
+A builder `*_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params, HAS_TRUNC, HAS_NEXT,
 HAS_LAST, VARIANT, BLOCK_A)` loads an estimator's raw inputs for one tile and returns
 `(alpha, beta, aux)`; a writer `*_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux,
 params, VARIANT)` turns the scanned tile into the outputs. The input slot numbers below are the
@@ -24,7 +24,7 @@ ALPHA, BETA = _c(0), _c(1)
 
 
 @triton.jit
-def gae_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params, HAS_TRUNC: tl.constexpr,
+def gae_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params, HAS_TRUNC: tl.constexpr,
              HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr, VARIANT: tl.constexpr,
              BLOCK_A: tl.constexpr):
     gamma = params[0]
@@ -32,7 +32,7 @@ def gae_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params, HAS_TRUNC: 
     r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
     v = load_step(ins, st, s1, s2, V, t, b1, b2, mask)
     term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
-    v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, T, True, HAS_NEXT,
+    v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, end_rows, T, True, HAS_NEXT,
                           HAS_LAST, False)
     alpha = r + tl.where(term, 0.0, gamma * v_succ) - v
     beta = tl.where(cut, 0.0, gamma * lam)
@@ -47,14 +47,14 @@ def gae_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
 
 
 @triton.jit
-def lambda_returns_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params,
+def lambda_returns_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
                         HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
                         VARIANT: tl.constexpr, BLOCK_A: tl.constexpr):
     gamma = params[0]
     lam = params[1]
     r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
     term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
-    v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, T, True, HAS_NEXT,
+    v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, end_rows, T, True, HAS_NEXT,
                           HAS_LAST, False)
     keep = tl.where(cut, 0.0, lam)
     alpha = r + tl.where(term, 0.0, gamma * (1.0 - keep) * v_succ)
@@ -63,14 +63,14 @@ def lambda_returns_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params,
 
 
 @triton.jit
-def discounted_returns_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params,
+def discounted_returns_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
                             HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr,
                             HAS_LAST: tl.constexpr, VARIANT: tl.constexpr,
                             BLOCK_A: tl.constexpr):
     gamma = params[0]
     r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
     term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
-    v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, T, False, HAS_NEXT,
+    v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, end_rows, T, False, HAS_NEXT,
                           HAS_LAST, False)
     alpha = r + tl.where(term, 0.0, tl.where(cut, gamma * v_succ, 0.0))
     beta = tl.where(cut, 0.0, gamma)
@@ -84,7 +84,7 @@ def single_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, param
 
 
 @triton.jit
-def vtrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params, HAS_TRUNC: tl.constexpr,
+def vtrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params, HAS_TRUNC: tl.constexpr,
                 HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr, VARIANT: tl.constexpr,
                 BLOCK_A: tl.constexpr):
     gamma = params[0]
@@ -94,7 +94,7 @@ def vtrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params, HAS_TRUN
     r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
     v = load_step(ins, st, s1, s2, V, t, b1, b2, mask)
     term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
-    v_succ, v_slot_next = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, T, True,
+    v_succ, v_slot_next = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, end_rows, T, True,
                                     HAS_NEXT, HAS_LAST, True)
     ratio = tl.exp(load_step(ins, st, s1, s2, TARGET_LP, t, b1, b2, mask)
                    - load_step(ins, st, s1, s2, BEHAVIOR_LP, t, b1, b2, mask))
@@ -120,13 +120,7 @@ def vtrace_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, param
 
 
 @triton.jit
-def mask_b_of(mask):
-    """[1, BLOCK_B]: the rows of a [BLOCK_T, BLOCK_B] mask that hold any step."""
-    return tl.max(mask.to(tl.int32), axis=0)[None, :] != 0
-
-
-@triton.jit
-def retrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params, HAS_TRUNC: tl.constexpr,
+def retrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params, HAS_TRUNC: tl.constexpr,
                  HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr, VARIANT: tl.constexpr,
                  BLOCK_A: tl.constexpr):
     gamma = params[0]
@@ -136,32 +130,28 @@ def retrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params, HAS_TRU
     term, cut = cut_flags(ins, st, s1, s2, RT_TERM, RT_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
     inside = mask & (t + 1 < T)  # slot t+1 is in the window
 
-    # Slot t+1's action a_{t+1}, and its rows Q(s_{t+1}, .) and pi(.|s_{t+1}), walked in blocks
-    # of BLOCK_A actions: E[t] = sum_a pi(a|s_{t+1}) Q(s_{t+1}, a), and the entries of a_{t+1}
-    # picked from the same registers (no second read).
-    a_next = tl.load(ins[RT_ACT] + offsets(t + 1, b1, b2, st[RT_ACT], s1[RT_ACT], s2[RT_ACT]),
-                     mask=inside, other=0)
-    q_row = offsets(t + 1, b1, b2, st[RT_Q], s1[RT_Q], s2[RT_Q])[:, :, None]
-    pi_row = offsets(t + 1, b1, b2, st[RT_PI], s1[RT_PI], s2[RT_PI])[:, :, None]
+    # E[t] = sum_a pi(a|s_{t+1}) Q(s_{t+1}, a) over slot t+1's rows, walked in blocks of BLOCK_A
+    # actions; then the entries of a_{t+1}, gathered from the rows just read (cache hits).
+    q_row = offsets(t + 1, b1, b2, st[RT_Q], s1[RT_Q], s2[RT_Q])
+    pi_row = offsets(t + 1, b1, b2, st[RT_PI], s1[RT_PI], s2[RT_PI])
     expected = tl.zeros(mask.shape, tl.float32)
-    q_a_next = tl.zeros(mask.shape, tl.float32)
-    pi_a_next = tl.zeros(mask.shape, tl.float32)
     for a0 in range(0, n_act, BLOCK_A):
         a = a0 + tl.arange(0, BLOCK_A)[None, None, :]
         in_a = inside[:, :, None] & (a < n_act)
-        q = load_value(ins[RT_Q], q_row + a * sa[RT_Q], in_a)
-        p = load_value(ins[RT_PI], pi_row + a * sa[RT_PI], in_a)
+        q = load_value(ins[RT_Q], q_row[:, :, None] + a * sa[RT_Q], in_a)
+        p = load_value(ins[RT_PI], pi_row[:, :, None] + a * sa[RT_PI], in_a)
         expected += tl.sum(q * p, axis=2)
-        taken = a == a_next[:, :, None]
-        q_a_next += tl.sum(tl.where(taken, q, 0.0), axis=2)
-        pi_a_next += tl.sum(tl.where(taken, p, 0.0), axis=2)
+    a_next = tl.load(ins[RT_ACT] + offsets(t + 1, b1, b2, st[RT_ACT], s1[RT_ACT], s2[RT_ACT]),
+                     mask=inside, other=0)
+    q_a_next = load_value(ins[RT_Q], q_row + a_next * sa[RT_Q], inside)
+    pi_a_next = load_value(ins[RT_PI], pi_row + a_next * sa[RT_PI], inside)
     mu_next = tl.where(inside, load_step(ins, st, s1, s2, RT_MU, t + 1, b1, b2, inside), 1.0)
     c_next = lam * tl.minimum(pi_a_next / mu_next, c_clip)
 
     # At t = T-1, E comes from the bootstrap state s_T: read by the tile that holds T-1 only.
     # (The bootstrap tensors have a zero time stride: one row per batch entry.)
-    if tl.max(t) >= T - 1:
-        last = mask_b_of(mask)
+    if tl.max(end_rows.to(tl.int32)) != 0:
+        last = end_rows
         lq_row = offsets(0, b1, b2, st[RT_LAST_Q], s1[RT_LAST_Q], s2[RT_LAST_Q])[:, :, None]
         lpi_row = offsets(0, b1, b2, st[RT_LAST_PI], s1[RT_LAST_PI],
                           s2[RT_LAST_PI])[:, :, None]
@@ -194,7 +184,7 @@ def retrace_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, para
 
 
 @triton.jit
-def forward_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params, HAS_TRUNC: tl.constexpr,
+def forward_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params, HAS_TRUNC: tl.constexpr,
                  HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr, VARIANT: tl.constexpr,
                  BLOCK_A: tl.constexpr):
     """Eligibility traces and episodic prefix sums: A[t] = x[t] + keep * (1 - done[t-1]) * A[t-1]."""
@@ -206,7 +196,7 @@ def forward_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params, HAS_TRU
 
 
 @triton.jit
-def linear_scan_coef(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, params,
+def linear_scan_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
                      HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
                      VARIANT: tl.constexpr, BLOCK_A: tl.constexpr):
     return (load_step(ins, st, s1, s2, ALPHA, t, b1, b2, mask),

@@ -9,7 +9,8 @@ split into tiles that run in parallel and find their carries by look-back (`scan
   the scan along time, which crosses threads, stays small);
 - when the tiles would not give `MIN_PROGRAMS_PER_SM` programs per multiprocessor, they shrink (down
   to `MIN_TILE_ELEMENTS`): small problems are latency-bound, and more programs hide the latency;
-- `ELEMENTS_PER_THREAD` values per thread set the warps.
+- `ELEMENTS_PER_THREAD(_TIME_MAJOR)` values per thread set the warps;
+- the look-back reads `window` tiles per step (at least `WINDOW`, more for narrow tiles).
 docs/benchmarks.md has the measurements behind the numbers.
 """
 from __future__ import annotations
@@ -26,9 +27,11 @@ MIN_PROGRAMS_PER_SM = 4
 MAX_ACTION_BLOCK = 32  # Retrace walks the action axis in blocks of at most this many actions
 MIN_BLOCK_T = 16
 MAX_ROWS_TIME_MAJOR = 64
-ELEMENTS_PER_THREAD = 16
+ELEMENTS_PER_THREAD = 8  # batch-major tiles: the scan runs along each thread's own values
+ELEMENTS_PER_THREAD_TIME_MAJOR = 16  # time-major: the scan crosses threads; fewer is slower
+ELEMENTS_PER_THREAD_ACTIONS = 32  # Retrace: steps x actions; more warps were slower
 MAX_WARPS = 8
-WINDOW = 16  # tiles read per step of the look-back
+WINDOW = 16  # tiles read at least per step of the look-back (more for narrow tiles, `window`)
 
 
 @dataclass(frozen=True)
@@ -97,8 +100,20 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
         if tiles >= target or elements // 2 < MIN_TILE_ELEMENTS:
             break
         elements //= 2
-    warps = block_t * block_b * per_step // (32 * ELEMENTS_PER_THREAD)
+    per_thread = (ELEMENTS_PER_THREAD_ACTIONS if n_act else ELEMENTS_PER_THREAD if time_contiguous
+                  else ELEMENTS_PER_THREAD_TIME_MAJOR)
+    warps = block_t * block_b * per_step // (32 * per_thread)
     cfg = TileConfig(block_t, block_b, min(MAX_WARPS, _pow2(max(1, warps))))
     if _overrides:
         cfg = replace(cfg, **_overrides)
-    return cfg
+    return replace(cfg, window=window(cfg.window, cfg.block_b, cfg.num_warps, device))
+
+
+def window(least: int, block_b: int, num_warps: int, device: torch.device) -> int:
+    """Tiles read per step of the look-back: on a GPU, enough that the window's words
+    (window x block_b) outnumber the program's threads x 4, so that no word is held by two
+    threads (each would read it at its own moment; scan.look_back depends on one reading).
+    The interpreter runs one thread: any window, which lets the tests walk long look-backs."""
+    if device.type != "cuda":
+        return least
+    return max(least, _pow2(-(-4 * 32 * num_warps // block_b)))

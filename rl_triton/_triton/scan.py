@@ -13,11 +13,12 @@ it, `WINDOW` at a time, until the composition no longer depends on anything earl
 already knows its carry publishes its outgoing value, a constant map; a step with beta = 0, a
 termination, also cuts the dependence), and publishes its own outgoing value in turn.
 
-Tiles take a ticket from a counter in `state` so that a tile's predecessors have always started
-(no deadlock whatever order the hardware schedules programs in); the counter also numbers the
-launches, so every published word carries its launch's tag and stale words from an earlier launch
-are never mistaken for current ones. The counter is never reset: the scratch can be reused by
-every later launch of the same plan on the same stream, CUDA graph replays included.
+A tile's predecessors have lower program ids, and the GPU starts programs in the order of their
+ids, so a waiting tile never waits for one that cannot start (the scheme of CUB's single-pass
+scan). `state` holds the launch number, which tags every published word so that stale words from
+an earlier launch are never taken for current ones, and a count of finished tiles; the last tile
+to finish moves the launch number on. Nothing is reset from the host: the scratch serves every
+later launch of the same plan on the same stream, CUDA graph replays included.
 
 Every tensor is addressed as `ptr + t * st + b1 * s1 + b2 * s2`, where the flattened row index b
 splits as (b // B2, b % B2): two strides describe any layout whose batch axes fall into two
@@ -78,7 +79,7 @@ def cut_flags(ins, st, s1, s2, TERM: tl.constexpr, TRUNC: tl.constexpr, t, b1, b
 
 @triton.jit
 def successor(ins, st, s1, s2, V: tl.constexpr, NV: tl.constexpr, LV: tl.constexpr, t, b1, b2,
-              mask, T, HAS_VALUES: tl.constexpr, HAS_NEXT: tl.constexpr,
+              mask, end_rows, T, HAS_VALUES: tl.constexpr, HAS_NEXT: tl.constexpr,
               HAS_LAST: tl.constexpr, NEED_SLOT_NEXT: tl.constexpr):
     """(v'[t], values[t+1]): the successor value, and the value in slot t+1 (0 past the end).
 
@@ -95,21 +96,31 @@ def successor(ins, st, s1, s2, V: tl.constexpr, NV: tl.constexpr, LV: tl.constex
     else:
         v_succ = slot_next
         if HAS_LAST:
-            # Bootstrap tensors have a zero time stride: one row, read at t = T-1 only.
-            last = load_step(ins, st, s1, s2, LV, t, b1, b2, mask & (t == T - 1))
+            # Bootstrap tensors have a zero time stride: read one row, in the tile holding T-1.
+            last = load_value(ins[LV], offsets(0, b1, b2, st[LV], s1[LV], s2[LV]), end_rows)
             v_succ = tl.where(t == T - 1, last, v_succ)
     return v_succ, slot_next
 
 
 @triton.jit
-def edge_row(x, REVERSE: tl.constexpr, BLOCK_T: tl.constexpr):
-    """The row of a [BLOCK_T, BLOCK_B] scan result that holds the whole tile's composition."""
-    rows = tl.arange(0, BLOCK_T)[:, None]
-    if REVERSE:
-        edge = 0
+def spread(x, AXIS: tl.constexpr):
+    """A vector laid along axis AXIS of a 2-D tile."""
+    if AXIS == 0:
+        return x[:, None]
     else:
-        edge = BLOCK_T - 1
-    return tl.sum(tl.where(rows == edge, x, 0.0), axis=0)
+        return x[None, :]
+
+
+@triton.jit
+def edge(x, TIME_AXIS: tl.constexpr, BLOCK_T: tl.constexpr, FIRST: tl.constexpr):
+    """The slice of a scanned tile that holds the whole tile's composition (kept 2-D): the
+    last one, or the first after a reverse scan."""
+    pos = spread(tl.arange(0, BLOCK_T), TIME_AXIS)
+    if FIRST:
+        at = 0
+    else:
+        at = BLOCK_T - 1
+    return tl.sum(tl.where(pos == at, x, 0.0), axis=TIME_AXIS, keep_dims=True)
 
 
 @triton.jit
@@ -131,22 +142,28 @@ def word_tag(word):
 
 @triton.jit
 def look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry_in,
-              WINDOW: tl.constexpr):
-    """The carry into tile `k` (position `order` > 0 along its rows' time axis, in scan order).
+              TIME_AXIS: tl.constexpr, WINDOW: tl.constexpr, BLOCK_B: tl.constexpr):
+    """The carry into a tile at position `order` > 0 along its rows' time axis (scan order).
 
-    Reads the words of the tiles at positions order-1, order-2, ... (WINDOW per pass, oldest
-    first), each an aggregate map (tag + 1) or an outgoing value (tag + 2, a constant map), and
-    composes them until every live row's map is constant. Position -1 is the initial carry.
+    Reads the words of the tiles at positions order-1, order-2, ... (WINDOW per pass, laid along
+    the tile's time axis, oldest first), each an aggregate map (tag + 1) or an outgoing value
+    (tag + 2, a constant map), and composes them until every live row's map is constant.
+    Position -1 is the initial carry. `r`, `live` and `carry_in` are laid along the row axis.
+
+    The window must hold at least as many words as the program has threads x 4 (`config.window`):
+    a smaller tensor is replicated across threads, each replica read at its own moment, and
+    threads that saw different words would leave this loop at different iterations (the GPU
+    test of long rows caught wrong results that way).
     """
     acc_a = tl.zeros(carry_in.shape, tl.float32)
     acc_b = tl.full(carry_in.shape, 1.0, tl.float32)
     hi = order - 1
-    w = tl.arange(0, WINDOW)[:, None]
+    w = spread(tl.arange(0, WINDOW), TIME_AXIS)
     busy = order > 0
     while busy:
-        j = hi - (WINDOW - 1) + w  # [WINDOW, 1], oldest first
-        real = (j >= 0) & live[None, :]
-        slot = (j * n_row_tiles + pid_b) * r.shape[0] + r[None, :]
+        j = hi - (WINDOW - 1) + w  # oldest first
+        real = (j >= 0) & live
+        slot = (j * n_row_tiles + pid_b) * BLOCK_B + r
         ta = tl.load(words_a + slot, mask=real, other=0, volatile=True)
         constant = word_tag(ta) == tag + 2
         need_b = real & (word_tag(ta) == tag + 1)
@@ -154,95 +171,104 @@ def look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry_i
         # every word of the window must carry this launch's tag, else read it again
         ready = tl.where(real, constant | (word_tag(tb) == tag + 1), 1)
         if tl.min(ready.to(tl.int32)) != 0:
-            ma = tl.where(real, word_value(ta), tl.where(j == -1, carry_in[None, :], 0.0))
+            ma = tl.where(real, word_value(ta), tl.where(j == -1, carry_in, 0.0))
             mb = tl.where(real, tl.where(constant, 0.0, word_value(tb)),
                           tl.where(j == -1, 0.0, 1.0))
-            ca, cb = tl.associative_scan((ma, mb), 0, combine)
+            ca, cb = tl.associative_scan((ma, mb), TIME_AXIS, combine)
             # the tiles read so far (acc) come after this window in scan order
-            acc_a = acc_a + acc_b * tl.sum(tl.where(w == WINDOW - 1, ca, 0.0), axis=0)
-            acc_b = acc_b * tl.sum(tl.where(w == WINDOW - 1, cb, 0.0), axis=0)
+            acc_a = acc_a + acc_b * edge(ca, TIME_AXIS, WINDOW, False)
+            acc_b = acc_b * edge(cb, TIME_AXIS, WINDOW, False)
             hi -= WINDOW
             busy = tl.max(tl.where(live, acc_b != 0.0, False).to(tl.int32)) != 0
     return acc_a
 
 
-@triton.jit
+# n_row_tiles is never specialized: as the stride between a look-back window's words it must not
+# look contiguous to the compiler, or the window's loads are vectorized (see `config.window`).
+@triton.jit(do_not_specialize=["n_row_tiles"])
 def scan_kernel(
     ins, st, s1, s2, sa,  # input slots: pointers, time / batch-1 / batch-2 / action strides
     outs, ost, os1, os2,  # outputs likewise
     init, init_s1, init_s2,  # the initial carry A[T] (reverse) or A[-1] (forward)
-    state,  # int64 scratch of the look-back: [ticket counter, words_a..., words_b...]
+    state,  # int64 look-back scratch: [launch number, finished tiles, words_a..., words_b...]
     scalars,  # the estimator's float scalars (gamma, lambda, clips): runtime values
     T, B, B2, n_act, n_row_tiles, n_chunks,
     COEF: tl.constexpr, STORE: tl.constexpr, REVERSE: tl.constexpr, EXCLUSIVE: tl.constexpr,
     HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
     HAS_INIT: tl.constexpr, VARIANT: tl.constexpr, LOOKBACK: tl.constexpr,
-    WINDOW: tl.constexpr, INT64: tl.constexpr,
+    WINDOW: tl.constexpr, TIME_AXIS: tl.constexpr, INT64: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_A: tl.constexpr,
 ):
+    k = tl.program_id(0)
+    order = k // n_row_tiles  # tiles before this one in scan order, along its rows
+    pid_b = k % n_row_tiles
     if LOOKBACK:
         n_tiles = n_row_tiles * n_chunks
-        ticket = tl.atomic_add(state, 1)  # int64: the launch count times n_tiles, plus k
-        k = (ticket % n_tiles).to(tl.int32)
-        tag = ((ticket // n_tiles) % (1 << 29)).to(tl.int32) * 2  # words: tag+1 map, tag+2 value
-        order = k // n_row_tiles  # tiles before this one in scan order, along its rows
-        pid_b = k % n_row_tiles
-    else:
-        k = tl.program_id(0)
-        order = 0
-        pid_b = k
+        # the launch number: tags this launch's words (state[1] counts finished tiles)
+        tag = (tl.load(state, volatile=True) % (1 << 29)).to(tl.int32) * 2  # +1 map, +2 value
     if REVERSE:
         chunk = n_chunks - 1 - order
     else:
         chunk = order
-    r = tl.arange(0, BLOCK_B)
+    # The tile is [BLOCK_T, BLOCK_B] (TIME_AXIS 0) or [BLOCK_B, BLOCK_T] (TIME_AXIS 1): its last
+    # axis follows the contiguous axis of memory, as Triton's default layouts expect.
+    r = spread(tl.arange(0, BLOCK_B), 1 - TIME_AXIS)
     b = pid_b * BLOCK_B + r
     mask_b = b < B
     if INT64:
         b = b.to(tl.int64)
-    b1 = (b // B2)[None, :]
-    b2 = (b % B2)[None, :]
-    t = chunk * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+    b1 = b // B2
+    b2 = b % B2
+    # (Loading the steps in decreasing t and scanning forward saves shuffles but costs vectorized
+    # loads and registers: slower on the H200, docs/benchmarks.md.)
+    t = chunk * BLOCK_T + spread(tl.arange(0, BLOCK_T), TIME_AXIS)
     if INT64:
         t = t.to(tl.int64)
-    mask = (t < T) & mask_b[None, :]
+    mask = (t < T) & mask_b
 
-    alpha, beta, aux = COEF(ins, st, s1, s2, sa, t, b1, b2, mask, T, n_act, scalars,
+    # the rows whose step T-1 (the bootstrap step) is in this tile
+    end_rows = tl.where(chunk == n_chunks - 1, mask_b, False)
+    alpha, beta, aux = COEF(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, scalars,
                             HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A)
     # Padding steps are the identity map: they pass the carry through unchanged.
     alpha = tl.where(mask, alpha, 0.0)
     beta = tl.where(mask, beta, 1.0)
     if EXCLUSIVE:
         a, bb, ea, eb = tl.associative_scan(
-            (alpha, beta, tl.zeros_like(alpha), tl.full(alpha.shape, 1.0, tl.float32)), 0,
-            combine_with_exclusive, reverse=REVERSE)
+            (alpha, beta, tl.zeros_like(alpha), tl.full(alpha.shape, 1.0, tl.float32)),
+            TIME_AXIS, combine_with_exclusive, reverse=REVERSE)
     else:
-        a, bb = tl.associative_scan((alpha, beta), 0, combine, reverse=REVERSE)
+        a, bb = tl.associative_scan((alpha, beta), TIME_AXIS, combine,
+                                    reverse=REVERSE)
 
-    carry = tl.zeros((BLOCK_B,), tl.float32)
+    carry = tl.zeros(r.shape, tl.float32)
     if HAS_INIT:
-        carry = load_value(init, b1 * init_s1 + b2 * init_s2, mask_b[None, :]).reshape((BLOCK_B,))
+        carry = load_value(init, b1 * init_s1 + b2 * init_s2, mask_b)
     if LOOKBACK:
-        agg_a = edge_row(a, REVERSE, BLOCK_T)
-        agg_b = edge_row(bb, REVERSE, BLOCK_T)
-        n_words = n_tiles * BLOCK_B
-        words_a = state + 1
-        words_b = state + 1 + n_words
+        agg_a = edge(a, TIME_AXIS, BLOCK_T, REVERSE)
+        agg_b = edge(bb, TIME_AXIS, BLOCK_T, REVERSE)
+        words_a = state + 2
+        words_b = state + 2 + n_tiles * BLOCK_B
         slot = k * BLOCK_B + r
         if order > 0:
             tl.atomic_xchg(words_a + slot, pack(agg_a, tag + 1), sem="relaxed")
             tl.atomic_xchg(words_b + slot, pack(agg_b, tag + 1), sem="relaxed")
             carry = look_back(words_a, words_b, pid_b, order, n_row_tiles, r, mask_b, tag, carry,
-                              WINDOW)
+                              TIME_AXIS, WINDOW, BLOCK_B)
         if order < n_chunks - 1:
             tl.atomic_xchg(words_a + slot, pack(agg_a + agg_b * carry, tag + 2), sem="relaxed")
 
-    res = a + bb * carry[None, :]
+    res = a + bb * carry
     if EXCLUSIVE:
-        res_prev = ea + eb * carry[None, :]
+        res_prev = ea + eb * carry
     else:
         res_prev = res
     STORE(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, scalars, VARIANT)
+    if LOOKBACK:
+        # The last tile to finish moves the launch number on (every tile has read it by then).
+        if tl.atomic_add(state + 1, 1) == n_tiles - 1:
+            tl.store(state + 1, 0)
+            tl.atomic_add(state, 1)
 
 
 @triton.jit
