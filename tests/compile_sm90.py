@@ -1,0 +1,98 @@
+"""Compile every kernel variant for an H100/H200 (sm_90) with the installed Triton, on a machine
+without a GPU: `python tests/compile_sm90.py` prints one line per variant and exits non-zero if
+any fails to compile. Triton's interpreter, which runs the other tests on the CPU, never runs the
+compiler, and compiler failures (a crashing layout pass, a construct one Triton version rejects)
+would otherwise first show on the GPU. Run by tests/test_compile.py, without TRITON_INTERPRET."""
+import os
+import sys
+import time
+
+assert os.environ.get("TRITON_INTERPRET") != "1", "compiles for the GPU: run without the interpreter"
+
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, compile  # noqa: E402
+from triton.compiler import make_backend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from cases import make_case  # noqa: E402
+from rl_triton import estimators  # noqa: E402
+from rl_triton._triton import config, ops, scan  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def plan_of(case, layout):
+    """The launch plan the call would run, built on CPU tensors (the launch intercepted)."""
+    seen = {}
+
+    def intercept(plan, tensors, scalars):
+        seen["plan"], seen["args"] = plan, (tensors, scalars)
+        return [torch.empty(plan.out_shape, dtype=plan.out_dtype) for _ in range(plan.n_out)]
+
+    run, os.environ["TRITON_INTERPRET"] = ops.Launch.run, "1"  # lets backend="triton" take CPU
+    ops.Launch.run = intercept
+    try:
+        estimators._PLANS.clear()
+        case.call(layout, backend="triton")
+    finally:
+        ops.Launch.run = run
+        del os.environ["TRITON_INTERPRET"]
+    return seen["plan"], seen["args"]
+
+
+def compile_plan(plan, tensors, scalars):
+    """What JITFunction.run does before it launches, for TARGET instead of the current GPU."""
+    fn = scan.scan_kernel
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    outs = tuple(torch.empty(plan.out_shape, dtype=plan.out_dtype) for _ in range(plan.n_out))
+    ptrs = tuple(outs[0] if i is None else tensors[i] for i in plan.src)
+    init = outs[0] if plan.init_src is None else tensors[plan.init_src]
+    state = torch.zeros(plan.state_size, dtype=torch.int64)
+    args = (ptrs, *plan.in_strides, outs, *plan.out_strides, init, *plan.init_strides, state,
+            scalars, *plan.ints)
+    kwargs = dict(plan.meta, debug=False)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization,
+                                                          options)
+    return compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET,
+                   options=options.__dict__)
+
+
+def variants():
+    """(label, case, layout): every estimator, both layouts, one tile per row and look-back,
+    bf16 inputs, every optional input."""
+    for name in ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
+                 "eligibility_traces", "episodic_cumsum", "linear_scan_reverse"]:
+        for T, n in [(4096, 4), (16, 64)]:
+            for layout in ("time-major", "batch-major"):
+                yield f"{name} T={T} N={n} {layout}", make_case(name, T, (n,), n_act=18), layout
+    yield "gae next_values", make_case("gae", 4096, (4,), bootstrap="next_values"), "time-major"
+    yield "gae bf16, no truncation", make_case("gae", 4096, (4,), dtype=torch.bfloat16,
+                                               trunc=False), "batch-major"
+    case = make_case("retrace", 4096, (4,), n_act=40)
+    case.extra["return_advantages"] = False
+    yield "retrace, 40 actions, no advantages", case, "batch-major"
+    yield "eligibility traces of vectors", make_case("eligibility_traces", 4096, (4,),
+                                                     features=(3,)), "time-major"
+
+
+def main():
+    config._multiprocessors = lambda device: 132  # choose tiles as for an H200
+    failed = 0
+    for label, case, layout in variants():
+        t0 = time.time()
+        try:
+            plan, (tensors, scalars) = plan_of(case, layout)
+            compile_plan(plan, tensors, scalars)
+            print(f"ok      {label} ({time.time() - t0:.1f} s)", flush=True)
+        except Exception as e:  # noqa: BLE001 - report every failure, then fail
+            failed += 1
+            print(f"FAILED  {label}: {type(e).__name__}: {str(e)[-400:]}", flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
