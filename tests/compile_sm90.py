@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-assert os.environ.get("TRITON_INTERPRET") != "1", "compiles for the GPU: run without the interpreter"
+assert os.environ.get("TRITON_INTERPRET") != "1", "run without TRITON_INTERPRET"
 
 import torch  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402

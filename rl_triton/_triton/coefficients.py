@@ -1,7 +1,7 @@
 """Per-estimator coefficient builders and output writers for `scan.scan_kernel`.
 
-A builder `*_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params, HAS_TRUNC, HAS_NEXT,
-HAS_LAST, VARIANT, BLOCK_A)` loads an estimator's raw inputs for one tile and returns
+A builder `*_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params, HAS_TRUNC,
+HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A)` loads an estimator's raw inputs for one tile and returns
 `(alpha, beta, aux)`; a writer `*_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux,
 params, VARIANT)` turns the scanned tile into the outputs. The input slot numbers below are the
 order in which `rl_triton._triton.ops` passes the tensors.
@@ -24,16 +24,16 @@ ALPHA, BETA = _c(0), _c(1)
 
 
 @triton.jit
-def gae_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params, HAS_TRUNC: tl.constexpr,
-             HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr, VARIANT: tl.constexpr,
-             BLOCK_A: tl.constexpr):
+def gae_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+             HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+             VARIANT: tl.constexpr, BLOCK_A: tl.constexpr):
     gamma = params[0]
     lam = params[1]
     r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
     v = load_step(ins, st, s1, s2, V, t, b1, b2, mask)
     term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
-    v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, end_rows, T, True, HAS_NEXT,
-                          HAS_LAST, False)
+    v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, end_rows, T,
+                          True, HAS_NEXT, HAS_LAST, False)
     alpha = r + tl.where(term, 0.0, gamma * v_succ) - v
     beta = tl.where(cut, 0.0, gamma * lam)
     return alpha, beta, v
@@ -54,8 +54,8 @@ def lambda_returns_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act
     lam = params[1]
     r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
     term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
-    v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, end_rows, T, True, HAS_NEXT,
-                          HAS_LAST, False)
+    v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, end_rows, T,
+                          True, HAS_NEXT, HAS_LAST, False)
     keep = tl.where(cut, 0.0, lam)
     alpha = r + tl.where(term, 0.0, gamma * (1.0 - keep) * v_succ)
     beta = gamma * keep  # keep is 0 at terminations (cut includes them)
@@ -70,8 +70,8 @@ def discounted_returns_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n
     gamma = params[0]
     r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
     term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
-    v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, end_rows, T, False, HAS_NEXT,
-                          HAS_LAST, False)
+    v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, end_rows, T,
+                          False, HAS_NEXT, HAS_LAST, False)
     alpha = r + tl.where(term, 0.0, tl.where(cut, gamma * v_succ, 0.0))
     beta = tl.where(cut, 0.0, gamma)
     return alpha, beta, 0.0
@@ -84,9 +84,9 @@ def single_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, param
 
 
 @triton.jit
-def vtrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params, HAS_TRUNC: tl.constexpr,
-                HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr, VARIANT: tl.constexpr,
-                BLOCK_A: tl.constexpr):
+def vtrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+                HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+                VARIANT: tl.constexpr, BLOCK_A: tl.constexpr):
     gamma = params[0]
     lam = params[1]
     rho_clip = params[2]
@@ -94,8 +94,8 @@ def vtrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params
     r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
     v = load_step(ins, st, s1, s2, V, t, b1, b2, mask)
     term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
-    v_succ, v_slot_next = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, end_rows, T, True,
-                                    HAS_NEXT, HAS_LAST, True)
+    v_succ, v_slot_next = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask,
+                                    end_rows, T, True, HAS_NEXT, HAS_LAST, True)
     ratio = tl.exp(load_step(ins, st, s1, s2, TARGET_LP, t, b1, b2, mask)
                    - load_step(ins, st, s1, s2, BEHAVIOR_LP, t, b1, b2, mask))
     target = r + tl.where(term, 0.0, gamma * v_succ)
@@ -120,9 +120,9 @@ def vtrace_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, param
 
 
 @triton.jit
-def retrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params, HAS_TRUNC: tl.constexpr,
-                 HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr, VARIANT: tl.constexpr,
-                 BLOCK_A: tl.constexpr):
+def retrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+                 HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+                 VARIANT: tl.constexpr, BLOCK_A: tl.constexpr):
     gamma = params[0]
     lam = params[1]
     c_clip = params[2]
@@ -184,10 +184,11 @@ def retrace_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, para
 
 
 @triton.jit
-def forward_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params, HAS_TRUNC: tl.constexpr,
-                 HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr, VARIANT: tl.constexpr,
-                 BLOCK_A: tl.constexpr):
-    """Eligibility traces and episodic prefix sums: A[t] = x[t] + keep * (1 - done[t-1]) * A[t-1]."""
+def forward_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+                 HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+                 VARIANT: tl.constexpr, BLOCK_A: tl.constexpr):
+    """Eligibility traces and episodic prefix sums:
+    A[t] = x[t] + keep * (1 - done[t-1]) * A[t-1]."""
     keep = params[0]
     x = load_step(ins, st, s1, s2, X, t, b1, b2, mask)
     done_before = load_flag(ins[DONES], offsets(t - 1, b1, b2, st[DONES], s1[DONES], s2[DONES]),
