@@ -65,7 +65,8 @@ def _triton_ops():
 # Launch plans of earlier Triton calls, by signature: every tensor's shape, strides, dtype,
 # device and 16-byte alignment (the compiled kernel's specialization), and the options. A call
 # with a known signature passed the same argument checks before, so it goes straight to the
-# launch (host work: a dict look-up, the output allocations, the kernel launch).
+# launch (host work: a dict look-up, the output allocations, the kernel launch). The custom ops
+# that torch.compile calls keep their plans here too (keys starting with "op:").
 _PLANS: dict = {}
 _MAX_PLANS = 4096
 
@@ -97,10 +98,14 @@ def _triton(name, tensors, options, scalars, make_plan, op_args):
         return list(out) if isinstance(out, tuple) else [out]
     plan, copy = make_plan(ops)
     if copy is None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[_signature(name, tensors, options)] = plan
+        _remember(_signature(name, tensors, options), plan)
     return plan.run(tensors if copy is None else copy(tensors), scalars)
+
+
+def _remember(key, plan):
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
 
 
 def _one_or_tuple(outs):

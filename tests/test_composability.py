@@ -51,3 +51,25 @@ def test_eager_calls_reuse_the_launch_plan(device):
     with pytest.raises(ValueError, match="gamma=2.0"):  # scalars are checked on the fast path
         rl_triton.gae(**case.steps, last_value=case.extra["last_value"], gamma=2.0,
                       backend="triton")
+
+
+def test_compiled_calls_reuse_the_launch_plan(device):
+    """Inside a compiled step the custom op looks its plan up like an eager call: one plan (and
+    one look-back scratch) for every call with one signature."""
+    from rl_triton import estimators
+
+    def step(r, v, term, trunc, lv):
+        adv, ret = rl_triton.gae(r, v, term, trunc, last_value=lv, backend="triton")
+        return adv * 1.0, ret
+
+    torch._dynamo.reset()
+    estimators._PLANS.clear()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for seed in (1, 2):
+        case = make_case("gae", 40, (3,), device=device, seed=seed)
+        s = case.steps
+        got = compiled(s["rewards"], s["values"], s["terminated"], s["truncated"],
+                       case.extra["last_value"])
+        ref = rl_triton.gae(**s, last_value=case.extra["last_value"], backend="loop")
+        assert_close(got, ref, tol=1e-5)
+    assert [key[0] for key in estimators._PLANS] == ["op:gae"]

@@ -81,6 +81,11 @@ class Launch:
     built once serves every later call with the same signature (`run`), skipping argument
     checks and stride analysis: the per-call host work left is output allocation and the launch.
     Slot i of the kernel reads caller tensor `src[i]` (None: unused slot).
+
+    When rows span several tiles the kernel needs a small scratch for its look-back (16 bytes
+    per tile row plus two counters), zeroed once per plan and stream and reused by every later
+    launch there: launches on one stream never overlap. Two CUDA graphs that captured the same
+    call on the same stream share it, and must not be replayed concurrently.
     """
 
     def __init__(self, kernel: Kernel, T: int, bshape: tuple, ins: list, src: list,
@@ -297,16 +302,27 @@ def plan_linear_scan(tensors: tuple, reverse: bool, time_dim: int, out_dtype: to
 
 # ---- the ops: what torch.compile sees --------------------------------------------------------
 
-def _run(plan_and_copy, tensors, scalars):
-    plan, copy = plan_and_copy
-    return plan.run(tensors if copy is None else copy(tensors), scalars)
+def _run(name, build, tensors, scalars, options):
+    """Run the plan `build(tensors)` makes. Plans that read the tensors in place are cached
+    under the call's signature in the same cache as the eager path's (`rl_triton.estimators`),
+    so a compiled step pays a look-up per call, not a plan (nor a new look-back scratch)."""
+    from .. import estimators  # the one plan cache (imported here: it imports this lazily)
+    key = estimators._signature("op:" + name, tensors, options)
+    plan = estimators._PLANS.get(key)
+    if plan is None:
+        plan, copy = build(tensors)
+        if copy is not None:
+            return plan.run(copy(tensors), scalars)
+        estimators._remember(key, plan)
+    return plan.run(tensors, scalars)
 
 
 def gae(rewards: Tensor, values: Tensor, terminated: Tensor, truncated: Optional[Tensor],
         last_value: Optional[Tensor], next_values: Optional[Tensor], gamma: float, lam: float,
         time_dim: int, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     ts = (rewards, values, terminated, truncated, last_value, next_values)
-    adv, ret = _run(plan_value_estimator(GAE, 2, ts, time_dim, out_dtype), ts, (gamma, lam))
+    adv, ret = _run("gae", lambda t: plan_value_estimator(GAE, 2, t, time_dim, out_dtype), ts,
+                    (gamma, lam), (time_dim, out_dtype))
     return adv, ret
 
 
@@ -315,16 +331,18 @@ def lambda_returns(rewards: Tensor, values: Optional[Tensor], terminated: Tensor
                    next_values: Optional[Tensor], gamma: float, lam: float, time_dim: int,
                    out_dtype: torch.dtype) -> Tensor:
     ts = (rewards, values, terminated, truncated, last_value, next_values)
-    return _run(plan_value_estimator(LAMBDA_RETURNS, 1, ts, time_dim, out_dtype), ts,
-                (gamma, lam))[0]
+    return _run("lambda_returns",
+                lambda t: plan_value_estimator(LAMBDA_RETURNS, 1, t, time_dim, out_dtype), ts,
+                (gamma, lam), (time_dim, out_dtype))[0]
 
 
 def discounted_returns(rewards: Tensor, terminated: Tensor, truncated: Optional[Tensor],
                        last_value: Optional[Tensor], next_values: Optional[Tensor], gamma: float,
                        time_dim: int, out_dtype: torch.dtype) -> Tensor:
     ts = (rewards, None, terminated, truncated, last_value, next_values)
-    return _run(plan_value_estimator(DISCOUNTED_RETURNS, 1, ts, time_dim, out_dtype), ts,
-                (gamma,))[0]
+    return _run("discounted_returns",
+                lambda t: plan_value_estimator(DISCOUNTED_RETURNS, 1, t, time_dim, out_dtype), ts,
+                (gamma,), (time_dim, out_dtype))[0]
 
 
 def vtrace(rewards: Tensor, values: Tensor, terminated: Tensor, target_log_probs: Tensor,
@@ -334,8 +352,8 @@ def vtrace(rewards: Tensor, values: Tensor, terminated: Tensor, target_log_probs
            out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     ts = (rewards, values, terminated, truncated, last_value, next_values, target_log_probs,
           behavior_log_probs)
-    vs, pg = _run(plan_value_estimator(VTRACE, 2, ts, time_dim, out_dtype), ts,
-                  (gamma, lam, rho_clip, c_clip, pg_rho_clip))
+    vs, pg = _run("vtrace", lambda t: plan_value_estimator(VTRACE, 2, t, time_dim, out_dtype), ts,
+                  (gamma, lam, rho_clip, c_clip, pg_rho_clip), (time_dim, out_dtype))
     return vs, pg
 
 
@@ -347,8 +365,8 @@ def retrace(rewards: Tensor, q_values: Tensor, actions: Tensor, target_probs: Te
     """(G, G - Q(s_t, a_t)); the second is empty unless return_advantages."""
     ts = (rewards, q_values, actions, target_probs, behavior_probs, terminated, truncated,
           last_q_values, last_target_probs)
-    outs = _run(plan_retrace(ts, return_advantages, time_dim, out_dtype), ts,
-                (gamma, lam, c_clip))
+    outs = _run("retrace", lambda t: plan_retrace(t, return_advantages, time_dim, out_dtype), ts,
+                (gamma, lam, c_clip), (return_advantages, time_dim, out_dtype))
     if not return_advantages:
         outs.append(outs[0].new_empty(0))
     return outs[0], outs[1]
@@ -358,13 +376,15 @@ def forward_scan(x: Tensor, dones: Tensor, initial: Optional[Tensor], keep: floa
                  out_dtype: torch.dtype) -> Tensor:
     """Eligibility traces (keep = gamma * lam) and episodic prefix sums (keep = 1)."""
     ts = (x, dones, initial)
-    return _run(plan_forward_scan(ts, time_dim, out_dtype), ts, (keep,))[0]
+    return _run("forward_scan", lambda t: plan_forward_scan(t, time_dim, out_dtype), ts, (keep,),
+                (time_dim, out_dtype))[0]
 
 
 def linear_scan(alpha: Tensor, beta: Tensor, initial: Optional[Tensor], reverse: bool,
                 time_dim: int, out_dtype: torch.dtype) -> Tensor:
     ts = (alpha, beta, initial)
-    return _run(plan_linear_scan(ts, reverse, time_dim, out_dtype), ts, (0.0,))[0]
+    return _run("linear_scan", lambda t: plan_linear_scan(t, reverse, time_dim, out_dtype), ts,
+                (0.0,), (reverse, time_dim, out_dtype))[0]
 
 
 # ---- registration ----------------------------------------------------------------------------
