@@ -13,6 +13,7 @@ It writes `bench.json`, `bench.md` and `bench.png` into `--out`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -151,6 +152,21 @@ def launch_floor(device):
 
 # ---- the run ---------------------------------------------------------------------------------
 
+TILE_FIELDS = ("block_t", "block_b", "num_warps", "window")
+
+
+def parse_tiles(s):
+    """"block_t=64,num_warps=4" -> {"block_t": 64, "num_warps": 4}"""
+    fields = {}
+    for item in s.split(","):
+        key, _, value = item.partition("=")
+        if key not in TILE_FIELDS or not value.isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(f"{item!r} is not one of "
+                                             f"{'|'.join(TILE_FIELDS)}=<positive int>")
+        fields[key] = int(value)
+    return fields
+
+
 def parse_shape(s):
     n, t = s.lower().split("x")
     return int(n), int(t)
@@ -173,6 +189,10 @@ def main(argv=None):
                         "what was measured")
     p.add_argument("--report", default=None,
                    help="only write bench.md and bench.png into --out from this bench.json")
+    p.add_argument("--tiles", default=None, type=parse_tiles,
+                   help="replace the tile rule for every configuration, e.g. "
+                        "block_t=64,block_b=32,num_warps=4 (for tuning "
+                        "rl_triton/_triton/config.py; fields: %s)" % ", ".join(TILE_FIELDS))
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -196,7 +216,7 @@ def main(argv=None):
     bw = copy_bandwidth(device)
     floor_dev, floor_full = launch_floor(device)
     env.update(copy_bandwidth_gbs=bw / 1e9, launch_floor_device_us=floor_dev,
-               launch_floor_full_us=floor_full)
+               launch_floor_full_us=floor_full, tiles=args.tiles)
     print(f"# {env['gpu']} driver {env['driver']}, torch {env['torch']}, triton "
           f"{env['triton']}: copy {bw / 1e9:.0f} GB/s, launch floor {floor_dev:.1f} us device /"
           f" {floor_full:.1f} us full call", flush=True)
@@ -206,6 +226,10 @@ def main(argv=None):
     configs = [(e, s, lay, dt, tr) for e in estimators for s in shapes for lay in layouts
                for dt in dtypes for tr in truncs]
     t_start = time.time()
+    tiles = contextlib.ExitStack()
+    if args.tiles:
+        from rl_triton._triton import config as tile_config
+        tiles.enter_context(tile_config.override(**args.tiles))
     for i, (name, shape, layout, dt, tr) in enumerate(configs):
         if args.max_seconds is not None and time.time() - t_start > args.max_seconds:
             print(f"# stopped after {i} of {len(configs)} configurations (--max-seconds)")
@@ -242,6 +266,7 @@ def main(argv=None):
         # after every configuration, so that a run cut short keeps what it measured
         (out / "bench.json").write_text(json.dumps(dict(env=env, rows=[asdict(r) for r in rows]),
                                                    indent=1))
+    tiles.close()
     write_reports(json.loads((out / "bench.json").read_text()), out)
 
 
@@ -278,7 +303,8 @@ def markdown(result) -> str:
     lines = [f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, triton {env['triton']}, "
              f"{env['date']}. Copy bandwidth {env['copy_bandwidth_gbs']:.0f} GB/s; launch floor "
              f"{env['launch_floor_device_us']:.1f} us device, {env['launch_floor_full_us']:.1f} us "
-             "full call.", "",
+             "full call." + (f" Tile rule replaced by {env['tiles']} (--tiles)."
+                             if env.get("tiles") else ""), "",
              "rl_triton, device / full-call µs (bandwidth fraction of copy):", "",
              "| estimator | layout | dtype | trunc | " + " | ".join(shapes) + " |",
              "|---" * (4 + len(shapes)) + "|"]

@@ -1,5 +1,6 @@
 """The benchmark harness's own logic, on the CPU: inputs, its correctness check, its reports.
 (Timing needs a CUDA device: `python -m rl_triton.bench` on the GPU.)"""
+import argparse
 import json
 from dataclasses import asdict
 
@@ -38,3 +39,18 @@ def test_reports(tmp_path):
     assert "| gae | time-major | float32 | yes | 5 / 15 (0.50) | 10 / 20 (0.50) |" in md
     assert "| gae | torch | time-major | yes | 4.0x (10.0x) | 5.5x (10.0x) |" in md
     assert (tmp_path / "r" / "bench.png").stat().st_size > 1000
+
+
+def test_tiles_option():
+    assert bench.parse_tiles("block_t=64,block_b=32,num_warps=4") == dict(
+        block_t=64, block_b=32, num_warps=4)
+    for bad in ("block_t=0", "blockt=64", "num_warps=four", "window"):
+        with pytest.raises(argparse.ArgumentTypeError, match="is not one of"):
+            bench.parse_tiles(bad)
+    env = dict(gpu="GPU", driver="1", torch="t", triton="tr", date="2026-11-29",
+               copy_bandwidth_gbs=4000.0, launch_floor_device_us=4.0, launch_floor_full_us=13.0,
+               tiles=dict(block_t=64))
+    row = bench.Row("gae", "128x128", "time-major", "float32", True, "rl_triton", 10**6, 5.0,
+                    15.0, 0.5, 1e-7)
+    assert "Tile rule replaced by {'block_t': 64}" in bench.markdown(
+        dict(env=env, rows=[asdict(row)]))
