@@ -49,8 +49,8 @@ def test_long_reverse_scan_without_boundaries(beta, tol):
     """A reverse scan whose carry crosses every tile (no cut anywhere).
 
     With beta = 0.9999 (a 10^4-step horizon) float32 rounding adds up: measured on 2^20 steps,
-    the sequential float32 loop reaches 2.3e-6, the doubling scan 2.0e-5 and the kernels 2.3e-5
-    (docs/benchmarks.md); at realistic horizons the usual 1e-5 holds.
+    the sequential float32 loop reaches 2.3e-6, the doubling scan 2.0e-5 and the earlier
+    two-pass kernels 2.3e-5 (docs/benchmarks.md); at realistic horizons the usual 1e-5 holds.
     """
     T = 2**20
     alpha = torch.randn(1, T, device=DEV)
