@@ -96,16 +96,19 @@ def _triton(name, tensors, options, scalars, make_plan, op_args):
     if torch.compiler.is_compiling():
         out = ops.OPS[name](*op_args)
         return list(out) if isinstance(out, tuple) else [out]
-    plan, copy = make_plan(ops)
-    if copy is None:
-        _remember(_signature(name, tensors, options), plan)
-    return plan.run(tensors if copy is None else copy(tensors), scalars)
+    return _plan_and_run(name, tensors, options, scalars, lambda ts: make_plan(ops))
 
 
-def _remember(key, plan):
+def _plan_and_run(name, tensors, options, scalars, build):
+    """Build the plan for a call that missed the cache, keep it when it reads the tensors in
+    place (`build` returns (plan, copy); copy is None then), and run it."""
+    plan, copy = build(tensors)
+    if copy is not None:
+        return plan.run(copy(tensors), scalars)
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
-    _PLANS[key] = plan
+    _PLANS[_signature(name, tensors, options)] = plan
+    return plan.run(tensors, scalars)
 
 
 def _one_or_tuple(outs):

@@ -303,18 +303,15 @@ def plan_linear_scan(tensors: tuple, reverse: bool, time_dim: int, out_dtype: to
 # ---- the ops: what torch.compile sees --------------------------------------------------------
 
 def _run(name, build, tensors, scalars, options):
-    """Run the plan `build(tensors)` makes. Plans that read the tensors in place are cached
-    under the call's signature in the same cache as the eager path's (`rl_triton.estimators`),
-    so a compiled step pays a look-up per call, not a plan (nor a new look-back scratch)."""
+    """Run the plan `build(tensors)` makes, through the eager path's plan cache
+    (`rl_triton.estimators`, keys "op:<name>"): a compiled step pays a look-up per call, not a
+    plan (nor a new look-back scratch)."""
     from .. import estimators  # the one plan cache (imported here: it imports this lazily)
-    key = estimators._signature("op:" + name, tensors, options)
-    plan = estimators._PLANS.get(key)
-    if plan is None:
-        plan, copy = build(tensors)
-        if copy is not None:
-            return plan.run(copy(tensors), scalars)
-        estimators._remember(key, plan)
-    return plan.run(tensors, scalars)
+    name = "op:" + name
+    out = estimators._cached(name, tensors, options, scalars)
+    if out is not None:
+        return out
+    return estimators._plan_and_run(name, tensors, options, scalars, build)
 
 
 def gae(rewards: Tensor, values: Tensor, terminated: Tensor, truncated: Optional[Tensor],

@@ -238,8 +238,7 @@ def scan_kernel(
             (alpha, beta, tl.zeros_like(alpha), tl.full(alpha.shape, 1.0, tl.float32)),
             TIME_AXIS, combine_with_exclusive, reverse=REVERSE)
     else:
-        a, bb = tl.associative_scan((alpha, beta), TIME_AXIS, combine,
-                                    reverse=REVERSE)
+        a, bb = tl.associative_scan((alpha, beta), TIME_AXIS, combine, reverse=REVERSE)
 
     carry = tl.zeros(r.shape, tl.float32)
     if HAS_INIT:
