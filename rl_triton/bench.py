@@ -5,7 +5,9 @@ For every estimator, shape (N envs x T steps), layout, input dtype and truncatio
 2. times the call: device time (`triton.testing.do_bench`, median, L2 flushed between calls) and
    full-call time (synchronize, host timer, call, synchronize; median of >= 200 calls),
 3. reports the achieved bandwidth (minimal bytes / device time) as a fraction of the copy
-   bandwidth measured in the same run, and the speedup over the baselines: the sequential loop
+   bandwidth measured in the same run (a 1 GiB copy), the device time of a copy that moves the
+   same bytes (the floor at this size: fixed launch and ramp costs weigh on small copies too),
+   and the speedup over the baselines: the sequential loop
    (`backend="loop"`, CleanRL-style), the torch backend eager, and the torch backend under
    `torch.compile`.
 It writes `bench.json`, `bench.md` and `bench.png` into `--out`.
@@ -49,6 +51,7 @@ class Row:
     full_us: float
     bandwidth_fraction: float
     rel_err: float
+    copy_us: float = float("nan")  # device time of a copy moving the same bytes
 
 
 # ---- inputs ----------------------------------------------------------------------------------
@@ -143,6 +146,15 @@ def copy_bandwidth(device) -> float:
     dst = torch.empty_like(src)
     us = device_time_us(lambda: dst.copy_(src))
     return 2 * src.numel() * 4 / (us * 1e-6)
+
+
+def same_bytes_copy_us(nbytes, device, _cache={}) -> float:
+    """Device time of a device-to-device copy that reads nbytes / 2 and writes nbytes / 2."""
+    if nbytes not in _cache:
+        src = torch.empty(max(1, nbytes // 8), dtype=torch.float32, device=device)
+        dst = torch.empty_like(src)
+        _cache[nbytes] = device_time_us(lambda: dst.copy_(src))
+    return _cache[nbytes]
 
 
 def launch_floor(device):
@@ -257,11 +269,12 @@ def main(argv=None):
             dev = device_time_us(f)
             full = full_call_us(f, calls=200 if dev < 5000 else 25)
             row = Row(name, shape, layout, dt, tr, impl, nbytes, dev, full,
-                      nbytes / (dev * 1e-6) / bw, err)
+                      nbytes / (dev * 1e-6) / bw, err, same_bytes_copy_us(nbytes, device))
             rows.append(row)
             print(f"[{i + 1}/{len(configs)} {time.time() - t_start:6.0f}s] {name:18s} {shape:>10s}"
                   f" {layout:11s} {dt:8s} trunc={int(tr)} {impl:9s} {dev:9.1f} us dev "
-                  f"{full:9.1f} us full  {row.bandwidth_fraction:5.2f} of copy bw", flush=True)
+                  f"{full:9.1f} us full  {row.bandwidth_fraction:5.2f} of copy bw, "
+                  f"{row.copy_us / dev:4.2f} of a same-bytes copy", flush=True)
         del kw, refs
         # after every configuration, so that a run cut short keeps what it measured
         (out / "bench.json").write_text(json.dumps(dict(env=env, rows=[asdict(r) for r in rows]),
@@ -321,6 +334,19 @@ def markdown(result) -> str:
                          f"{r['device_us']:.0f} / {r['full_us']:.0f} ({r['bandwidth_fraction']:.2f})")
         lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {'yes' if k[3] else 'no'} | "
                      + " | ".join(cells) + " |")
+    if any(r.get("copy_us", float("nan")) == r.get("copy_us") for r in mine):  # not NaN
+        lines += ["", "The same, as the device time of a copy that moves the same bytes divided "
+                  "by rl_triton's device time (1.00: as fast as copying those bytes):", "",
+                  "| estimator | layout | dtype | trunc | " + " | ".join(shapes) + " |",
+                  "|---" * (4 + len(shapes)) + "|"]
+        for k in keys:
+            cells = []
+            for s in shapes:
+                r = cell.get(k + (s,))
+                cells.append("" if r is None or "copy_us" not in r else
+                             f"{r['copy_us'] / r['device_us']:.2f}")
+            lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {'yes' if k[3] else 'no'} | "
+                         + " | ".join(cells) + " |")
     base = [r for r in rows if r["impl"] != "rl_triton"]
     if base:
         lines += ["", "Speedup of rl_triton over the baselines (same inputs), full-call time "

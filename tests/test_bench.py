@@ -29,7 +29,7 @@ def test_reports(tmp_path):
     env = dict(gpu="GPU", driver="1", torch="t", triton="tr", date="2026-11-29",
                copy_bandwidth_gbs=4000.0, launch_floor_device_us=4.0, launch_floor_full_us=13.0)
     rows = [bench.Row("gae", s, "time-major", "float32", True, impl, 10**6, dev, dev + 10,
-                      0.5, 1e-7)
+                      0.5, 1e-7, copy_us=4.0)
             for s, base in (("128x128", 1.0), ("4096x128", 2.0))
             for impl, dev in (("rl_triton", 5.0 * base), ("torch", 50.0 * base))]
     path = tmp_path / "bench.json"
@@ -38,6 +38,7 @@ def test_reports(tmp_path):
     md = (tmp_path / "r" / "bench.md").read_text()
     assert "| gae | time-major | float32 | yes | 5 / 15 (0.50) | 10 / 20 (0.50) |" in md
     assert "| gae | torch | time-major | yes | 4.0x (10.0x) | 5.5x (10.0x) |" in md
+    assert "| gae | time-major | float32 | yes | 0.80 | 0.40 |" in md  # against a same-bytes copy
     assert (tmp_path / "r" / "bench.png").stat().st_size > 1000
 
 
@@ -52,5 +53,6 @@ def test_tiles_option():
                tiles=dict(block_t=64))
     row = bench.Row("gae", "128x128", "time-major", "float32", True, "rl_triton", 10**6, 5.0,
                     15.0, 0.5, 1e-7)
-    assert "Tile rule replaced by {'block_t': 64}" in bench.markdown(
-        dict(env=env, rows=[asdict(row)]))
+    md = bench.markdown(dict(env=env, rows=[asdict(row)]))
+    assert "Tile rule replaced by {'block_t': 64}" in md
+    assert "same bytes" not in md  # no copy time measured: no such table

@@ -4,6 +4,7 @@ import itertools
 import pytest
 import torch
 
+from rl_triton import estimators
 from rl_triton._triton import config
 from cases import (BACKENDS, ESTIMATORS, FLAG_DTYPES, assert_close, make_case, rel_err,
                    to_layout)
@@ -98,6 +99,22 @@ def test_long_rows_split_across_programs(name, time_major, device):
         with config.override(block_t=16, block_b=2, window=window):
             assert_close(case.call(layout, backend="triton"), ref)
             assert_close(case.call(layout, backend="triton"), ref)  # a second launch, same scratch
+
+
+def test_look_back_tags_name_the_launch(device):
+    """Every launch tags every tile's words with one new tag base (the last one + 2, from 0 in
+    fresh scratch), which each tile reads from the word it wrote itself the launch before;
+    a tile that derived another base would wait forever for its predecessors' words."""
+    case = make_case("gae", 5 * 16 + 7, (3,), device=device, seed=5)
+    ref = case.reference()
+    estimators._PLANS.clear()
+    with config.override(block_t=16, block_b=2):
+        for launch in range(3):
+            assert_close(case.call("time-major", backend="triton"), ref)
+            (plan,) = estimators._PLANS.values()
+            (state,) = plan.states.values()
+            tags = (state.cpu() >> 32)[: state.numel() // 2]  # the words_a of every tile row
+            assert set(tags.tolist()) == {2 * launch + 1, 2 * launch + 2}, (launch, tags)
 
 
 @pytest.mark.parametrize("name", ["gae", "vtrace", "retrace", "episodic_cumsum"])

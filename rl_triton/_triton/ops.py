@@ -128,8 +128,8 @@ class Launch:
         n_row_tiles = triton.cdiv(self.B, cfg.block_b)
         self.lookback = n_chunks > 1
         self.grid = (n_row_tiles * (n_chunks if self.lookback else 1), 1)
-        # look-back scratch: launch number, finished tiles, then two words per (tile, row)
-        self.state_size = 2 + 2 * self.grid[0] * cfg.block_b if self.lookback else 1
+        # look-back scratch: two words per (tile, row)
+        self.state_size = 2 * self.grid[0] * cfg.block_b if self.lookback else 1
         self.in_strides = strides(flat) + (sa,)
         self.out_strides = tuple(s * n_out for s in strides([out_view]))  # n_out alike
         self.init_strides = ((stride1[id(init_view)], stride2[id(init_view)])
@@ -166,7 +166,7 @@ class Launch:
         stream = _stream(self.device_index) if self.device.type == "cuda" else None
         state = self.states.get(stream)
         if state is None:
-            # Zeroed once; the kernel tags what it writes with its launch number (scan.py).
+            # Zeroed once; the kernel tags what it writes with its launch (scan.py).
             state = self.states[stream] = torch.zeros(self.state_size, dtype=torch.int64,
                                                       device=self.device)
         args = (ptrs, *self.in_strides, outs, *self.out_strides, init, *self.init_strides,

@@ -15,10 +15,11 @@ termination, also cuts the dependence), and publishes its own outgoing value in 
 
 A tile's predecessors have lower program ids, and the GPU starts programs in the order of their
 ids, so a waiting tile never waits for one that cannot start (the scheme of CUB's single-pass
-scan). `state` holds the launch number, which tags every published word so that stale words from
-an earlier launch are never taken for current ones, and a count of finished tiles; the last tile
-to finish moves the launch number on. Nothing is reset from the host: the scratch serves every
-later launch of the same plan on the same stream, CUDA graph replays included.
+scan). Every published word carries a tag that names its launch, so that stale words from an
+earlier launch are never taken for current ones. Every tile writes its own first word in every
+launch, so a tile finds this launch's tag in the word it wrote last time (`launch_tag`): no
+counter, no reset from the host. The scratch serves every later launch of the same plan on the
+same stream, CUDA graph replays included.
 
 Every tensor is addressed as `ptr + t * st + b1 * s1 + b2 * s2`, where the flattened row index b
 splits as (b // B2, b % B2): two strides describe any layout whose batch axes fall into two
@@ -141,6 +142,14 @@ def word_tag(word):
 
 
 @triton.jit
+def launch_tag(own_word):
+    """This launch's tag base, from the word this tile wrote in the previous launch (tagged there
+    with that launch's base + 1 or + 2; 0 in fresh scratch): that base + 2, in 30 bits. Every tile
+    gets the same base, since every tile writes its first word in every launch."""
+    return ((word_tag(own_word) + 1) // 2 * 2) & ((1 << 30) - 1)
+
+
+@triton.jit
 def look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry_in,
               TIME_AXIS: tl.constexpr, WINDOW: tl.constexpr, BLOCK_B: tl.constexpr):
     """The carry into a tile at position `order` > 0 along its rows' time axis (scan order).
@@ -190,7 +199,7 @@ def scan_kernel(
     ins, st, s1, s2, sa,  # input slots: pointers, time / batch-1 / batch-2 / action strides
     outs, ost, os1, os2,  # outputs likewise
     init, init_s1, init_s2,  # the initial carry A[T] (reverse) or A[-1] (forward)
-    state,  # int64 look-back scratch: [launch number, finished tiles, words_a..., words_b...]
+    state,  # int64 look-back scratch: [words_a..., words_b...], one of each per tile row
     scalars,  # the estimator's float scalars (gamma, lambda, clips): runtime values
     T, B, B2, n_act, n_row_tiles, n_chunks,
     COEF: tl.constexpr, STORE: tl.constexpr, REVERSE: tl.constexpr, EXCLUSIVE: tl.constexpr,
@@ -203,9 +212,9 @@ def scan_kernel(
     order = k // n_row_tiles  # tiles before this one in scan order, along its rows
     pid_b = k % n_row_tiles
     if LOOKBACK:
-        n_tiles = n_row_tiles * n_chunks
-        # the launch number: tags this launch's words (state[1] counts finished tiles)
-        tag = (tl.load(state, volatile=True) % (1 << 29)).to(tl.int32) * 2  # +1 map, +2 value
+        words_a = state
+        words_b = state + n_row_tiles * n_chunks * BLOCK_B
+        tag = launch_tag(tl.load(words_a + k * BLOCK_B, volatile=True))  # +1: a map, +2: a value
     if REVERSE:
         chunk = n_chunks - 1 - order
     else:
@@ -246,8 +255,6 @@ def scan_kernel(
     if LOOKBACK:
         agg_a = edge(a, TIME_AXIS, BLOCK_T, REVERSE)
         agg_b = edge(bb, TIME_AXIS, BLOCK_T, REVERSE)
-        words_a = state + 2
-        words_b = state + 2 + n_tiles * BLOCK_B
         slot = k * BLOCK_B + r
         if order > 0:
             tl.atomic_xchg(words_a + slot, pack(agg_a, tag + 1), sem="relaxed")
@@ -263,11 +270,6 @@ def scan_kernel(
     else:
         res_prev = res
     STORE(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, scalars, VARIANT)
-    if LOOKBACK:
-        # The last tile to finish moves the launch number on (every tile has read it by then).
-        if tl.atomic_add(state + 1, 1) == n_tiles - 1:
-            tl.store(state + 1, 0)
-            tl.atomic_add(state, 1)
 
 
 @triton.jit
