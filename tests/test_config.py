@@ -20,7 +20,7 @@ def choose(T, B, time_contiguous, n_act=0):
 def test_tile_follows_the_contiguous_axis():
     bm = choose(4096, 512, time_contiguous=True)  # [N, T]: long side along time
     assert bm.block_t >= 256 and bm.block_t * bm.block_b <= config.TILE_ELEMENTS
-    tm = choose(4096, 512, time_contiguous=False)  # [T, N]: long side along rows, <= 64
+    tm = choose(4096, 512, time_contiguous=False)  # [T, N]: long side along rows, capped
     assert tm.block_b == config.MAX_ROWS_TIME_MAJOR
     assert tm.block_t * tm.block_b <= config.TILE_ELEMENTS
 
@@ -57,6 +57,24 @@ def test_warps_follow_the_tile():
         c = choose(T, B, True, n_act)
         assert 1 <= c.num_warps <= config.MAX_WARPS
         assert c.num_warps & (c.num_warps - 1) == 0
+
+
+def test_retrace_time_major_takes_more_warps():
+    """Measured on the H200 (docs/benchmarks.md): 4 warps for time-major Retrace tiles of 2048
+    values, 2 for batch-major ones."""
+    bm, tm = choose(1024, 1024, True, n_act=18), choose(1024, 1024, False, n_act=18)
+    assert bm.block_t * bm.block_b == tm.block_t * tm.block_b
+    assert (bm.num_warps, tm.num_warps) == (2, 4)
+
+
+def test_programs_walk_segments_when_tiles_are_to_spare():
+    few_long_rows = choose(1 << 20, 4, True)  # 2048 tiles: segments of the longest kind
+    assert few_long_rows.segment == config.MAX_SEGMENT_TILES
+    assert few_long_rows.segments(1 << 20) * few_long_rows.segment >= few_long_rows.chunks(1 << 20)
+    two_tiles = choose(4096, 512, True)  # 1024 tiles, two per row: one program per row
+    assert two_tiles.chunks(4096) == 2 and two_tiles.segment == 2 and two_tiles.segments(4096) == 1
+    assert choose(1024, 16384, True).segment == 1  # one tile per row already
+    assert choose(128, 128, True).segment == 1  # few tiles: one per program
 
 
 def test_override_is_scoped():

@@ -10,7 +10,8 @@ split into tiles that run in parallel and find their carries by look-back (`scan
 - when the tiles would not give `MIN_PROGRAMS_PER_SM` programs per multiprocessor, they shrink (down
   to `MIN_TILE_ELEMENTS`): small problems are latency-bound, and more programs hide the latency;
 - `ELEMENTS_PER_THREAD(_TIME_MAJOR)` values per thread set the warps;
-- the look-back reads `window` tiles per step (at least `WINDOW`, more for narrow tiles).
+- the look-back reads `window` tiles per step (at least `WINDOW`, more for narrow tiles);
+- when there are tiles to spare, a program walks a segment of consecutive tiles of its rows.
 docs/benchmarks.md has the measurements behind the numbers.
 """
 from __future__ import annotations
@@ -26,12 +27,19 @@ MIN_TILE_ELEMENTS = 256
 MIN_PROGRAMS_PER_SM = 4
 MAX_ACTION_BLOCK = 32  # Retrace walks the action axis in blocks of at most this many actions
 MIN_BLOCK_T = 16
-MAX_ROWS_TIME_MAJOR = 64
+MAX_ROWS_TIME_MAJOR = 32
 ELEMENTS_PER_THREAD = 8  # batch-major tiles: the scan runs along each thread's own values
-ELEMENTS_PER_THREAD_TIME_MAJOR = 16  # time-major: the scan crosses threads; fewer is slower
-ELEMENTS_PER_THREAD_ACTIONS = 32  # Retrace: steps x actions; more warps were slower
+ELEMENTS_PER_THREAD_TIME_MAJOR = 32  # time-major: the scan crosses threads; fewer is slower
+ELEMENTS_PER_THREAD_ACTIONS = 32  # Retrace, batch-major: steps x actions; more warps were slower
+ELEMENTS_PER_THREAD_ACTIONS_TIME_MAJOR = 16  # Retrace, time-major: here 4 warps beat 2
 MAX_WARPS = 8
 WINDOW = 16  # tiles read at least per step of the look-back (more for narrow tiles, `window`)
+# Segments: a program walks up to MAX_SEGMENT_TILES consecutive tiles of its rows when the tiles
+# outnumber SEGMENT_PROGRAMS_PER_SM programs per multiprocessor. A row of several segments reads
+# each segment twice (its map for the look-back, then the outputs), the second time from L2:
+# segments stay short enough for all programs in flight to keep theirs there.
+MAX_SEGMENT_TILES = 4
+SEGMENT_PROGRAMS_PER_SM = 2
 
 
 @dataclass(frozen=True)
@@ -40,10 +48,15 @@ class TileConfig:
     block_b: int
     num_warps: int
     window: int = WINDOW
+    segment: int = 1  # tiles walked by one program, along its rows' time axis
 
     def chunks(self, T: int) -> int:
         """Tiles along the time axis."""
         return -(-T // self.block_t)
+
+    def segments(self, T: int) -> int:
+        """Segments (programs) along the time axis."""
+        return -(-self.chunks(T) // self.segment)
 
 
 _overrides: dict = {}
@@ -51,7 +64,8 @@ _overrides: dict = {}
 
 @contextlib.contextmanager
 def override(**fields):
-    """Force tile fields (block_t, block_b, num_warps, window) inside the block: for tests."""
+    """Force tile fields (block_t, block_b, num_warps, window, segment) inside the block: for
+    tests and tuning."""
     old = dict(_overrides)
     _overrides.update(fields)
     try:
@@ -100,10 +114,16 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
         if tiles >= target or elements // 2 < MIN_TILE_ELEMENTS:
             break
         elements //= 2
-    per_thread = (ELEMENTS_PER_THREAD_ACTIONS if n_act else ELEMENTS_PER_THREAD if time_contiguous
-                  else ELEMENTS_PER_THREAD_TIME_MAJOR)
+    if n_act:
+        per_thread = (ELEMENTS_PER_THREAD_ACTIONS if time_contiguous
+                      else ELEMENTS_PER_THREAD_ACTIONS_TIME_MAJOR)
+    else:
+        per_thread = ELEMENTS_PER_THREAD if time_contiguous else ELEMENTS_PER_THREAD_TIME_MAJOR
     warps = block_t * block_b * per_step // (32 * per_thread)
-    cfg = TileConfig(block_t, block_b, min(MAX_WARPS, _pow2(max(1, warps))))
+    chunks = -(-T // block_t)
+    spare = chunks * -(-B // block_b) // (SEGMENT_PROGRAMS_PER_SM * _multiprocessors(device))
+    segment = max(1, min(MAX_SEGMENT_TILES, spare, chunks))
+    cfg = TileConfig(block_t, block_b, min(MAX_WARPS, _pow2(max(1, warps))), segment=segment)
     if _overrides:
         cfg = replace(cfg, **_overrides)
     return replace(cfg, window=window(cfg.window, cfg.block_b, cfg.num_warps, device))

@@ -192,6 +192,64 @@ def look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry_i
     return acc_a
 
 
+@triton.jit
+def reversed_combine(a1, b1, a2, b2):
+    """`combine` with its operands swapped: a scan in index order under it composes the maps in
+    decreasing index order, which is what a reverse scan composes."""
+    return a1 + b1 * a2, b1 * b2
+
+
+@triton.jit
+def tile_coefficients(ins, st, s1, s2, sa, chunk, n_tiles_t, b1, b2, mask_b, T, n_act, scalars,
+                      COEF: tl.constexpr, HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr,
+                      HAS_LAST: tl.constexpr, VARIANT: tl.constexpr, TIME_AXIS: tl.constexpr,
+                      INT64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr):
+    """The steps `t` of tile `chunk` (along the time axis), their mask, and the estimator's
+    coefficients there; padding steps are the identity map (they pass the carry through)."""
+    # (Loading the steps in decreasing t and scanning forward saves shuffles but costs vectorized
+    # loads and registers: slower on the H200, docs/benchmarks.md.)
+    t = chunk * BLOCK_T + spread(tl.arange(0, BLOCK_T), TIME_AXIS)
+    if INT64:
+        t = t.to(tl.int64)
+    mask = (t < T) & mask_b
+    # the rows whose step T-1 (the bootstrap step) is in this tile
+    end_rows = tl.where(chunk == n_tiles_t - 1, mask_b, False)
+    alpha, beta, aux = COEF(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, scalars,
+                            HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A)
+    return t, mask, tl.where(mask, alpha, 0.0), tl.where(mask, beta, 1.0), aux
+
+
+@triton.jit
+def scan_tile(alpha, beta, REVERSE: tl.constexpr, EXCLUSIVE: tl.constexpr,
+              TIME_AXIS: tl.constexpr):
+    """The tile's scan from a zero carry: A = a + bb * carry at every step, and (ea, eb), the
+    same without each step's own element (for writers that need the step before in scan order)."""
+    if EXCLUSIVE:
+        a, bb, ea, eb = tl.associative_scan(
+            (alpha, beta, tl.zeros_like(alpha), tl.full(alpha.shape, 1.0, tl.float32)),
+            TIME_AXIS, combine_with_exclusive, reverse=REVERSE)
+    else:
+        a, bb = tl.associative_scan((alpha, beta), TIME_AXIS, combine, reverse=REVERSE)
+        ea, eb = a, bb
+    return a, bb, ea, eb
+
+
+@triton.jit
+def publish_and_look_back(words_a, words_b, k, pid_b, order, n_row_tiles, n_chunks, r, live, tag,
+                          carry, agg_a, agg_b, TIME_AXIS: tl.constexpr, WINDOW: tl.constexpr,
+                          BLOCK_B: tl.constexpr):
+    """Publish this segment's map, find its carry by look-back, publish its outgoing value."""
+    slot = k * BLOCK_B + r
+    if order > 0:
+        tl.atomic_xchg(words_a + slot, pack(agg_a, tag + 1), sem="relaxed")
+        tl.atomic_xchg(words_b + slot, pack(agg_b, tag + 1), sem="relaxed")
+        carry = look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry,
+                          TIME_AXIS, WINDOW, BLOCK_B)
+    if order < n_chunks - 1:
+        tl.atomic_xchg(words_a + slot, pack(agg_a + agg_b * carry, tag + 2), sem="relaxed")
+    return carry
+
+
 # n_row_tiles is never specialized: as the stride between a look-back window's words it must not
 # look contiguous to the compiler, or the window's loads are vectorized (see `config.window`).
 @triton.jit(do_not_specialize=["n_row_tiles"])
@@ -199,26 +257,28 @@ def scan_kernel(
     ins, st, s1, s2, sa,  # input slots: pointers, time / batch-1 / batch-2 / action strides
     outs, ost, os1, os2,  # outputs likewise
     init, init_s1, init_s2,  # the initial carry A[T] (reverse) or A[-1] (forward)
-    state,  # int64 look-back scratch: [words_a..., words_b...], one of each per tile row
+    state,  # int64 look-back scratch: [words_a..., words_b...], one of each per segment row
     scalars,  # the estimator's float scalars (gamma, lambda, clips): runtime values
-    T, B, B2, n_act, n_row_tiles, n_chunks,
+    T, B, B2, n_act, n_row_tiles, n_chunks, n_tiles_t, seg,
     COEF: tl.constexpr, STORE: tl.constexpr, REVERSE: tl.constexpr, EXCLUSIVE: tl.constexpr,
     HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
     HAS_INIT: tl.constexpr, VARIANT: tl.constexpr, LOOKBACK: tl.constexpr,
-    WINDOW: tl.constexpr, TIME_AXIS: tl.constexpr, INT64: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_A: tl.constexpr,
+    SEGMENTED: tl.constexpr, WINDOW: tl.constexpr, TIME_AXIS: tl.constexpr,
+    INT64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_A: tl.constexpr,
 ):
+    """One program per segment of `seg` consecutive tiles along the time axis (`n_chunks`
+    segments per row, `n_tiles_t` tiles), for `BLOCK_B` rows. With one tile per segment the tile
+    is scanned once and kept in registers. With several (`SEGMENTED`) the program walks its tiles
+    in scan order, passing the carry from tile to tile; when the row has several segments
+    (`LOOKBACK`) a first walk composes the segment's map for the look-back and the second reads
+    the tiles again (from L2, just read) to write the outputs."""
     k = tl.program_id(0)
-    order = k // n_row_tiles  # tiles before this one in scan order, along its rows
+    order = k // n_row_tiles  # segments before this one in scan order, along its rows
     pid_b = k % n_row_tiles
     if LOOKBACK:
         words_a = state
         words_b = state + n_row_tiles * n_chunks * BLOCK_B
         tag = launch_tag(tl.load(words_a + k * BLOCK_B, volatile=True))  # +1: a map, +2: a value
-    if REVERSE:
-        chunk = n_chunks - 1 - order
-    else:
-        chunk = order
     # The tile is [BLOCK_T, BLOCK_B] (TIME_AXIS 0) or [BLOCK_B, BLOCK_T] (TIME_AXIS 1): its last
     # axis follows the contiguous axis of memory, as Triton's default layouts expect.
     r = spread(tl.arange(0, BLOCK_B), 1 - TIME_AXIS)
@@ -228,48 +288,59 @@ def scan_kernel(
         b = b.to(tl.int64)
     b1 = b // B2
     b2 = b % B2
-    # (Loading the steps in decreasing t and scanning forward saves shuffles but costs vectorized
-    # loads and registers: slower on the H200, docs/benchmarks.md.)
-    t = chunk * BLOCK_T + spread(tl.arange(0, BLOCK_T), TIME_AXIS)
-    if INT64:
-        t = t.to(tl.int64)
-    mask = (t < T) & mask_b
-
-    # the rows whose step T-1 (the bootstrap step) is in this tile
-    end_rows = tl.where(chunk == n_chunks - 1, mask_b, False)
-    alpha, beta, aux = COEF(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, scalars,
-                            HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A)
-    # Padding steps are the identity map: they pass the carry through unchanged.
-    alpha = tl.where(mask, alpha, 0.0)
-    beta = tl.where(mask, beta, 1.0)
-    if EXCLUSIVE:
-        a, bb, ea, eb = tl.associative_scan(
-            (alpha, beta, tl.zeros_like(alpha), tl.full(alpha.shape, 1.0, tl.float32)),
-            TIME_AXIS, combine_with_exclusive, reverse=REVERSE)
-    else:
-        a, bb = tl.associative_scan((alpha, beta), TIME_AXIS, combine, reverse=REVERSE)
-
     carry = tl.zeros(r.shape, tl.float32)
     if HAS_INIT:
         carry = load_value(init, b1 * init_s1 + b2 * init_s2, mask_b)
-    if LOOKBACK:
-        agg_a = edge(a, TIME_AXIS, BLOCK_T, REVERSE)
-        agg_b = edge(bb, TIME_AXIS, BLOCK_T, REVERSE)
-        slot = k * BLOCK_B + r
-        if order > 0:
-            tl.atomic_xchg(words_a + slot, pack(agg_a, tag + 1), sem="relaxed")
-            tl.atomic_xchg(words_b + slot, pack(agg_b, tag + 1), sem="relaxed")
-            carry = look_back(words_a, words_b, pid_b, order, n_row_tiles, r, mask_b, tag, carry,
-                              TIME_AXIS, WINDOW, BLOCK_B)
-        if order < n_chunks - 1:
-            tl.atomic_xchg(words_a + slot, pack(agg_a + agg_b * carry, tag + 2), sem="relaxed")
+    first = order * seg  # the segment's first tile, in scan order
+    n_here = tl.minimum(seg, n_tiles_t - first)
 
-    res = a + bb * carry
-    if EXCLUSIVE:
-        res_prev = ea + eb * carry
+    if SEGMENTED:
+        if LOOKBACK:
+            # the segment's map: its tiles' maps composed in scan order
+            agg_a = tl.zeros(r.shape, tl.float32)
+            agg_b = tl.full(r.shape, 1.0, tl.float32)
+            for i in range(n_here):
+                chunk = n_tiles_t - 1 - (first + i) if REVERSE else first + i
+                _, _, alpha, beta, _ = tile_coefficients(
+                    ins, st, s1, s2, sa, chunk, n_tiles_t, b1, b2, mask_b, T, n_act, scalars,
+                    COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T,
+                    BLOCK_A)
+                # the whole tile's map (a forward scan is cheaper than a reverse one)
+                if REVERSE:
+                    ca, cb = tl.associative_scan((alpha, beta), TIME_AXIS, reversed_combine)
+                else:
+                    ca, cb = tl.associative_scan((alpha, beta), TIME_AXIS, combine)
+                tile_a = edge(ca, TIME_AXIS, BLOCK_T, False)
+                tile_b = edge(cb, TIME_AXIS, BLOCK_T, False)
+                agg_a = tile_a + tile_b * agg_a
+                agg_b = agg_b * tile_b
+            carry = publish_and_look_back(words_a, words_b, k, pid_b, order, n_row_tiles,
+                                          n_chunks, r, mask_b, tag, carry, agg_a, agg_b,
+                                          TIME_AXIS, WINDOW, BLOCK_B)
+        for i in range(n_here):
+            chunk = n_tiles_t - 1 - (first + i) if REVERSE else first + i
+            t, mask, alpha, beta, aux = tile_coefficients(
+                ins, st, s1, s2, sa, chunk, n_tiles_t, b1, b2, mask_b, T, n_act, scalars,
+                COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A)
+            a, bb, ea, eb = scan_tile(alpha, beta, REVERSE, EXCLUSIVE, TIME_AXIS)
+            STORE(outs, ost, os1, os2, t, b1, b2, mask, a + bb * carry, ea + eb * carry, aux,
+                  scalars, VARIANT)
+            carry = edge(a, TIME_AXIS, BLOCK_T, REVERSE) + edge(bb, TIME_AXIS, BLOCK_T,
+                                                                 REVERSE) * carry
     else:
-        res_prev = res
-    STORE(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, scalars, VARIANT)
+        chunk = n_tiles_t - 1 - first if REVERSE else first
+        t, mask, alpha, beta, aux = tile_coefficients(
+            ins, st, s1, s2, sa, chunk, n_tiles_t, b1, b2, mask_b, T, n_act, scalars,
+            COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A)
+        a, bb, ea, eb = scan_tile(alpha, beta, REVERSE, EXCLUSIVE, TIME_AXIS)
+        if LOOKBACK:
+            carry = publish_and_look_back(words_a, words_b, k, pid_b, order, n_row_tiles,
+                                          n_chunks, r, mask_b, tag, carry,
+                                          edge(a, TIME_AXIS, BLOCK_T, REVERSE),
+                                          edge(bb, TIME_AXIS, BLOCK_T, REVERSE),
+                                          TIME_AXIS, WINDOW, BLOCK_B)
+        STORE(outs, ost, os1, os2, t, b1, b2, mask, a + bb * carry, ea + eb * carry, aux,
+              scalars, VARIANT)
 
 
 @triton.jit
