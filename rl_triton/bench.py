@@ -164,7 +164,7 @@ def launch_floor(device):
 
 # ---- the run ---------------------------------------------------------------------------------
 
-TILE_FIELDS = ("block_t", "block_b", "num_warps", "window", "segment")
+TILE_FIELDS = ("block_t", "block_b", "num_warps", "window", "walk")
 
 
 def parse_tiles(s):

@@ -62,14 +62,13 @@ def compile_plan(plan, tensors, scalars):
 
 
 def variants():
-    """(label, case, layout): every estimator, both layouts, one tile per row, look-back with
-    one tile per program and with segments of several, bf16 inputs, every optional input."""
+    """(label, case, layout): every estimator, both layouts, one tile per row, look-back, walked
+    rows, bf16 inputs, every optional input."""
     for name in ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
                  "eligibility_traces", "episodic_cumsum", "linear_scan_reverse"]:
-        for T, n in [(4096, 4), (16, 64), (2**17, 4)]:
+        for T, n in [(4096, 4), (16, 64), (4096, 300), (64, 8448)]:
             for layout in ("time-major", "batch-major"):
                 yield f"{name} T={T} N={n} {layout}", make_case(name, T, (n,), n_act=18), layout
-    yield "gae, one segment of two tiles per row", make_case("gae", 4096, (512,)), "batch-major"
     yield "gae next_values", make_case("gae", 4096, (4,), bootstrap="next_values"), "time-major"
     yield "gae bf16, no truncation", make_case("gae", 4096, (4,), dtype=torch.bfloat16,
                                                trunc=False), "batch-major"

@@ -67,14 +67,11 @@ def test_retrace_time_major_takes_more_warps():
     assert (bm.num_warps, tm.num_warps) == (2, 4)
 
 
-def test_programs_walk_segments_when_tiles_are_to_spare():
-    few_long_rows = choose(1 << 20, 4, True)  # 2048 tiles: segments of the longest kind
-    assert few_long_rows.segment == config.MAX_SEGMENT_TILES
-    assert few_long_rows.segments(1 << 20) * few_long_rows.segment >= few_long_rows.chunks(1 << 20)
-    two_tiles = choose(4096, 512, True)  # 1024 tiles, two per row: one program per row
-    assert two_tiles.chunks(4096) == 2 and two_tiles.segment == 2 and two_tiles.segments(4096) == 1
-    assert choose(1024, 16384, True).segment == 1  # one tile per row already
-    assert choose(128, 128, True).segment == 1  # few tiles: one per program
+def test_programs_walk_their_rows_when_row_tiles_fill_the_gpu():
+    assert choose(4096, 512, True).walk  # 512 row tiles of 2 tiles each: walk
+    assert choose(1024, 16384, False).walk  # time-major, 512 row tiles of 32 rows
+    assert not choose(1 << 20, 4, True).walk  # 4 rows: their tiles spread by look-back
+    assert not choose(1024, 16384, True).walk  # one tile per row already
 
 
 def test_override_is_scoped():

@@ -91,14 +91,13 @@ def test_retrace_many_actions(backend, device):
 def test_long_rows_split_across_programs(name, time_major, device):
     """T = 5 * block + 7: six tiles per row. One tile per program: each finds its carry by
     look-back, reading one, two or sixteen tiles per step of the look-back (windows that end
-    before, at and past the start). Segments of 2 and 4 tiles (the last one short): each program
-    walks its tiles twice, around the look-back. One segment of 6: one program per row."""
+    before, at and past the start). One program per row tile, walking its six tiles."""
     T = 5 * 16 + 7
     case = make_case(name, T, (3,), device=device, seed=13)
     layout = "time-major" if time_major else "batch-major"
     ref = case.reference()
-    for window, segment in ((1, 1), (2, 1), (16, 1), (1, 2), (2, 4), (16, 6)):
-        with config.override(block_t=16, block_b=2, window=window, segment=segment):
+    for window, walk in ((1, False), (2, False), (16, False), (16, True)):
+        with config.override(block_t=16, block_b=2, window=window, walk=walk):
             assert_close(case.call(layout, backend="triton"), ref)
             assert_close(case.call(layout, backend="triton"), ref)  # a second launch, same scratch
 
@@ -110,7 +109,7 @@ def test_look_back_tags_name_the_launch(device):
     case = make_case("gae", 5 * 16 + 7, (3,), device=device, seed=5)
     ref = case.reference()
     estimators._PLANS.clear()
-    with config.override(block_t=16, block_b=2, segment=1):
+    with config.override(block_t=16, block_b=2, walk=False):
         for launch in range(3):
             assert_close(case.call("time-major", backend="triton"), ref)
             (plan,) = estimators._PLANS.values()

@@ -33,7 +33,8 @@ def test_large_shapes(name, T, batch, layout):
 @pytest.mark.parametrize("T,batch", [(128, (256,)), (1000, (130,)), (4096, (300,)), (77, (1000,))])
 @pytest.mark.parametrize("layout", ["time-major", "batch-major"])
 def test_many_row_tiles_and_segments(name, T, batch, layout):
-    """Several row tiles, each cut into several tiles along time (the default tile rule)."""
+    """Several row tiles, each cut into several tiles along time (the default tile rule), with
+    one program per tile (look-back) and one per row tile (walking the row)."""
     case = make_case(name, T, batch, device=DEV, seed=T + batch[0])
     assert_close(case.call(layout, backend="triton"), float64_vectorized(case))
 
@@ -158,15 +159,14 @@ def test_one_signature_on_two_streams():
 def test_look_back_on_cold_launches(T, n, layout):
     """Fresh plans, first launches: where a look-back window was smaller than the thread count,
     replicated words read at different moments gave relative errors of 1e-3 to 2e-2 on exactly
-    these launches (docs/benchmarks.md, log). Every launch is checked, for every window, with
-    one tile per program and with segments of several."""
+    these launches (docs/benchmarks.md, log). Every launch is checked, for every window."""
     from rl_triton import estimators
     from rl_triton._triton import config
 
     case = make_case("gae", T, (n,), device=DEV, seed=11, p_term=0.01, p_trunc=0.01)
     ref = float64_vectorized(case)
-    for window, segment in ((1, 1), (4, 1), (16, 1), (1, 3), (16, 4)):
+    for window in (1, 4, 16):
         estimators._PLANS.clear()
-        with config.override(window=window, segment=segment):
+        with config.override(window=window, walk=False):
             for _ in range(3):
                 assert_close(case.call(layout, backend="triton"), ref)

@@ -11,7 +11,7 @@ split into tiles that run in parallel and find their carries by look-back (`scan
   to `MIN_TILE_ELEMENTS`): small problems are latency-bound, and more programs hide the latency;
 - `ELEMENTS_PER_THREAD(_TIME_MAJOR)` values per thread set the warps;
 - the look-back reads `window` tiles per step (at least `WINDOW`, more for narrow tiles);
-- when there are tiles to spare, a program walks a segment of consecutive tiles of its rows.
+- when the row tiles alone fill the GPU, a program walks all tiles of its rows.
 docs/benchmarks.md has the measurements behind the numbers.
 """
 from __future__ import annotations
@@ -34,12 +34,9 @@ ELEMENTS_PER_THREAD_ACTIONS = 32  # Retrace, batch-major: steps x actions; more 
 ELEMENTS_PER_THREAD_ACTIONS_TIME_MAJOR = 16  # Retrace, time-major: here 4 warps beat 2
 MAX_WARPS = 8
 WINDOW = 16  # tiles read at least per step of the look-back (more for narrow tiles, `window`)
-# Segments: a program walks up to MAX_SEGMENT_TILES consecutive tiles of its rows when the tiles
-# outnumber SEGMENT_PROGRAMS_PER_SM programs per multiprocessor. A row of several segments reads
-# each segment twice (its map for the look-back, then the outputs), the second time from L2:
-# segments stay short enough for all programs in flight to keep theirs there.
-MAX_SEGMENT_TILES = 4
-SEGMENT_PROGRAMS_PER_SM = 2
+# A program walks all tiles of its rows (passing the carry in registers, no look-back) when its
+# rows' tiles alone give WALK_PROGRAMS_PER_SM programs per multiprocessor.
+WALK_PROGRAMS_PER_SM = 2
 
 
 @dataclass(frozen=True)
@@ -48,15 +45,11 @@ class TileConfig:
     block_b: int
     num_warps: int
     window: int = WINDOW
-    segment: int = 1  # tiles walked by one program, along its rows' time axis
+    walk: bool = False  # one program walks all tiles of its rows (else: one per tile)
 
     def chunks(self, T: int) -> int:
         """Tiles along the time axis."""
         return -(-T // self.block_t)
-
-    def segments(self, T: int) -> int:
-        """Segments (programs) along the time axis."""
-        return -(-self.chunks(T) // self.segment)
 
 
 _overrides: dict = {}
@@ -64,8 +57,8 @@ _overrides: dict = {}
 
 @contextlib.contextmanager
 def override(**fields):
-    """Force tile fields (block_t, block_b, num_warps, window, segment) inside the block: for
-    tests and tuning."""
+    """Force tile fields (block_t, block_b, num_warps, window, walk) inside the block: for tests
+    and tuning."""
     old = dict(_overrides)
     _overrides.update(fields)
     try:
@@ -120,10 +113,8 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     else:
         per_thread = ELEMENTS_PER_THREAD if time_contiguous else ELEMENTS_PER_THREAD_TIME_MAJOR
     warps = block_t * block_b * per_step // (32 * per_thread)
-    chunks = -(-T // block_t)
-    spare = chunks * -(-B // block_b) // (SEGMENT_PROGRAMS_PER_SM * _multiprocessors(device))
-    segment = max(1, min(MAX_SEGMENT_TILES, spare, chunks))
-    cfg = TileConfig(block_t, block_b, min(MAX_WARPS, _pow2(max(1, warps))), segment=segment)
+    walk = T > block_t and -(-B // block_b) >= WALK_PROGRAMS_PER_SM * _multiprocessors(device)
+    cfg = TileConfig(block_t, block_b, min(MAX_WARPS, _pow2(max(1, warps))), walk=walk)
     if _overrides:
         cfg = replace(cfg, **_overrides)
     return replace(cfg, window=window(cfg.window, cfg.block_b, cfg.num_warps, device))

@@ -124,21 +124,21 @@ class Launch:
         time_contiguous = first.stride(0) == 1 and T > 1
         cfg = config.choose(T, self.B, time_contiguous=time_contiguous,
                             device=device, n_act=n_act if action_slots else 0)
-        n_tiles_t, n_chunks = cfg.chunks(T), cfg.segments(T)
+        n_chunks = cfg.chunks(T)
         n_row_tiles = triton.cdiv(self.B, cfg.block_b)
-        self.lookback = n_chunks > 1
+        self.lookback = n_chunks > 1 and not cfg.walk
         self.grid = (n_row_tiles * (n_chunks if self.lookback else 1), 1)
-        # look-back scratch: two words per (segment, row)
+        # look-back scratch: two words per (tile, row)
         self.state_size = 2 * self.grid[0] * cfg.block_b if self.lookback else 1
         self.in_strides = strides(flat) + (sa,)
         self.out_strides = tuple(s * n_out for s in strides([out_view]))  # n_out alike
         self.init_strides = ((stride1[id(init_view)], stride2[id(init_view)])
                              if init_view is not None else (0, 0))
-        self.ints = (T, self.B, B2, n_act, n_row_tiles, n_chunks, n_tiles_t, cfg.segment)
+        self.ints = (T, self.B, B2, n_act, n_row_tiles, n_chunks)
         self.meta = dict(COEF=kernel.coef, STORE=kernel.store, REVERSE=kernel.reverse,
                          EXCLUSIVE=kernel.exclusive, HAS_TRUNC=has_trunc, HAS_NEXT=has_next,
                          HAS_LAST=has_last, HAS_INIT=init is not None, VARIANT=variant,
-                         LOOKBACK=self.lookback, SEGMENTED=cfg.segment > 1,
+                         LOOKBACK=self.lookback, WALK=cfg.walk and n_chunks > 1,
                          WINDOW=cfg.window, TIME_AXIS=int(time_contiguous),
                          INT64=largest > INT32_MAX or self.state_size > INT32_MAX,
                          BLOCK_T=cfg.block_t, BLOCK_B=cfg.block_b,

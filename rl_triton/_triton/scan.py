@@ -193,14 +193,7 @@ def look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry_i
 
 
 @triton.jit
-def reversed_combine(a1, b1, a2, b2):
-    """`combine` with its operands swapped: a scan in index order under it composes the maps in
-    decreasing index order, which is what a reverse scan composes."""
-    return a1 + b1 * a2, b1 * b2
-
-
-@triton.jit
-def tile_coefficients(ins, st, s1, s2, sa, chunk, n_tiles_t, b1, b2, mask_b, T, n_act, scalars,
+def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
                       COEF: tl.constexpr, HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr,
                       HAS_LAST: tl.constexpr, VARIANT: tl.constexpr, TIME_AXIS: tl.constexpr,
                       INT64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr):
@@ -213,7 +206,7 @@ def tile_coefficients(ins, st, s1, s2, sa, chunk, n_tiles_t, b1, b2, mask_b, T, 
         t = t.to(tl.int64)
     mask = (t < T) & mask_b
     # the rows whose step T-1 (the bootstrap step) is in this tile
-    end_rows = tl.where(chunk == n_tiles_t - 1, mask_b, False)
+    end_rows = tl.where(chunk == n_chunks - 1, mask_b, False)
     alpha, beta, aux = COEF(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, scalars,
                             HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A)
     return t, mask, tl.where(mask, alpha, 0.0), tl.where(mask, beta, 1.0), aux
@@ -234,22 +227,6 @@ def scan_tile(alpha, beta, REVERSE: tl.constexpr, EXCLUSIVE: tl.constexpr,
     return a, bb, ea, eb
 
 
-@triton.jit
-def publish_and_look_back(words_a, words_b, k, pid_b, order, n_row_tiles, n_chunks, r, live, tag,
-                          carry, agg_a, agg_b, TIME_AXIS: tl.constexpr, WINDOW: tl.constexpr,
-                          BLOCK_B: tl.constexpr):
-    """Publish this segment's map, find its carry by look-back, publish its outgoing value."""
-    slot = k * BLOCK_B + r
-    if order > 0:
-        tl.atomic_xchg(words_a + slot, pack(agg_a, tag + 1), sem="relaxed")
-        tl.atomic_xchg(words_b + slot, pack(agg_b, tag + 1), sem="relaxed")
-        carry = look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry,
-                          TIME_AXIS, WINDOW, BLOCK_B)
-    if order < n_chunks - 1:
-        tl.atomic_xchg(words_a + slot, pack(agg_a + agg_b * carry, tag + 2), sem="relaxed")
-    return carry
-
-
 # n_row_tiles is never specialized: as the stride between a look-back window's words it must not
 # look contiguous to the compiler, or the window's loads are vectorized (see `config.window`).
 @triton.jit(do_not_specialize=["n_row_tiles"])
@@ -257,23 +234,22 @@ def scan_kernel(
     ins, st, s1, s2, sa,  # input slots: pointers, time / batch-1 / batch-2 / action strides
     outs, ost, os1, os2,  # outputs likewise
     init, init_s1, init_s2,  # the initial carry A[T] (reverse) or A[-1] (forward)
-    state,  # int64 look-back scratch: [words_a..., words_b...], one of each per segment row
+    state,  # int64 look-back scratch: [words_a..., words_b...], one of each per tile row
     scalars,  # the estimator's float scalars (gamma, lambda, clips): runtime values
-    T, B, B2, n_act, n_row_tiles, n_chunks, n_tiles_t, seg,
+    T, B, B2, n_act, n_row_tiles, n_chunks,
     COEF: tl.constexpr, STORE: tl.constexpr, REVERSE: tl.constexpr, EXCLUSIVE: tl.constexpr,
     HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-    HAS_INIT: tl.constexpr, VARIANT: tl.constexpr, LOOKBACK: tl.constexpr,
-    SEGMENTED: tl.constexpr, WINDOW: tl.constexpr, TIME_AXIS: tl.constexpr,
-    INT64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_A: tl.constexpr,
+    HAS_INIT: tl.constexpr, VARIANT: tl.constexpr, LOOKBACK: tl.constexpr, WALK: tl.constexpr,
+    WINDOW: tl.constexpr, TIME_AXIS: tl.constexpr, INT64: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_A: tl.constexpr,
 ):
-    """One program per segment of `seg` consecutive tiles along the time axis (`n_chunks`
-    segments per row, `n_tiles_t` tiles), for `BLOCK_B` rows. With one tile per segment the tile
-    is scanned once and kept in registers. With several (`SEGMENTED`) the program walks its tiles
-    in scan order, passing the carry from tile to tile; when the row has several segments
-    (`LOOKBACK`) a first walk composes the segment's map for the look-back and the second reads
-    the tiles again (from L2, just read) to write the outputs."""
+    """One program per tile of `BLOCK_B` rows x `BLOCK_T` steps (`n_chunks` tiles along time),
+    scanned once and kept in registers; with `LOOKBACK`, the tiles of a row run in parallel and
+    find their carries by look-back. With `WALK`, one program per `BLOCK_B` rows instead, which
+    walks their `n_chunks` tiles in scan order, passing the carry from tile to tile: when there
+    are row tiles enough to fill the GPU, this beats the look-back."""
     k = tl.program_id(0)
-    order = k // n_row_tiles  # segments before this one in scan order, along its rows
+    order = k // n_row_tiles  # tiles before this one in scan order, along its rows
     pid_b = k % n_row_tiles
     if LOOKBACK:
         words_a = state
@@ -291,54 +267,37 @@ def scan_kernel(
     carry = tl.zeros(r.shape, tl.float32)
     if HAS_INIT:
         carry = load_value(init, b1 * init_s1 + b2 * init_s2, mask_b)
-    first = order * seg  # the segment's first tile, in scan order
-    n_here = tl.minimum(seg, n_tiles_t - first)
 
-    if SEGMENTED:
-        if LOOKBACK:
-            # the segment's map: its tiles' maps composed in scan order
-            agg_a = tl.zeros(r.shape, tl.float32)
-            agg_b = tl.full(r.shape, 1.0, tl.float32)
-            for i in range(n_here):
-                chunk = n_tiles_t - 1 - (first + i) if REVERSE else first + i
-                _, _, alpha, beta, _ = tile_coefficients(
-                    ins, st, s1, s2, sa, chunk, n_tiles_t, b1, b2, mask_b, T, n_act, scalars,
-                    COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T,
-                    BLOCK_A)
-                # the whole tile's map (a forward scan is cheaper than a reverse one)
-                if REVERSE:
-                    ca, cb = tl.associative_scan((alpha, beta), TIME_AXIS, reversed_combine)
-                else:
-                    ca, cb = tl.associative_scan((alpha, beta), TIME_AXIS, combine)
-                tile_a = edge(ca, TIME_AXIS, BLOCK_T, False)
-                tile_b = edge(cb, TIME_AXIS, BLOCK_T, False)
-                agg_a = tile_a + tile_b * agg_a
-                agg_b = agg_b * tile_b
-            carry = publish_and_look_back(words_a, words_b, k, pid_b, order, n_row_tiles,
-                                          n_chunks, r, mask_b, tag, carry, agg_a, agg_b,
-                                          TIME_AXIS, WINDOW, BLOCK_B)
-        for i in range(n_here):
-            chunk = n_tiles_t - 1 - (first + i) if REVERSE else first + i
+    if WALK:
+        for i in range(n_chunks):
+            chunk = n_chunks - 1 - i if REVERSE else i
             t, mask, alpha, beta, aux = tile_coefficients(
-                ins, st, s1, s2, sa, chunk, n_tiles_t, b1, b2, mask_b, T, n_act, scalars,
+                ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
                 COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A)
             a, bb, ea, eb = scan_tile(alpha, beta, REVERSE, EXCLUSIVE, TIME_AXIS)
             STORE(outs, ost, os1, os2, t, b1, b2, mask, a + bb * carry, ea + eb * carry, aux,
                   scalars, VARIANT)
-            carry = edge(a, TIME_AXIS, BLOCK_T, REVERSE) + edge(bb, TIME_AXIS, BLOCK_T,
-                                                                 REVERSE) * carry
+            # the tile's outgoing value: the carry into the next tile in scan order
+            carry = (edge(a, TIME_AXIS, BLOCK_T, REVERSE)
+                     + edge(bb, TIME_AXIS, BLOCK_T, REVERSE) * carry)
     else:
-        chunk = n_tiles_t - 1 - first if REVERSE else first
+        chunk = n_chunks - 1 - order if REVERSE else order
         t, mask, alpha, beta, aux = tile_coefficients(
-            ins, st, s1, s2, sa, chunk, n_tiles_t, b1, b2, mask_b, T, n_act, scalars,
+            ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
             COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A)
         a, bb, ea, eb = scan_tile(alpha, beta, REVERSE, EXCLUSIVE, TIME_AXIS)
         if LOOKBACK:
-            carry = publish_and_look_back(words_a, words_b, k, pid_b, order, n_row_tiles,
-                                          n_chunks, r, mask_b, tag, carry,
-                                          edge(a, TIME_AXIS, BLOCK_T, REVERSE),
-                                          edge(bb, TIME_AXIS, BLOCK_T, REVERSE),
-                                          TIME_AXIS, WINDOW, BLOCK_B)
+            agg_a = edge(a, TIME_AXIS, BLOCK_T, REVERSE)
+            agg_b = edge(bb, TIME_AXIS, BLOCK_T, REVERSE)
+            slot = k * BLOCK_B + r
+            if order > 0:
+                tl.atomic_xchg(words_a + slot, pack(agg_a, tag + 1), sem="relaxed")
+                tl.atomic_xchg(words_b + slot, pack(agg_b, tag + 1), sem="relaxed")
+                carry = look_back(words_a, words_b, pid_b, order, n_row_tiles, r, mask_b, tag,
+                                  carry, TIME_AXIS, WINDOW, BLOCK_B)
+            if order < n_chunks - 1:
+                tl.atomic_xchg(words_a + slot, pack(agg_a + agg_b * carry, tag + 2),
+                               sem="relaxed")
         STORE(outs, ost, os1, os2, t, b1, b2, mask, a + bb * carry, ea + eb * carry, aux,
               scalars, VARIANT)
 
