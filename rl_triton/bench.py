@@ -2,7 +2,8 @@
 
 For every estimator, shape (N envs x T steps), layout, input dtype and truncation setting it
 1. checks rl_triton's result against a float64 computation of the same inputs,
-2. times the call: device time (`triton.testing.do_bench`, median, L2 flushed between calls) and
+2. times the call: device time (`triton.testing.do_bench`'s protocol: median, L2 flushed
+   before every call; plus a GPU hold after the flush, see `device_time_us`) and
    full-call time (synchronize, host timer, call, synchronize; median of >= 200 calls),
 3. reports the achieved bandwidth (minimal bytes / device time) as a fraction of the copy
    bandwidth measured in the same run (a 1 GiB copy), the device time of a copy that moves the
@@ -122,9 +123,42 @@ def rel_err(outs, refs, td):
 
 # ---- timing ----------------------------------------------------------------------------------
 
-def device_time_us(fn) -> float:
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+_FLUSH_BYTES = 256 * 2**20  # what triton.testing.do_bench writes to flush the L2 cache
+_HOLD_CYCLES = 200_000  # about 100 µs of GPU clock: longer than the host's part of any call
+
+
+def device_time_us(fn, warmup_ms=25.0, rep_ms=100.0) -> float:
+    """Median device time of fn() in µs: `triton.testing.do_bench`'s protocol (the L2 cache
+    flushed before every call, warm-up, ~100 ms of timed calls), with one change: after the flush
+    the GPU is held busy for ~100 µs, so that the host has queued the call before the GPU
+    reaches the start event. Without it, a call whose host part outlasts the flush (ours take
+    30-55 µs on the H200 machine, the flush about 60) is timed with host time in it: plain
+    do_bench gave 8.6 or 38.8 µs for the same kernel from one measurement to the next."""
+    flush = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush.zero_()
+        torch.cuda._sleep(_HOLD_CYCLES)
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate_ms = max(start.elapsed_time(end) / 5, 1e-3)  # a timed call with its flush, hold
+    for _ in range(max(1, int(warmup_ms / estimate_ms))):
+        fn()
+    n = max(1, int(rep_ms / estimate_ms))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for i in range(n):
+        flush.zero_()
+        torch.cuda._sleep(_HOLD_CYCLES)
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
 
 
 def full_call_us(fn, calls=200, warmup=20) -> float:
