@@ -132,8 +132,9 @@ def device_time_us(fn, warmup_ms=25.0, rep_ms=100.0) -> float:
     flushed before every call, warm-up, ~100 ms of timed calls), with one change: after the flush
     the GPU is held busy for ~100 µs, so that the host has queued the call before the GPU
     reaches the start event. Without it, a call whose host part outlasts the flush (ours take
-    30-55 µs on the H200 machine, the flush about 60) is timed with host time in it: plain
-    do_bench gave 8.6 or 38.8 µs for the same kernel from one measurement to the next."""
+    30-55 µs on the H200 machine, close to what the GPU spends on the flush) is timed with host
+    time in it: plain do_bench gave 8.6 or 38.8 µs for one kernel from one measurement to the
+    next."""
     flush = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
     fn()
     torch.cuda.synchronize()
@@ -182,13 +183,16 @@ def copy_bandwidth(device) -> float:
     return 2 * src.numel() * 4 / (us * 1e-6)
 
 
-def same_bytes_copy_us(nbytes, device, _cache={}) -> float:
+_COPY_US: dict = {}
+
+
+def same_bytes_copy_us(nbytes, device) -> float:
     """Device time of a device-to-device copy that reads nbytes / 2 and writes nbytes / 2."""
-    if nbytes not in _cache:
+    if nbytes not in _COPY_US:
         src = torch.empty(max(1, nbytes // 8), dtype=torch.float32, device=device)
         dst = torch.empty_like(src)
-        _cache[nbytes] = device_time_us(lambda: dst.copy_(src))
-    return _cache[nbytes]
+        _COPY_US[nbytes] = device_time_us(lambda: dst.copy_(src))
+    return _COPY_US[nbytes]
 
 
 def launch_floor(device):

@@ -6,12 +6,14 @@ scanned with `tl.associative_scan` from a zero carry, the carry from the steps b
 scan order: later steps for reverse scans) is applied, and the estimator's `STORE` writes the
 outputs. Inputs are read once and nothing but the outputs goes to memory, whatever the length.
 
-When a row spans several tiles (`LOOKBACK`), the tiles of a row run in parallel and find their
-carries by a single-pass decoupled look-back: each tile publishes its composed map
-`A -> agg_a + agg_b * A` as soon as its own scan is done, then reads the maps of the tiles before
-it, `WINDOW` at a time, until the composition no longer depends on anything earlier (a tile that
-already knows its carry publishes its outgoing value, a constant map; a step with beta = 0, a
-termination, also cuts the dependence), and publishes its own outgoing value in turn.
+When a row spans several tiles and the batch alone fills the GPU (`WALK`), one program walks the
+tiles of its rows in scan order and passes the carry from one to the next in registers.
+Otherwise (`LOOKBACK`) the tiles of a row run in parallel and find their carries by a
+single-pass decoupled look-back: each tile publishes its composed map `A -> agg_a + agg_b * A`
+as soon as its own scan is done, then reads the maps of the tiles before it, `WINDOW` at a time,
+until the composition no longer depends on anything earlier (a tile that already knows its carry
+publishes its outgoing value, a constant map; a step with beta = 0, a termination, also cuts the
+dependence), and publishes its own outgoing value in turn.
 
 A tile's predecessors have lower program ids, and the GPU starts programs in the order of their
 ids, so a waiting tile never waits for one that cannot start (the scheme of CUB's single-pass
