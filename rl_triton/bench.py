@@ -206,14 +206,16 @@ TILE_FIELDS = ("block_t", "block_b", "num_warps", "window", "walk")
 
 
 def parse_tiles(s):
-    """"block_t=64,num_warps=4" -> {"block_t": 64, "num_warps": 4}"""
+    """"block_t=64,num_warps=4,walk=0" -> {"block_t": 64, "num_warps": 4, "walk": False}"""
     fields = {}
     for item in s.split(","):
         key, _, value = item.partition("=")
-        if key not in TILE_FIELDS or not value.isdigit() or int(value) < 1:
-            raise argparse.ArgumentTypeError(f"{item!r} is not one of "
-                                             f"{'|'.join(TILE_FIELDS)}=<positive int>")
-        fields[key] = int(value)
+        ok = key in TILE_FIELDS and value.isdigit() and (
+            value in ("0", "1") if key == "walk" else int(value) >= 1)
+        if not ok:
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not one of {'|'.join(TILE_FIELDS[:-1])}=<positive int> or walk=0|1")
+        fields[key] = bool(int(value)) if key == "walk" else int(value)
     return fields
 
 

@@ -45,7 +45,9 @@ def test_reports(tmp_path):
 def test_tiles_option():
     assert bench.parse_tiles("block_t=64,block_b=32,num_warps=4") == dict(
         block_t=64, block_b=32, num_warps=4)
-    for bad in ("block_t=0", "blockt=64", "num_warps=four", "window"):
+    assert bench.parse_tiles("walk=0,window=32") == dict(walk=False, window=32)
+    assert bench.parse_tiles("walk=1") == dict(walk=True)
+    for bad in ("block_t=0", "blockt=64", "num_warps=four", "window", "walk=2"):
         with pytest.raises(argparse.ArgumentTypeError, match="is not one of"):
             bench.parse_tiles(bad)
     env = dict(gpu="GPU", driver="1", torch="t", triton="tr", date="2026-11-29",
