@@ -219,6 +219,20 @@ def parse_tiles(s):
     return fields
 
 
+def parse_rule(s):
+    """"WALK_PROGRAMS_PER_SM=4,MAX_ROWS_TIME_MAJOR=32" -> {...}: constants of the tile rule."""
+    from rl_triton._triton import config
+    names, values = config.constants(), {}
+    for item in s.split(","):
+        key, _, value = item.partition("=")
+        if key not in names or not value.isdigit():
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not NAME=<int> for a constant of rl_triton/_triton/config.py "
+                f"({', '.join(sorted(names))})")
+        values[key] = int(value)
+    return values
+
+
 def parse_shape(s):
     n, t = s.lower().split("x")
     return int(n), int(t)
@@ -245,6 +259,10 @@ def main(argv=None):
                    help="replace the tile rule for every configuration, e.g. "
                         "block_t=64,block_b=32,num_warps=4 (for tuning "
                         "rl_triton/_triton/config.py; fields: %s)" % ", ".join(TILE_FIELDS))
+    p.add_argument("--rule", default=None, type=parse_rule,
+                   help="change constants of the tile rule for every configuration, e.g. "
+                        "WALK_PROGRAMS_PER_SM=4,MAX_ROWS_TIME_MAJOR=64 (to check the rule of "
+                        "rl_triton/_triton/config.py against measurements)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -268,7 +286,7 @@ def main(argv=None):
     bw = copy_bandwidth(device)
     floor_dev, floor_full = launch_floor(device)
     env.update(copy_bandwidth_gbs=bw / 1e9, launch_floor_device_us=floor_dev,
-               launch_floor_full_us=floor_full, tiles=args.tiles)
+               launch_floor_full_us=floor_full, tiles=args.tiles, rule=args.rule)
     print(f"# {env['gpu']} driver {env['driver']}, torch {env['torch']}, triton "
           f"{env['triton']}: copy {bw / 1e9:.0f} GB/s, launch floor {floor_dev:.1f} us device /"
           f" {floor_full:.1f} us full call", flush=True)
@@ -279,9 +297,11 @@ def main(argv=None):
                for dt in dtypes for tr in truncs]
     t_start = time.time()
     tiles = contextlib.ExitStack()
+    from rl_triton._triton import config as tile_config
     if args.tiles:
-        from rl_triton._triton import config as tile_config
         tiles.enter_context(tile_config.override(**args.tiles))
+    if args.rule:
+        tiles.enter_context(tile_config.rule(**args.rule))
     for i, (name, shape, layout, dt, tr) in enumerate(configs):
         if args.max_seconds is not None and time.time() - t_start > args.max_seconds:
             print(f"# stopped after {i} of {len(configs)} configurations (--max-seconds)")
@@ -357,7 +377,9 @@ def markdown(result) -> str:
              f"{env['date']}. Copy bandwidth {env['copy_bandwidth_gbs']:.0f} GB/s; launch floor "
              f"{env['launch_floor_device_us']:.1f} us device, {env['launch_floor_full_us']:.1f} us "
              "full call." + (f" Tile rule replaced by {env['tiles']} (--tiles)."
-                             if env.get("tiles") else ""), "",
+                             if env.get("tiles") else "")
+             + (f" Rule constants changed: {env['rule']} (--rule)." if env.get("rule") else ""),
+             "",
              "rl_triton, device / full-call µs (bandwidth fraction of copy):", "",
              "| estimator | layout | dtype | trunc | " + " | ".join(shapes) + " |",
              "|---" * (4 + len(shapes)) + "|"]

@@ -42,6 +42,14 @@ def test_reports(tmp_path):
     assert (tmp_path / "r" / "bench.png").stat().st_size > 1000
 
 
+def test_rule_option():
+    assert bench.parse_rule("WALK_PROGRAMS_PER_SM=4,WINDOW=32") == dict(
+        WALK_PROGRAMS_PER_SM=4, WINDOW=32)
+    for bad in ("walk_programs_per_sm=4", "WINDOW=x", "NO_SUCH=1", "WINDOW"):
+        with pytest.raises(argparse.ArgumentTypeError, match="is not NAME=<int>"):
+            bench.parse_rule(bad)
+
+
 def test_tiles_option():
     assert bench.parse_tiles("block_t=64,block_b=32,num_warps=4") == dict(
         block_t=64, block_b=32, num_warps=4)
@@ -57,4 +65,7 @@ def test_tiles_option():
                     15.0, 0.5, 1e-7)
     md = bench.markdown(dict(env=env, rows=[asdict(row)]))
     assert "Tile rule replaced by {'block_t': 64}" in md
+    assert "--rule" not in md
+    assert "Rule constants changed: {'WINDOW': 32} (--rule)" in bench.markdown(
+        dict(env=dict(env, tiles=None, rule={"WINDOW": 32}), rows=[asdict(row)]))
     assert "same bytes" not in md  # no copy time measured: no such table

@@ -74,6 +74,17 @@ def test_programs_walk_their_rows_when_row_tiles_fill_the_gpu():
     assert not choose(1024, 16384, True).walk  # one tile per row already
 
 
+def test_rule_constants_can_be_changed_for_a_measurement():
+    assert choose(1024, 16384, False).walk
+    with config.rule(WALK_PROGRAMS_PER_SM=4, WINDOW=64):  # 512 row tiles < 4 x 132
+        c = choose(1024, 16384, False)
+        assert not c.walk and c.window == 64
+    assert choose(1024, 16384, False).walk and config.WINDOW == 16
+    with pytest.raises(KeyError, match="not constants"):
+        with config.rule(NO_SUCH_CONSTANT=1):
+            pass
+
+
 def test_override_is_scoped():
     with config.override(block_t=16, block_b=2, window=3):
         c = choose(1000, 5, True)

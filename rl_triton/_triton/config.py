@@ -68,6 +68,26 @@ def override(**fields):
         _overrides.update(old)
 
 
+def constants() -> dict:
+    """The rule's constants (this module's upper-case integers), by name."""
+    return {k: v for k, v in globals().items() if k.isupper() and isinstance(v, int)}
+
+
+@contextlib.contextmanager
+def rule(**values):
+    """Replace constants of the rule inside the block (`python -m rl_triton.bench --rule`), to
+    check the rule against measurements. Plans built before keep their tiles."""
+    unknown = sorted(set(values) - set(constants()))
+    if unknown:
+        raise KeyError(f"not constants of the tile rule: {unknown}")
+    old = {k: globals()[k] for k in values}
+    globals().update(values)
+    try:
+        yield
+    finally:
+        globals().update(old)
+
+
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(device: torch.device) -> int:
     if device.type == "cuda":
@@ -114,7 +134,7 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
         per_thread = ELEMENTS_PER_THREAD if time_contiguous else ELEMENTS_PER_THREAD_TIME_MAJOR
     warps = block_t * block_b * per_step // (32 * per_thread)
     walk = T > block_t and -(-B // block_b) >= WALK_PROGRAMS_PER_SM * _multiprocessors(device)
-    cfg = TileConfig(block_t, block_b, min(MAX_WARPS, _pow2(max(1, warps))), walk=walk)
+    cfg = TileConfig(block_t, block_b, min(MAX_WARPS, _pow2(max(1, warps))), WINDOW, walk)
     if _overrides:
         cfg = replace(cfg, **_overrides)
     return replace(cfg, window=window(cfg.window, cfg.block_b, cfg.num_warps, device))
