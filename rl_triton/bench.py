@@ -136,13 +136,17 @@ def device_time_us(fn, warmup_ms=25.0, rep_ms=100.0) -> float:
     time in it: plain do_bench gave 8.6 or 38.8 µs for one kernel from one measurement to the
     next."""
     flush = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+
+    def flush_and_hold():
+        flush.zero_()
+        torch.cuda._sleep(_HOLD_CYCLES)
+
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(5):
-        flush.zero_()
-        torch.cuda._sleep(_HOLD_CYCLES)
+        flush_and_hold()
         fn()
     end.record()
     torch.cuda.synchronize()
@@ -153,8 +157,7 @@ def device_time_us(fn, warmup_ms=25.0, rep_ms=100.0) -> float:
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     for i in range(n):
-        flush.zero_()
-        torch.cuda._sleep(_HOLD_CYCLES)
+        flush_and_hold()
         starts[i].record()
         fn()
         ends[i].record()
@@ -175,14 +178,6 @@ def full_call_us(fn, calls=200, warmup=20) -> float:
     return statistics.median(times) * 1e6
 
 
-def copy_bandwidth(device) -> float:
-    """Bytes read + written per second by a large device-to-device copy."""
-    src = torch.empty(2**28, dtype=torch.float32, device=device)  # 1 GiB
-    dst = torch.empty_like(src)
-    us = device_time_us(lambda: dst.copy_(src))
-    return 2 * src.numel() * 4 / (us * 1e-6)
-
-
 _COPY_US: dict = {}
 
 
@@ -193,6 +188,11 @@ def same_bytes_copy_us(nbytes, device) -> float:
         dst = torch.empty_like(src)
         _COPY_US[nbytes] = device_time_us(lambda: dst.copy_(src))
     return _COPY_US[nbytes]
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes read + written per second by a large device-to-device copy (1 GiB each way)."""
+    return 2**31 / (same_bytes_copy_us(2**31, device) * 1e-6)
 
 
 def launch_floor(device):
@@ -388,27 +388,24 @@ def markdown(result) -> str:
                               for r in mine))
     cell = {(r["estimator"], r["layout"], r["dtype"], r["truncation"], r["shape"]): r
             for r in mine}
-    for k in keys:
-        cells = []
-        for s in shapes:
-            r = cell.get(k + (s,))
-            cells.append("" if r is None else
-                         f"{r['device_us']:.0f} / {r['full_us']:.0f} ({r['bandwidth_fraction']:.2f})")
-        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {'yes' if k[3] else 'no'} | "
-                     + " | ".join(cells) + " |")
-    if any(r.get("copy_us", float("nan")) == r.get("copy_us") for r in mine):  # not NaN
+    def has_copy(r):
+        c = r.get("copy_us")
+        return c is not None and c == c  # measured (older results have none, or NaN)
+
+    def rows_of(fmt):
+        """One table line per key, fmt(row) in every shape's cell ("" where not measured)."""
+        for k in keys:
+            cells = [fmt(cell[k + (s,)]) if k + (s,) in cell else "" for s in shapes]
+            lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {'yes' if k[3] else 'no'} | "
+                         + " | ".join(cells) + " |")
+
+    rows_of(lambda r: f"{r['device_us']:.0f} / {r['full_us']:.0f} ({r['bandwidth_fraction']:.2f})")
+    if any(has_copy(r) for r in mine):
         lines += ["", "The same, as the device time of a copy that moves the same bytes divided "
                   "by rl_triton's device time (1.00: as fast as copying those bytes):", "",
                   "| estimator | layout | dtype | trunc | " + " | ".join(shapes) + " |",
                   "|---" * (4 + len(shapes)) + "|"]
-        for k in keys:
-            cells = []
-            for s in shapes:
-                r = cell.get(k + (s,))
-                cells.append("" if r is None or "copy_us" not in r else
-                             f"{r['copy_us'] / r['device_us']:.2f}")
-            lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {'yes' if k[3] else 'no'} | "
-                         + " | ".join(cells) + " |")
+        rows_of(lambda r: f"{r['copy_us'] / r['device_us']:.2f}" if has_copy(r) else "")
     base = [r for r in rows if r["impl"] != "rl_triton"]
     if base:
         lines += ["", "Speedup of rl_triton over the baselines (same inputs), full-call time "
