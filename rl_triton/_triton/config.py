@@ -10,7 +10,8 @@ split into tiles that run in parallel and find their carries by look-back (`scan
 - when the tiles would not give `MIN_PROGRAMS_PER_SM` programs per multiprocessor, they shrink (down
   to `MIN_TILE_ELEMENTS`): small problems are latency-bound, and more programs hide the latency;
 - `ELEMENTS_PER_THREAD(_TIME_MAJOR)` values per thread set the warps;
-- the look-back reads `window` tiles per step (at least `WINDOW`, more for narrow tiles);
+- the look-back reads `window` tiles per step: one warp's worth for tiles of several rows,
+  4 words per thread for one-row tiles;
 - when the row tiles alone fill the GPU, a program walks all tiles of its rows.
 docs/benchmarks.md has the measurements behind the numbers.
 """
@@ -33,7 +34,7 @@ ELEMENTS_PER_THREAD_TIME_MAJOR = 32  # time-major: the scan crosses threads; few
 ELEMENTS_PER_THREAD_ACTIONS = 32  # Retrace, batch-major: steps x actions; more warps were slower
 ELEMENTS_PER_THREAD_ACTIONS_TIME_MAJOR = 16  # Retrace, time-major: here 4 warps beat 2
 MAX_WARPS = 8
-WINDOW = 16  # tiles read at least per step of the look-back (more for narrow tiles, `window`)
+WINDOW = 16  # tiles read per step of the look-back: in the interpreter; on a GPU see `window`
 # A program walks all tiles of its rows (passing the carry in registers, no look-back) when its
 # rows' tiles alone give WALK_PROGRAMS_PER_SM programs per multiprocessor.
 WALK_PROGRAMS_PER_SM = 2
@@ -141,10 +142,22 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
 
 
 def window(least: int, block_b: int, num_warps: int, device: torch.device) -> int:
-    """Tiles read per step of the look-back: on a GPU, enough that the window's words
-    (window x block_b) outnumber the program's threads x 4, so that no word is held by two
-    threads (each would read it at its own moment; scan.look_back depends on one reading).
-    The interpreter runs one thread: any window, which lets the tests walk long look-backs."""
+    """Tiles read per step of the look-back (`scan.look_back`). On a GPU its words
+    (window x block_b) must be laid out so that no thread can see a word differently from the
+    threads it decides with:
+    - tiles of 2 to 32 rows: exactly one warp's worth of words, one per lane. Every warp holds
+      the whole window and runs the look-back loop on its own, with nothing shared across warps
+      inside the loop (no barrier), so warps that leave it at different passes are harmless.
+      Faster than a wide window (no barriers) for these tiles; for one-row tiles, whose window
+      would then be 32 tiles deep, 3x slower (docs/benchmarks.md, log);
+    - one-row tiles (and tiles of more than 32 rows): at least 4 words per thread, so that no
+      word is held by two threads (each would read it at its own moment).
+    Other sizes gave wrong carries on the H200 (first session: windows smaller than the thread
+    count; later sweeps: windows of fewer words than a warp).
+    The interpreter runs one thread: any window (`least`), which lets the tests walk long
+    look-backs."""
     if device.type != "cuda":
         return least
+    if 2 <= block_b <= 32:
+        return 32 // block_b
     return max(least, _pow2(-(-4 * 32 * num_warps // block_b)))

@@ -161,10 +161,11 @@ def look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry_i
     (tag + 2, a constant map), and composes them until every live row's map is constant.
     Position -1 is the initial carry. `r`, `live` and `carry_in` are laid along the row axis.
 
-    The window must hold at least as many words as the program has threads x 4 (`config.window`):
-    a smaller tensor is replicated across threads, each replica read at its own moment, and
-    threads that saw different words would leave this loop at different iterations (the GPU
-    test of long rows caught wrong results that way).
+    The window's size is `config.window`'s: exactly one warp's worth of words (every warp runs
+    this loop on its own, nothing crosses warps inside it), or so many that no word is held by
+    two threads. Other sizes replicate words across threads, each replica read at its own
+    moment, and threads that saw different words leave this loop at different passes (the GPU
+    tests of long rows caught wrong results that way).
     """
     acc_a = tl.zeros(carry_in.shape, tl.float32)
     acc_b = tl.full(carry_in.shape, 1.0, tl.float32)
