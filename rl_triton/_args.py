@@ -42,6 +42,9 @@ def _check_dtype(name: str, x: torch.Tensor, kind: str) -> None:
 def check_scalar(name: str, value, *, low: float = 0.0, high: float | None = 1.0,
                  low_open: bool = False) -> float:
     """A Python number in [low, high] (or (low, high] when low_open), returned as float."""
+    if type(value) is float and (low < value if low_open else low <= value) and (
+            high is None or value <= high):
+        return value  # the common case, first: this runs on every call
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     v = float(value)

@@ -196,3 +196,35 @@ def test_look_back_without_cuts(layout):
                 out = rl_triton.linear_scan(a, b, reverse=reverse, time_dim=td).movedim(td, 0)
                 err = ((out.double() - ref).norm() / ref.norm()).item()
                 assert err < 1e-5, (reverse, err)
+
+
+def test_launch_hooks_see_every_launch():
+    """Profilers install Triton launch hooks; plans launch the compiled kernel directly and must
+    call them as Triton's own launch path does."""
+    from triton import knobs
+
+    from rl_triton import estimators
+
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata)
+
+    chain = knobs.runtime.launch_enter_hook
+    if hasattr(chain, "add"):  # a chain of hooks (newer Triton)
+        chain.add(hook)
+    else:
+        knobs.runtime.launch_enter_hook = hook
+    try:
+        estimators._PLANS.clear()
+        case = make_case("gae", 4096, (4,), device=DEV)
+        for _ in range(3):
+            case.call(backend="triton")
+    finally:
+        if hasattr(chain, "add"):
+            chain.remove(hook)
+        else:
+            knobs.runtime.launch_enter_hook = chain
+    assert len(seen) == 3
+    case.call(backend="triton")
+    assert len(seen) == 3  # removed: not called

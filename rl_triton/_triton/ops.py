@@ -190,14 +190,19 @@ class Launch:
                    meta, enter, leave, *args, *self.tail)
 
 
+_RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
+
+
 def _launch_hooks():
     """Triton's launch hooks (profilers), None when none is installed."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is None:
+    if _RUNTIME_KNOBS is None:
         return None, None
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return _hook(_RUNTIME_KNOBS.launch_enter_hook), _hook(_RUNTIME_KNOBS.launch_exit_hook)
+
+
+def _hook(h):
     # Newer Triton keeps a (possibly empty) chain of hooks rather than None.
-    return tuple(None if h is None or getattr(h, "calls", True) == [] else h for h in hooks)
+    return None if h is None or getattr(h, "calls", True) == [] else h
 
 
 def _stream(device_index: int):
