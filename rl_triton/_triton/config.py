@@ -10,8 +10,8 @@ split into tiles that run in parallel and find their carries by look-back (`scan
 - when the tiles would not give `MIN_PROGRAMS_PER_SM` programs per multiprocessor, they shrink (down
   to `MIN_TILE_ELEMENTS`): small problems are latency-bound, and more programs hide the latency;
 - `ELEMENTS_PER_THREAD(_TIME_MAJOR)` values per thread set the warps;
-- the look-back reads `window` tiles per step: one warp's worth for tiles of several rows,
-  4 words per thread for one-row tiles;
+- the look-back reads `window` tiles per step: one warp's worth of words for tiles of several
+  rows, one word per thread for one-row tiles;
 - when the row tiles alone fill the GPU, a program walks all tiles of its rows.
 docs/benchmarks.md has the measurements behind the numbers.
 """
@@ -150,8 +150,10 @@ def window(least: int, block_b: int, num_warps: int, device: torch.device) -> in
       inside the loop (no barrier), so warps that leave it at different passes are harmless.
       Faster than a wide window (no barriers) for these tiles; for one-row tiles, whose window
       would then be 32 tiles deep, 3x slower (docs/benchmarks.md, log);
-    - one-row tiles (and tiles of more than 32 rows): at least 4 words per thread, so that no
-      word is held by two threads (each would read it at its own moment).
+    - one-row tiles (and tiles of more than 32 rows): one word per thread (Triton lays the
+      window's loads out one word per thread: `scan_kernel` keeps the words' stride opaque), so
+      that no word is held by two threads (each would read it at its own moment); more words
+      per pass were slower (docs/benchmarks.md, log).
     Other sizes gave wrong carries on the H200 (first session: windows smaller than the thread
     count; later sweeps: windows of fewer words than a warp).
     The interpreter runs one thread: any window (`least`), which lets the tests walk long
@@ -160,4 +162,4 @@ def window(least: int, block_b: int, num_warps: int, device: torch.device) -> in
         return least
     if 2 <= block_b <= 32:
         return 32 // block_b
-    return max(least, _pow2(-(-4 * 32 * num_warps // block_b)))
+    return max(least, _pow2(-(-32 * num_warps // block_b)))

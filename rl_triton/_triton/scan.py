@@ -162,8 +162,8 @@ def look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry_i
     Position -1 is the initial carry. `r`, `live` and `carry_in` are laid along the row axis.
 
     The window's size is `config.window`'s: exactly one warp's worth of words (every warp runs
-    this loop on its own, nothing crosses warps inside it), or so many that no word is held by
-    two threads. Other sizes replicate words across threads, each replica read at its own
+    this loop on its own, nothing crosses warps inside it), or one word per thread (no word is
+    held by two threads). Other sizes replicate words across threads, each replica read at its own
     moment, and threads that saw different words leave this loop at different passes (the GPU
     tests of long rows caught wrong results that way).
     """
