@@ -34,8 +34,8 @@ def test_retrace_counts_its_action_block():
 
 def test_small_problems_take_smaller_tiles_for_more_programs():
     big, small = choose(1 << 20, 64, True), choose(128, 128, True)
-    assert big.block_t * big.block_b == config.TILE_ELEMENTS
-    assert small.block_t * small.block_b < config.TILE_ELEMENTS
+    assert big.block_t * big.block_b == config.TILE_ELEMENTS_BATCH_MAJOR
+    assert small.block_t * small.block_b < config.TILE_ELEMENTS_BATCH_MAJOR
     assert small.block_t * small.block_b >= config.MIN_TILE_ELEMENTS
 
 
