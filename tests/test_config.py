@@ -34,8 +34,8 @@ def test_retrace_counts_its_action_block():
 
 def test_small_problems_take_smaller_tiles_for_more_programs():
     big, small = choose(1 << 20, 64, True), choose(128, 128, True)
-    assert big.block_t * big.block_b == config.TILE_ELEMENTS_BATCH_MAJOR
-    assert small.block_t * small.block_b < config.TILE_ELEMENTS_BATCH_MAJOR
+    assert big.block_t * big.block_b == config.TILE_ELEMENTS
+    assert small.block_t * small.block_b < config.TILE_ELEMENTS
     assert small.block_t * small.block_b >= config.MIN_TILE_ELEMENTS
 
 
@@ -57,6 +57,19 @@ def test_warps_follow_the_tile():
         c = choose(T, B, True, n_act)
         assert 1 <= c.num_warps <= config.MAX_WARPS
         assert c.num_warps & (c.num_warps - 1) == 0
+
+
+def test_vtrace_takes_smaller_batch_major_tiles():
+    """Measured on the H200 (docs/benchmarks.md): V-trace's scan carries the exclusive value too
+    (4 values per step); its batch-major tiles hold 1024 values (4 warps), the others' 2048."""
+    def vtrace(T, B, tc):
+        return config.choose(T, B, time_contiguous=tc, device=CPU, exclusive=True)
+    for T, B in [(1024, 16384), (4096, 512), (1 << 20, 4)]:
+        v, g = vtrace(T, B, True), choose(T, B, True)
+        assert v.block_t * v.block_b == config.TILE_ELEMENTS_EXCLUSIVE == 1024
+        assert g.block_t * g.block_b == config.TILE_ELEMENTS == 2048
+        assert (v.num_warps, g.num_warps) == (4, 8)
+    assert vtrace(1024, 16384, False) == choose(1024, 16384, False)  # time-major: unchanged
 
 
 def test_retrace_time_major_takes_more_warps():

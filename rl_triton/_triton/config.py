@@ -3,8 +3,9 @@
 One program scans one tile of `block_t` steps x `block_b` rows; rows longer than a tile are
 split into tiles that run in parallel and find their carries by look-back (`scan.py`). The rule:
 - a tile holds about `TILE_ELEMENTS` values (for Retrace, steps x actions in its action block;
-  `TILE_ELEMENTS_BATCH_MAJOR` for the other estimators' batch-major tiles): enough bytes per
-  program to keep the memory system busy, few enough registers per thread;
+  `TILE_ELEMENTS_EXCLUSIVE` for batch-major tiles whose scan also carries the exclusive value,
+  V-trace): enough bytes per program to keep the memory system busy, few enough registers per
+  thread;
 - the tile's long side follows the contiguous axis of memory: time for batch-major data
   (`[N, T]`), rows for time-major data (`[T, N]`, at most `MAX_ROWS_TIME_MAJOR` rows, so that
   the scan along time, which crosses threads, stays small);
@@ -25,7 +26,10 @@ from dataclasses import dataclass, replace
 import torch
 
 TILE_ELEMENTS = 2048
-TILE_ELEMENTS_BATCH_MAJOR = 1024  # 4 warps; 2048 (8 warps) was slower: V-trace 148 against 132 µs
+# Batch-major tiles whose scan carries 4 values per step (the exclusive value too: V-trace):
+# 1024 values (4 warps) took 132 µs at 16384x1024 and 29 at 512x4096, 2048 (8 warps) 148 and
+# 40; the other estimators lost up to 27% with 1024 (docs/benchmarks.md, log).
+TILE_ELEMENTS_EXCLUSIVE = 1024
 MIN_TILE_ELEMENTS = 256
 MIN_PROGRAMS_PER_SM = 4
 MAX_ACTION_BLOCK = 32  # Retrace walks the action axis in blocks of at most this many actions
@@ -118,10 +122,11 @@ def _tile(T: int, B: int, steps: int, time_contiguous: bool) -> tuple[int, int]:
 
 
 def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
-           n_act: int = 0) -> TileConfig:
-    """The tile for T steps x B rows; `n_act` > 0 for Retrace's action axis."""
+           n_act: int = 0, exclusive: bool = False) -> TileConfig:
+    """The tile for T steps x B rows; `n_act` > 0 for Retrace's action axis, `exclusive` for
+    scans that also carry the exclusive value (V-trace)."""
     per_step = action_block(n_act) if n_act else 1
-    elements = TILE_ELEMENTS_BATCH_MAJOR if time_contiguous and not n_act else TILE_ELEMENTS
+    elements = TILE_ELEMENTS_EXCLUSIVE if time_contiguous and exclusive else TILE_ELEMENTS
     target = MIN_PROGRAMS_PER_SM * _multiprocessors(device)
     while True:
         steps = max(1, elements // per_step)
