@@ -4,6 +4,7 @@ any fails to compile. Triton's interpreter, which runs the other tests on the CP
 compiler, and compiler failures (a crashing layout pass, a construct one Triton version rejects)
 would otherwise first show on the GPU. Run by tests/test_compile.py, without TRITON_INTERPRET."""
 import os
+import re
 import sys
 import time
 
@@ -61,6 +62,37 @@ def compile_plan(plan, tensors, scalars):
                    options=options.__dict__)
 
 
+def look_back_loop_barriers(ptx: str):
+    """bar.sync instructions inside the look-back loop (the loop whose body holds the volatile
+    loads of the look-back words), or None when the PTX has no such loop."""
+    lines = ptx.split("\n")
+    labels = {m.group(1): i for i, line in enumerate(lines)
+              if (m := re.match(r"\s*(\$L__BB\d+_\d+):", line))}
+    found = None
+    for i, line in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
+        if m and labels.get(m.group(1), i) < i:  # a backward branch closes a loop
+            body = lines[labels[m.group(1)]:i + 1]
+            if any("ld.volatile" in b for b in body):
+                found = (found or 0) + sum("bar.sync" in b for b in body)
+    return found
+
+
+def check_look_back(plan, kernel):
+    """Tiles of several rows read one warp's worth of look-back words per pass and every warp runs
+    the loop on its own (`config.window`): a barrier inside it would make warps that leave at
+    different passes wait at different barriers. Returns what is wrong, or ''."""
+    m = plan.meta
+    if not m["LOOKBACK"] or not 2 <= m["BLOCK_B"] <= 32:
+        return ""
+    if m["WINDOW"] * m["BLOCK_B"] != 32:
+        return f"look-back window of {m['WINDOW']} x {m['BLOCK_B']} words, not one warp's worth"
+    barriers = look_back_loop_barriers(kernel.asm["ptx"])
+    if barriers is None:
+        return "no look-back loop found in the PTX"
+    return f"{barriers} barriers inside the one-warp look-back loop" if barriers else ""
+
+
 def variants():
     """(label, case, layout): every estimator, both layouts, one tile per row, look-back, walked
     rows, bf16 inputs, every optional input."""
@@ -89,7 +121,9 @@ def main():
         t0 = time.time()
         try:
             plan, (tensors, scalars) = plan_of(case, layout)
-            compile_plan(plan, tensors, scalars)
+            problem = check_look_back(plan, compile_plan(plan, tensors, scalars))
+            if problem:
+                raise AssertionError(problem)
             print(f"ok      {label} ({time.time() - t0:.1f} s)", flush=True)
         except Exception as e:  # noqa: BLE001 - report every failure, then fail
             failed += 1
