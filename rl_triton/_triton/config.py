@@ -28,7 +28,8 @@ import torch
 TILE_ELEMENTS = 2048
 # Batch-major tiles whose scan carries 4 values per step (the exclusive value too: V-trace):
 # 1024 values (4 warps) took 132 µs at 16384x1024 and 29 at 512x4096, 2048 (8 warps) 148 and
-# 40; the other estimators lost up to 27% with 1024 (docs/benchmarks.md, log).
+# 40: at 95-145 registers per thread, 4-warp programs fit more warps per multiprocessor. The
+# other estimators lost up to 27% with 1024 (docs/benchmarks.md, log).
 TILE_ELEMENTS_EXCLUSIVE = 1024
 MIN_TILE_ELEMENTS = 256
 MIN_PROGRAMS_PER_SM = 4
