@@ -14,7 +14,8 @@ split into tiles that run in parallel and find their carries by look-back (`scan
 - `ELEMENTS_PER_THREAD(_TIME_MAJOR)` values per thread set the warps;
 - the look-back reads `window` tiles per step: one warp's worth of words for tiles of several
   rows, one word per thread for one-row tiles;
-- when the row tiles alone fill the GPU, a program walks all tiles of its rows.
+- when the row tiles alone fill the GPU, a program walks all tiles of its rows (batch-major
+  tiles, and Retrace's: other time-major tiles look back faster, see `choose`).
 docs/benchmarks.md has the measurements behind the numbers.
 """
 from __future__ import annotations
@@ -43,7 +44,7 @@ ELEMENTS_PER_THREAD_ACTIONS_TIME_MAJOR = 16  # Retrace, time-major: here 4 warps
 MAX_WARPS = 8
 WINDOW = 16  # tiles read per step of the look-back: in the interpreter; on a GPU see `window`
 # A program walks all tiles of its rows (passing the carry in registers, no look-back) when its
-# rows' tiles alone give WALK_PROGRAMS_PER_SM programs per multiprocessor.
+# rows' tiles alone give WALK_PROGRAMS_PER_SM programs per multiprocessor (batch-major tiles, and Retrace's).
 WALK_PROGRAMS_PER_SM = 2
 
 
@@ -142,7 +143,12 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     else:
         per_thread = ELEMENTS_PER_THREAD if time_contiguous else ELEMENTS_PER_THREAD_TIME_MAJOR
     warps = block_t * block_b * per_step // (32 * per_thread)
-    walk = T > block_t and -(-B // block_b) >= WALK_PROGRAMS_PER_SM * _multiprocessors(device)
+    # Time-major tiles walk only along Retrace's action axis. At 16384x1024 (512 row tiles of
+    # 32 rows x 64 steps) the look-back took 17-30% less time than walking for every other
+    # estimator (GAE 154 against 189 µs, V-trace 312 against 381); Retrace's tiles of 4 rows
+    # x 16 steps x 32 actions took 16% more (1932 against 1662; docs/benchmarks.md, log).
+    walk = ((time_contiguous or n_act > 0) and T > block_t
+            and -(-B // block_b) >= WALK_PROGRAMS_PER_SM * _multiprocessors(device))
     cfg = TileConfig(block_t, block_b, min(MAX_WARPS, _pow2(max(1, warps))), WINDOW, walk)
     if _overrides:
         cfg = replace(cfg, **_overrides)
