@@ -59,9 +59,10 @@ def test_warps_follow_the_tile():
         assert c.num_warps & (c.num_warps - 1) == 0
 
 
-def test_vtrace_takes_smaller_batch_major_tiles():
+def test_vtrace_takes_smaller_tiles():
     """Measured on the H200 (docs/benchmarks.md): V-trace's scan carries the exclusive value too
-    (4 values per step); its batch-major tiles hold 1024 values (4 warps), the others' 2048."""
+    (4 values per step); its tiles hold 1024 values, the others' 2048: 4 warps against 8
+    batch-major, 2 warps (16 values per thread) against 2 time-major."""
     def vtrace(T, B, tc):
         return config.choose(T, B, time_contiguous=tc, device=CPU, exclusive=True)
     for T, B in [(1024, 16384), (4096, 512), (1 << 20, 4)]:
@@ -69,7 +70,10 @@ def test_vtrace_takes_smaller_batch_major_tiles():
         assert v.block_t * v.block_b == config.TILE_ELEMENTS_EXCLUSIVE == 1024
         assert g.block_t * g.block_b == config.TILE_ELEMENTS == 2048
         assert (v.num_warps, g.num_warps) == (4, 8)
-    assert vtrace(1024, 16384, False) == choose(1024, 16384, False)  # time-major: unchanged
+    for T, B in [(1024, 16384), (1 << 20, 4)]:
+        v, g = vtrace(T, B, False), choose(T, B, False)
+        assert v.block_t * v.block_b == 1024 and g.block_t * g.block_b == 2048
+        assert v.block_b == g.block_b and (v.num_warps, g.num_warps) == (2, 2)
 
 
 def test_retrace_time_major_takes_more_warps():

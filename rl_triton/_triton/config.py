@@ -3,9 +3,8 @@
 One program scans one tile of `block_t` steps x `block_b` rows; rows longer than a tile are
 split into tiles that run in parallel and find their carries by look-back (`scan.py`). The rule:
 - a tile holds about `TILE_ELEMENTS` values (for Retrace, steps x actions in its action block;
-  `TILE_ELEMENTS_EXCLUSIVE` for batch-major tiles whose scan also carries the exclusive value,
-  V-trace): enough bytes per program to keep the memory system busy, few enough registers per
-  thread;
+  `TILE_ELEMENTS_EXCLUSIVE` for tiles whose scan also carries the exclusive value, V-trace):
+  enough bytes per program to keep the memory system busy, few enough registers per thread;
 - the tile's long side follows the contiguous axis of memory: time for batch-major data
   (`[N, T]`), rows for time-major data (`[T, N]`, at most `MAX_ROWS_TIME_MAJOR` rows, so that
   the scan along time, which crosses threads, stays small);
@@ -27,10 +26,12 @@ from dataclasses import dataclass, replace
 import torch
 
 TILE_ELEMENTS = 2048
-# Batch-major tiles whose scan carries 4 values per step (the exclusive value too: V-trace):
+# Tiles whose scan carries 4 values per step (the exclusive value too: V-trace). Batch-major:
 # 1024 values (4 warps) took 132 µs at 16384x1024 and 29 at 512x4096, 2048 (8 warps) 148 and
 # 40: at 95-145 registers per thread, 4-warp programs fit more warps per multiprocessor. The
-# other estimators lost up to 27% with 1024 (docs/benchmarks.md, log).
+# other estimators lost up to 27% with 1024. Time-major: 1024 values of 16 per thread took 257
+# µs at 16384x1024 and 92 at 4x1048576, 2048 of 32 per thread 314 and 153 (docs/benchmarks.md,
+# log).
 TILE_ELEMENTS_EXCLUSIVE = 1024
 MIN_TILE_ELEMENTS = 256
 MIN_PROGRAMS_PER_SM = 4
@@ -39,6 +40,7 @@ MIN_BLOCK_T = 16
 MAX_ROWS_TIME_MAJOR = 32
 ELEMENTS_PER_THREAD = 8  # batch-major tiles: the scan runs along each thread's own values
 ELEMENTS_PER_THREAD_TIME_MAJOR = 32  # time-major: the scan crosses threads; fewer is slower
+ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR = 16  # time-major V-trace: 4 values per step
 ELEMENTS_PER_THREAD_ACTIONS = 32  # Retrace, batch-major: steps x actions; more warps were slower
 ELEMENTS_PER_THREAD_ACTIONS_TIME_MAJOR = 16  # Retrace, time-major: here 4 warps beat 2
 MAX_WARPS = 8
@@ -128,7 +130,7 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     """The tile for T steps x B rows; `n_act` > 0 for Retrace's action axis, `exclusive` for
     scans that also carry the exclusive value (V-trace)."""
     per_step = action_block(n_act) if n_act else 1
-    elements = TILE_ELEMENTS_EXCLUSIVE if time_contiguous and exclusive else TILE_ELEMENTS
+    elements = TILE_ELEMENTS_EXCLUSIVE if exclusive else TILE_ELEMENTS
     target = MIN_PROGRAMS_PER_SM * _multiprocessors(device)
     while True:
         steps = max(1, elements // per_step)
@@ -140,8 +142,11 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     if n_act:
         per_thread = (ELEMENTS_PER_THREAD_ACTIONS if time_contiguous
                       else ELEMENTS_PER_THREAD_ACTIONS_TIME_MAJOR)
+    elif time_contiguous:
+        per_thread = ELEMENTS_PER_THREAD
     else:
-        per_thread = ELEMENTS_PER_THREAD if time_contiguous else ELEMENTS_PER_THREAD_TIME_MAJOR
+        per_thread = (ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR if exclusive
+                      else ELEMENTS_PER_THREAD_TIME_MAJOR)
     warps = block_t * block_b * per_step // (32 * per_thread)
     # Time-major tiles walk only along Retrace's action axis. At 16384x1024 (512 row tiles of
     # 32 rows x 64 steps) the look-back took 17-30% less time than walking for every other
