@@ -10,7 +10,7 @@ split into tiles that run in parallel and find their carries by look-back (`scan
   the scan along time, which crosses threads, stays small);
 - when the tiles would not give `MIN_PROGRAMS_PER_SM` programs per multiprocessor, they shrink (down
   to `MIN_TILE_ELEMENTS`): small problems are latency-bound, and more programs hide the latency;
-- `ELEMENTS_PER_THREAD(_TIME_MAJOR)` values per thread set the warps;
+- `ELEMENTS_PER_THREAD*` values per thread set the warps;
 - the look-back reads `window` tiles per step: one warp's worth of words for tiles of several
   rows, one word per thread for one-row tiles;
 - when the row tiles alone fill the GPU, a program walks all tiles of its rows (batch-major
@@ -46,7 +46,8 @@ ELEMENTS_PER_THREAD_ACTIONS_TIME_MAJOR = 16  # Retrace, time-major: here 4 warps
 MAX_WARPS = 8
 WINDOW = 16  # tiles read per step of the look-back: in the interpreter; on a GPU see `window`
 # A program walks all tiles of its rows (passing the carry in registers, no look-back) when its
-# rows' tiles alone give WALK_PROGRAMS_PER_SM programs per multiprocessor (batch-major tiles, and Retrace's).
+# rows' tiles alone give WALK_PROGRAMS_PER_SM programs per multiprocessor (batch-major tiles,
+# and Retrace's).
 WALK_PROGRAMS_PER_SM = 2
 
 
