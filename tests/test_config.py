@@ -67,13 +67,25 @@ def test_vtrace_takes_smaller_tiles():
         return config.choose(T, B, time_contiguous=tc, device=CPU, exclusive=True)
     for T, B in [(1024, 16384), (4096, 512), (1 << 20, 4)]:
         v, g = vtrace(T, B, True), choose(T, B, True)
-        assert v.block_t * v.block_b == config.TILE_ELEMENTS_EXCLUSIVE == 1024
+        assert v.block_t * v.block_b == config.TILE_ELEMENTS_SMALL == 1024
         assert g.block_t * g.block_b == config.TILE_ELEMENTS == 2048
         assert (v.num_warps, g.num_warps) == (4, 8)
-    for T, B in [(1024, 16384), (1 << 20, 4)]:
-        v, g = vtrace(T, B, False), choose(T, B, False)
-        assert v.block_t * v.block_b == 1024 and g.block_t * g.block_b == 2048
-        assert v.block_b == g.block_b and (v.num_warps, g.num_warps) == (2, 2)
+    v, g = vtrace(1024, 16384, False), choose(1024, 16384, False)
+    assert v.block_t * v.block_b == 1024 and g.block_t * g.block_b == 2048
+    assert v.block_b == g.block_b and (v.num_warps, g.num_warps) == (2, 2)
+
+
+def test_few_long_time_major_rows_take_smaller_tiles():
+    """Measured on the H200 (docs/benchmarks.md): time-major tiles of at most 8 rows hold 1024
+    values, 16 per thread (reverse scans 9-26% faster at 2 to 8 rows, 5-31% slower at 16)."""
+    for B in (2, 4, 5, 8):
+        c = choose(1 << 20, B, False)
+        assert c.block_b == config._pow2(B) and c.block_t * c.block_b == 1024
+        assert c.num_warps == 2
+    c = choose(1 << 17, 16, False)
+    assert c.block_b == 16 and c.block_t * c.block_b == 2048 and c.num_warps == 2
+    r = choose(1 << 20, 4, False, n_act=18)  # Retrace's keep 2048 values (steps x actions)
+    assert r.block_t * r.block_b * config.action_block(18) == config.TILE_ELEMENTS == 2048
 
 
 def test_retrace_time_major_takes_more_warps():

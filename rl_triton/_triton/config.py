@@ -3,8 +3,9 @@
 One program scans one tile of `block_t` steps x `block_b` rows; rows longer than a tile are
 split into tiles that run in parallel and find their carries by look-back (`scan.py`). The rule:
 - a tile holds about `TILE_ELEMENTS` values (for Retrace, steps x actions in its action block;
-  `TILE_ELEMENTS_EXCLUSIVE` for tiles whose scan also carries the exclusive value, V-trace):
-  enough bytes per program to keep the memory system busy, few enough registers per thread;
+  `TILE_ELEMENTS_SMALL` for tiles whose scan also carries the exclusive value, V-trace, and for
+  time-major tiles of at most `MAX_ROWS_NARROW` rows): enough bytes per program to keep the
+  memory system busy, few enough registers per thread;
 - the tile's long side follows the contiguous axis of memory: time for batch-major data
   (`[N, T]`), rows for time-major data (`[T, N]`, at most `MAX_ROWS_TIME_MAJOR` rows, so that
   the scan along time, which crosses threads, stays small);
@@ -30,9 +31,12 @@ TILE_ELEMENTS = 2048
 # 1024 values (4 warps) took 132 µs at 16384x1024 and 29 at 512x4096, 2048 (8 warps) 148 and
 # 40: at 95-145 registers per thread, 4-warp programs fit more warps per multiprocessor. The
 # other estimators lost up to 27% with 1024. Time-major: 1024 values of 16 per thread took 257
-# µs at 16384x1024 and 92 at 4x1048576, 2048 of 32 per thread 314 and 153 (docs/benchmarks.md,
-# log).
-TILE_ELEMENTS_EXCLUSIVE = 1024
+# µs at 16384x1024 and 92 at 4x1048576, 2048 of 32 per thread 314 and 153.
+# Time-major tiles of at most MAX_ROWS_NARROW rows (a few long rows): reverse scans 9-26% faster
+# with 1024 values at 2, 4 and 8 rows, forward scans within 2%; at 16 rows and more, 5-31%
+# slower (docs/benchmarks.md, log).
+TILE_ELEMENTS_SMALL = 1024
+MAX_ROWS_NARROW = 8
 MIN_TILE_ELEMENTS = 256
 MIN_PROGRAMS_PER_SM = 4
 MAX_ACTION_BLOCK = 32  # Retrace walks the action axis in blocks of at most this many actions
@@ -40,7 +44,7 @@ MIN_BLOCK_T = 16
 MAX_ROWS_TIME_MAJOR = 32
 ELEMENTS_PER_THREAD = 8  # batch-major tiles: the scan runs along each thread's own values
 ELEMENTS_PER_THREAD_TIME_MAJOR = 32  # time-major: the scan crosses threads; fewer is slower
-ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR = 16  # time-major V-trace: 4 values per step
+ELEMENTS_PER_THREAD_SMALL_TIME_MAJOR = 16  # time-major tiles of TILE_ELEMENTS_SMALL values
 ELEMENTS_PER_THREAD_ACTIONS = 32  # Retrace, batch-major: steps x actions; more warps were slower
 ELEMENTS_PER_THREAD_ACTIONS_TIME_MAJOR = 16  # Retrace, time-major: here 4 warps beat 2
 MAX_WARPS = 8
@@ -131,7 +135,8 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     """The tile for T steps x B rows; `n_act` > 0 for Retrace's action axis, `exclusive` for
     scans that also carry the exclusive value (V-trace)."""
     per_step = action_block(n_act) if n_act else 1
-    elements = TILE_ELEMENTS_EXCLUSIVE if exclusive else TILE_ELEMENTS
+    small = exclusive or (not time_contiguous and not n_act and _pow2(B) <= MAX_ROWS_NARROW)
+    elements = TILE_ELEMENTS_SMALL if small else TILE_ELEMENTS
     target = MIN_PROGRAMS_PER_SM * _multiprocessors(device)
     while True:
         steps = max(1, elements // per_step)
@@ -146,7 +151,7 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     elif time_contiguous:
         per_thread = ELEMENTS_PER_THREAD
     else:
-        per_thread = (ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR if exclusive
+        per_thread = (ELEMENTS_PER_THREAD_SMALL_TIME_MAJOR if small
                       else ELEMENTS_PER_THREAD_TIME_MAJOR)
     warps = block_t * block_b * per_step // (32 * per_thread)
     # Time-major tiles walk only along Retrace's action axis. At 16384x1024 (512 row tiles of
