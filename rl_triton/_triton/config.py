@@ -154,7 +154,7 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
         per_thread = (ELEMENTS_PER_THREAD_SMALL_TIME_MAJOR if small
                       else ELEMENTS_PER_THREAD_TIME_MAJOR)
     warps = block_t * block_b * per_step // (32 * per_thread)
-    # Time-major tiles walk only along Retrace's action axis. At 16384x1024 (512 row tiles of
+    # Of time-major tiles only Retrace's walk their rows. At 16384x1024 (512 row tiles of
     # 32 rows x 64 steps) the look-back took 17-30% less time than walking for every other
     # estimator (GAE 154 against 189 µs, V-trace 312 against 381); Retrace's tiles of 4 rows
     # x 16 steps x 32 actions took 16% more (1932 against 1662; docs/benchmarks.md, log).
