@@ -135,7 +135,7 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     """The tile for T steps x B rows; `n_act` > 0 for Retrace's action axis, `exclusive` for
     scans that also carry the exclusive value (V-trace)."""
     per_step = action_block(n_act) if n_act else 1
-    small = exclusive or (not time_contiguous and not n_act and _pow2(B) <= MAX_ROWS_NARROW)
+    small = exclusive or (not time_contiguous and not n_act and B <= MAX_ROWS_NARROW)
     elements = TILE_ELEMENTS_SMALL if small else TILE_ELEMENTS
     target = MIN_PROGRAMS_PER_SM * _multiprocessors(device)
     while True:
