@@ -17,7 +17,7 @@ import triton
 from triton.runtime import driver
 
 from . import coefficients as C
-from . import config
+from . import config, host
 from .scan import scan_kernel
 
 Tensor = torch.Tensor
@@ -146,9 +146,14 @@ class Launch:
         self.device_index = device.index
         self.states = {}  # look-back scratch by stream: launches on one stream never overlap
         self.compiled, self.tail = None, ()
+        self.host = self.host_run = None  # the C++ plan (host.py), once the kernel is compiled
 
     def run(self, tensors: tuple, scalars: tuple) -> list:
         """Allocate the outputs and launch on `tensors` (the caller's, in signature order)."""
+        if self.host is not None and _no_hooks():
+            outs = self.host_run(self.host, tensors, scalars)
+            if outs is not None:  # None: no scratch for this stream yet (the Python path makes it)
+                return outs
         # One allocation each: outputs that are views of one buffer would alias, which custom
         # ops (torch.compile) forbid.
         outs = tuple(torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
@@ -170,6 +175,8 @@ class Launch:
             # Zeroed once; the kernel tags what it writes with its launch (scan.py).
             state = self.states[stream] = torch.zeros(self.state_size, dtype=torch.int64,
                                                       device=self.device)
+            if self.host is not None:
+                host.module().add_state(self.host, stream, state.data_ptr())
         args = (ptrs, *self.in_strides, outs, *self.out_strides, init, *self.init_strides,
                 state, scalars, *self.ints)
         kernel = self.compiled
@@ -178,6 +185,7 @@ class Launch:
             if hasattr(kernel, "packed_metadata"):  # compiled (not the interpreter)
                 self.compiled = kernel
                 self.tail = tuple(self.meta[name] for name in _ARG_NAMES[len(args):])
+                self._make_host(kernel, len(scalars))
             return
         # Launch the compiled kernel directly: what JITFunction.run does once it has found the
         # kernel in its cache, minus re-deriving the specialization key from the arguments (the
@@ -189,6 +197,23 @@ class Launch:
         kernel.run(self.grid[0], self.grid[1], 1, stream, kernel.function, kernel.packed_metadata,
                    meta, enter, leave, *args, *self.tail)
 
+    def _make_host(self, kernel, n_scalars: int):
+        """The C++ plan of later calls: the kernel's arguments as `host.Src` markers where they
+        come from the call, the plan's constants elsewhere."""
+        I, O = host.INPUT, host.OUTPUT
+        ptrs = tuple(host.Src(O) if i is None else host.Src(I, i) for i in self.src)
+        outs = tuple(host.Src(O, j) for j in range(self.n_out))
+        init = host.Src(O) if self.init_src is None else host.Src(I, self.init_src)
+        scalars = tuple(host.Src(host.SCALAR, i) for i in range(n_scalars))
+        args = (ptrs, *self.in_strides, outs, *self.out_strides, init, *self.init_strides,
+                host.Src(host.STATE), scalars, *self.ints, *self.tail)
+        self.host = host.make(kernel, self.grid[0], args, self.device_index, self.out_shape,
+                              self.out_dtype, self.n_out)
+        if self.host is not None:
+            self.host_run = host.module().run
+            for stream, state in self.states.items():
+                host.module().add_state(self.host, stream, state.data_ptr())
+
 
 _RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
 
@@ -198,6 +223,10 @@ def _launch_hooks():
     if _RUNTIME_KNOBS is None:
         return None, None
     return _hook(_RUNTIME_KNOBS.launch_enter_hook), _hook(_RUNTIME_KNOBS.launch_exit_hook)
+
+
+def _no_hooks() -> bool:
+    return _launch_hooks() == (None, None)
 
 
 def _hook(h):

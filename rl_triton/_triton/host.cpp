@@ -1,0 +1,255 @@
+// The per-call host path of a launch plan, in C++ (rl_triton/_triton/host.py builds it).
+//
+// A plan (`rl_triton._triton.ops.Launch`) fixes everything about a call but its data: the
+// compiled kernel, its grid, and each kernel parameter's source. Python hands that over once
+// (`make`); each later call (`run`) then costs the output allocations, a few pointer reads and
+// one cuLaunchKernel, with no Python-level work per argument.
+//
+// Parameters are described by (kind, value) pairs in the kernel's own order (constexpr
+// arguments already dropped, the way Triton's launcher drops them):
+//   INPUT  value = index of the tensor in the call's tensor tuple (its data pointer)
+//   OUTPUT value = index of the output (its data pointer)
+//   STATE  the plan's look-back scratch on the current stream (registered by `add_state`)
+//   CONST  value = the integer itself (i32 or i64: the kernel reads its own width of the slot)
+//   SCALAR value = index in the call's scalar tuple (a float, passed as float32)
+// Every parameter gets its own 8-byte slot; the driver reads as many bytes as the kernel's
+// parameter has, from the start of the slot (little-endian).
+#include <Python.h>
+#include <dlfcn.h>
+
+#include <cstring>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+namespace {
+
+enum Kind { INPUT = 0, OUTPUT = 1, STATE = 2, CONST = 3, SCALAR = 4 };
+constexpr int kMaxParams = 128;
+constexpr int kMaxOutputs = 4;
+
+// The two driver entry points used, declared here so that no CUDA header is needed to build.
+using CUresult = int;
+using LaunchKernel = CUresult (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                  unsigned, unsigned, void*, void**, void**);
+using GetErrorString = CUresult (*)(CUresult, const char**);
+LaunchKernel launch_kernel = nullptr;
+GetErrorString get_error_string = nullptr;
+
+struct Plan {
+  void* function;
+  unsigned grid, block, shared;
+  c10::Device device;
+  std::vector<int64_t> out_shape;
+  at::ScalarType out_dtype;
+  int n_out;
+  std::vector<int> kinds;
+  std::vector<int64_t> values;
+  std::vector<std::pair<void*, uint64_t>> states;  // (stream, scratch pointer)
+};
+
+const char* kCapsule = "rl_triton.host.Plan";
+
+void destroy(PyObject* capsule) {
+  delete static_cast<Plan*>(PyCapsule_GetPointer(capsule, kCapsule));
+}
+
+bool load_driver() {
+  if (launch_kernel != nullptr) return true;
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+  if (lib == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "rl_triton: cannot open libcuda.so.1");
+    return false;
+  }
+  launch_kernel = reinterpret_cast<LaunchKernel>(dlsym(lib, "cuLaunchKernel"));
+  get_error_string = reinterpret_cast<GetErrorString>(dlsym(lib, "cuGetErrorString"));
+  if (launch_kernel == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "rl_triton: libcuda.so.1 has no cuLaunchKernel");
+    return false;
+  }
+  return true;
+}
+
+// make(function, grid, block, shared, device_index, out_shape, out_dtype, n_out, kinds, values)
+PyObject* make(PyObject*, PyObject* args) {
+  unsigned long long function;
+  unsigned grid, block, shared;
+  int device_index, n_out;
+  PyObject *shape, *dtype, *kinds, *values;
+  if (!PyArg_ParseTuple(args, "KIIIiOOiOO", &function, &grid, &block, &shared, &device_index,
+                        &shape, &dtype, &n_out, &kinds, &values)) {
+    return nullptr;
+  }
+  if (!load_driver()) return nullptr;
+  if (!THPDtype_Check(dtype)) {
+    PyErr_SetString(PyExc_TypeError, "rl_triton: out_dtype must be a torch.dtype");
+    return nullptr;
+  }
+  if (n_out < 1 || n_out > kMaxOutputs) {
+    PyErr_SetString(PyExc_ValueError, "rl_triton: bad output count");
+    return nullptr;
+  }
+  auto plan = new Plan{reinterpret_cast<void*>(function), grid, block, shared,
+                       c10::Device(c10::DeviceType::CUDA, device_index), {},
+                       reinterpret_cast<THPDtype*>(dtype)->scalar_type, n_out, {}, {}, {}};
+  PyObject* capsule = PyCapsule_New(plan, kCapsule, destroy);
+  if (capsule == nullptr) {
+    delete plan;
+    return nullptr;
+  }
+  Py_ssize_t n = PySequence_Size(kinds);
+  bool ok = n >= 0 && n <= kMaxParams && PySequence_Size(values) == n;
+  for (Py_ssize_t i = 0; ok && i < n; ++i) {
+    PyObject* k = PySequence_GetItem(kinds, i);
+    PyObject* v = PySequence_GetItem(values, i);
+    ok = k != nullptr && v != nullptr;
+    if (ok) {
+      plan->kinds.push_back(static_cast<int>(PyLong_AsLong(k)));
+      plan->values.push_back(static_cast<int64_t>(PyLong_AsLongLong(v)));
+      ok = !PyErr_Occurred();
+    }
+    Py_XDECREF(k);
+    Py_XDECREF(v);
+  }
+  for (Py_ssize_t i = 0; ok && i < PySequence_Size(shape); ++i) {
+    PyObject* s = PySequence_GetItem(shape, i);
+    ok = s != nullptr;
+    if (ok) plan->out_shape.push_back(PyLong_AsLongLong(s));
+    Py_XDECREF(s);
+    ok = ok && !PyErr_Occurred();
+  }
+  if (!ok) {
+    Py_DECREF(capsule);
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "rl_triton: bad parameter list");
+    return nullptr;
+  }
+  return capsule;
+}
+
+// add_state(plan, stream, pointer): the look-back scratch to pass on that stream.
+PyObject* add_state(PyObject*, PyObject* args) {
+  PyObject* capsule;
+  unsigned long long stream, pointer;
+  if (!PyArg_ParseTuple(args, "OKK", &capsule, &stream, &pointer)) return nullptr;
+  auto plan = static_cast<Plan*>(PyCapsule_GetPointer(capsule, kCapsule));
+  if (plan == nullptr) return nullptr;
+  plan->states.emplace_back(reinterpret_cast<void*>(stream), pointer);
+  Py_RETURN_NONE;
+}
+
+// run(plan, tensors, scalars) -> [outputs], or None when the current stream has no scratch yet
+// (the Python path then runs the call and registers one).
+PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyTuple_Check(args[1]) || !PyTuple_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "rl_triton: run(plan, tensors: tuple, scalars: tuple)");
+    return nullptr;
+  }
+  auto plan = static_cast<Plan*>(PyCapsule_GetPointer(args[0], kCapsule));
+  if (plan == nullptr) return nullptr;
+  PyObject* tensors = args[1];
+  PyObject* scalars = args[2];
+  try {
+    const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+    c10::OptionalDeviceGuard guard;
+    if (impl->getDevice() != plan->device) guard.reset_device(plan->device);
+    void* stream = impl->getStream(plan->device).native_handle();
+    uint64_t state = 0;
+    bool found = false;
+    for (const auto& s : plan->states) {
+      if (s.first == stream) {
+        state = s.second;
+        found = true;
+        break;
+      }
+    }
+    if (!found) Py_RETURN_NONE;
+
+    at::Tensor outs[kMaxOutputs];
+    for (int j = 0; j < plan->n_out; ++j) {
+      outs[j] = at::empty(plan->out_shape,
+                          at::TensorOptions().dtype(plan->out_dtype).device(plan->device));
+    }
+    const size_t n = plan->kinds.size();
+    uint64_t slots[kMaxParams];
+    void* params[kMaxParams];
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t v = plan->values[i];
+      switch (plan->kinds[i]) {
+        case INPUT: {
+          if (v >= PyTuple_GET_SIZE(tensors) || !THPVariable_Check(PyTuple_GET_ITEM(tensors, v))) {
+            PyErr_SetString(PyExc_TypeError, "rl_triton: a plan's input is not a tensor");
+            return nullptr;
+          }
+          slots[i] = reinterpret_cast<uint64_t>(
+              THPVariable_Unpack(PyTuple_GET_ITEM(tensors, v)).data_ptr());
+          break;
+        }
+        case OUTPUT:
+          slots[i] = reinterpret_cast<uint64_t>(outs[v].data_ptr());
+          break;
+        case STATE:
+          slots[i] = state;
+          break;
+        case CONST:
+          slots[i] = static_cast<uint64_t>(v);
+          break;
+        case SCALAR: {
+          if (v >= PyTuple_GET_SIZE(scalars)) {
+            PyErr_SetString(PyExc_TypeError, "rl_triton: missing scalar");
+            return nullptr;
+          }
+          const double d = PyFloat_AsDouble(PyTuple_GET_ITEM(scalars, v));
+          if (d == -1.0 && PyErr_Occurred()) return nullptr;
+          const float f = static_cast<float>(d);
+          slots[i] = 0;
+          std::memcpy(&slots[i], &f, sizeof(f));
+          break;
+        }
+        default:
+          PyErr_SetString(PyExc_ValueError, "rl_triton: bad parameter kind");
+          return nullptr;
+      }
+      params[i] = &slots[i];
+    }
+    const CUresult err = launch_kernel(plan->function, plan->grid, 1, 1, plan->block, 1, 1,
+                                       plan->shared, stream, params, nullptr);
+    if (err != 0) {
+      const char* what = "unknown error";
+      if (get_error_string != nullptr) get_error_string(err, &what);
+      PyErr_Format(PyExc_RuntimeError, "rl_triton: kernel launch failed: %s", what);
+      return nullptr;
+    }
+    PyObject* result = PyList_New(plan->n_out);
+    if (result == nullptr) return nullptr;
+    for (int j = 0; j < plan->n_out; ++j) {
+      PyObject* t = THPVariable_Wrap(std::move(outs[j]));
+      if (t == nullptr) {
+        Py_DECREF(result);
+        return nullptr;
+      }
+      PyList_SET_ITEM(result, j, t);
+    }
+    return result;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyMethodDef methods[] = {
+    {"make", make, METH_VARARGS, "A plan's launch description, as a capsule."},
+    {"add_state", add_state, METH_VARARGS, "Register a plan's look-back scratch for a stream."},
+    {"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(run)), METH_FASTCALL,
+     "Allocate a plan's outputs and launch its kernel."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "rl_triton_host", nullptr, -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_rl_triton_host() { return PyModule_Create(&module); }

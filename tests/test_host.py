@@ -1,0 +1,68 @@
+"""The C++ host path of launch plans (rl_triton/_triton/host.py, host.cpp), everywhere: the
+kernel's parameter list is derived from Triton's compiled signature as Triton's launcher derives
+it, checked against the PTX entry, and the extension builds. On a CUDA device, test_gpu_host.py
+checks that later calls take the C++ path and give exactly what the Python path gives.
+"""
+import pytest
+import torch
+
+from rl_triton._triton import host
+
+Src = host.Src
+CUDA = torch.cuda.is_available()
+
+
+def test_parameters_follow_the_signature():
+    """Tuples are flattened, constexpr entries dropped; markers and integers keep their order."""
+    sig = [("*fp32", "constexpr", "*i8"), ("i32", "constexpr"), "*fp32", "*i64",
+           ("fp32", "fp32"), "i64", "constexpr", "constexpr"]
+    args = ((Src(host.INPUT, 0), Src(host.OUTPUT, 0), Src(host.INPUT, 2)), (7, 1),
+            Src(host.OUTPUT, 1), Src(host.STATE), (Src(host.SCALAR, 0), Src(host.SCALAR, 1)),
+            2**40, True, "meta")
+    kinds, values, widths = host.parameters(sig, args)
+    assert kinds == [host.INPUT, host.INPUT, host.CONST, host.OUTPUT, host.STATE, host.SCALAR,
+                     host.SCALAR, host.CONST]
+    assert values == [0, 2, 7, 1, 0, 0, 1, 2**40]
+    assert widths == [8, 8, 4, 8, 8, 4, 4, 8]
+
+
+@pytest.mark.parametrize("sig,arg", [
+    ("fp64", Src(host.SCALAR, 0)),  # scalars travel as float32 only
+    ("i32", Src(host.SCALAR, 0)),
+    ("fp32", Src(host.INPUT, 0)),  # a tensor where the kernel takes a number
+    ("i1", True),  # a bool argument the compiler kept
+    ("fp32", 0.5),  # a float not given per call
+    ("*fp32", 3),
+])
+def test_parameters_refuse_what_the_path_does_not_pass(sig, arg):
+    assert host.parameters(["i32", sig], (5, arg)) is None
+
+
+def test_parameters_need_matching_arity():
+    assert host.parameters(["i32", "i32"], (1,)) is None
+    assert host.parameters([("i32", "i32")], ((1, 2, 3),)) is None
+
+
+def test_ptx_parameter_widths():
+    ptx = """
+.visible .entry scan_kernel(
+\t.param .u64 .ptr .global .align 1 scan_kernel_param_0,
+\t.param .u32 scan_kernel_param_1,
+\t.param .f32 scan_kernel_param_2,
+\t.param .u64 scan_kernel_param_3
+)
+.reqntid 64, 1, 1
+{
+\t.param .b32 retval0;
+}"""
+    assert host.ptx_parameter_widths(ptx) == [8, 4, 4, 8]
+    assert host.ptx_parameter_widths("no kernel here") is None
+
+
+def test_extension_builds():
+    """The C++ source builds against the installed torch (CI: the newest one pinned)."""
+    mod = host.module()
+    assert mod is not None
+    if not CUDA:
+        with pytest.raises(RuntimeError, match="libcuda"):
+            mod.make(0, 1, 32, 0, 0, (3,), torch.float32, 1, [host.CONST], [0])
