@@ -67,8 +67,18 @@ def _triton_ops():
 # with a known signature passed the same argument checks before, so it goes straight to the
 # launch (host work: a dict look-up, the output allocations, the kernel launch). The custom ops
 # that torch.compile calls keep their plans here too (keys starting with "op:").
-_PLANS: dict = {}
+class _PlanCache(dict):
+    def clear(self):
+        super().clear()
+        _FAST.clear()
+
+
+_PLANS: dict = _PlanCache()
 _MAX_PLANS = 4096
+# The same plans by (name, options), for the C++ host path (rl_triton/_triton/host.py): a
+# function of (tensors, scalars) that finds the plan of the tensors' signature and runs it, or
+# returns None (no such plan, or launch hooks installed). Cleared with _PLANS.
+_FAST: dict = {}
 
 
 def _signature(name, tensors, options):
@@ -83,6 +93,11 @@ def _cached(name, tensors, options, scalars):
     if torch.compiler.is_compiling():
         return None
     try:
+        fast = _FAST.get((name, options))
+        if fast is not None:
+            outs = fast(tensors, scalars)
+            if outs is not None:
+                return outs
         plan = _PLANS.get(_signature(name, tensors, options))
     except TypeError:  # an unhashable option: the checks will say what is wrong with it
         return None
@@ -108,7 +123,10 @@ def _plan_and_run(name, tensors, options, scalars, build):
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
     _PLANS[_signature(name, tensors, options)] = plan
-    return plan.run(tensors, scalars)
+    outs = plan.run(tensors, scalars)
+    if getattr(plan, "host", None) is not None:  # made by its first launch
+        _triton_ops().index_plan(_FAST, (name, options), tensors, plan)
+    return outs
 
 
 def _one_or_tuple(outs):

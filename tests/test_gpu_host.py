@@ -18,23 +18,49 @@ def _plans():
 @pytest.mark.parametrize("T,n", [(37, (5,)), (4096, (3,)), (333, (300,))])
 @pytest.mark.parametrize("layout", ["time-major", "batch-major"])
 def test_host_path_matches_the_python_path(name, T, n, layout):
-    """One tile per row, look-back, several row tiles: the C++ path is taken from the second
-    call on, and its outputs are those of the Python path, bit for bit."""
+    """One tile per row, look-back, several row tiles: from the second call on, the C++ table
+    finds the plan and runs it; its outputs are those of the plan's own C++ run and of the
+    Python path (to rounding: where rows span several tiles, the order in which a tile composes
+    its predecessors' carries depends on which of them had finished)."""
     case = make_case(name, T, n, device=DEV, seed=21)
     estimators._PLANS.clear()
     first = case.call(layout, backend="triton")
     (plan,) = _plans()
     assert plan.host is not None
-    calls = []
-    real = plan.host_run
-    plan.host_run = lambda *a: calls.append(1) or real(*a)
-    second = case.call(layout, backend="triton")
-    assert calls == [1]
-    plan.host, plan.host_run = None, None  # the Python path
-    third = case.call(layout, backend="triton")
-    for a, b, c in zip(first, second, third):
-        assert torch.equal(a, b) and torch.equal(b, c)
-    assert_close(second, case.reference())
+    ((key, entry),) = estimators._FAST.items()
+    ran = []
+    estimators._FAST[key] = lambda t, s: ran.append(entry(t, s)) or ran[-1]
+    by_table = case.call(layout, backend="triton")
+    assert len(ran) == 1 and ran[0] is not None
+    estimators._FAST.clear()  # the plan's own C++ run
+    by_plan = case.call(layout, backend="triton")
+    plan.host = plan.host_run = None  # the Python path
+    by_python = case.call(layout, backend="triton")
+    for out in (first, by_table, by_plan):
+        assert_close(out, by_python, tol=1e-6)
+    assert_close(by_table, case.reference())
+
+
+def test_host_table_tells_signatures_apart():
+    """Same shapes, other strides or dtypes: another plan, right results."""
+    case = make_case("gae", 100, (6,), device=DEV, seed=8)
+    ref = case.reference()
+    estimators._PLANS.clear()
+    for _ in range(2):
+        assert_close(case.call(backend="triton"), ref)
+    s = case.steps
+    wide = {k: torch.zeros(v.shape[0], 2 * v.shape[1], dtype=v.dtype, device=DEV)[:, ::2]
+            for k, v in s.items()}
+    for k in s:
+        wide[k].copy_(s[k])
+    for _ in range(2):
+        assert_close(rl_triton.gae(**wide, **case.extra), ref)
+    half = make_case("gae", 100, (6,), dtype=torch.bfloat16, device=DEV, seed=8)
+    for _ in range(2):
+        assert_close(half.call(backend="triton"), half.reference())
+    assert len(estimators._PLANS) == 3
+    estimators._PLANS.clear()
+    assert estimators._FAST == {}
 
 
 def test_host_path_new_outputs_and_new_scalars():

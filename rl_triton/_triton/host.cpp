@@ -3,7 +3,8 @@
 // A plan (`rl_triton._triton.ops.Launch`) fixes everything about a call but its data: the
 // compiled kernel, its grid, and each kernel parameter's source. Python hands that over once
 // (`make`); each later call (`run`) then costs the output allocations, a few pointer reads and
-// one cuLaunchKernel, with no Python-level work per argument.
+// one cuLaunchKernel, with no Python-level work per argument. A table (`table`, `call`) finds
+// the plan of a call from its tensors' signature, as the Python plan cache does, in C++ too.
 //
 // Parameters are described by (kind, value) pairs in the kernel's own order (constexpr
 // arguments already dropped, the way Triton's launcher drops them):
@@ -18,6 +19,8 @@
 #include <dlfcn.h>
 
 #include <cstring>
+#include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -142,17 +145,9 @@ PyObject* add_state(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// run(plan, tensors, scalars) -> [outputs], or None when the current stream has no scratch yet
-// (the Python path then runs the call and registers one).
-PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3 || !PyTuple_Check(args[1]) || !PyTuple_Check(args[2])) {
-    PyErr_SetString(PyExc_TypeError, "rl_triton: run(plan, tensors: tuple, scalars: tuple)");
-    return nullptr;
-  }
-  auto plan = static_cast<Plan*>(PyCapsule_GetPointer(args[0], kCapsule));
-  if (plan == nullptr) return nullptr;
-  PyObject* tensors = args[1];
-  PyObject* scalars = args[2];
+// The outputs of one call of `plan` (a new list), or None when the current stream has no
+// scratch yet (the Python path then runs the call and registers one).
+PyObject* run_plan(Plan* plan, PyObject* tensors, PyObject* scalars) {
   try {
     const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
     c10::OptionalDeviceGuard guard;
@@ -241,11 +236,133 @@ PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
 }
 
+bool call_args(PyObject* const* args, Py_ssize_t nargs, const char* what) {
+  if (nargs != 3 || !PyTuple_Check(args[1]) || !PyTuple_Check(args[2])) {
+    PyErr_Format(PyExc_TypeError, "rl_triton: %s(%s, tensors: tuple, scalars: tuple)", what,
+                 what[0] == 'r' ? "plan" : "table");
+    return false;
+  }
+  return true;
+}
+
+// run(plan, tensors, scalars) -> [outputs] or None (see run_plan)
+PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!call_args(args, nargs, "run")) return nullptr;
+  auto plan = static_cast<Plan*>(PyCapsule_GetPointer(args[0], kCapsule));
+  if (plan == nullptr) return nullptr;
+  return run_plan(plan, args[1], args[2]);
+}
+
+// ---- tables: plans by their tensors' signature ------------------------------------------------
+// The signature of a call is that of `rl_triton.estimators._signature` without the name and
+// options (a table serves one of those): for every tensor its shape, strides, dtype, device and
+// whether its data is 16-byte aligned; None where the call passes None.
+
+struct Table {
+  std::unordered_map<std::string, PyObject*> plans;  // signature -> plan capsule (owned)
+  void clear() {
+    for (auto& kv : plans) Py_DECREF(kv.second);
+    plans.clear();
+  }
+  ~Table() { clear(); }
+};
+
+const char* kTableCapsule = "rl_triton.host.Table";
+
+void destroy_table(PyObject* capsule) {
+  delete static_cast<Table*>(PyCapsule_GetPointer(capsule, kTableCapsule));
+}
+
+// false when an item is neither None nor a strided tensor (no plan has such a signature)
+bool signature(PyObject* tensors, std::string& key) {
+  int64_t buf[512];
+  size_t n = 0;
+  const Py_ssize_t count = PyTuple_GET_SIZE(tensors);
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    PyObject* obj = PyTuple_GET_ITEM(tensors, i);
+    if (obj == Py_None) {
+      if (n + 1 > 512) return false;
+      buf[n++] = -1;
+      continue;
+    }
+    if (!THPVariable_Check(obj)) return false;
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (!t.defined() || t.layout() != c10::kStrided) return false;
+    const int64_t dim = t.dim();
+    if (n + 2 * dim + 5 > 512) return false;
+    buf[n++] = dim;
+    for (int64_t d = 0; d < dim; ++d) buf[n++] = t.size(d);
+    for (int64_t d = 0; d < dim; ++d) buf[n++] = t.stride(d);
+    buf[n++] = static_cast<int64_t>(t.scalar_type());
+    buf[n++] = static_cast<int64_t>(t.device().type());
+    buf[n++] = t.device().index();
+    buf[n++] = (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16) == 0;
+  }
+  key.assign(reinterpret_cast<const char*>(buf), n * sizeof(int64_t));
+  return true;
+}
+
+PyObject* table_new(PyObject*, PyObject*) {
+  auto table = new Table();
+  PyObject* capsule = PyCapsule_New(table, kTableCapsule, destroy_table);
+  if (capsule == nullptr) delete table;
+  return capsule;
+}
+
+// table_add(table, tensors, plan): later calls with the signature of `tensors` run `plan`.
+PyObject* table_add(PyObject*, PyObject* args) {
+  PyObject *capsule, *tensors, *plan;
+  if (!PyArg_ParseTuple(args, "OO!O", &capsule, &PyTuple_Type, &tensors, &plan)) return nullptr;
+  auto table = static_cast<Table*>(PyCapsule_GetPointer(capsule, kTableCapsule));
+  if (table == nullptr || PyCapsule_GetPointer(plan, kCapsule) == nullptr) return nullptr;
+  std::string key;
+  if (!signature(tensors, key)) {
+    PyErr_SetString(PyExc_TypeError, "rl_triton: table_add needs tensors or None");
+    return nullptr;
+  }
+  Py_INCREF(plan);
+  auto it = table->plans.find(key);
+  if (it != table->plans.end()) {
+    Py_DECREF(it->second);
+    it->second = plan;
+  } else {
+    table->plans.emplace(std::move(key), plan);
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* table_clear(PyObject*, PyObject* capsule) {
+  auto table = static_cast<Table*>(PyCapsule_GetPointer(capsule, kTableCapsule));
+  if (table == nullptr) return nullptr;
+  table->clear();
+  Py_RETURN_NONE;
+}
+
+// call(table, tensors, scalars) -> [outputs], or None when no plan has this signature or the
+// plan has no scratch on the current stream yet (the Python path takes the call).
+PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!call_args(args, nargs, "call")) return nullptr;
+  auto table = static_cast<Table*>(PyCapsule_GetPointer(args[0], kTableCapsule));
+  if (table == nullptr) return nullptr;
+  std::string key;
+  if (!signature(args[1], key)) Py_RETURN_NONE;
+  auto it = table->plans.find(key);
+  if (it == table->plans.end()) Py_RETURN_NONE;
+  auto plan = static_cast<Plan*>(PyCapsule_GetPointer(it->second, kCapsule));
+  if (plan == nullptr) return nullptr;
+  return run_plan(plan, args[1], args[2]);
+}
+
 PyMethodDef methods[] = {
     {"make", make, METH_VARARGS, "A plan's launch description, as a capsule."},
     {"add_state", add_state, METH_VARARGS, "Register a plan's look-back scratch for a stream."},
     {"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(run)), METH_FASTCALL,
      "Allocate a plan's outputs and launch its kernel."},
+    {"table", table_new, METH_NOARGS, "A new, empty table of plans by signature."},
+    {"table_add", table_add, METH_VARARGS, "Index a plan under its call's signature."},
+    {"table_clear", table_clear, METH_O, "Forget every plan of a table."},
+    {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(call)), METH_FASTCALL,
+     "Run the plan of a call's signature, if the table has one."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "rl_triton_host", nullptr, -1, methods};

@@ -8,6 +8,7 @@ the dispatcher and run a `Launch` plan directly (cached by `rl_triton.estimators
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -227,6 +228,20 @@ def _launch_hooks():
 
 def _no_hooks() -> bool:
     return _launch_hooks() == (None, None)
+
+
+def index_plan(fast: dict, key, tensors: tuple, plan: Launch):
+    """Index `plan` for the C++ path: `fast[key]` (made here) runs it for calls with the
+    signature of `tensors` (see `rl_triton.estimators._FAST`)."""
+    mod = host.module()
+    entry = fast.get(key)
+    if entry is None:
+        entry = fast[key] = functools.partial(_fast_call, mod.call, mod.table())
+    mod.table_add(entry.args[1], tensors, plan.host)
+
+
+def _fast_call(call, table, tensors, scalars):
+    return call(table, tensors, scalars) if _no_hooks() else None
 
 
 def _hook(h):
