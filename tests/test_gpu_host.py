@@ -75,3 +75,21 @@ def test_host_path_new_outputs_and_new_scalars():
     for g, out in zip((0.5, 0.9, 0.99), outs):
         ref = case.ref(**s, last_value=lv, gamma=g, lam=0.9)
         assert_close(out, ref)
+
+
+def test_host_scratch_outlives_the_python_plan():
+    """The C++ plan holds its look-back scratch: a table entry that outlives its Python plan
+    (the plan cache replaced, as a test's monkeypatch would) still runs correctly."""
+    case = make_case("gae", 8192, (4,), device=DEV, seed=12)  # look-back: scratch in use
+    ref = case.reference()
+    estimators._PLANS.clear()
+    case.call(backend="triton")
+    fast = dict(estimators._FAST)
+    estimators._PLANS.clear()  # drops the plans and the table ...
+    estimators._FAST.update(fast)  # ... the table comes back, the Python plan does not
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+    for _ in range(3):
+        assert_close(case.call(backend="triton"), ref)
+    estimators._PLANS.clear()

@@ -28,6 +28,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 namespace {
@@ -53,7 +54,7 @@ struct Plan {
   int n_out;
   std::vector<int> kinds;
   std::vector<int64_t> values;
-  std::vector<std::pair<void*, uint64_t>> states;  // (stream, scratch pointer)
+  std::vector<std::pair<void*, at::Tensor>> states;  // (stream, look-back scratch), kept alive
 };
 
 const char* kCapsule = "rl_triton.host.Plan";
@@ -134,106 +135,108 @@ PyObject* make(PyObject*, PyObject* args) {
   return capsule;
 }
 
-// add_state(plan, stream, pointer): the look-back scratch to pass on that stream.
+// add_state(plan, stream, scratch): the look-back scratch tensor to pass on that stream (the
+// plan holds a reference: it stays valid as long as the plan).
 PyObject* add_state(PyObject*, PyObject* args) {
-  PyObject* capsule;
-  unsigned long long stream, pointer;
-  if (!PyArg_ParseTuple(args, "OKK", &capsule, &stream, &pointer)) return nullptr;
+  PyObject *capsule, *scratch;
+  unsigned long long stream;
+  if (!PyArg_ParseTuple(args, "OKO", &capsule, &stream, &scratch)) return nullptr;
   auto plan = static_cast<Plan*>(PyCapsule_GetPointer(capsule, kCapsule));
   if (plan == nullptr) return nullptr;
-  plan->states.emplace_back(reinterpret_cast<void*>(stream), pointer);
+  if (!THPVariable_Check(scratch)) {
+    PyErr_SetString(PyExc_TypeError, "rl_triton: add_state needs a tensor");
+    return nullptr;
+  }
+  plan->states.emplace_back(reinterpret_cast<void*>(stream), THPVariable_Unpack(scratch));
   Py_RETURN_NONE;
 }
 
 // The outputs of one call of `plan` (a new list), or None when the current stream has no
 // scratch yet (the Python path then runs the call and registers one).
 PyObject* run_plan(Plan* plan, PyObject* tensors, PyObject* scalars) {
-  try {
-    const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-    c10::OptionalDeviceGuard guard;
-    if (impl->getDevice() != plan->device) guard.reset_device(plan->device);
-    void* stream = impl->getStream(plan->device).native_handle();
-    uint64_t state = 0;
-    bool found = false;
-    for (const auto& s : plan->states) {
-      if (s.first == stream) {
-        state = s.second;
-        found = true;
+  HANDLE_TH_ERRORS  // c10 errors (out of memory, ...) become the Python exceptions torch raises
+  const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  c10::OptionalDeviceGuard guard;
+  if (impl->getDevice() != plan->device) guard.reset_device(plan->device);
+  void* stream = impl->getStream(plan->device).native_handle();
+  uint64_t state = 0;
+  bool found = false;
+  for (const auto& s : plan->states) {
+    if (s.first == stream) {
+      state = reinterpret_cast<uint64_t>(s.second.data_ptr());
+      found = true;
+      break;
+    }
+  }
+  if (!found) Py_RETURN_NONE;
+
+  at::Tensor outs[kMaxOutputs];
+  for (int j = 0; j < plan->n_out; ++j) {
+    outs[j] = at::empty(plan->out_shape,
+                        at::TensorOptions().dtype(plan->out_dtype).device(plan->device));
+  }
+  const size_t n = plan->kinds.size();
+  uint64_t slots[kMaxParams];
+  void* params[kMaxParams];
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t v = plan->values[i];
+    switch (plan->kinds[i]) {
+      case INPUT: {
+        if (v >= PyTuple_GET_SIZE(tensors) || !THPVariable_Check(PyTuple_GET_ITEM(tensors, v))) {
+          PyErr_SetString(PyExc_TypeError, "rl_triton: a plan's input is not a tensor");
+          return nullptr;
+        }
+        slots[i] = reinterpret_cast<uint64_t>(
+            THPVariable_Unpack(PyTuple_GET_ITEM(tensors, v)).data_ptr());
         break;
       }
-    }
-    if (!found) Py_RETURN_NONE;
-
-    at::Tensor outs[kMaxOutputs];
-    for (int j = 0; j < plan->n_out; ++j) {
-      outs[j] = at::empty(plan->out_shape,
-                          at::TensorOptions().dtype(plan->out_dtype).device(plan->device));
-    }
-    const size_t n = plan->kinds.size();
-    uint64_t slots[kMaxParams];
-    void* params[kMaxParams];
-    for (size_t i = 0; i < n; ++i) {
-      const int64_t v = plan->values[i];
-      switch (plan->kinds[i]) {
-        case INPUT: {
-          if (v >= PyTuple_GET_SIZE(tensors) || !THPVariable_Check(PyTuple_GET_ITEM(tensors, v))) {
-            PyErr_SetString(PyExc_TypeError, "rl_triton: a plan's input is not a tensor");
-            return nullptr;
-          }
-          slots[i] = reinterpret_cast<uint64_t>(
-              THPVariable_Unpack(PyTuple_GET_ITEM(tensors, v)).data_ptr());
-          break;
-        }
-        case OUTPUT:
-          slots[i] = reinterpret_cast<uint64_t>(outs[v].data_ptr());
-          break;
-        case STATE:
-          slots[i] = state;
-          break;
-        case CONST:
-          slots[i] = static_cast<uint64_t>(v);
-          break;
-        case SCALAR: {
-          if (v >= PyTuple_GET_SIZE(scalars)) {
-            PyErr_SetString(PyExc_TypeError, "rl_triton: missing scalar");
-            return nullptr;
-          }
-          const double d = PyFloat_AsDouble(PyTuple_GET_ITEM(scalars, v));
-          if (d == -1.0 && PyErr_Occurred()) return nullptr;
-          const float f = static_cast<float>(d);
-          slots[i] = 0;
-          std::memcpy(&slots[i], &f, sizeof(f));
-          break;
-        }
-        default:
-          PyErr_SetString(PyExc_ValueError, "rl_triton: bad parameter kind");
+      case OUTPUT:
+        slots[i] = reinterpret_cast<uint64_t>(outs[v].data_ptr());
+        break;
+      case STATE:
+        slots[i] = state;
+        break;
+      case CONST:
+        slots[i] = static_cast<uint64_t>(v);
+        break;
+      case SCALAR: {
+        if (v >= PyTuple_GET_SIZE(scalars)) {
+          PyErr_SetString(PyExc_TypeError, "rl_triton: missing scalar");
           return nullptr;
+        }
+        const double d = PyFloat_AsDouble(PyTuple_GET_ITEM(scalars, v));
+        if (d == -1.0 && PyErr_Occurred()) return nullptr;
+        const float f = static_cast<float>(d);
+        slots[i] = 0;
+        std::memcpy(&slots[i], &f, sizeof(f));
+        break;
       }
-      params[i] = &slots[i];
-    }
-    const CUresult err = launch_kernel(plan->function, plan->grid, 1, 1, plan->block, 1, 1,
-                                       plan->shared, stream, params, nullptr);
-    if (err != 0) {
-      const char* what = "unknown error";
-      if (get_error_string != nullptr) get_error_string(err, &what);
-      PyErr_Format(PyExc_RuntimeError, "rl_triton: kernel launch failed: %s", what);
-      return nullptr;
-    }
-    PyObject* result = PyList_New(plan->n_out);
-    if (result == nullptr) return nullptr;
-    for (int j = 0; j < plan->n_out; ++j) {
-      PyObject* t = THPVariable_Wrap(std::move(outs[j]));
-      if (t == nullptr) {
-        Py_DECREF(result);
+      default:
+        PyErr_SetString(PyExc_ValueError, "rl_triton: bad parameter kind");
         return nullptr;
-      }
-      PyList_SET_ITEM(result, j, t);
     }
-    return result;
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
+    params[i] = &slots[i];
+  }
+  const CUresult err = launch_kernel(plan->function, plan->grid, 1, 1, plan->block, 1, 1,
+                                     plan->shared, stream, params, nullptr);
+  if (err != 0) {
+    const char* what = "unknown error";
+    if (get_error_string != nullptr) get_error_string(err, &what);
+    PyErr_Format(PyExc_RuntimeError, "rl_triton: kernel launch failed: %s", what);
     return nullptr;
   }
+  PyObject* result = PyList_New(plan->n_out);
+  if (result == nullptr) return nullptr;
+  for (int j = 0; j < plan->n_out; ++j) {
+    PyObject* t = THPVariable_Wrap(std::move(outs[j]));
+    if (t == nullptr) {
+      Py_DECREF(result);
+      return nullptr;
+    }
+    PyList_SET_ITEM(result, j, t);
+  }
+  return result;
+  END_HANDLE_TH_ERRORS
 }
 
 bool call_args(PyObject* const* args, Py_ssize_t nargs, const char* what) {

@@ -7,8 +7,8 @@ query per pointer) and Python's tensor allocation cost 20-25 µs per call on the
 
 The extension is built with `torch.utils.cpp_extension` (a C++ compiler and ninja; the CUDA
 toolkit is not needed) the first time a CUDA plan launches, and cached by torch under
-`TORCH_EXTENSIONS_DIR`. Where it cannot be built, or with `RL_TRITON_HOST=python`, plans keep the
-Python path, with a warning saying why.
+`TORCH_EXTENSIONS_DIR`. Where it cannot be built (a warning says why), or with
+`RL_TRITON_HOST=python`, plans keep the Python path.
 """
 from __future__ import annotations
 

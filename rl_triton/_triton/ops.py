@@ -177,7 +177,7 @@ class Launch:
             state = self.states[stream] = torch.zeros(self.state_size, dtype=torch.int64,
                                                       device=self.device)
             if self.host is not None:
-                host.module().add_state(self.host, stream, state.data_ptr())
+                host.module().add_state(self.host, stream, state)
         args = (ptrs, *self.in_strides, outs, *self.out_strides, init, *self.init_strides,
                 state, scalars, *self.ints)
         kernel = self.compiled
@@ -213,7 +213,7 @@ class Launch:
         if self.host is not None:
             self.host_run = host.module().run
             for stream, state in self.states.items():
-                host.module().add_state(self.host, stream, state.data_ptr())
+                host.module().add_state(self.host, stream, state)
 
 
 _RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
