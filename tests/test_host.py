@@ -66,3 +66,60 @@ def test_extension_builds():
     if not CUDA:
         with pytest.raises(RuntimeError, match="libcuda"):
             mod.make(0, 1, 32, 0, 0, (3,), torch.float32, 1, [host.CONST], [0])
+
+
+class _Module:
+    """Stands in for the extension: records what `make` receives."""
+
+    def __init__(self, error=None):
+        self.error, self.calls = error, []
+
+    def make(self, *args):
+        if self.error is not None:
+            raise self.error
+        self.calls.append(args)
+        return "plan"
+
+
+def _kernel(ptx_params=(".u64", ".u32", ".u64", ".u64"), **metadata):
+    from types import SimpleNamespace
+    md = dict(num_ctas=1, num_warps=4, shared=512, launch_cooperative_grid=False,
+              launch_pdl=False, global_scratch_size=0, profile_scratch_size=0)
+    md.update(metadata)
+    params = ",\n".join(f"\t.param {t} k_param_{i}" for i, t in enumerate(ptx_params))
+    return SimpleNamespace(metadata=SimpleNamespace(**md), function=1234,
+                           src=SimpleNamespace(signature={"x": "*fp32", "n": "i32",
+                                                          "BLOCK": "constexpr"}),
+                           asm={"ptx": f".visible .entry k(\n{params}\n)\n{{\n}}"})
+
+
+def _make(monkeypatch, module, kernel):
+    monkeypatch.setitem(host._STATE, "tried", True)
+    monkeypatch.setitem(host._STATE, "module", module)
+    return host.make(kernel, 7, (Src(host.INPUT, 0), 5, 64), 0, (3,), torch.float32, 1)
+
+
+def test_make_passes_the_scratch_pointers_and_launch_shape(monkeypatch):
+    mod = _Module()
+    assert _make(monkeypatch, mod, _kernel()) == "plan"
+    ((function, grid, block, shared, device, shape, dtype, n_out, kinds, values),) = mod.calls
+    assert (function, grid, block, shared, device, shape, n_out) == (1234, 7, 128, 512, 0, (3,), 1)
+    assert kinds == [host.INPUT, host.CONST, host.CONST, host.CONST]
+    assert values == [0, 5, 0, 0]  # the two null scratch pointers last
+
+
+@pytest.mark.parametrize("kernel", [
+    _kernel(ptx_params=(".u64", ".u32")),  # a Triton without the two scratch parameters
+    _kernel(ptx_params=(".u64", ".u64", ".u64", ".u64")),  # widths that do not match
+    _kernel(launch_pdl=True), _kernel(num_ctas=2), _kernel(global_scratch_size=64),
+    _kernel(profile_scratch_size=64),
+])
+def test_make_leaves_other_kernels_to_the_python_path(monkeypatch, kernel):
+    mod = _Module()
+    assert _make(monkeypatch, mod, kernel) is None
+    assert mod.calls == []
+
+
+def test_make_falls_back_with_a_warning(monkeypatch):
+    with pytest.warns(RuntimeWarning, match="Python path"):
+        assert _make(monkeypatch, _Module(OverflowError("too large")), _kernel()) is None

@@ -127,7 +127,7 @@ PyObject* make(PyObject*, PyObject* args) {
     Py_XDECREF(s);
     ok = ok && !PyErr_Occurred();
   }
-  if (!ok) {
+  if (!ok || PyErr_Occurred()) {
     Py_DECREF(capsule);
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "rl_triton: bad parameter list");
     return nullptr;

@@ -129,5 +129,11 @@ def make(kernel, grid: int, args: tuple, device_index: int, out_shape: tuple,
     # null when unused): the PTX entry says whether this build of the kernel has them.
     if ptx_parameter_widths(kernel.asm.get("ptx", "")) != widths + [8, 8]:
         return None
-    return mod.make(kernel.function, grid, 32 * md.num_warps, md.shared, device_index,
-                    tuple(out_shape), out_dtype, n_out, kinds + [CONST, CONST], values + [0, 0])
+    try:
+        return mod.make(kernel.function, grid, 32 * md.num_warps, md.shared, device_index,
+                        tuple(out_shape), out_dtype, n_out, kinds + [CONST, CONST],
+                        values + [0, 0])
+    except (TypeError, ValueError, OverflowError, RuntimeError) as e:
+        warnings.warn(f"rl_triton: no C++ launch for this plan ({type(e).__name__}: {e}); its "
+                      "calls take the Python path", RuntimeWarning, stacklevel=2)
+        return None
