@@ -9,7 +9,6 @@ import torch
 from rl_triton._triton import host
 
 Src = host.Src
-CUDA = torch.cuda.is_available()
 
 
 def test_parameters_follow_the_signature():
@@ -61,11 +60,45 @@ def test_ptx_parameter_widths():
 
 def test_extension_builds():
     """The C++ source builds against the installed torch (CI: the newest one pinned)."""
+    assert host.module() is not None
+
+
+def test_table_finds_plans_by_the_python_signature():
+    """The C++ table finds a plan exactly when the Python plan cache would: same shapes,
+    strides, dtypes, devices, 16-byte alignment and None pattern (other data: same plan)."""
+    from rl_triton import estimators
+
     mod = host.module()
-    assert mod is not None
-    if not CUDA:
-        with pytest.raises(RuntimeError, match="libcuda"):
-            mod.make(0, 1, 32, 0, 0, (3,), torch.float32, 1, [host.CONST], [0])
+    # A plan for CUDA device 99: running it fails at once (no such device, or no CUDA at all).
+    plan = mod.make(0, 1, 32, 0, 99, (3,), torch.float32, 1, [host.CONST], [0])
+    table = mod.table()
+    base, other = torch.zeros(6, 4), torch.ones(6, 4)
+    tensors = (base, None, base[:, :2])
+    mod.table_add(table, tensors, plan)
+
+    def found(ts):
+        try:
+            return mod.call(table, ts, ()) is not None
+        except RuntimeError:  # found, and run
+            return True
+
+    calls = [
+        tensors,
+        (other, None, other[:, :2]),  # other data, same signature
+        (torch.zeros(6, 5), None, base[:, :2]),  # shape
+        (base.t().contiguous().t(), None, base[:, :2]),  # strides
+        (base.double(), None, base[:, :2]),  # dtype
+        (base, base, base[:, :2]),  # a tensor where there was None
+        (base, None, torch.zeros(25)[1:].view(6, 4)[:, :2]),  # 4-byte offset: alignment
+        (base, None),  # count
+        (base, None, 3.0),  # not a tensor
+    ]
+    same = [estimators._signature("x", ts, ()) == estimators._signature("x", tensors, ())
+            for ts in calls]
+    assert same == [True, True] + [False] * 7
+    assert [found(ts) for ts in calls] == same
+    mod.table_clear(table)
+    assert not found(tensors)
 
 
 class _Module:

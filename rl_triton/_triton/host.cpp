@@ -89,7 +89,6 @@ PyObject* make(PyObject*, PyObject* args) {
                         &shape, &dtype, &n_out, &kinds, &values)) {
     return nullptr;
   }
-  if (!load_driver()) return nullptr;
   if (!THPDtype_Check(dtype)) {
     PyErr_SetString(PyExc_TypeError, "rl_triton: out_dtype must be a torch.dtype");
     return nullptr;
@@ -217,6 +216,7 @@ PyObject* run_plan(Plan* plan, PyObject* tensors, PyObject* scalars) {
     }
     params[i] = &slots[i];
   }
+  if (!load_driver()) return nullptr;
   const CUresult err = launch_kernel(plan->function, plan->grid, 1, 1, plan->block, 1, 1,
                                      plan->shared, stream, params, nullptr);
   if (err != 0) {
