@@ -52,8 +52,7 @@ def compile_plan(plan, tensors, scalars):
     ptrs = tuple(outs[0] if i is None else tensors[i] for i in plan.src)
     init = outs[0] if plan.init_src is None else tensors[plan.init_src]
     state = torch.zeros(plan.state_size, dtype=torch.int64)
-    args = (ptrs, *plan.in_strides, outs, *plan.out_strides, init, *plan.init_strides, state,
-            scalars, *plan.ints)
+    args = plan._args(ptrs, outs, init, state, scalars)
     kwargs = dict(plan.meta, debug=False)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization,

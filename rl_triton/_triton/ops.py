@@ -178,8 +178,7 @@ class Launch:
                                                       device=self.device)
             if self.host is not None:
                 host.module().add_state(self.host, stream, state)
-        args = (ptrs, *self.in_strides, outs, *self.out_strides, init, *self.init_strides,
-                state, scalars, *self.ints)
+        args = self._args(ptrs, outs, init, state, scalars)
         kernel = self.compiled
         if kernel is None:
             kernel = scan_kernel[self.grid](*args, **self.meta)
@@ -198,6 +197,11 @@ class Launch:
         kernel.run(self.grid[0], self.grid[1], 1, stream, kernel.function, kernel.packed_metadata,
                    meta, enter, leave, *args, *self.tail)
 
+    def _args(self, ptrs, outs, init, state, scalars) -> tuple:
+        """`scan_kernel`'s positional arguments, in its order (the launch and the C++ plan)."""
+        return (ptrs, *self.in_strides, outs, *self.out_strides, init, *self.init_strides,
+                state, scalars, *self.ints)
+
     def _make_host(self, kernel, n_scalars: int):
         """The C++ plan of later calls: the kernel's arguments as `host.Src` markers where they
         come from the call, the plan's constants elsewhere."""
@@ -206,8 +210,7 @@ class Launch:
         outs = tuple(host.Src(O, j) for j in range(self.n_out))
         init = host.Src(O) if self.init_src is None else host.Src(I, self.init_src)
         scalars = tuple(host.Src(host.SCALAR, i) for i in range(n_scalars))
-        args = (ptrs, *self.in_strides, outs, *self.out_strides, init, *self.init_strides,
-                host.Src(host.STATE), scalars, *self.ints, *self.tail)
+        args = self._args(ptrs, outs, init, host.Src(host.STATE), scalars) + self.tail
         self.host = host.make(kernel, self.grid[0], args, self.device_index, self.out_shape,
                               self.out_dtype, self.n_out)
         if self.host is not None:
