@@ -260,7 +260,16 @@ def scan_kernel(
         tag = launch_tag(tl.load(words_a + k * BLOCK_B, volatile=True))  # +1: a map, +2: a value
     # The tile is [BLOCK_T, BLOCK_B] (TIME_AXIS 0) or [BLOCK_B, BLOCK_T] (TIME_AXIS 1): its last
     # axis follows the contiguous axis of memory, as Triton's default layouts expect.
-    r = spread(tl.arange(0, BLOCK_B), 1 - TIME_AXIS)
+    if TIME_AXIS == 0:
+        # Rows numbered so that the compiler infers runs of at most 4 contiguous rows (a hint
+        # would override what it infers, wrong for strided rows). Every load of the tile is then
+        # at most 4 wide, and all share one layout; else the 1-byte flags' 16-wide loads set the
+        # layout of every input, one step per thread and 16 steps of the scan across lanes
+        # (docs/benchmarks.md, log).
+        rows = tl.arange(0, BLOCK_B)
+        r = spread(rows // 4 * 4 + rows % 4, 1)
+    else:
+        r = spread(tl.arange(0, BLOCK_B), 0)
     b = pid_b * BLOCK_B + r
     mask_b = b < B
     if INT64:
