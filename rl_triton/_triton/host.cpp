@@ -2,9 +2,9 @@
 //
 // A plan (`rl_triton._triton.ops.Launch`) fixes everything about a call but its data: the
 // compiled kernel, its grid, and each kernel parameter's source. Python hands that over once
-// (`make`); each later call (`run`) then costs the output allocations, a few pointer reads and
-// one cuLaunchKernel, with no Python-level work per argument. A table (`table`, `call`) finds
-// the plan of a call from its tensors' signature, as the Python plan cache does, in C++ too.
+// (`make`). A table (`table`, `call`) finds the plan of a later call from its tensors'
+// signature, as the Python plan cache does; running it then costs the output allocations, a
+// few pointer reads and one cuLaunchKernel, with no Python-level work per argument.
 //
 // Parameters are described by (kind, value) pairs in the kernel's own order (constexpr
 // arguments already dropped, the way Triton's launcher drops them):
@@ -239,22 +239,6 @@ PyObject* run_plan(Plan* plan, PyObject* tensors, PyObject* scalars) {
   END_HANDLE_TH_ERRORS
 }
 
-bool call_args(PyObject* const* args, Py_ssize_t nargs, const char* what) {
-  if (nargs != 3 || !PyTuple_Check(args[1]) || !PyTuple_Check(args[2])) {
-    PyErr_Format(PyExc_TypeError, "rl_triton: %s(%s, tensors: tuple, scalars: tuple)", what,
-                 what[0] == 'r' ? "plan" : "table");
-    return false;
-  }
-  return true;
-}
-
-// run(plan, tensors, scalars) -> [outputs] or None (see run_plan)
-PyObject* run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!call_args(args, nargs, "run")) return nullptr;
-  auto plan = static_cast<Plan*>(PyCapsule_GetPointer(args[0], kCapsule));
-  if (plan == nullptr) return nullptr;
-  return run_plan(plan, args[1], args[2]);
-}
 
 // ---- tables: plans by their tensors' signature ------------------------------------------------
 // The signature of a call is that of `rl_triton.estimators._signature` without the name and
@@ -344,7 +328,10 @@ PyObject* table_clear(PyObject*, PyObject* capsule) {
 // call(table, tensors, scalars) -> [outputs], or None when no plan has this signature or the
 // plan has no scratch on the current stream yet (the Python path takes the call).
 PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!call_args(args, nargs, "call")) return nullptr;
+  if (nargs != 3 || !PyTuple_Check(args[1]) || !PyTuple_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "rl_triton: call(table, tensors: tuple, scalars: tuple)");
+    return nullptr;
+  }
   auto table = static_cast<Table*>(PyCapsule_GetPointer(args[0], kTableCapsule));
   if (table == nullptr) return nullptr;
   std::string key;
@@ -359,8 +346,6 @@ PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyMethodDef methods[] = {
     {"make", make, METH_VARARGS, "A plan's launch description, as a capsule."},
     {"add_state", add_state, METH_VARARGS, "Register a plan's look-back scratch for a stream."},
-    {"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(run)), METH_FASTCALL,
-     "Allocate a plan's outputs and launch its kernel."},
     {"table", table_new, METH_NOARGS, "A new, empty table of plans by signature."},
     {"table_add", table_add, METH_VARARGS, "Index a plan under its call's signature."},
     {"table_clear", table_clear, METH_O, "Forget every plan of a table."},

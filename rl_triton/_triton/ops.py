@@ -147,14 +147,11 @@ class Launch:
         self.device_index = device.index
         self.states = {}  # look-back scratch by stream: launches on one stream never overlap
         self.compiled, self.tail = None, ()
-        self.host = self.host_run = None  # the C++ plan (host.py), once the kernel is compiled
+        self.host = None  # the C++ plan (host.py), once the kernel is compiled
 
     def run(self, tensors: tuple, scalars: tuple) -> list:
-        """Allocate the outputs and launch on `tensors` (the caller's, in signature order)."""
-        if self.host is not None and _no_hooks():
-            outs = self.host_run(self.host, tensors, scalars)
-            if outs is not None:  # None: no scratch for this stream yet (the Python path makes it)
-                return outs
+        """Allocate the outputs and launch on `tensors` (the caller's, in signature order).
+        Later calls with a cached plan's signature take the C++ path instead (`index_plan`)."""
         # One allocation each: outputs that are views of one buffer would alias, which custom
         # ops (torch.compile) forbid.
         outs = tuple(torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
@@ -214,7 +211,6 @@ class Launch:
         self.host = host.make(kernel, self.grid[0], args, self.device_index, self.out_shape,
                               self.out_dtype, self.n_out)
         if self.host is not None:
-            self.host_run = host.module().run
             for stream, state in self.states.items():
                 host.module().add_state(self.host, stream, state)
 
