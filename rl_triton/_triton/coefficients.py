@@ -32,7 +32,7 @@ def gae_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
     r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
     v = load_step(ins, st, s1, s2, V, t, b1, b2, mask)
     term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
-    v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, end_rows, T,
+    v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, end_rows, T, v,
                           True, HAS_NEXT, HAS_LAST, False)
     alpha = r + tl.where(term, 0.0, gamma * v_succ) - v
     beta = tl.where(cut, 0.0, gamma * lam)
@@ -55,7 +55,7 @@ def lambda_returns_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act
     r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
     term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
     v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, end_rows, T,
-                          True, HAS_NEXT, HAS_LAST, False)
+                          None, True, HAS_NEXT, HAS_LAST, False)
     keep = tl.where(cut, 0.0, lam)
     alpha = r + tl.where(term, 0.0, gamma * (1.0 - keep) * v_succ)
     beta = gamma * keep  # keep is 0 at terminations (cut includes them)
@@ -71,7 +71,7 @@ def discounted_returns_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n
     r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
     term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
     v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, end_rows, T,
-                          False, HAS_NEXT, HAS_LAST, False)
+                          None, False, HAS_NEXT, HAS_LAST, False)
     alpha = r + tl.where(term, 0.0, tl.where(cut, gamma * v_succ, 0.0))
     beta = tl.where(cut, 0.0, gamma)
     return alpha, beta, 0.0
@@ -95,7 +95,7 @@ def vtrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params
     v = load_step(ins, st, s1, s2, V, t, b1, b2, mask)
     term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
     v_succ, v_slot_next = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask,
-                                    end_rows, T, True, HAS_NEXT, HAS_LAST, True)
+                                    end_rows, T, v, True, HAS_NEXT, HAS_LAST, True)
     ratio = tl.exp(load_step(ins, st, s1, s2, TARGET_LP, t, b1, b2, mask)
                    - load_step(ins, st, s1, s2, BEHAVIOR_LP, t, b1, b2, mask))
     target = r + tl.where(term, 0.0, gamma * v_succ)

@@ -82,18 +82,24 @@ def cut_flags(ins, st, s1, s2, TERM: tl.constexpr, TRUNC: tl.constexpr, t, b1, b
 
 @triton.jit
 def successor(ins, st, s1, s2, V: tl.constexpr, NV: tl.constexpr, LV: tl.constexpr, t, b1, b2,
-              mask, end_rows, T, HAS_VALUES: tl.constexpr, HAS_NEXT: tl.constexpr,
+              mask, end_rows, T, v, HAS_VALUES: tl.constexpr, HAS_NEXT: tl.constexpr,
               HAS_LAST: tl.constexpr, NEED_SLOT_NEXT: tl.constexpr):
     """(v'[t], values[t+1]): the successor value, and the value in slot t+1 (0 past the end).
 
     v'[t] is next_values[t] when given, else values[t+1], and last_value at t = T-1 (zero when
     neither is given: discounted returns only). The second result is loaded only when asked for.
+    `v` is values[t] on the tile when the caller has it (batch-major tiles shift it), else None.
     """
     inside = mask & (t + 1 < T)
     slot_next = tl.zeros(mask.shape, tl.float32)
     if HAS_VALUES:
         if NEED_SLOT_NEXT or not HAS_NEXT:
-            slot_next = load_step(ins, st, s1, s2, V, t + 1, b1, b2, inside)
+            if t.shape[0] == 1 and t.shape[1] >= 8:  # batch-major: time is the tile's last axis
+                if v is None:
+                    v = load_step(ins, st, s1, s2, V, t, b1, b2, mask)
+                slot_next = step_after(v, ins, st, s1, s2, V, t, b1, b2, mask, T)
+            else:
+                slot_next = load_step(ins, st, s1, s2, V, t + 1, b1, b2, inside)
     if HAS_NEXT:
         v_succ = load_step(ins, st, s1, s2, NV, t, b1, b2, mask)
     else:
@@ -103,6 +109,36 @@ def successor(ins, st, s1, s2, V: tl.constexpr, NV: tl.constexpr, LV: tl.constex
             last = load_value(ins[LV], offsets(0, b1, b2, st[LV], s1[LV], s2[LV]), end_rows)
             v_succ = tl.where(t == T - 1, last, v_succ)
     return v_succ, slot_next
+
+
+@triton.jit
+def last_of_8(x, ROWS: tl.constexpr, G: tl.constexpr):
+    """[ROWS, G]: the last of each group of 8 steps of a [ROWS, 8 * G] tile."""
+    _, x = tl.split(tl.reshape(x, (ROWS, G, 4, 2)))
+    _, x = tl.split(tl.reshape(x, (ROWS, G, 2, 2)))
+    _, x = tl.split(tl.reshape(x, (ROWS, G, 1, 2)))
+    return tl.reshape(x, (ROWS, G))
+
+
+@triton.jit
+def step_after(v, ins, st, s1, s2, V: tl.constexpr, t, b1, b2, mask, T):
+    """values[t+1] on a batch-major tile (time along its last axis), from `v` = values[t]: moved
+    by one step within groups of 8 steps (split and join, which stay in registers where a
+    thread holds 8 consecutive steps), plus one load per group for the step after it; 0 past
+    the end. Loading values[t+1] directly is 8 unaligned scalar loads per thread, 10% slower
+    (docs/benchmarks.md, log)."""
+    BB: tl.constexpr = v.shape[0]
+    BT: tl.constexpr = v.shape[1]
+    G: tl.constexpr = BT // 8
+    t_after = last_of_8(t, 1, G) + 1
+    after = load_step(ins, st, s1, s2, V, t_after, b1, b2,
+                      last_of_8(mask, BB, G) & (t_after < T))
+    e1, o1 = tl.split(tl.reshape(v, (BB, G, 4, 2)))  # steps 0 2 4 6 | 1 3 5 7 of each group
+    e2, o2 = tl.split(tl.reshape(e1, (BB, G, 2, 2)))  # 0 4 | 2 6
+    _, o3 = tl.split(tl.reshape(e2, (BB, G, 1, 2)))  # 4
+    n1 = tl.reshape(tl.join(o3, after[:, :, None]), (BB, G, 2))  # 4 8: e2 one step on
+    n2 = tl.reshape(tl.join(o2, n1), (BB, G, 4))  # 2 4 6 8: e1 one step on
+    return tl.reshape(tl.join(o1, n2), (BB, BT))  # 1 2 ... 8
 
 
 @triton.jit
