@@ -239,7 +239,6 @@ PyObject* run_plan(Plan* plan, PyObject* tensors, PyObject* scalars) {
   END_HANDLE_TH_ERRORS
 }
 
-
 // ---- tables: plans by their tensors' signature ------------------------------------------------
 // The signature of a call is that of `rl_triton.estimators._signature` without the name and
 // options (a table serves one of those): for every tensor its shape, strides, dtype, device and
