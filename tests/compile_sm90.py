@@ -92,6 +92,31 @@ def check_look_back(plan, kernel):
     return f"{barriers} barriers inside the one-warp look-back loop" if barriers else ""
 
 
+def check_loads(plan, kernel):
+    """Two measured wins that a compiler change could silently undo (docs/benchmarks.md, log).
+    Time-major tiles: no tile load wider than 4 along rows (the flags' 16-wide loads once set
+    every input's layout, and the scan crossed 16 lanes). Batch-major tiles: at most 2 scalar
+    32-bit loads per thread (values[t+1] is moved in registers, plus the step after each group
+    of 8 and the bootstrap value; it was 8 unaligned loads). Retrace's 3-D tiles are left out.
+    Returns what is wrong, or ''."""
+    m = plan.meta
+    if m["BLOCK_A"] != 1:
+        return ""
+    if m["TIME_AXIS"] == 0:
+        ttgir = kernel.asm["ttgir"]
+        width = {name: int(w) for name, w in re.findall(
+            r"^(#\w+) = #ttg\.blocked<\{sizePerThread = \[\d+, (\d+)\]", ttgir, re.M)}
+        tile = rf"tensor<{m['BLOCK_T']}x{m['BLOCK_B']}x!tt\.ptr<\w+>, (#\w+)>"
+        used = set(re.findall(r"tt\.load [^\n]*: " + tile, ttgir))
+        if not used or not used <= set(width):
+            return "tile loads not found in the TTGIR"
+        wide = sorted(width[u] for u in used if width[u] > 4)
+        return f"time-major tile loads {wide} wide along rows" if wide else ""
+    scalar = sum(not re.search(r"\.v\d", op) and op.endswith("32")
+                 for op in re.findall(r"\bld\.global\S*", kernel.asm["ptx"]))
+    return f"{scalar} scalar 32-bit loads per thread" if scalar > 2 else ""
+
+
 def variants():
     """(label, case, layout): every estimator, both layouts, one tile per row, look-back, walked
     rows, bf16 inputs, every optional input."""
@@ -120,7 +145,8 @@ def main():
         t0 = time.time()
         try:
             plan, (tensors, scalars) = plan_of(case, layout)
-            problem = check_look_back(plan, compile_plan(plan, tensors, scalars))
+            kernel = compile_plan(plan, tensors, scalars)
+            problem = check_look_back(plan, kernel) or check_loads(plan, kernel)
             if problem:
                 raise AssertionError(problem)
             print(f"ok      {label} ({time.time() - t0:.1f} s)", flush=True)
