@@ -19,7 +19,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from cases import make_case  # noqa: E402
 from rl_triton import estimators  # noqa: E402
-from rl_triton._triton import config, ops, scan  # noqa: E402
+from rl_triton._triton import coefficients, config, ops, scan  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -117,6 +117,20 @@ def check_loads(plan, kernel):
     return f"{scalar} scalar 32-bit loads per thread" if scalar > 2 else ""
 
 
+def check_reverse_scans(plan, kernel):
+    """Batch-major reverse scans run forward over their groups of 8 steps reversed in registers
+    (scan.py, `FLIP`): at most 16 shuffles per scanned quantity, where Triton's `reverse=True`
+    took 20-30 (it reverses the tile across lanes around the scan). Tiles without look-back (whose
+    loop has shuffles of its own), and not the generic linear scan, whose float32 inputs put 4
+    steps, not 8, in a thread. Returns what is wrong, or ''."""
+    m = plan.meta
+    if not (m["REVERSE"] and m["TIME_AXIS"] == 1 and m["BLOCK_A"] == 1 and m["BLOCK_T"] >= 8
+            and not m["LOOKBACK"]) or m["COEF"] is coefficients.linear_scan_coef:
+        return ""
+    per_quantity = kernel.asm["ptx"].count("shfl.sync") / (4 if m["EXCLUSIVE"] else 2)
+    return f"{per_quantity:g} shuffles per scanned quantity" if per_quantity > 16 else ""
+
+
 def variants():
     """(label, case, layout): every estimator, both layouts, one tile per row, look-back, walked
     rows, bf16 inputs, every optional input."""
@@ -146,7 +160,8 @@ def main():
         try:
             plan, (tensors, scalars) = plan_of(case, layout)
             kernel = compile_plan(plan, tensors, scalars)
-            problem = check_look_back(plan, kernel) or check_loads(plan, kernel)
+            problem = (check_look_back(plan, kernel) or check_loads(plan, kernel)
+                       or check_reverse_scans(plan, kernel))
             if problem:
                 raise AssertionError(problem)
             print(f"ok      {label} ({time.time() - t0:.1f} s)", flush=True)

@@ -6,6 +6,11 @@ scanned with `tl.associative_scan` from a zero carry, the carry from the steps b
 scan order: later steps for reverse scans) is applied, and the estimator's `STORE` writes the
 outputs. Inputs are read once and nothing but the outputs goes to memory, whatever the length.
 
+Batch-major reverse scans (`FLIP`) are run as forward scans: the tile holds its groups of 8 steps
+in decreasing order (each group still 8 consecutive steps, one thread's vector load), each group
+is reversed in registers, the tile is scanned forward and reversed back. Triton's `reverse=True`
+reverses the whole tile, across lanes, around the scan (docs/benchmarks.md, log).
+
 When a row spans several tiles and the batch alone fills the GPU (`WALK`), one program walks the
 tiles of its rows in scan order and passes the carry from one to the next in registers.
 Otherwise (`LOOKBACK`) the tiles of a row run in parallel and find their carries by a
@@ -151,15 +156,32 @@ def spread(x, AXIS: tl.constexpr):
 
 
 @triton.jit
-def edge(x, TIME_AXIS: tl.constexpr, BLOCK_T: tl.constexpr, FIRST: tl.constexpr):
-    """The slice of a scanned tile that holds the whole tile's composition (kept 2-D): the
-    last one, or the first after a reverse scan."""
+def edge(x, TIME_AXIS: tl.constexpr, BLOCK_T: tl.constexpr, AT: tl.constexpr):
+    """The slice at tile position AT along the time axis (kept 2-D)."""
     pos = spread(tl.arange(0, BLOCK_T), TIME_AXIS)
-    if FIRST:
-        at = 0
+    return tl.sum(tl.where(pos == AT, x, 0.0), axis=TIME_AXIS, keep_dims=True)
+
+
+@triton.jit
+def whole_tile_at(BLOCK_T: tl.constexpr, REVERSE: tl.constexpr, FLIP: tl.constexpr):
+    """The tile position whose scanned value is the whole tile's composition: that of the tile's
+    last step in scan order (the first step of a reverse scan, which `FLIP` puts at the start of
+    the tile's last group)."""
+    if FLIP:
+        return BLOCK_T - 8
+    elif REVERSE:
+        return 0
     else:
-        at = BLOCK_T - 1
-    return tl.sum(tl.where(pos == at, x, 0.0), axis=TIME_AXIS, keep_dims=True)
+        return BLOCK_T - 1
+
+
+@triton.jit
+def flip8(x):
+    """Each group of 8 consecutive positions of a batch-major [BB, 8 * G] tile in reverse order
+    (in registers where a thread holds the group)."""
+    BB: tl.constexpr = x.shape[0]
+    G: tl.constexpr = x.shape[1] // 8
+    return tl.reshape(tl.flip(tl.reshape(x, (BB, G, 8)), 2), (BB, 8 * G))
 
 
 @triton.jit
@@ -224,8 +246,8 @@ def look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry_i
                           tl.where(j == -1, 0.0, 1.0))
             ca, cb = tl.associative_scan((ma, mb), TIME_AXIS, combine)
             # the tiles read so far (acc) come after this window in scan order
-            acc_a = acc_a + acc_b * edge(ca, TIME_AXIS, WINDOW, False)
-            acc_b = acc_b * edge(cb, TIME_AXIS, WINDOW, False)
+            acc_a = acc_a + acc_b * edge(ca, TIME_AXIS, WINDOW, WINDOW - 1)
+            acc_b = acc_b * edge(cb, TIME_AXIS, WINDOW, WINDOW - 1)
             hi -= WINDOW
             busy = tl.max(tl.where(live, acc_b != 0.0, False).to(tl.int32)) != 0
     return acc_a
@@ -235,12 +257,16 @@ def look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry_i
 def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
                       COEF: tl.constexpr, HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr,
                       HAS_LAST: tl.constexpr, VARIANT: tl.constexpr, TIME_AXIS: tl.constexpr,
-                      INT64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr):
+                      INT64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr,
+                      FLIP: tl.constexpr):
     """The steps `t` of tile `chunk` (along the time axis), their mask, and the estimator's
-    coefficients there; padding steps are the identity map (they pass the carry through)."""
-    # (Loading the steps in decreasing t and scanning forward saves shuffles but costs vectorized
-    # loads and registers: slower on the H200, docs/benchmarks.md.)
-    t = chunk * BLOCK_T + spread(tl.arange(0, BLOCK_T), TIME_AXIS)
+    coefficients there; padding steps are the identity map (they pass the carry through). With
+    `FLIP`, tile position j holds step (G - 1 - j // 8) * 8 + j % 8 of the chunk's G groups."""
+    # (Time-major tiles in decreasing t, scanned forward: mixed on the H200, docs/benchmarks.md.)
+    j = tl.arange(0, BLOCK_T)
+    if FLIP:
+        j = (BLOCK_T // 8 - 1 - j // 8) * 8 + j % 8
+    t = chunk * BLOCK_T + spread(j, TIME_AXIS)
     if INT64:
         t = t.to(tl.int64)
     mask = (t < T) & mask_b
@@ -253,15 +279,28 @@ def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n
 
 @triton.jit
 def scan_tile(alpha, beta, REVERSE: tl.constexpr, EXCLUSIVE: tl.constexpr,
-              TIME_AXIS: tl.constexpr):
+              TIME_AXIS: tl.constexpr, FLIP: tl.constexpr):
     """The tile's scan from a zero carry: A = a + bb * carry at every step, and (ea, eb), the
-    same without each step's own element (for writers that need the step before in scan order)."""
+    same without each step's own element (for writers that need the step before in scan order).
+    With `FLIP` (a reverse scan whose groups of 8 lie in decreasing order), a forward scan of the
+    tile with every group reversed."""
+    if FLIP:
+        alpha = flip8(alpha)
+        beta = flip8(beta)
     if EXCLUSIVE:
         a, bb, ea, eb = tl.associative_scan(
             (alpha, beta, tl.zeros_like(alpha), tl.full(alpha.shape, 1.0, tl.float32)),
-            TIME_AXIS, combine_with_exclusive, reverse=REVERSE)
+            TIME_AXIS, combine_with_exclusive, reverse=REVERSE and not FLIP)
+        if FLIP:
+            ea = flip8(ea)
+            eb = flip8(eb)
     else:
-        a, bb = tl.associative_scan((alpha, beta), TIME_AXIS, combine, reverse=REVERSE)
+        a, bb = tl.associative_scan((alpha, beta), TIME_AXIS, combine,
+                                    reverse=REVERSE and not FLIP)
+    if FLIP:
+        a = flip8(a)
+        bb = flip8(bb)
+    if not EXCLUSIVE:
         ea, eb = a, bb
     return a, bb, ea, eb
 
@@ -287,6 +326,9 @@ def scan_kernel(
     find their carries by look-back. With `WALK`, one program per `BLOCK_B` rows instead, which
     walks their `n_chunks` tiles in scan order, passing the carry from tile to tile: when there
     are row tiles enough to fill the GPU, this beats the look-back."""
+    # batch-major reverse scans of whole groups of 8 steps run forward (module docstring)
+    FLIP: tl.constexpr = REVERSE and TIME_AXIS == 1 and BLOCK_T >= 8 and BLOCK_A == 1
+    WHOLE: tl.constexpr = whole_tile_at(BLOCK_T, REVERSE, FLIP)
     k = tl.program_id(0)
     order = k // n_row_tiles  # tiles before this one in scan order, along its rows
     pid_b = k % n_row_tiles
@@ -321,22 +363,24 @@ def scan_kernel(
             chunk = n_chunks - 1 - i if REVERSE else i
             t, mask, alpha, beta, aux = tile_coefficients(
                 ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
-                COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A)
-            a, bb, ea, eb = scan_tile(alpha, beta, REVERSE, EXCLUSIVE, TIME_AXIS)
+                COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
+                FLIP)
+            a, bb, ea, eb = scan_tile(alpha, beta, REVERSE, EXCLUSIVE, TIME_AXIS, FLIP)
             STORE(outs, ost, os1, os2, t, b1, b2, mask, a + bb * carry, ea + eb * carry, aux,
                   scalars, VARIANT)
             # the tile's outgoing value: the carry into the next tile in scan order
-            carry = (edge(a, TIME_AXIS, BLOCK_T, REVERSE)
-                     + edge(bb, TIME_AXIS, BLOCK_T, REVERSE) * carry)
+            carry = (edge(a, TIME_AXIS, BLOCK_T, WHOLE)
+                     + edge(bb, TIME_AXIS, BLOCK_T, WHOLE) * carry)
     else:
         chunk = n_chunks - 1 - order if REVERSE else order
         t, mask, alpha, beta, aux = tile_coefficients(
             ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
-            COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A)
-        a, bb, ea, eb = scan_tile(alpha, beta, REVERSE, EXCLUSIVE, TIME_AXIS)
+            COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
+                FLIP)
+        a, bb, ea, eb = scan_tile(alpha, beta, REVERSE, EXCLUSIVE, TIME_AXIS, FLIP)
         if LOOKBACK:
-            agg_a = edge(a, TIME_AXIS, BLOCK_T, REVERSE)
-            agg_b = edge(bb, TIME_AXIS, BLOCK_T, REVERSE)
+            agg_a = edge(a, TIME_AXIS, BLOCK_T, WHOLE)
+            agg_b = edge(bb, TIME_AXIS, BLOCK_T, WHOLE)
             slot = k * BLOCK_B + r
             if order > 0:
                 tl.atomic_xchg(words_a + slot, pack(agg_a, tag + 1), sem="relaxed")
