@@ -124,8 +124,7 @@ def _plan_and_run(name, tensors, options, scalars, build):
         _PLANS.clear()
     _PLANS[_signature(name, tensors, options)] = plan
     outs = plan.run(tensors, scalars)
-    if getattr(plan, "host", None) is not None:  # made by its first launch
-        _triton_ops().index_plan(_FAST, (name, options), tensors, plan)
+    _triton_ops().index_plan(_FAST, (name, options), tensors, plan, len(scalars))
     return outs
 
 

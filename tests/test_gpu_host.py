@@ -92,3 +92,25 @@ def test_host_scratch_outlives_the_python_plan():
     for _ in range(3):
         assert_close(case.call(backend="triton"), ref)
     estimators._PLANS.clear()
+
+
+def test_uncached_plans_get_no_host_plan(monkeypatch):
+    """Batch axes that no two strides describe are copied and their plan is run once and dropped:
+    no C++ plan is made for it (the parameter walk and `host.make` would be wasted). The same
+    call on contiguous inputs makes one, once."""
+    from rl_triton._triton import host
+    made = []
+    make = host.make
+    monkeypatch.setattr(host, "make", lambda *a, **k: made.append(1) or make(*a, **k))
+    case = make_case("gae", 23, (2, 3, 2), device=DEV, seed=19)
+    ref = case.reference()
+    permuted = {k: (None if v is None else v.permute(3, 1, 0, 2).contiguous().permute(2, 1, 3, 0))
+                for k, v in case.steps.items()}
+    estimators._PLANS.clear()
+    for _ in range(2):
+        assert_close(rl_triton.gae(**permuted, **case.extra), ref)
+    assert made == [] and _plans() == []
+    for _ in range(2):
+        assert_close(case.call(backend="triton"), ref)
+    assert made == [1] and len(_plans()) == 1
+    estimators._PLANS.clear()

@@ -147,7 +147,7 @@ class Launch:
         self.device_index = device.index
         self.states = {}  # look-back scratch by stream: launches on one stream never overlap
         self.compiled, self.tail = None, ()
-        self.host = None  # the C++ plan (host.py), once the kernel is compiled
+        self.host = None  # the C++ plan (host.py) of a cached plan, once compiled (index_plan)
 
     def run(self, tensors: tuple, scalars: tuple) -> list:
         """Allocate the outputs and launch on `tensors` (the caller's, in signature order).
@@ -182,7 +182,6 @@ class Launch:
             if hasattr(kernel, "packed_metadata"):  # compiled (not the interpreter)
                 self.compiled = kernel
                 self.tail = tuple(self.meta[name] for name in _ARG_NAMES[len(args):])
-                self._make_host(kernel, len(scalars))
             return
         # Launch the compiled kernel directly: what JITFunction.run does once it has found the
         # kernel in its cache, minus re-deriving the specialization key from the arguments (the
@@ -229,9 +228,16 @@ def _no_hooks() -> bool:
     return _launch_hooks() == (None, None)
 
 
-def index_plan(fast: dict, key, tensors: tuple, plan: Launch):
-    """Index `plan` for the C++ path: `fast[key]` (made here) runs it for calls with the
-    signature of `tensors` (see `rl_triton.estimators._FAST`)."""
+def index_plan(fast: dict, key, tensors: tuple, plan: Launch, n_scalars: int):
+    """Index a cached `plan` for the C++ path, once its first launch has compiled the kernel:
+    `fast[key]` (made here) runs it for calls with the signature of `tensors` (see
+    `rl_triton.estimators._FAST`). Plans that are not cached (copies) never get a C++ plan."""
+    if plan.compiled is None:  # the interpreter
+        return
+    if plan.host is None:
+        plan._make_host(plan.compiled, n_scalars)
+        if plan.host is None:  # no C++ path here (host.py)
+            return
     mod = host.module()
     entry = fast.get(key)
     if entry is None:
