@@ -95,10 +95,11 @@ def check_look_back(plan, kernel):
 def check_loads(plan, kernel):
     """Two measured wins that a compiler change could silently undo (docs/benchmarks.md, log).
     Time-major tiles: no tile load wider than 4 along rows (the flags' 16-wide loads once set
-    every input's layout, and the scan crossed 16 lanes). Batch-major tiles: at most 2 scalar
-    32-bit loads per thread (values[t+1] is moved in registers, plus the step after each group
-    of 8 and the bootstrap value; it was 8 unaligned loads). Retrace's 3-D tiles are left out.
-    Returns what is wrong, or ''."""
+    every input's layout, and the scan crossed 16 lanes). Batch-major tiles: scalar 32-bit loads
+    from at most 2 addresses per thread (values[t+1] is moved in registers, plus the step after
+    each group of 8 and the bootstrap value; it was 8 unaligned loads). Triton 3.6 repeats a
+    broadcast load (the bootstrap value, the initial carry) for every step a thread holds, from
+    one address: counted once. Retrace's 3-D tiles are left out. Returns what is wrong, or ''."""
     m = plan.meta
     if m["BLOCK_A"] != 1:
         return ""
@@ -112,9 +113,10 @@ def check_loads(plan, kernel):
             return "tile loads not found in the TTGIR"
         wide = sorted(width[u] for u in used if width[u] > 4)
         return f"time-major tile loads {wide} wide along rows" if wide else ""
-    scalar = sum(not re.search(r"\.v\d", op) and op.endswith("32")
-                 for op in re.findall(r"\bld\.global\S*", kernel.asm["ptx"]))
-    return f"{scalar} scalar 32-bit loads per thread" if scalar > 2 else ""
+    scalar = {address for op, address in re.findall(
+        r"\b(ld\.global\S*)\s+\{[^}]*\},\s*\[([^\]]+)\]", kernel.asm["ptx"])
+        if not re.search(r"\.v\d", op) and op.endswith("32")}
+    return f"scalar 32-bit loads from {len(scalar)} addresses per thread" if len(scalar) > 2 else ""
 
 
 def check_reverse_scans(plan, kernel):

@@ -163,19 +163,6 @@ def edge(x, TIME_AXIS: tl.constexpr, BLOCK_T: tl.constexpr, AT: tl.constexpr):
 
 
 @triton.jit
-def whole_tile_at(BLOCK_T: tl.constexpr, REVERSE: tl.constexpr, FLIP: tl.constexpr):
-    """The tile position whose scanned value is the whole tile's composition: that of the tile's
-    last step in scan order (the first step of a reverse scan, which `FLIP` puts at the start of
-    the tile's last group)."""
-    if FLIP:
-        return BLOCK_T - 8
-    elif REVERSE:
-        return 0
-    else:
-        return BLOCK_T - 1
-
-
-@triton.jit
 def flip8(x):
     """Each group of 8 consecutive positions of a batch-major [BB, 8 * G] tile in reverse order
     (in registers where a thread holds the group)."""
@@ -328,7 +315,15 @@ def scan_kernel(
     are row tiles enough to fill the GPU, this beats the look-back."""
     # batch-major reverse scans of whole groups of 8 steps run forward (module docstring)
     FLIP: tl.constexpr = REVERSE and TIME_AXIS == 1 and BLOCK_T >= 8 and BLOCK_A == 1
-    WHOLE: tl.constexpr = whole_tile_at(BLOCK_T, REVERSE, FLIP)
+    # The tile position whose scanned value is the whole tile's composition: that of the tile's
+    # last step in scan order (a reverse scan's first step, which FLIP puts at the start of the
+    # tile's last group). Constant expressions here: Triton 3.6's helpers return runtime values.
+    if FLIP:
+        WHOLE: tl.constexpr = BLOCK_T - 8
+    elif REVERSE:
+        WHOLE: tl.constexpr = 0
+    else:
+        WHOLE: tl.constexpr = BLOCK_T - 1
     k = tl.program_id(0)
     order = k // n_row_tiles  # tiles before this one in scan order, along its rows
     pid_b = k % n_row_tiles
