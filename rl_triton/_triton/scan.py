@@ -6,10 +6,12 @@ scanned with `tl.associative_scan` from a zero carry, the carry from the steps b
 scan order: later steps for reverse scans) is applied, and the estimator's `STORE` writes the
 outputs. Inputs are read once and nothing but the outputs goes to memory, whatever the length.
 
-Batch-major reverse scans (`FLIP`) are run as forward scans: the tile holds its groups of 8 steps
-in decreasing order (each group still 8 consecutive steps, one thread's vector load), each group
-is reversed in registers, the tile is scanned forward and reversed back. Triton's `reverse=True`
-reverses the whole tile, across lanes, around the scan (docs/benchmarks.md, log).
+Reverse scans run as forward scans over steps laid in decreasing t: Triton's `reverse=True`
+reverses the whole tile, across lanes, around the scan (docs/benchmarks.md, log). Time-major
+tiles (`DESC`) simply hold their steps in decreasing order (their loads are along rows). A
+batch-major tile (`FLIP`) holds its groups of 8 steps in decreasing order, each group still 8
+consecutive steps (one thread's vector load); each group is reversed in registers, the tile is
+scanned forward and reversed back.
 
 When a row spans several tiles and the batch alone fills the GPU (`WALK`), one program walks the
 tiles of its rows in scan order and passes the carry from one to the next in registers.
@@ -245,14 +247,16 @@ def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n
                       COEF: tl.constexpr, HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr,
                       HAS_LAST: tl.constexpr, VARIANT: tl.constexpr, TIME_AXIS: tl.constexpr,
                       INT64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr,
-                      FLIP: tl.constexpr):
+                      FLIP: tl.constexpr, DESC: tl.constexpr):
     """The steps `t` of tile `chunk` (along the time axis), their mask, and the estimator's
     coefficients there; padding steps are the identity map (they pass the carry through). With
-    `FLIP`, tile position j holds step (G - 1 - j // 8) * 8 + j % 8 of the chunk's G groups."""
-    # (Time-major tiles in decreasing t, scanned forward: mixed on the H200, docs/benchmarks.md.)
+    `FLIP`, tile position j holds step (G - 1 - j // 8) * 8 + j % 8 of the chunk's G groups;
+    with `DESC`, step BLOCK_T - 1 - j."""
     j = tl.arange(0, BLOCK_T)
     if FLIP:
         j = (BLOCK_T // 8 - 1 - j // 8) * 8 + j % 8
+    if DESC:
+        j = BLOCK_T - 1 - j
     t = chunk * BLOCK_T + spread(j, TIME_AXIS)
     if INT64:
         t = t.to(tl.int64)
@@ -269,21 +273,21 @@ def scan_tile(alpha, beta, REVERSE: tl.constexpr, EXCLUSIVE: tl.constexpr,
               TIME_AXIS: tl.constexpr, FLIP: tl.constexpr):
     """The tile's scan from a zero carry: A = a + bb * carry at every step, and (ea, eb), the
     same without each step's own element (for writers that need the step before in scan order).
-    With `FLIP` (a reverse scan whose groups of 8 lie in decreasing order), a forward scan of the
-    tile with every group reversed."""
+    With `FLIP` (the groups of 8 of a reverse scan laid in decreasing order; REVERSE is False
+    then), a forward scan of the tile with every group reversed."""
     if FLIP:
         alpha = flip8(alpha)
         beta = flip8(beta)
     if EXCLUSIVE:
         a, bb, ea, eb = tl.associative_scan(
             (alpha, beta, tl.zeros_like(alpha), tl.full(alpha.shape, 1.0, tl.float32)),
-            TIME_AXIS, combine_with_exclusive, reverse=REVERSE and not FLIP)
+            TIME_AXIS, combine_with_exclusive, reverse=REVERSE)
         if FLIP:
             ea = flip8(ea)
             eb = flip8(eb)
     else:
         a, bb = tl.associative_scan((alpha, beta), TIME_AXIS, combine,
-                                    reverse=REVERSE and not FLIP)
+                                    reverse=REVERSE)
     if FLIP:
         a = flip8(a)
         bb = flip8(bb)
@@ -313,14 +317,18 @@ def scan_kernel(
     find their carries by look-back. With `WALK`, one program per `BLOCK_B` rows instead, which
     walks their `n_chunks` tiles in scan order, passing the carry from tile to tile: when there
     are row tiles enough to fill the GPU, this beats the look-back."""
-    # batch-major reverse scans of whole groups of 8 steps run forward (module docstring)
+    # Reverse scans run forward over steps laid in decreasing t (module docstring); Retrace's
+    # 3-D tiles keep `reverse=True`.
     FLIP: tl.constexpr = REVERSE and TIME_AXIS == 1 and BLOCK_T >= 8 and BLOCK_A == 1
+    DESC: tl.constexpr = REVERSE and TIME_AXIS == 0 and BLOCK_A == 1
+    SCAN_REVERSE: tl.constexpr = REVERSE and not FLIP and not DESC
     # The tile position whose scanned value is the whole tile's composition: that of the tile's
-    # last step in scan order (a reverse scan's first step, which FLIP puts at the start of the
-    # tile's last group). Constant expressions here: Triton 3.6's helpers return runtime values.
+    # last step in scan order (a reverse scan's first step: at the end of a DESC tile, at the
+    # start of a FLIP tile's last group). Constant expressions here: Triton 3.6's helpers return
+    # runtime values.
     if FLIP:
         WHOLE: tl.constexpr = BLOCK_T - 8
-    elif REVERSE:
+    elif SCAN_REVERSE:
         WHOLE: tl.constexpr = 0
     else:
         WHOLE: tl.constexpr = BLOCK_T - 1
@@ -359,8 +367,8 @@ def scan_kernel(
             t, mask, alpha, beta, aux = tile_coefficients(
                 ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
                 COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
-                FLIP)
-            a, bb, ea, eb = scan_tile(alpha, beta, REVERSE, EXCLUSIVE, TIME_AXIS, FLIP)
+                FLIP, DESC)
+            a, bb, ea, eb = scan_tile(alpha, beta, SCAN_REVERSE, EXCLUSIVE, TIME_AXIS, FLIP)
             STORE(outs, ost, os1, os2, t, b1, b2, mask, a + bb * carry, ea + eb * carry, aux,
                   scalars, VARIANT)
             # the tile's outgoing value: the carry into the next tile in scan order
@@ -371,8 +379,8 @@ def scan_kernel(
         t, mask, alpha, beta, aux = tile_coefficients(
             ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
             COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
-                FLIP)
-        a, bb, ea, eb = scan_tile(alpha, beta, REVERSE, EXCLUSIVE, TIME_AXIS, FLIP)
+            FLIP, DESC)
+        a, bb, ea, eb = scan_tile(alpha, beta, SCAN_REVERSE, EXCLUSIVE, TIME_AXIS, FLIP)
         if LOOKBACK:
             agg_a = edge(a, TIME_AXIS, BLOCK_T, WHOLE)
             agg_b = edge(bb, TIME_AXIS, BLOCK_T, WHOLE)
