@@ -140,3 +140,16 @@ def test_look_back_window_on_a_gpu():
     for block_b, warps in ((1, 8), (1, 2), (64, 8)):
         assert block_b * config.window(16, block_b, warps, cuda) == max(32 * warps, 16 * block_b)
     assert config.window(3, 4, 2, CPU) == 3  # the interpreter: any window
+
+
+def test_time_major_reverse_scans_take_16_values_per_thread():
+    """Measured on the H200 (docs/benchmarks.md): time-major reverse scans (forward over steps in
+    decreasing t) 15-23% faster with 16 values per thread than 32; forward scans slower."""
+    def tm(T, B, reverse):
+        return config.choose(T, B, time_contiguous=False, device=CPU, reverse=reverse)
+    for T, B, warps in [(1024, 16384, 4), (1024, 1024, 2), (4096, 512, 4)]:
+        r, f = tm(T, B, True), tm(T, B, False)
+        assert (r.block_t, r.block_b) == (f.block_t, f.block_b)
+        assert (r.num_warps, f.num_warps) == (warps, warps // 2)
+    bm = config.choose(1024, 16384, time_contiguous=True, device=CPU, reverse=True)
+    assert bm == choose(1024, 16384, True)  # batch-major tiles: unchanged

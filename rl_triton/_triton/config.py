@@ -43,7 +43,11 @@ MAX_ACTION_BLOCK = 32  # Retrace walks the action axis in blocks of at most this
 MIN_BLOCK_T = 16
 MAX_ROWS_TIME_MAJOR = 32
 ELEMENTS_PER_THREAD = 8  # batch-major tiles: the scan runs along each thread's own values
-ELEMENTS_PER_THREAD_TIME_MAJOR = 32  # time-major: the scan crosses threads; fewer is slower
+ELEMENTS_PER_THREAD_TIME_MAJOR = 32  # time-major forward scans: the scan crosses threads
+# Time-major reverse scans (run forward over steps in decreasing t, scan.py): 16 values per
+# thread took 15-23% less time than 32 at 16384x1024 and 1024x1024 (GAE 141 -> 108 µs, 19 -> 15);
+# forward scans (eligibility traces) lost 4-10% with 16 (docs/benchmarks.md, log).
+ELEMENTS_PER_THREAD_REVERSE_TIME_MAJOR = 16
 ELEMENTS_PER_THREAD_SMALL_TIME_MAJOR = 16  # time-major tiles of TILE_ELEMENTS_SMALL values
 # V-trace's time-major tiles (1024 values, 4 values per step through the scan): 4 warps took
 # 9-24% less time than 2 at every grid shape once their loads shared one layout (183 against
@@ -135,9 +139,9 @@ def _tile(T: int, B: int, steps: int, time_contiguous: bool) -> tuple[int, int]:
 
 
 def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
-           n_act: int = 0, exclusive: bool = False) -> TileConfig:
+           n_act: int = 0, exclusive: bool = False, reverse: bool = False) -> TileConfig:
     """The tile for T steps x B rows; `n_act` > 0 for Retrace's action axis, `exclusive` for
-    scans that also carry the exclusive value (V-trace)."""
+    scans that also carry the exclusive value (V-trace), `reverse` for reverse scans."""
     per_step = action_block(n_act) if n_act else 1
     small = exclusive or (not time_contiguous and not n_act and B <= MAX_ROWS_NARROW)
     elements = TILE_ELEMENTS_SMALL if small else TILE_ELEMENTS
@@ -157,6 +161,7 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     else:
         per_thread = (ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR if exclusive
                       else ELEMENTS_PER_THREAD_SMALL_TIME_MAJOR if small
+                      else ELEMENTS_PER_THREAD_REVERSE_TIME_MAJOR if reverse
                       else ELEMENTS_PER_THREAD_TIME_MAJOR)
     warps = block_t * block_b * per_step // (32 * per_thread)
     # Of time-major tiles only Retrace's walk their rows. At 16384x1024 (512 row tiles of

@@ -124,7 +124,8 @@ class Launch:
         first = flat[0]
         time_contiguous = first.stride(0) == 1 and T > 1
         cfg = config.choose(T, self.B, time_contiguous=time_contiguous, device=device,
-                            n_act=n_act if action_slots else 0, exclusive=kernel.exclusive)
+                            n_act=n_act if action_slots else 0, exclusive=kernel.exclusive,
+                            reverse=kernel.reverse)
         n_chunks = cfg.chunks(T)
         n_row_tiles = triton.cdiv(self.B, cfg.block_b)
         self.lookback = n_chunks > 1 and not cfg.walk
