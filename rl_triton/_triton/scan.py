@@ -286,8 +286,7 @@ def scan_tile(alpha, beta, REVERSE: tl.constexpr, EXCLUSIVE: tl.constexpr,
             ea = flip8(ea)
             eb = flip8(eb)
     else:
-        a, bb = tl.associative_scan((alpha, beta), TIME_AXIS, combine,
-                                    reverse=REVERSE)
+        a, bb = tl.associative_scan((alpha, beta), TIME_AXIS, combine, reverse=REVERSE)
     if FLIP:
         a = flip8(a)
         bb = flip8(bb)
