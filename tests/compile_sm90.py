@@ -158,9 +158,10 @@ def variants():
 
 def main():
     config._multiprocessors = lambda device: 132  # choose tiles as for an H200
-    gpu_window = config.window  # and look-back windows as on a GPU (CPU plans: any window)
-    config.window = lambda least, block_b, warps, device: gpu_window(
+    gpu_window, gpu_depth = config.window, config.depth  # look-back windows as on a GPU (CPU
+    config.window = lambda least, block_b, warps, device: gpu_window(  # plans: any window)
         least, block_b, warps, torch.device("cuda"))
+    config.depth = lambda window, block_b, device: gpu_depth(window, block_b, torch.device("cuda"))
     failed = 0
     for label, case, layout in variants():
         t0 = time.time()

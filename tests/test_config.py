@@ -65,11 +65,11 @@ def test_vtrace_takes_smaller_tiles():
     batch-major, 4 warps (8 values per thread) against 2 time-major."""
     def vtrace(T, B, tc):
         return config.choose(T, B, time_contiguous=tc, device=CPU, exclusive=True)
-    for T, B in [(1024, 16384), (4096, 512), (1 << 20, 4)]:
+    for T, B, warps in [(1024, 16384, (4, 8)), (4096, 512, (4, 8)), (1 << 20, 4, (2, 4))]:
         v, g = vtrace(T, B, True), choose(T, B, True)
         assert v.block_t * v.block_b == config.TILE_ELEMENTS_SMALL == 1024
         assert g.block_t * g.block_b == config.TILE_ELEMENTS == 2048
-        assert (v.num_warps, g.num_warps) == (4, 8)
+        assert (v.num_warps, g.num_warps) == warps  # look-back tiles: 16 values per thread
     v, g = vtrace(1024, 16384, False), choose(1024, 16384, False)
     assert v.block_t * v.block_b == 1024 and g.block_t * g.block_b == 2048
     assert v.block_b == g.block_b and (v.num_warps, g.num_warps) == (4, 2)
@@ -140,6 +140,36 @@ def test_look_back_window_on_a_gpu():
     for block_b, warps in ((1, 8), (1, 2), (64, 8)):
         assert block_b * config.window(16, block_b, warps, cuda) == max(32 * warps, 16 * block_b)
     assert config.window(3, 4, 2, CPU) == 3  # the interpreter: any window
+
+
+def test_look_back_depth():
+    """Measured on the H200 (docs/benchmarks.md): windows of one word per thread read only their
+    nearest word per pass; one warp's worth of words is read whole; the interpreter reads any
+    window whole unless a test asks for less."""
+    cuda = torch.device("cuda")  # a device object only: nothing runs
+    assert config.depth(256, 1, cuda) == config.DEPTH_WIDE == 1
+    assert config.depth(128, 1, cuda) == 1 and config.depth(8, 64, cuda) == 1
+    for block_b in (2, 4, 16, 32):
+        assert config.depth(32 // block_b, block_b, cuda) == 32 // block_b
+    assert config.depth(16, 1, CPU) == 16
+    assert choose(1 << 20, 4, True).depth == 16  # the interpreter's window, whole
+    with config.override(window=16, depth=3):
+        assert choose(1 << 20, 4, True).depth == 3
+    with config.override(window=2, depth=3):
+        assert choose(1 << 20, 4, True).depth == 2  # never more than the window
+
+
+def test_batch_major_look_back_tiles_take_16_values_per_thread():
+    """Measured on the H200 (docs/benchmarks.md): batch-major tiles that look back (rows longer
+    than a tile, not walked) on half the warps: 4-25% faster at 4x1048576 but for GAE float32."""
+    for T, B in [(1 << 20, 4), (1 << 17, 16), (1 << 15, 64)]:
+        c = choose(T, B, True)
+        assert c.chunks(T) > 1 and not c.walk
+        assert c.block_t * c.block_b == 2048 and c.num_warps == 2048 // (32 * 16)
+    walked, one_tile = choose(4096, 512, True), choose(1024, 16384, True)
+    assert walked.walk and walked.num_warps == 8
+    assert one_tile.chunks(1024) == 1 and one_tile.num_warps == 8
+    assert choose(1 << 20, 4, False).num_warps == 2  # time-major: unchanged
 
 
 def test_time_major_reverse_scans_take_16_values_per_thread():

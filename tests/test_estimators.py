@@ -91,13 +91,15 @@ def test_retrace_many_actions(backend, device):
 def test_long_rows_split_across_programs(name, time_major, device):
     """T = 5 * block + 7: six tiles per row. One tile per program: each finds its carry by
     look-back, reading one, two or sixteen tiles per step of the look-back (windows that end
-    before, at and past the start). One program per row tile, walking its six tiles."""
+    before, at and past the start), or one or three of a window of sixteen (GPU one-row tiles
+    read one). One program per row tile, walking its six tiles."""
     T = 5 * 16 + 7
     case = make_case(name, T, (3,), device=device, seed=13)
     layout = "time-major" if time_major else "batch-major"
     ref = case.reference()
-    for window, walk in ((1, False), (2, False), (16, False), (16, True)):
-        with config.override(block_t=16, block_b=2, window=window, walk=walk):
+    for window, depth, walk in ((1, 0, False), (2, 0, False), (16, 0, False), (16, 1, False),
+                                (16, 3, False), (16, 0, True)):
+        with config.override(block_t=16, block_b=2, window=window, depth=depth, walk=walk):
             assert_close(case.call(layout, backend="triton"), ref)
             assert_close(case.call(layout, backend="triton"), ref)  # a second launch, same scratch
 

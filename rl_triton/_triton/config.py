@@ -12,8 +12,9 @@ split into tiles that run in parallel and find their carries by look-back (`scan
 - when the tiles would not give `MIN_PROGRAMS_PER_SM` programs per multiprocessor, they shrink (down
   to `MIN_TILE_ELEMENTS`): small problems are latency-bound, and more programs hide the latency;
 - `ELEMENTS_PER_THREAD*` values per thread set the warps;
-- the look-back reads `window` tiles per step: one warp's worth of words for tiles of several
-  rows, one word per thread for one-row tiles;
+- the look-back lays out `window` tiles' words per step: one warp's worth for tiles of several
+  rows, one word per thread for one-row tiles, of which it reads only the nearest (`depth`);
+- batch-major tiles that look back take `ELEMENTS_PER_THREAD_LOOKBACK` values per thread;
 - when the row tiles alone fill the GPU, a program walks all tiles of its rows (batch-major
   tiles, and Retrace's: other time-major tiles look back faster, see `choose`).
 docs/benchmarks.md has the measurements behind the numbers.
@@ -43,6 +44,12 @@ MAX_ACTION_BLOCK = 32  # Retrace walks the action axis in blocks of at most this
 MIN_BLOCK_T = 16
 MAX_ROWS_TIME_MAJOR = 32
 ELEMENTS_PER_THREAD = 8  # batch-major tiles: the scan runs along each thread's own values
+# Batch-major tiles that look back (rows longer than a tile, not walked): half the warps, so
+# that each look-back, one exposed L2 round trip per tile, serves twice the values. At 4x1048576
+# (H200): discounted returns 28.4 -> 21.2 µs, eligibility traces 24.1 -> 19.5, lambda-returns
+# 29.1 -> 25.8, V-trace 64.0 -> 59.9, GAE bfloat16 31.9 -> 30.2; GAE float32 2-5% slower
+# (docs/benchmarks.md, log).
+ELEMENTS_PER_THREAD_LOOKBACK = 16
 ELEMENTS_PER_THREAD_TIME_MAJOR = 32  # time-major forward scans: the scan crosses threads
 # Time-major reverse scans (run forward over steps in decreasing t, scan.py): 16 values per
 # thread took 15-23% less time than 32 at 16384x1024 and 1024x1024 (GAE 141 -> 108 µs, 19 -> 15);
@@ -57,6 +64,10 @@ ELEMENTS_PER_THREAD_ACTIONS = 32  # Retrace, batch-major: steps x actions; more 
 ELEMENTS_PER_THREAD_ACTIONS_TIME_MAJOR = 16  # Retrace, time-major: here 4 warps beat 2
 MAX_WARPS = 8
 WINDOW = 16  # tiles read per step of the look-back: in the interpreter; on a GPU see `window`
+# Look-back windows of one word per thread (one-row tiles) read only their DEPTH_WIDE nearest
+# words per pass, the rest of the window masked: at 4x1048576, GAE 40.6 -> 37.1 µs, V-trace
+# 70.5 -> 63.6, with or without cuts (reading 8 or 32 gained less; docs/benchmarks.md, log).
+DEPTH_WIDE = 1
 # A program walks all tiles of its rows (passing the carry in registers, no look-back) when its
 # rows' tiles alone give WALK_PROGRAMS_PER_SM programs per multiprocessor (batch-major tiles,
 # and Retrace's).
@@ -70,6 +81,7 @@ class TileConfig:
     num_warps: int
     window: int = WINDOW
     walk: bool = False  # one program walks all tiles of its rows (else: one per tile)
+    depth: int = 0  # words of the window read per pass of the look-back (0: `depth` decides)
 
     def chunks(self, T: int) -> int:
         """Tiles along the time axis."""
@@ -81,8 +93,8 @@ _overrides: dict = {}
 
 @contextlib.contextmanager
 def override(**fields):
-    """Force tile fields (block_t, block_b, num_warps, window, walk) inside the block: for tests
-    and tuning."""
+    """Force tile fields (block_t, block_b, num_warps, window, walk, depth) inside the block: for
+    tests and tuning."""
     old = dict(_overrides)
     _overrides.update(fields)
     try:
@@ -153,27 +165,28 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
         if tiles >= target or elements // 2 < MIN_TILE_ELEMENTS:
             break
         elements //= 2
-    if n_act:
-        per_thread = (ELEMENTS_PER_THREAD_ACTIONS if time_contiguous
-                      else ELEMENTS_PER_THREAD_ACTIONS_TIME_MAJOR)
-    elif time_contiguous:
-        per_thread = ELEMENTS_PER_THREAD
-    else:
-        per_thread = (ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR if exclusive
-                      else ELEMENTS_PER_THREAD_SMALL_TIME_MAJOR if small
-                      else ELEMENTS_PER_THREAD_REVERSE_TIME_MAJOR if reverse
-                      else ELEMENTS_PER_THREAD_TIME_MAJOR)
-    warps = block_t * block_b * per_step // (32 * per_thread)
     # Of time-major tiles only Retrace's walk their rows. At 16384x1024 (512 row tiles of
     # 32 rows x 64 steps) the look-back took 17-30% less time than walking for every other
     # estimator (GAE 154 against 189 µs, V-trace 312 against 381); Retrace's tiles of 4 rows
     # x 16 steps x 32 actions took 16% more (1932 against 1662; docs/benchmarks.md, log).
     walk = ((time_contiguous or n_act > 0) and T > block_t
             and -(-B // block_b) >= WALK_PROGRAMS_PER_SM * _multiprocessors(device))
+    if n_act:
+        per_thread = (ELEMENTS_PER_THREAD_ACTIONS if time_contiguous
+                      else ELEMENTS_PER_THREAD_ACTIONS_TIME_MAJOR)
+    elif time_contiguous:
+        per_thread = ELEMENTS_PER_THREAD_LOOKBACK if T > block_t and not walk else ELEMENTS_PER_THREAD
+    else:
+        per_thread = (ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR if exclusive
+                      else ELEMENTS_PER_THREAD_SMALL_TIME_MAJOR if small
+                      else ELEMENTS_PER_THREAD_REVERSE_TIME_MAJOR if reverse
+                      else ELEMENTS_PER_THREAD_TIME_MAJOR)
+    warps = block_t * block_b * per_step // (32 * per_thread)
     cfg = TileConfig(block_t, block_b, min(MAX_WARPS, _pow2(max(1, warps))), WINDOW, walk)
     if _overrides:
         cfg = replace(cfg, **_overrides)
-    return replace(cfg, window=window(cfg.window, cfg.block_b, cfg.num_warps, device))
+    win = window(cfg.window, cfg.block_b, cfg.num_warps, device)
+    return replace(cfg, window=win, depth=min(win, cfg.depth or depth(win, cfg.block_b, device)))
 
 
 def window(least: int, block_b: int, num_warps: int, device: torch.device) -> int:
@@ -198,3 +211,12 @@ def window(least: int, block_b: int, num_warps: int, device: torch.device) -> in
     if 2 <= block_b <= 32:
         return 32 // block_b
     return max(least, _pow2(-(-32 * num_warps // block_b)))
+
+
+def depth(window: int, block_b: int, device: torch.device) -> int:
+    """Words of a look-back window read per pass (`scan.look_back`): a GPU window of one word per
+    thread across several warps (one-row tiles) reads its DEPTH_WIDE nearest only; windows of
+    one warp's worth, and the interpreter's, read every word."""
+    if device.type == "cuda" and window * block_b > 32:
+        return DEPTH_WIDE
+    return window

@@ -141,7 +141,7 @@ class Launch:
                          EXCLUSIVE=kernel.exclusive, HAS_TRUNC=has_trunc, HAS_NEXT=has_next,
                          HAS_LAST=has_last, HAS_INIT=init is not None, VARIANT=variant,
                          LOOKBACK=self.lookback, WALK=cfg.walk and n_chunks > 1,
-                         WINDOW=cfg.window, TIME_AXIS=int(time_contiguous),
+                         WINDOW=cfg.window, DEPTH=cfg.depth, TIME_AXIS=int(time_contiguous),
                          INT64=largest > INT32_MAX or self.state_size > INT32_MAX,
                          BLOCK_T=cfg.block_t, BLOCK_B=cfg.block_b,
                          BLOCK_A=config.action_block(n_act), num_warps=cfg.num_warps)

@@ -17,7 +17,7 @@ When a row spans several tiles and the batch alone fills the GPU (`WALK`), one p
 tiles of its rows in scan order and passes the carry from one to the next in registers.
 Otherwise (`LOOKBACK`) the tiles of a row run in parallel and find their carries by a
 single-pass decoupled look-back: each tile publishes its composed map `A -> agg_a + agg_b * A`
-as soon as its own scan is done, then reads the maps of the tiles before it, `WINDOW` at a time,
+as soon as its own scan is done, then reads the maps of the tiles before it, `DEPTH` at a time,
 until the composition no longer depends on anything earlier (a tile that already knows its carry
 publishes its outgoing value, a constant map; a step with beta = 0, a termination, also cuts the
 dependence), and publishes its own outgoing value in turn.
@@ -200,28 +200,33 @@ def launch_tag(own_word):
 
 @triton.jit
 def look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry_in,
-              TIME_AXIS: tl.constexpr, WINDOW: tl.constexpr, BLOCK_B: tl.constexpr):
+              TIME_AXIS: tl.constexpr, WINDOW: tl.constexpr, DEPTH: tl.constexpr,
+              BLOCK_B: tl.constexpr):
     """The carry into a tile at position `order` > 0 along its rows' time axis (scan order).
 
-    Reads the words of the tiles at positions order-1, order-2, ... (WINDOW per pass, laid along
-    the tile's time axis, oldest first), each an aggregate map (tag + 1) or an outgoing value
-    (tag + 2, a constant map), and composes them until every live row's map is constant.
+    Reads the words of the tiles at positions order-1, order-2, ... (DEPTH per pass, in the
+    last DEPTH places of a WINDOW laid along the tile's time axis, oldest first; the other
+    places are identity maps and read nothing), each an aggregate map (tag + 1) or an outgoing
+    value (tag + 2, a constant map), and composes them until every live row's map is constant.
     Position -1 is the initial carry. `r`, `live` and `carry_in` are laid along the row axis.
 
     The window's size is `config.window`'s: exactly one warp's worth of words (every warp runs
     this loop on its own, nothing crosses warps inside it), or one word per thread (no word is
     held by two threads). Other sizes replicate words across threads, each replica read at its own
     moment, and threads that saw different words leave this loop at different passes (the GPU
-    tests of long rows caught wrong results that way).
+    tests of long rows caught wrong results that way). A window of one word per thread reads
+    only its nearest word per pass (`config.depth`): the pass's L2 round trip is what costs.
     """
     acc_a = tl.zeros(carry_in.shape, tl.float32)
     acc_b = tl.full(carry_in.shape, 1.0, tl.float32)
     hi = order - 1
     w = spread(tl.arange(0, WINDOW), TIME_AXIS)
+    near = w >= WINDOW - DEPTH
     busy = order > 0
     while busy:
         j = hi - (WINDOW - 1) + w  # oldest first
-        real = (j >= 0) & live
+        start = (j == -1) & near  # the initial carry's place
+        real = (j >= 0) & live & near
         slot = (j * n_row_tiles + pid_b) * BLOCK_B + r
         ta = tl.load(words_a + slot, mask=real, other=0, volatile=True)
         constant = word_tag(ta) == tag + 2
@@ -230,14 +235,13 @@ def look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry_i
         # every word of the window must carry this launch's tag, else read it again
         ready = tl.where(real, constant | (word_tag(tb) == tag + 1), 1)
         if tl.min(ready.to(tl.int32)) != 0:
-            ma = tl.where(real, word_value(ta), tl.where(j == -1, carry_in, 0.0))
-            mb = tl.where(real, tl.where(constant, 0.0, word_value(tb)),
-                          tl.where(j == -1, 0.0, 1.0))
+            ma = tl.where(real, word_value(ta), tl.where(start, carry_in, 0.0))
+            mb = tl.where(real, tl.where(constant, 0.0, word_value(tb)), tl.where(start, 0.0, 1.0))
             ca, cb = tl.associative_scan((ma, mb), TIME_AXIS, combine)
             # the tiles read so far (acc) come after this window in scan order
             acc_a = acc_a + acc_b * edge(ca, TIME_AXIS, WINDOW, WINDOW - 1)
             acc_b = acc_b * edge(cb, TIME_AXIS, WINDOW, WINDOW - 1)
-            hi -= WINDOW
+            hi -= DEPTH
             busy = tl.max(tl.where(live, acc_b != 0.0, False).to(tl.int32)) != 0
     return acc_a
 
@@ -308,7 +312,7 @@ def scan_kernel(
     COEF: tl.constexpr, STORE: tl.constexpr, REVERSE: tl.constexpr, EXCLUSIVE: tl.constexpr,
     HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
     HAS_INIT: tl.constexpr, VARIANT: tl.constexpr, LOOKBACK: tl.constexpr, WALK: tl.constexpr,
-    WINDOW: tl.constexpr, TIME_AXIS: tl.constexpr, INT64: tl.constexpr,
+    WINDOW: tl.constexpr, DEPTH: tl.constexpr, TIME_AXIS: tl.constexpr, INT64: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_A: tl.constexpr,
 ):
     """One program per tile of `BLOCK_B` rows x `BLOCK_T` steps (`n_chunks` tiles along time),
@@ -388,7 +392,7 @@ def scan_kernel(
                 tl.atomic_xchg(words_a + slot, pack(agg_a, tag + 1), sem="relaxed")
                 tl.atomic_xchg(words_b + slot, pack(agg_b, tag + 1), sem="relaxed")
                 carry = look_back(words_a, words_b, pid_b, order, n_row_tiles, r, mask_b, tag,
-                                  carry, TIME_AXIS, WINDOW, BLOCK_B)
+                                  carry, TIME_AXIS, WINDOW, DEPTH, BLOCK_B)
             if order < n_chunks - 1:
                 tl.atomic_xchg(words_a + slot, pack(agg_a + agg_b * carry, tag + 2),
                                sem="relaxed")
