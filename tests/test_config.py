@@ -88,6 +88,17 @@ def test_few_long_time_major_rows_take_smaller_tiles():
     assert r.block_t * r.block_b * config.action_block(18) == config.TILE_ELEMENTS == 2048
 
 
+def test_vtrace_narrow_time_major_tiles_take_4_values_per_thread():
+    """Measured on the H200 (docs/benchmarks.md): 15-23% faster at 2 to 8 rows, slower at 16."""
+    def vtrace(T, B):
+        return config.choose(T, B, time_contiguous=False, device=CPU, exclusive=True)
+    for B in (2, 4, 8):
+        c = vtrace(1 << 20, B)
+        assert c.block_t * c.block_b == 1024 and c.num_warps == 1024 // (32 * 4)
+    assert vtrace(1 << 17, 16).num_warps == 1024 // (32 * 8)
+    assert vtrace(1024, 16384).num_warps == 4
+
+
 def test_retrace_time_major_takes_more_warps():
     """Measured on the H200 (docs/benchmarks.md): 4 warps for time-major Retrace tiles of 2048
     values, 2 for batch-major ones."""

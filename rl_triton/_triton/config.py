@@ -60,6 +60,10 @@ ELEMENTS_PER_THREAD_SMALL_TIME_MAJOR = 16  # time-major tiles of TILE_ELEMENTS_S
 # 9-24% less time than 2 at every grid shape once their loads shared one layout (183 against
 # 215 µs at 16384x1024); the other estimators lost up to 16% at 16 or 8 per thread.
 ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR = 8
+# ... except at most MAX_ROWS_NARROW rows: 4 values per thread took 15-23% less time at 2, 4 and
+# 8 rows (4x1048576: 77.7 -> 61.3 µs), 2% more at 16 rows and 14% more at 16384x1024; the other
+# estimators' narrow tiles lost 7-12% at 8 per thread (docs/benchmarks.md, log).
+ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_TIME_MAJOR = 4
 ELEMENTS_PER_THREAD_ACTIONS = 32  # Retrace, batch-major: steps x actions; more warps were slower
 ELEMENTS_PER_THREAD_ACTIONS_TIME_MAJOR = 16  # Retrace, time-major: here 4 warps beat 2
 MAX_WARPS = 8
@@ -155,7 +159,8 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     """The tile for T steps x B rows; `n_act` > 0 for Retrace's action axis, `exclusive` for
     scans that also carry the exclusive value (V-trace), `reverse` for reverse scans."""
     per_step = action_block(n_act) if n_act else 1
-    small = exclusive or (not time_contiguous and not n_act and B <= MAX_ROWS_NARROW)
+    narrow = not time_contiguous and not n_act and B <= MAX_ROWS_NARROW
+    small = exclusive or narrow
     elements = TILE_ELEMENTS_SMALL if small else TILE_ELEMENTS
     target = MIN_PROGRAMS_PER_SM * _multiprocessors(device)
     while True:
@@ -177,7 +182,8 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     elif time_contiguous:
         per_thread = ELEMENTS_PER_THREAD_LOOKBACK if T > block_t and not walk else ELEMENTS_PER_THREAD
     else:
-        per_thread = (ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR if exclusive
+        per_thread = (ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_TIME_MAJOR if exclusive and narrow
+                      else ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR if exclusive
                       else ELEMENTS_PER_THREAD_SMALL_TIME_MAJOR if small
                       else ELEMENTS_PER_THREAD_REVERSE_TIME_MAJOR if reverse
                       else ELEMENTS_PER_THREAD_TIME_MAJOR)
