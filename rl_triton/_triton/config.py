@@ -45,7 +45,7 @@ MIN_BLOCK_T = 16
 MAX_ROWS_TIME_MAJOR = 32
 ELEMENTS_PER_THREAD = 8  # batch-major tiles: the scan runs along each thread's own values
 # Batch-major tiles that look back (rows longer than a tile, not walked): half the warps, so
-# that each look-back, one exposed L2 round trip per tile, serves twice the values. At 4x1048576
+# that each look-back (one exposed L2 round trip per tile) stalls half as many. At 4x1048576
 # (H200): discounted returns 28.4 -> 21.2 µs, eligibility traces 24.1 -> 19.5, lambda-returns
 # 29.1 -> 25.8, V-trace 64.0 -> 59.9, GAE bfloat16 31.9 -> 30.2; GAE float32 2-5% slower
 # (docs/benchmarks.md, log).
@@ -180,7 +180,8 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
         per_thread = (ELEMENTS_PER_THREAD_ACTIONS if time_contiguous
                       else ELEMENTS_PER_THREAD_ACTIONS_TIME_MAJOR)
     elif time_contiguous:
-        per_thread = ELEMENTS_PER_THREAD_LOOKBACK if T > block_t and not walk else ELEMENTS_PER_THREAD
+        looks_back = T > block_t and not walk
+        per_thread = ELEMENTS_PER_THREAD_LOOKBACK if looks_back else ELEMENTS_PER_THREAD
     else:
         per_thread = (ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_TIME_MAJOR if exclusive and narrow
                       else ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR if exclusive

@@ -215,7 +215,8 @@ def look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry_i
     held by two threads). Other sizes replicate words across threads, each replica read at its own
     moment, and threads that saw different words leave this loop at different passes (the GPU
     tests of long rows caught wrong results that way). A window of one word per thread reads
-    only its nearest word per pass (`config.depth`): the pass's L2 round trip is what costs.
+    only its nearest word per pass (`config.depth`): reading all its words cost more, and the
+    nearest one almost always decides (docs/benchmarks.md, log).
     """
     acc_a = tl.zeros(carry_in.shape, tl.float32)
     acc_b = tl.full(carry_in.shape, 1.0, tl.float32)
