@@ -120,19 +120,20 @@ def check_loads(plan, kernel):
 
 
 def check_reverse_scans(plan, kernel):
-    """Reverse scans run forward over steps laid in decreasing t (scan.py, `DESC` and `FLIP`),
-    Retrace's 3-D tiles excepted: no `reverse = true` scan in the TTGIR. And batch-major tiles
-    reverse their groups of 8 steps in registers: at most 16 shuffles per scanned quantity where
-    Triton's `reverse=True` took 20-30 with Triton 3.9 and 84-90 with 3.6 (it reverses the tile
-    across lanes around the scan); counted in tiles without look-back (whose loop has shuffles of
-    its own), and not for the generic linear scan, whose float32 inputs put 4 steps in a thread,
-    not 8. Returns what is wrong, or ''."""
+    """Reverse scans run forward over steps laid in decreasing t (scan.py, `DESC` and `FLIP`):
+    no `reverse = true` scan in the TTGIR. And batch-major tiles reverse their groups of 8 steps
+    in registers: at most 16 shuffles per scanned quantity where Triton's `reverse=True` took
+    20-30 with Triton 3.9 and 84-90 with 3.6 (it reverses the tile across lanes around the scan);
+    counted in tiles without look-back (whose loop has shuffles of its own), and not for the
+    generic linear scan, whose float32 inputs put 4 steps in a thread, not 8, nor for Retrace,
+    whose sums over actions cross lanes. Returns what is wrong, or ''."""
     m = plan.meta
-    if not m["REVERSE"] or m["BLOCK_A"] != 1 or (m["TIME_AXIS"] == 1 and m["BLOCK_T"] < 8):
+    if not m["REVERSE"] or (m["TIME_AXIS"] == 1 and m["BLOCK_T"] < 8):
         return ""
     if "reverse = true" in kernel.asm["ttgir"]:
         return "a reverse=True scan in the TTGIR"
-    if m["TIME_AXIS"] == 0 or m["LOOKBACK"] or m["COEF"] is coefficients.linear_scan_coef:
+    if (m["TIME_AXIS"] == 0 or m["LOOKBACK"] or m["BLOCK_A"] != 1
+            or m["COEF"] is coefficients.linear_scan_coef):
         return ""
     per_quantity = kernel.asm["ptx"].count("shfl.sync") / (4 if m["EXCLUSIVE"] else 2)
     return f"{per_quantity:g} shuffles per scanned quantity" if per_quantity > 16 else ""

@@ -144,7 +144,9 @@ class Launch:
                          WINDOW=cfg.window, DEPTH=cfg.depth, TIME_AXIS=int(time_contiguous),
                          INT64=largest > INT32_MAX or self.state_size > INT32_MAX,
                          BLOCK_T=cfg.block_t, BLOCK_B=cfg.block_b,
-                         BLOCK_A=config.action_block(n_act), num_warps=cfg.num_warps)
+                         BLOCK_A=config.action_block(n_act),
+                         ACT_BLOCKS=triton.cdiv(n_act, config.action_block(n_act)),
+                         num_warps=cfg.num_warps)
         self.device_index = device.index
         self.states = {}  # look-back scratch by stream: launches on one stream never overlap
         self.compiled, self.tail = None, ()

@@ -252,7 +252,7 @@ def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n
                       COEF: tl.constexpr, HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr,
                       HAS_LAST: tl.constexpr, VARIANT: tl.constexpr, TIME_AXIS: tl.constexpr,
                       INT64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr,
-                      FLIP: tl.constexpr, DESC: tl.constexpr):
+                      ACT_BLOCKS: tl.constexpr, FLIP: tl.constexpr, DESC: tl.constexpr):
     """The steps `t` of tile `chunk` (along the time axis), their mask, and the estimator's
     coefficients there; padding steps are the identity map (they pass the carry through). With
     `FLIP`, tile position j holds step (G - 1 - j // 8) * 8 + j % 8 of the chunk's G groups;
@@ -269,7 +269,7 @@ def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n
     # the rows whose step T-1 (the bootstrap step) is in this tile
     end_rows = tl.where(chunk == n_chunks - 1, mask_b, False)
     alpha, beta, aux = COEF(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, scalars,
-                            HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A)
+                            HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A, ACT_BLOCKS)
     return t, mask, tl.where(mask, alpha, 0.0), tl.where(mask, beta, 1.0), aux
 
 
@@ -315,16 +315,17 @@ def scan_kernel(
     HAS_INIT: tl.constexpr, VARIANT: tl.constexpr, LOOKBACK: tl.constexpr, WALK: tl.constexpr,
     WINDOW: tl.constexpr, DEPTH: tl.constexpr, TIME_AXIS: tl.constexpr, INT64: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_A: tl.constexpr,
+    ACT_BLOCKS: tl.constexpr,
 ):
     """One program per tile of `BLOCK_B` rows x `BLOCK_T` steps (`n_chunks` tiles along time),
     scanned once and kept in registers; with `LOOKBACK`, the tiles of a row run in parallel and
     find their carries by look-back. With `WALK`, one program per `BLOCK_B` rows instead, which
     walks their `n_chunks` tiles in scan order, passing the carry from tile to tile: when there
     are row tiles enough to fill the GPU, this beats the look-back."""
-    # Reverse scans run forward over steps laid in decreasing t (module docstring); Retrace's
-    # 3-D tiles keep `reverse=True`.
-    FLIP: tl.constexpr = REVERSE and TIME_AXIS == 1 and BLOCK_T >= 8 and BLOCK_A == 1
-    DESC: tl.constexpr = REVERSE and TIME_AXIS == 0 and BLOCK_A == 1
+    # Reverse scans run forward over steps laid in decreasing t (module docstring). Retrace's
+    # 3-D tiles too: they load along the action axis, whatever the order of their steps.
+    FLIP: tl.constexpr = REVERSE and TIME_AXIS == 1 and BLOCK_T >= 8
+    DESC: tl.constexpr = REVERSE and TIME_AXIS == 0
     SCAN_REVERSE: tl.constexpr = REVERSE and not FLIP and not DESC
     # The tile position whose scanned value is the whole tile's composition: that of the tile's
     # last step in scan order (a reverse scan's first step: at the end of a DESC tile, at the
@@ -371,7 +372,7 @@ def scan_kernel(
             t, mask, alpha, beta, aux = tile_coefficients(
                 ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
                 COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
-                FLIP, DESC)
+                ACT_BLOCKS, FLIP, DESC)
             a, bb, ea, eb = scan_tile(alpha, beta, SCAN_REVERSE, EXCLUSIVE, TIME_AXIS, FLIP)
             STORE(outs, ost, os1, os2, t, b1, b2, mask, a + bb * carry, ea + eb * carry, aux,
                   scalars, VARIANT)
@@ -383,7 +384,7 @@ def scan_kernel(
         t, mask, alpha, beta, aux = tile_coefficients(
             ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
             COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
-            FLIP, DESC)
+            ACT_BLOCKS, FLIP, DESC)
         a, bb, ea, eb = scan_tile(alpha, beta, SCAN_REVERSE, EXCLUSIVE, TIME_AXIS, FLIP)
         if LOOKBACK:
             agg_a = edge(a, TIME_AXIS, BLOCK_T, WHOLE)
