@@ -116,11 +116,22 @@ def test_programs_walk_their_rows_when_row_tiles_fill_the_gpu():
 
 def test_time_major_tiles_look_back_rather_than_walk():
     """Measured on the H200 (docs/benchmarks.md): at 16384x1024 time-major, 512 row tiles of
-    32 rows, the look-back beat walking the rows by 17-30%, except for Retrace's tiles."""
+    32 rows, the look-back beat walking the rows by 17-30%; Retrace's 4096 row tiles by 3%."""
     c = choose(1024, 16384, False)
     assert c.block_b == 32 and c.chunks(1024) > 1 and not c.walk
     assert not choose(4096, 65536, False).walk
-    assert choose(1024, 16384, False, n_act=18).walk
+    c = choose(1024, 16384, False, n_act=18)
+    assert c.chunks(1024) > 1 and not c.walk
+
+
+def test_retrace_walks_only_when_its_row_tiles_far_exceed_the_gpu():
+    """Retrace's batch-major programs have 2 warps: walking beat the look-back at 16384 rows
+    (124 per multiprocessor), lost at 512, 1024 and 4096 (H200, docs/benchmarks.md)."""
+    assert choose(1024, 16384, True, n_act=18).walk
+    for T, B in [(4096, 512), (1024, 1024), (128, 4096)]:
+        c = choose(T, B, True, n_act=18)
+        assert c.chunks(T) > 1 and not c.walk
+    assert choose(4096, 512, True).walk  # the other estimators' threshold is lower
 
 
 def test_rule_constants_can_be_changed_for_a_measurement():

@@ -16,7 +16,7 @@ split into tiles that run in parallel and find their carries by look-back (`scan
   rows, one word per thread for one-row tiles, of which it reads only the nearest (`depth`);
 - batch-major tiles that look back take `ELEMENTS_PER_THREAD_LOOKBACK` values per thread;
 - when the row tiles alone fill the GPU, a program walks all tiles of its rows (batch-major
-  tiles, and Retrace's: other time-major tiles look back faster, see `choose`).
+  tiles only: time-major tiles look back faster, see `choose`).
 docs/benchmarks.md has the measurements behind the numbers.
 """
 from __future__ import annotations
@@ -72,10 +72,13 @@ WINDOW = 16  # tiles read per step of the look-back: in the interpreter; on a GP
 # words per pass, the rest of the window masked: at 4x1048576, GAE 40.6 -> 37.1 µs, V-trace
 # 70.5 -> 63.6, with or without cuts (reading 8 or 32 gained less; docs/benchmarks.md, log).
 DEPTH_WIDE = 1
-# A program walks all tiles of its rows (passing the carry in registers, no look-back) when its
-# rows' tiles alone give WALK_PROGRAMS_PER_SM programs per multiprocessor (batch-major tiles,
-# and Retrace's).
+# A batch-major program walks all tiles of its rows (passing the carry in registers, no
+# look-back) when its rows' tiles alone give WALK_PROGRAMS_PER_SM programs per multiprocessor;
+# Retrace's (2 warps each) WALK_PROGRAMS_PER_SM_ACTIONS. Retrace at 16384x1024 (124 row tiles
+# per multiprocessor): walking 3% faster; at 4096x128, 1024x1024 and 512x4096 (31, 8 and 4 per
+# multiprocessor) the look-back 6%, 7% and 35% (H200; docs/benchmarks.md, log).
 WALK_PROGRAMS_PER_SM = 2
+WALK_PROGRAMS_PER_SM_ACTIONS = 64
 
 
 @dataclass(frozen=True)
@@ -170,12 +173,13 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
         if tiles >= target or elements // 2 < MIN_TILE_ELEMENTS:
             break
         elements //= 2
-    # Of time-major tiles only Retrace's walk their rows. At 16384x1024 (512 row tiles of
-    # 32 rows x 64 steps) the look-back took 17-30% less time than walking for every other
-    # estimator (GAE 154 against 189 µs, V-trace 312 against 381); Retrace's tiles of 4 rows
-    # x 16 steps x 32 actions took 16% more (1932 against 1662; docs/benchmarks.md, log).
-    walk = ((time_contiguous or n_act > 0) and T > block_t
-            and -(-B // block_b) >= WALK_PROGRAMS_PER_SM * _multiprocessors(device))
+    # Time-major tiles do not walk their rows. At 16384x1024 (512 row tiles of 32 rows x 64
+    # steps) the look-back took 17-30% less time than walking (GAE 154 against 189 µs, V-trace
+    # 312 against 381); Retrace's (4096 row tiles of 4 rows x 16 steps x 32 actions) 3% less
+    # (1206 against 1243; docs/benchmarks.md, log).
+    walk_programs = WALK_PROGRAMS_PER_SM_ACTIONS if n_act else WALK_PROGRAMS_PER_SM
+    walk = (time_contiguous and T > block_t
+            and -(-B // block_b) >= walk_programs * _multiprocessors(device))
     if n_act:
         per_thread = (ELEMENTS_PER_THREAD_ACTIONS if time_contiguous
                       else ELEMENTS_PER_THREAD_ACTIONS_TIME_MAJOR)
