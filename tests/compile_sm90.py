@@ -99,9 +99,14 @@ def check_loads(plan, kernel):
     from at most 2 addresses per thread (values[t+1] is moved in registers, plus the step after
     each group of 8 and the bootstrap value; it was 8 unaligned loads). Triton 3.6 repeats a
     broadcast load (the bootstrap value, the initial carry) for every step a thread holds, from
-    one address: counted once. Retrace's 3-D tiles are left out. Returns what is wrong, or ''."""
+    one address: counted once. Retrace's 3-D tiles (float32 in `variants`): rows of an even
+    number of actions loaded ACT_VEC actions at a time (the sum over actions took half the
+    shuffles). Returns what is wrong, or ''."""
     m = plan.meta
     if m["BLOCK_A"] != 1:
+        vec = m["ACT_VEC"]
+        if vec > 1 and not re.search(rf"ld\.global\S*\.v{vec}\.b32", kernel.asm["ptx"]):
+            return f"no loads of {vec} actions at once"
         return ""
     if m["TIME_AXIS"] == 0:
         ttgir = kernel.asm["ttgir"]

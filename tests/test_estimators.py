@@ -86,6 +86,41 @@ def test_retrace_many_actions(backend, device):
     assert_close(case.call("batch-major", backend=backend), case.reference())
 
 
+@pytest.mark.parametrize("n_act", [2, 8, 18])
+@pytest.mark.parametrize("storage", ["contiguous", "offset", "padded", "batch-major"])
+def test_retrace_action_vectors(n_act, storage, device):
+    """Rows of an even number of actions are loaded several actions at a time
+    (`ops.action_vector`: float32 pairs for 18 actions, fours for 8), when the data is 16-byte
+    aligned and every stride even; q-values and target probabilities that start 4 bytes into
+    their storage, or whose rows are padded to n_act + 1 values, are loaded one action at a
+    time. The same results every way (each its own plan)."""
+    case = make_case("retrace", 37, (5,), n_act=n_act, device=device, seed=n_act)
+    for k in ("q_values", "target_probs"):
+        x = case.steps[k]
+        if storage == "offset":
+            y = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)[1:].view(x.shape)
+        elif storage == "padded":
+            y = torch.empty(*x.shape[:-1], n_act + 1, dtype=x.dtype, device=x.device)[..., :n_act]
+        else:
+            continue
+        case.steps[k] = y.copy_(x)
+    layout = "batch-major" if storage == "batch-major" else "time-major"
+    assert_close(case.call(layout), case.reference())
+
+
+def test_action_vector_rule():
+    from rl_triton._triton.ops import action_vector
+    f32 = torch.zeros(6, 4, 18)
+    assert action_vector([f32, f32[0]], 18) == 2  # per-step rows and the bootstrap row
+    assert action_vector([torch.zeros(6, 4, 8)], 8) == 4
+    assert action_vector([torch.zeros(6, 4, 16, dtype=torch.bfloat16)], 16) == 8  # 16 bytes
+    assert action_vector([torch.zeros(6, 4, 19)[..., :18]], 18) == 1  # rows 19 values apart
+    assert action_vector([torch.zeros(6 * 4 * 18 + 1)[1:].view(6, 4, 18)], 18) == 1  # 4 bytes in
+    assert action_vector([torch.zeros(6, 18, 4).transpose(1, 2)], 18) == 1  # actions strided
+    assert action_vector([torch.zeros(6, 4, 5)], 5) == 1
+    assert action_vector([f32, torch.zeros(6, 4, 19)[..., :18]], 18) == 1  # all or none
+
+
 @pytest.mark.parametrize("name", ESTIMATORS)
 @pytest.mark.parametrize("time_major", [True, False])
 def test_long_rows_split_across_programs(name, time_major, device):

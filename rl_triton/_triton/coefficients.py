@@ -1,7 +1,7 @@
 """Per-estimator coefficient builders and output writers for `scan.scan_kernel`.
 
 A builder `*_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params, HAS_TRUNC,
-HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A, ACT_BLOCKS)` loads an estimator's raw inputs for one tile and returns
+HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A, ACT_BLOCKS, ACT_VEC)` loads an estimator's raw inputs for one tile and returns
 `(alpha, beta, aux)`; a writer `*_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux,
 params, VARIANT)` turns the scanned tile into the outputs. The input slot numbers below are the
 order in which `rl_triton._triton.ops` passes the tensors.
@@ -26,7 +26,8 @@ ALPHA, BETA = _c(0), _c(1)
 @triton.jit
 def gae_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
              HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-             VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr):
+             VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+                 ACT_VEC: tl.constexpr):
     gamma = params[0]
     lam = params[1]
     r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
@@ -49,7 +50,8 @@ def gae_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
 @triton.jit
 def lambda_returns_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
                         HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-                        VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr):
+                        VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+                 ACT_VEC: tl.constexpr):
     gamma = params[0]
     lam = params[1]
     r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
@@ -66,7 +68,8 @@ def lambda_returns_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act
 def discounted_returns_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
                             HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr,
                             HAS_LAST: tl.constexpr, VARIANT: tl.constexpr,
-                            BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr):
+                            BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+                 ACT_VEC: tl.constexpr):
     gamma = params[0]
     r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
     term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
@@ -86,7 +89,8 @@ def single_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, param
 @triton.jit
 def vtrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
                 HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-                VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr):
+                VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+                 ACT_VEC: tl.constexpr):
     gamma = params[0]
     lam = params[1]
     rho_clip = params[2]
@@ -122,7 +126,8 @@ def vtrace_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, param
 @triton.jit
 def retrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
                  HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-                 VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr):
+                 VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+                 ACT_VEC: tl.constexpr):
     gamma = params[0]
     lam = params[1]
     c_clip = params[2]
@@ -135,12 +140,19 @@ def retrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, param
     # hits). The loops over blocks are unrolled: as a loop of n_act / BLOCK_A steps, the one
     # block of 18 actions took 2.2 times the registers (sm_90, 208 against 96) and the kernel
     # 1.2-2.1 times the time (H200; docs/benchmarks.md, log).
+    # Where every row starts at a multiple of ACT_VEC actions (`ops.action_vector`), the
+    # compiler is told so (the rows rounded down to that multiple: no-ops on the values) and that
+    # the mask is constant over groups of ACT_VEC actions: ACT_VEC actions per vector load. 18
+    # actions, float32: pairs; 201 -> 105 shuffles, 96 -> 80 registers (sm_90, batch-major).
     q_row = offsets(t + 1, b1, b2, st[RT_Q], s1[RT_Q], s2[RT_Q])
     pi_row = offsets(t + 1, b1, b2, st[RT_PI], s1[RT_PI], s2[RT_PI])
+    if ACT_VEC > 1:
+        q_row = q_row // ACT_VEC * ACT_VEC
+        pi_row = pi_row // ACT_VEC * ACT_VEC
     expected = tl.zeros(mask.shape, tl.float32)
     for k in tl.static_range(ACT_BLOCKS):
         a = k * BLOCK_A + tl.arange(0, BLOCK_A)[None, None, :]
-        in_a = inside[:, :, None] & (a < n_act)
+        in_a = tl.max_constancy(inside[:, :, None] & (a < n_act), [1, 1, ACT_VEC])
         q = load_value(ins[RT_Q], q_row[:, :, None] + a * sa[RT_Q], in_a)
         p = load_value(ins[RT_PI], pi_row[:, :, None] + a * sa[RT_PI], in_a)
         expected += tl.sum(q * p, axis=2)
@@ -189,7 +201,8 @@ def retrace_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, para
 @triton.jit
 def forward_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
                  HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-                 VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr):
+                 VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+                 ACT_VEC: tl.constexpr):
     """Eligibility traces and episodic prefix sums:
     A[t] = x[t] + keep * (1 - done[t-1]) * A[t-1]."""
     keep = params[0]
@@ -202,6 +215,7 @@ def forward_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, param
 @triton.jit
 def linear_scan_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
                      HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-                     VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr):
+                     VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+                 ACT_VEC: tl.constexpr):
     return (load_step(ins, st, s1, s2, ALPHA, t, b1, b2, mask),
             load_step(ins, st, s1, s2, BETA, t, b1, b2, mask), 0.0)

@@ -70,6 +70,21 @@ def _extent(v: Tensor, extra: int = 0) -> int:
     return extra + sum((n - 1) * s for n, s in zip(v.shape, v.stride()) if n > 0)
 
 
+def action_vector(xs: list, n_act: int) -> int:
+    """Actions per vector load along Retrace's action axis (`retrace_coef`): the largest power
+    of two, up to 16 bytes, that divides the action count and every stride of the tensors with
+    an action axis, when their data is 16-byte aligned and contiguous along actions; else 1. A
+    plan's signature holds all of these (shapes, strides, dtypes and 16-byte alignment), so the
+    promise holds for every call that uses the plan."""
+    xs = [x for x in xs if x is not None]
+    vec = 1
+    while all(x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and 2 * vec * x.element_size() <= 16
+              and n_act % (2 * vec) == 0 and all(s % (2 * vec) == 0 for s in x.stride()[:-1])
+              for x in xs) and xs:
+        vec *= 2
+    return vec
+
+
 def over_time(x: Optional[Tensor], T: int) -> Optional[Tensor]:
     """A bootstrap tensor [*batch] seen as [T, *batch] with time stride 0 (read at one step)."""
     return None if x is None else x.unsqueeze(0).expand(T, *x.shape)
@@ -146,6 +161,7 @@ class Launch:
                          BLOCK_T=cfg.block_t, BLOCK_B=cfg.block_b,
                          BLOCK_A=config.action_block(n_act),
                          ACT_BLOCKS=triton.cdiv(n_act, config.action_block(n_act)),
+                         ACT_VEC=action_vector([ins[i] for i in action_slots], n_act),
                          num_warps=cfg.num_warps)
         self.device_index = device.index
         self.states = {}  # look-back scratch by stream: launches on one stream never overlap

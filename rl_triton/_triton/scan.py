@@ -252,7 +252,8 @@ def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n
                       COEF: tl.constexpr, HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr,
                       HAS_LAST: tl.constexpr, VARIANT: tl.constexpr, TIME_AXIS: tl.constexpr,
                       INT64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr,
-                      ACT_BLOCKS: tl.constexpr, FLIP: tl.constexpr, DESC: tl.constexpr):
+                      ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr, FLIP: tl.constexpr,
+                      DESC: tl.constexpr):
     """The steps `t` of tile `chunk` (along the time axis), their mask, and the estimator's
     coefficients there; padding steps are the identity map (they pass the carry through). With
     `FLIP`, tile position j holds step (G - 1 - j // 8) * 8 + j % 8 of the chunk's G groups;
@@ -269,7 +270,8 @@ def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n
     # the rows whose step T-1 (the bootstrap step) is in this tile
     end_rows = tl.where(chunk == n_chunks - 1, mask_b, False)
     alpha, beta, aux = COEF(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, scalars,
-                            HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A, ACT_BLOCKS)
+                            HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A, ACT_BLOCKS,
+                            ACT_VEC)
     return t, mask, tl.where(mask, alpha, 0.0), tl.where(mask, beta, 1.0), aux
 
 
@@ -315,7 +317,7 @@ def scan_kernel(
     HAS_INIT: tl.constexpr, VARIANT: tl.constexpr, LOOKBACK: tl.constexpr, WALK: tl.constexpr,
     WINDOW: tl.constexpr, DEPTH: tl.constexpr, TIME_AXIS: tl.constexpr, INT64: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_A: tl.constexpr,
-    ACT_BLOCKS: tl.constexpr,
+    ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr,
 ):
     """One program per tile of `BLOCK_B` rows x `BLOCK_T` steps (`n_chunks` tiles along time),
     scanned once and kept in registers; with `LOOKBACK`, the tiles of a row run in parallel and
@@ -372,7 +374,7 @@ def scan_kernel(
             t, mask, alpha, beta, aux = tile_coefficients(
                 ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
                 COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
-                ACT_BLOCKS, FLIP, DESC)
+                ACT_BLOCKS, ACT_VEC, FLIP, DESC)
             a, bb, ea, eb = scan_tile(alpha, beta, SCAN_REVERSE, EXCLUSIVE, TIME_AXIS, FLIP)
             STORE(outs, ost, os1, os2, t, b1, b2, mask, a + bb * carry, ea + eb * carry, aux,
                   scalars, VARIANT)
@@ -384,7 +386,7 @@ def scan_kernel(
         t, mask, alpha, beta, aux = tile_coefficients(
             ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
             COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
-            ACT_BLOCKS, FLIP, DESC)
+            ACT_BLOCKS, ACT_VEC, FLIP, DESC)
         a, bb, ea, eb = scan_tile(alpha, beta, SCAN_REVERSE, EXCLUSIVE, TIME_AXIS, FLIP)
         if LOOKBACK:
             agg_a = edge(a, TIME_AXIS, BLOCK_T, WHOLE)
