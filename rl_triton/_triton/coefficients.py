@@ -139,11 +139,12 @@ def retrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, param
     # BLOCK_A actions; then the entries of a_{t+1}, gathered from the rows just read (cache
     # hits). The loops over blocks are unrolled: as a loop of n_act / BLOCK_A steps, the one
     # block of 18 actions took 2.2 times the registers (sm_90, 208 against 96) and the kernel
-    # 1.2-2.1 times the time (H200; docs/benchmarks.md, log).
+    # 1.3-2.2 times the time (H200; docs/benchmarks.md, log).
     # Where every row starts at a multiple of ACT_VEC actions (`ops.action_vector`), the
     # compiler is told so (the rows rounded down to that multiple: no-ops on the values) and that
     # the mask is constant over groups of ACT_VEC actions: ACT_VEC actions per vector load. 18
-    # actions, float32: pairs; 201 -> 105 shuffles, 96 -> 80 registers (sm_90, batch-major).
+    # float32 actions in pairs: 201 -> 105 shuffles, 96 -> 80 registers (sm_90, batch-major),
+    # 1016 -> 862 µs at 16384x1024 (H200; bfloat16 920 -> 530).
     q_row = offsets(t + 1, b1, b2, st[RT_Q], s1[RT_Q], s2[RT_Q])
     pi_row = offsets(t + 1, b1, b2, st[RT_PI], s1[RT_PI], s2[RT_PI])
     if ACT_VEC > 1:
