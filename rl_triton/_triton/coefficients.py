@@ -1,10 +1,10 @@
 """Per-estimator coefficient builders and output writers for `scan.scan_kernel`.
 
 A builder `*_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params, HAS_TRUNC,
-HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A, ACT_BLOCKS, ACT_VEC)` loads an estimator's raw inputs for one tile and returns
-`(alpha, beta, aux)`; a writer `*_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux,
-params, VARIANT)` turns the scanned tile into the outputs. The input slot numbers below are the
-order in which `rl_triton._triton.ops` passes the tensors.
+HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A, ACT_BLOCKS, ACT_VEC)` loads an estimator's raw inputs for
+one tile and returns `(alpha, beta, aux)`; a writer `*_store(outs, ost, os1, os2, t, b1, b2,
+mask, res, res_prev, aux, params, VARIANT)` turns the scanned tile into the outputs. The input
+slot numbers below are the order in which `rl_triton._triton.ops` passes the tensors.
 """
 import triton
 import triton.language as tl
@@ -27,7 +27,7 @@ ALPHA, BETA = _c(0), _c(1)
 def gae_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
              HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
              VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-                 ACT_VEC: tl.constexpr):
+             ACT_VEC: tl.constexpr):
     gamma = params[0]
     lam = params[1]
     r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
@@ -51,7 +51,7 @@ def gae_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
 def lambda_returns_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
                         HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
                         VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-                 ACT_VEC: tl.constexpr):
+                        ACT_VEC: tl.constexpr):
     gamma = params[0]
     lam = params[1]
     r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
@@ -69,7 +69,7 @@ def discounted_returns_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n
                             HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr,
                             HAS_LAST: tl.constexpr, VARIANT: tl.constexpr,
                             BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-                 ACT_VEC: tl.constexpr):
+                            ACT_VEC: tl.constexpr):
     gamma = params[0]
     r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
     term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
@@ -90,7 +90,7 @@ def single_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, param
 def vtrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
                 HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
                 VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-                 ACT_VEC: tl.constexpr):
+                ACT_VEC: tl.constexpr):
     gamma = params[0]
     lam = params[1]
     rho_clip = params[2]
@@ -217,6 +217,6 @@ def forward_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, param
 def linear_scan_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
                      HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
                      VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-                 ACT_VEC: tl.constexpr):
+                     ACT_VEC: tl.constexpr):
     return (load_step(ins, st, s1, s2, ALPHA, t, b1, b2, mask),
             load_step(ins, st, s1, s2, BETA, t, b1, b2, mask), 0.0)
