@@ -152,6 +152,7 @@ class Launch:
         self.init_strides = ((stride1[id(init_view)], stride2[id(init_view)])
                              if init_view is not None else (0, 0))
         self.ints = (T, self.B, B2, n_act, n_row_tiles, n_chunks)
+        block_a = config.action_block(n_act)  # Retrace's action axis, in blocks of block_a
         self.meta = dict(COEF=kernel.coef, STORE=kernel.store, REVERSE=kernel.reverse,
                          EXCLUSIVE=kernel.exclusive, HAS_TRUNC=has_trunc, HAS_NEXT=has_next,
                          HAS_LAST=has_last, HAS_INIT=init is not None, VARIANT=variant,
@@ -159,8 +160,7 @@ class Launch:
                          WINDOW=cfg.window, DEPTH=cfg.depth, TIME_AXIS=int(time_contiguous),
                          INT64=largest > INT32_MAX or self.state_size > INT32_MAX,
                          BLOCK_T=cfg.block_t, BLOCK_B=cfg.block_b,
-                         BLOCK_A=config.action_block(n_act),
-                         ACT_BLOCKS=triton.cdiv(n_act, config.action_block(n_act)),
+                         BLOCK_A=block_a, ACT_BLOCKS=triton.cdiv(n_act, block_a),
                          ACT_VEC=action_vector([ins[i] for i in action_slots], n_act),
                          num_warps=cfg.num_warps)
         self.device_index = device.index
