@@ -78,9 +78,9 @@ def action_vector(xs: list, n_act: int) -> int:
     promise holds for every call that uses the plan."""
     xs = [x for x in xs if x is not None]
     vec = 1
-    while all(x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and 2 * vec * x.element_size() <= 16
-              and n_act % (2 * vec) == 0 and all(s % (2 * vec) == 0 for s in x.stride()[:-1])
-              for x in xs) and xs:
+    while xs and all(x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+                     and 2 * vec * x.element_size() <= 16 and n_act % (2 * vec) == 0
+                     and all(s % (2 * vec) == 0 for s in x.stride()[:-1]) for x in xs):
         vec *= 2
     return vec
 
