@@ -202,7 +202,7 @@ def launch_floor(device):
 
 # ---- the run ---------------------------------------------------------------------------------
 
-TILE_FIELDS = ("block_t", "block_b", "num_warps", "window", "depth", "walk")
+TILE_FIELDS = ("block_t", "block_b", "num_warps", "window", "depth", "sub", "walk")
 
 
 def parse_tiles(s):

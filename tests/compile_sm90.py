@@ -95,7 +95,8 @@ def check_look_back(plan, kernel):
 def check_loads(plan, kernel):
     """Two measured wins that a compiler change could silently undo (docs/benchmarks.md, log).
     Time-major tiles: no tile load wider than 4 along rows (the flags' 16-wide loads once set
-    every input's layout, and the scan crossed 16 lanes). Batch-major tiles: scalar 32-bit loads
+    every input's layout, and the scan crossed 16 lanes), and sub-tiles laid out one step per
+    thread where their loads are 4 rows wide (`config.sub_tiles`), no step held by two threads. Batch-major tiles: scalar 32-bit loads
     from at most 2 addresses per thread (values[t+1] is moved in registers, plus the step after
     each group of 8 and the bootstrap value; it was 8 unaligned loads). Triton 3.6 repeats a
     broadcast load (the bootstrap value, the initial carry) for every step a thread holds, from
@@ -110,14 +111,26 @@ def check_loads(plan, kernel):
         return ""
     if m["TIME_AXIS"] == 0:
         ttgir = kernel.asm["ttgir"]
-        width = {name: int(w) for name, w in re.findall(
-            r"^(#\w+) = #ttg\.blocked<\{sizePerThread = \[\d+, (\d+)\]", ttgir, re.M)}
-        tile = rf"tensor<{m['BLOCK_T']}x{m['BLOCK_B']}x!tt\.ptr<\w+>, (#\w+)>"
+        layouts = {name: tuple(map(int, dims)) for name, *dims in re.findall(
+            r"^(#\w+) = #ttg\.blocked<\{sizePerThread = \[(\d+), (\d+)\], "
+            r"threadsPerWarp = \[(\d+), \d+\], warpsPerCTA = \[(\d+), \d+\]", ttgir, re.M)}
+        steps = m["BLOCK_T"] // m["SUB"]
+        tile = rf"tensor<{steps}x{m['BLOCK_B']}x!tt\.ptr<\w+>, (#\w+)>"
         used = set(re.findall(r"tt\.load [^\n]*: " + tile, ttgir))
-        if not used or not used <= set(width):
+        if not used or not used <= set(layouts):
             return "tile loads not found in the TTGIR"
-        wide = sorted(width[u] for u in used if width[u] > 4)
-        return f"time-major tile loads {wide} wide along rows" if wide else ""
+        wide = sorted(layouts[u][1] for u in used if layouts[u][1] > 4)
+        if wide:
+            return f"time-major tile loads {wide} wide along rows"
+        for u in used:
+            # where rows are contiguous and aligned (4 per thread, as `config.sub_tiles` counts),
+            # one step per thread; otherwise (rows strided or unaligned: one per thread) a
+            # thread holds several steps of a sub-tile, but no step is held by two threads
+            cover = layouts[u][0] * layouts[u][2] * layouts[u][3]
+            exact = layouts[u][1] == min(4, m["BLOCK_B"])
+            if cover > steps or (exact and m["SUB"] > 1 and cover != steps):
+                return f"sub-tiles of {steps} steps laid over {cover} steps of threads"
+        return ""
     scalar = {address for op, address in re.findall(
         r"\b(ld\.global\S*)\s+\{[^}]*\},\s*\[([^\]]+)\]", kernel.asm["ptx"])
         if not re.search(r"\.v\d", op) and op.endswith("32")}

@@ -205,3 +205,27 @@ def test_time_major_reverse_scans_take_16_values_per_thread():
         assert (r.num_warps, f.num_warps) == (warps, warps // 2)
     bm = config.choose(1024, 16384, time_contiguous=True, device=CPU, reverse=True)
     assert bm == choose(1024, 16384, True)  # batch-major tiles: unchanged
+
+
+def test_time_major_tiles_hold_consecutive_steps_per_thread():
+    """Sub-tiles: as many as each thread's steps (rows along lanes, 4 per thread), up to
+    SUB_TILES_TIME_MAJOR; none for batch-major, narrow or Retrace tiles. Measured on the H200
+    (docs/benchmarks.md): V-trace 19%, lambda-returns and discounted returns 16-19% faster at
+    time-major 16384x1024; narrow tiles mixed."""
+    def tm(T, B, **kw):
+        return config.choose(T, B, time_contiguous=False, device=CPU, **kw)
+    gae, fwd, vtrace = tm(1024, 16384, reverse=True), tm(1024, 16384), tm(
+        1024, 16384, reverse=True, exclusive=True)
+    assert (gae.block_t, gae.block_b, gae.num_warps, gae.sub) == (64, 32, 4, 4)
+    assert (fwd.num_warps, fwd.sub) == (2, 8)
+    assert (vtrace.block_t, vtrace.num_warps, vtrace.sub) == (32, 4, 2)
+    assert tm(128, 128).sub == 2  # 16x16 on one warp: 8 lanes along time
+    assert tm(1 << 20, 4, reverse=True).sub == 1  # narrow
+    assert tm(1024, 16384, n_act=18).sub == 1  # Retrace
+    assert choose(1024, 16384, True).sub == 1
+    with config.rule(SUB_TILES_TIME_MAJOR=2):
+        assert tm(1024, 16384).sub == 2
+    with config.override(block_t=16, block_b=32, num_warps=4):
+        assert tm(1024, 16384).sub == 1  # recomputed for the forced tile: one step per thread
+    with config.override(sub=32):
+        assert tm(1024, 16384).sub == 32 and choose(1024, 16384, True).sub == 1

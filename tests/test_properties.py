@@ -26,11 +26,13 @@ def test_random_cases(name, T, n, layout, backend, flag_dtype, p_term, p_trunc, 
 @given(name=st.sampled_from(ESTIMATORS), T=st.integers(17, 200), n=st.integers(1, 4),
        block_t=st.sampled_from([16, 32]), window=st.sampled_from([1, 2, 4]),
        depth=st.sampled_from([0, 1, 3]), walk=st.booleans(), time_major=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_random_splits(name, T, n, block_t, window, depth, walk, time_major, seed, device):
+       sub=st.sampled_from([1, 2, 4, 8]), seed=st.integers(0, 2**16))
+def test_random_splits(name, T, n, block_t, window, depth, walk, time_major, sub, seed, device):
     """Any split of the time axis into tiles, carried by look-back (any window, read whole or in
-    part) or by a program walking its row, gives the same result."""
+    part) or by a program walking its row, and time-major tiles in any number of sub-tiles, give
+    the same result."""
     case = make_case(name, T, (n,), device=device, seed=seed)
-    with config.override(block_t=block_t, block_b=2, window=window, depth=depth, walk=walk):
+    with config.override(block_t=block_t, block_b=2, window=window, depth=depth, walk=walk,
+                         sub=sub):
         out = case.call("time-major" if time_major else "batch-major", backend="triton")
     assert_close(out, case.reference())

@@ -1,8 +1,10 @@
 """Per-estimator coefficient builders and output writers for `scan.scan_kernel`.
 
 A builder `*_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params, HAS_TRUNC,
-HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A, ACT_BLOCKS, ACT_VEC)` loads an estimator's raw inputs for
-one tile and returns `(alpha, beta, aux)`; a writer `*_store(outs, ost, os1, os2, t, b1, b2,
+HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A, ACT_BLOCKS, ACT_VEC, after)` loads an estimator's raw
+inputs for one tile and returns `(alpha, beta, aux)`; `after` is the builder's own `aux` at steps
+t + 1 in the same places when the caller has it (time-major sub-tiles of a reverse scan,
+`scan.scan_chunk`), else None; a writer `*_store(outs, ost, os1, os2, t, b1, b2,
 mask, res, res_prev, aux, params, VARIANT)` turns the scanned tile into the outputs. The input
 slot numbers below are the order in which `rl_triton._triton.ops` passes the tensors.
 """
@@ -27,14 +29,14 @@ ALPHA, BETA = _c(0), _c(1)
 def gae_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
              HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
              VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-             ACT_VEC: tl.constexpr):
+             ACT_VEC: tl.constexpr, after):
     gamma = params[0]
     lam = params[1]
     r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
     v = load_step(ins, st, s1, s2, V, t, b1, b2, mask)
     term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
     v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, end_rows, T, v,
-                          True, HAS_NEXT, HAS_LAST, False)
+                          True, HAS_NEXT, HAS_LAST, False, after)
     alpha = r + tl.where(term, 0.0, gamma * v_succ) - v
     beta = tl.where(cut, 0.0, gamma * lam)
     return alpha, beta, v
@@ -51,13 +53,13 @@ def gae_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
 def lambda_returns_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
                         HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
                         VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-                        ACT_VEC: tl.constexpr):
+                        ACT_VEC: tl.constexpr, after):
     gamma = params[0]
     lam = params[1]
     r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
     term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
     v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, end_rows, T,
-                          None, True, HAS_NEXT, HAS_LAST, False)
+                          None, True, HAS_NEXT, HAS_LAST, False, None)
     keep = tl.where(cut, 0.0, lam)
     alpha = r + tl.where(term, 0.0, gamma * (1.0 - keep) * v_succ)
     beta = gamma * keep  # keep is 0 at terminations (cut includes them)
@@ -69,12 +71,12 @@ def discounted_returns_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n
                             HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr,
                             HAS_LAST: tl.constexpr, VARIANT: tl.constexpr,
                             BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-                            ACT_VEC: tl.constexpr):
+                            ACT_VEC: tl.constexpr, after):
     gamma = params[0]
     r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
     term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
     v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, end_rows, T,
-                          None, False, HAS_NEXT, HAS_LAST, False)
+                          None, False, HAS_NEXT, HAS_LAST, False, None)
     alpha = r + tl.where(term, 0.0, tl.where(cut, gamma * v_succ, 0.0))
     beta = tl.where(cut, 0.0, gamma)
     return alpha, beta, 0.0
@@ -90,7 +92,7 @@ def single_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, param
 def vtrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
                 HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
                 VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-                ACT_VEC: tl.constexpr):
+                ACT_VEC: tl.constexpr, after):
     gamma = params[0]
     lam = params[1]
     rho_clip = params[2]
@@ -99,7 +101,8 @@ def vtrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params
     v = load_step(ins, st, s1, s2, V, t, b1, b2, mask)
     term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
     v_succ, v_slot_next = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask,
-                                    end_rows, T, v, True, HAS_NEXT, HAS_LAST, True)
+                                    end_rows, T, v, True, HAS_NEXT, HAS_LAST, True,
+                                    None if after is None else after[1])
     ratio = tl.exp(load_step(ins, st, s1, s2, TARGET_LP, t, b1, b2, mask)
                    - load_step(ins, st, s1, s2, BEHAVIOR_LP, t, b1, b2, mask))
     target = r + tl.where(term, 0.0, gamma * v_succ)
@@ -127,7 +130,7 @@ def vtrace_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, param
 def retrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
                  HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
                  VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-                 ACT_VEC: tl.constexpr):
+                 ACT_VEC: tl.constexpr, after):
     gamma = params[0]
     lam = params[1]
     c_clip = params[2]
@@ -203,7 +206,7 @@ def retrace_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, para
 def forward_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
                  HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
                  VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-                 ACT_VEC: tl.constexpr):
+                 ACT_VEC: tl.constexpr, after):
     """Eligibility traces and episodic prefix sums:
     A[t] = x[t] + keep * (1 - done[t-1]) * A[t-1]."""
     keep = params[0]
@@ -217,6 +220,6 @@ def forward_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, param
 def linear_scan_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
                      HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
                      VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-                     ACT_VEC: tl.constexpr):
+                     ACT_VEC: tl.constexpr, after):
     return (load_step(ins, st, s1, s2, ALPHA, t, b1, b2, mask),
             load_step(ins, st, s1, s2, BETA, t, b1, b2, mask), 0.0)

@@ -15,6 +15,7 @@ split into tiles that run in parallel and find their carries by look-back (`scan
 - the look-back lays out `window` tiles' words per step: one warp's worth for tiles of several
   rows, one word per thread for one-row tiles, of which it reads only the nearest (`depth`);
 - batch-major tiles that look back take `ELEMENTS_PER_THREAD_LOOKBACK` values per thread;
+- time-major tiles run as sub-tiles so that each thread holds consecutive steps (`sub_tiles`);
 - when the row tiles alone fill the GPU, a program walks all tiles of its rows (batch-major
   tiles only: time-major tiles look back faster, see `choose`).
 docs/benchmarks.md has the measurements behind the numbers.
@@ -79,6 +80,12 @@ DEPTH_WIDE = 1
 # multiprocessor) the look-back 6%, 7% and 35% (H200; docs/benchmarks.md, log).
 WALK_PROGRAMS_PER_SM = 2
 WALK_PROGRAMS_PER_SM_ACTIONS = 64
+# Time-major tiles of more than MAX_ROWS_NARROW rows, but Retrace's, run as sub-tiles of one step
+# per thread each (`sub_tiles`; at most this many): against whole tiles at 16384x1024 (H200),
+# V-trace 187 -> 152 µs, lambda-returns 80 -> 67, discounted returns 82 -> 67, eligibility traces
+# 57 -> 54, GAE bfloat16 110 -> 96, float32 108 -> 111; narrow tiles lost up to 33% (eligibility
+# traces at 4x1048576) and gained up to 11% (docs/benchmarks.md, log).
+SUB_TILES_TIME_MAJOR = 8
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,7 @@ class TileConfig:
     window: int = WINDOW
     walk: bool = False  # one program walks all tiles of its rows (else: one per tile)
     depth: int = 0  # words of the window read per pass of the look-back (0: `depth` decides)
+    sub: int = 1  # time-major tiles: sub-tiles (consecutive steps per thread, `sub_tiles`)
 
     def chunks(self, T: int) -> int:
         """Tiles along the time axis."""
@@ -100,7 +108,7 @@ _overrides: dict = {}
 
 @contextlib.contextmanager
 def override(**fields):
-    """Force tile fields (block_t, block_b, num_warps, window, walk, depth) inside the block: for
+    """Force tile fields (block_t, block_b, num_warps, window, walk, depth, sub) inside the block: for
     tests and tuning."""
     old = dict(_overrides)
     _overrides.update(fields)
@@ -196,8 +204,22 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     cfg = TileConfig(block_t, block_b, min(MAX_WARPS, _pow2(max(1, warps))), WINDOW, walk)
     if _overrides:
         cfg = replace(cfg, **_overrides)
+    if time_contiguous:
+        cfg = replace(cfg, sub=1)
+    elif "sub" in _overrides:
+        cfg = replace(cfg, sub=min(cfg.sub, cfg.block_t))
+    elif not n_act and not narrow:
+        cfg = replace(cfg, sub=sub_tiles(cfg))
     win = window(cfg.window, cfg.block_b, cfg.num_warps, device)
     return replace(cfg, window=win, depth=min(win, cfg.depth or depth(win, cfg.block_b, device)))
+
+
+def sub_tiles(cfg: TileConfig) -> int:
+    """Sub-tiles of a time-major tile (`scan.scan_chunk`): the steps each thread holds, up to
+    SUB_TILES_TIME_MAJOR, so that a thread holds consecutive steps and the scan across threads
+    sees one value per thread. Rows lie along lanes, up to 4 per thread (`scan_kernel`)."""
+    steps = cfg.block_t * cfg.block_b // (32 * cfg.num_warps * min(4, cfg.block_b))
+    return max(1, min(SUB_TILES_TIME_MAJOR, steps, cfg.block_t))
 
 
 def window(least: int, block_b: int, num_warps: int, device: torch.device) -> int:

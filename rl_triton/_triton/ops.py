@@ -162,7 +162,7 @@ class Launch:
                          BLOCK_T=cfg.block_t, BLOCK_B=cfg.block_b,
                          BLOCK_A=block_a, ACT_BLOCKS=triton.cdiv(n_act, block_a),
                          ACT_VEC=action_vector([ins[i] for i in action_slots], n_act),
-                         num_warps=cfg.num_warps)
+                         SUB=cfg.sub, num_warps=cfg.num_warps)
         self.device_index = device.index
         self.states = {}  # look-back scratch by stream: launches on one stream never overlap
         self.compiled, self.tail = None, ()

@@ -13,6 +13,11 @@ batch-major tile (`FLIP`) holds its groups of 8 steps in decreasing order, each 
 consecutive steps (one thread's vector load); each group is reversed in registers, the tile is
 scanned forward and reversed back.
 
+A time-major tile is built as `SUB` sub-tiles (`scan_chunk`): sub-tile J holds every SUB-th
+step from J on, all with one layout, so each thread holds SUB consecutive steps of its rows, one in
+each. They are composed in registers, and only the groups' compositions cross threads (Triton lays
+a whole time-major tile out with no two consecutive steps in one thread).
+
 When a row spans several tiles and the batch alone fills the GPU (`WALK`), one program walks the
 tiles of its rows in scan order and passes the carry from one to the next in registers.
 Otherwise (`LOOKBACK`) the tiles of a row run in parallel and find their carries by a
@@ -90,12 +95,13 @@ def cut_flags(ins, st, s1, s2, TERM: tl.constexpr, TRUNC: tl.constexpr, t, b1, b
 @triton.jit
 def successor(ins, st, s1, s2, V: tl.constexpr, NV: tl.constexpr, LV: tl.constexpr, t, b1, b2,
               mask, end_rows, T, v, HAS_VALUES: tl.constexpr, HAS_NEXT: tl.constexpr,
-              HAS_LAST: tl.constexpr, NEED_SLOT_NEXT: tl.constexpr):
+              HAS_LAST: tl.constexpr, NEED_SLOT_NEXT: tl.constexpr, v_after):
     """(v'[t], values[t+1]): the successor value, and the value in slot t+1 (0 past the end).
 
     v'[t] is next_values[t] when given, else values[t+1], and last_value at t = T-1 (zero when
     neither is given: discounted returns only). The second result is loaded only when asked for.
-    `v` is values[t] on the tile when the caller has it (batch-major tiles shift it), else None.
+    `v` is values[t] on the tile when the caller has it (batch-major tiles shift it), else None;
+    `v_after` is values[t+1] when the caller has it (time-major sub-tiles), else None.
     """
     inside = mask & (t + 1 < T)
     slot_next = tl.zeros(mask.shape, tl.float32)
@@ -105,6 +111,8 @@ def successor(ins, st, s1, s2, V: tl.constexpr, NV: tl.constexpr, LV: tl.constex
                 if v is None:
                     v = load_step(ins, st, s1, s2, V, t, b1, b2, mask)
                 slot_next = step_after(v, ins, st, s1, s2, V, t, b1, b2, mask, T)
+            elif v_after is not None:
+                slot_next = v_after
             else:
                 slot_next = load_step(ins, st, s1, s2, V, t + 1, b1, b2, inside)
     if HAS_NEXT:
@@ -253,12 +261,14 @@ def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n
                       HAS_LAST: tl.constexpr, VARIANT: tl.constexpr, TIME_AXIS: tl.constexpr,
                       INT64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr,
                       ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr, FLIP: tl.constexpr,
-                      DESC: tl.constexpr):
-    """The steps `t` of tile `chunk` (along the time axis), their mask, and the estimator's
-    coefficients there; padding steps are the identity map (they pass the carry through). With
-    `FLIP`, tile position j holds step (G - 1 - j // 8) * 8 + j % 8 of the chunk's G groups;
-    with `DESC`, step BLOCK_T - 1 - j."""
-    j = tl.arange(0, BLOCK_T)
+                      DESC: tl.constexpr, J: tl.constexpr, SUB: tl.constexpr, after):
+    """The steps `t` of sub-tile J of tile `chunk` (along the time axis), their mask, and the
+    estimator's coefficients there; padding steps are the identity map (they pass the carry
+    through). Sub-tile J holds the tile positions p = g * SUB + J, g < BLOCK_T // SUB (SUB = 1:
+    the whole tile). Position p holds step p of the chunk; with `FLIP`, step
+    (G - 1 - p // 8) * 8 + p % 8 of its G groups of 8; with `DESC`, step BLOCK_T - 1 - p.
+    `after`: the builder's aux at steps t + 1 (`coefficients`), or None."""
+    j = tl.arange(0, BLOCK_T // SUB) * SUB + J
     if FLIP:
         j = (BLOCK_T // 8 - 1 - j // 8) * 8 + j % 8
     if DESC:
@@ -271,7 +281,7 @@ def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n
     end_rows = tl.where(chunk == n_chunks - 1, mask_b, False)
     alpha, beta, aux = COEF(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, scalars,
                             HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A, ACT_BLOCKS,
-                            ACT_VEC)
+                            ACT_VEC, after)
     return t, mask, tl.where(mask, alpha, 0.0), tl.where(mask, beta, 1.0), aux
 
 
@@ -302,6 +312,85 @@ def scan_tile(alpha, beta, REVERSE: tl.constexpr, EXCLUSIVE: tl.constexpr,
     return a, bb, ea, eb
 
 
+@triton.jit
+def scan_chunk(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
+               COEF: tl.constexpr, HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr,
+               HAS_LAST: tl.constexpr, VARIANT: tl.constexpr, EXCLUSIVE: tl.constexpr,
+               SCAN_REVERSE: tl.constexpr, TIME_AXIS: tl.constexpr, INT64: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+               ACT_VEC: tl.constexpr, FLIP: tl.constexpr, DESC: tl.constexpr,
+               SUB: tl.constexpr, WHOLE: tl.constexpr):
+    """Tile `chunk` scanned from a zero carry, as SUB sub-tiles (`tile_coefficients`): tuples
+    of their (t, mask, a, bb, ea, eb, aux) as `scan_tile` returns them, and the tile's whole
+    composition (agg_a, agg_b).
+
+    With SUB > 1 (time-major tiles) a thread holds SUB consecutive steps in scan order, one in
+    each sub-tile, at the same places: the sub-tiles are composed in registers, and only their
+    groups' compositions go through `tl.associative_scan` (exclusive: the map into each group),
+    1 / SUB of the tile. Triton's scan of a whole time-major tile lays no two consecutive steps
+    in one thread: every step of it crosses lanes, warps and repetitions of the layout."""
+    if SUB == 1:
+        t, mask, alpha, beta, aux = tile_coefficients(
+            ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
+            HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
+            ACT_BLOCKS, ACT_VEC, FLIP, DESC, 0, 1, None)
+        a, bb, ea, eb = scan_tile(alpha, beta, SCAN_REVERSE, EXCLUSIVE, TIME_AXIS, FLIP)
+        agg_a = edge(a, TIME_AXIS, BLOCK_T, WHOLE)
+        agg_b = edge(bb, TIME_AXIS, BLOCK_T, WHOLE)
+        return (t,), (mask,), (a,), (bb,), (ea,), (eb,), (aux,), agg_a, agg_b
+    else:
+        ts = ()
+        masks = ()
+        As = ()  # each position's composition within its group (in scan order)
+        Bs = ()
+        auxs = ()
+        for J in tl.static_range(SUB):
+            # steps in decreasing t: the sub-tile before holds the steps t + 1
+            after = auxs[J - 1] if DESC and J > 0 else None
+            t, mask, alpha, beta, aux = tile_coefficients(
+                ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
+                HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
+                ACT_BLOCKS, ACT_VEC, FLIP, DESC, J, SUB, after)
+            if J > 0:
+                alpha, beta = combine(As[J - 1], Bs[J - 1], alpha, beta)
+            ts = ts + (t,)
+            masks = masks + (mask,)
+            As = As + (alpha,)
+            Bs = Bs + (beta,)
+            auxs = auxs + (aux,)
+        # the map into each group from the tile's carry: the groups before it, composed
+        _, _, pa, pb = tl.associative_scan(
+            (As[SUB - 1], Bs[SUB - 1], tl.zeros_like(As[SUB - 1]),
+             tl.full(As[SUB - 1].shape, 1.0, tl.float32)),
+            TIME_AXIS, combine_with_exclusive)
+        a_s = ()
+        bb_s = ()
+        ea_s = ()
+        eb_s = ()
+        for J in tl.static_range(SUB):
+            if J == 0:
+                ea_s = ea_s + (pa,)
+                eb_s = eb_s + (pb,)
+            else:
+                ea_s = ea_s + (a_s[J - 1],)
+                eb_s = eb_s + (bb_s[J - 1],)
+            a_s = a_s + (As[J] + Bs[J] * pa,)
+            bb_s = bb_s + (Bs[J] * pb,)
+        G: tl.constexpr = BLOCK_T // SUB
+        agg_a = edge(a_s[SUB - 1], TIME_AXIS, G, G - 1)
+        agg_b = edge(bb_s[SUB - 1], TIME_AXIS, G, G - 1)
+        return ts, masks, a_s, bb_s, ea_s, eb_s, auxs, agg_a, agg_b
+
+
+@triton.jit
+def store_chunk(outs, ost, os1, os2, b1, b2, ts, masks, a_s, bb_s, ea_s, eb_s, auxs, carry,
+                scalars, STORE: tl.constexpr, VARIANT: tl.constexpr, SUB: tl.constexpr):
+    """The outputs of a tile scanned by `scan_chunk`, whose carry is now known."""
+    for J in tl.static_range(SUB):
+        STORE(outs, ost, os1, os2, ts[J], b1, b2, masks[J], a_s[J] + bb_s[J] * carry,
+              ea_s[J] + eb_s[J] * carry, auxs[J], scalars, VARIANT)
+
+
 # n_row_tiles is never specialized: as the stride between a look-back window's words it must not
 # look contiguous to the compiler, or the window's loads are vectorized (see `config.window`).
 @triton.jit(do_not_specialize=["n_row_tiles"])
@@ -317,7 +406,7 @@ def scan_kernel(
     HAS_INIT: tl.constexpr, VARIANT: tl.constexpr, LOOKBACK: tl.constexpr, WALK: tl.constexpr,
     WINDOW: tl.constexpr, DEPTH: tl.constexpr, TIME_AXIS: tl.constexpr, INT64: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_A: tl.constexpr,
-    ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr,
+    ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr, SUB: tl.constexpr,
 ):
     """One program per tile of `BLOCK_B` rows x `BLOCK_T` steps (`n_chunks` tiles along time),
     scanned once and kept in registers; with `LOOKBACK`, the tiles of a row run in parallel and
@@ -371,26 +460,21 @@ def scan_kernel(
     if WALK:
         for i in range(n_chunks):
             chunk = n_chunks - 1 - i if REVERSE else i
-            t, mask, alpha, beta, aux = tile_coefficients(
-                ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
-                COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
-                ACT_BLOCKS, ACT_VEC, FLIP, DESC)
-            a, bb, ea, eb = scan_tile(alpha, beta, SCAN_REVERSE, EXCLUSIVE, TIME_AXIS, FLIP)
-            STORE(outs, ost, os1, os2, t, b1, b2, mask, a + bb * carry, ea + eb * carry, aux,
-                  scalars, VARIANT)
+            ts, masks, a_s, bb_s, ea_s, eb_s, auxs, agg_a, agg_b = scan_chunk(
+                ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
+                HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, INT64,
+                BLOCK_T, BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, WHOLE)
+            store_chunk(outs, ost, os1, os2, b1, b2, ts, masks, a_s, bb_s, ea_s, eb_s, auxs,
+                        carry, scalars, STORE, VARIANT, SUB)
             # the tile's outgoing value: the carry into the next tile in scan order
-            carry = (edge(a, TIME_AXIS, BLOCK_T, WHOLE)
-                     + edge(bb, TIME_AXIS, BLOCK_T, WHOLE) * carry)
+            carry = agg_a + agg_b * carry
     else:
         chunk = n_chunks - 1 - order if REVERSE else order
-        t, mask, alpha, beta, aux = tile_coefficients(
-            ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
-            COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
-            ACT_BLOCKS, ACT_VEC, FLIP, DESC)
-        a, bb, ea, eb = scan_tile(alpha, beta, SCAN_REVERSE, EXCLUSIVE, TIME_AXIS, FLIP)
+        ts, masks, a_s, bb_s, ea_s, eb_s, auxs, agg_a, agg_b = scan_chunk(
+            ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
+            HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, INT64,
+            BLOCK_T, BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, WHOLE)
         if LOOKBACK:
-            agg_a = edge(a, TIME_AXIS, BLOCK_T, WHOLE)
-            agg_b = edge(bb, TIME_AXIS, BLOCK_T, WHOLE)
             slot = k * BLOCK_B + r
             if order > 0:
                 tl.atomic_xchg(words_a + slot, pack(agg_a, tag + 1), sem="relaxed")
@@ -400,8 +484,8 @@ def scan_kernel(
             if order < n_chunks - 1:
                 tl.atomic_xchg(words_a + slot, pack(agg_a + agg_b * carry, tag + 2),
                                sem="relaxed")
-        STORE(outs, ost, os1, os2, t, b1, b2, mask, a + bb * carry, ea + eb * carry, aux,
-              scalars, VARIANT)
+        store_chunk(outs, ost, os1, os2, b1, b2, ts, masks, a_s, bb_s, ea_s, eb_s, auxs, carry,
+                    scalars, STORE, VARIANT, SUB)
 
 
 @triton.jit
