@@ -95,8 +95,10 @@ def check_look_back(plan, kernel):
 def check_loads(plan, kernel):
     """Two measured wins that a compiler change could silently undo (docs/benchmarks.md, log).
     Time-major tiles: no tile load wider than 4 along rows (the flags' 16-wide loads once set
-    every input's layout, and the scan crossed 16 lanes), and sub-tiles laid out one step per
-    thread where their loads are 4 rows wide (`config.sub_tiles`), no step held by two threads. Batch-major tiles: scalar 32-bit loads
+    every input's layout, and the scan crossed 16 lanes); rows loaded several at a time where
+    the plan says the time strides allow it (`ops.row_vector`: rows of 300); sub-tiles laid out
+    one step per thread where their loads are 4 rows wide (`config.sub_tiles`), no step held by
+    two threads. Batch-major tiles: scalar 32-bit loads
     from at most 2 addresses per thread (values[t+1] is moved in registers, plus the step after
     each group of 8 and the bootstrap value; it was 8 unaligned loads). Triton 3.6 repeats a
     broadcast load (the bootstrap value, the initial carry) for every step a thread holds, from
@@ -122,6 +124,8 @@ def check_loads(plan, kernel):
         wide = sorted(layouts[u][1] for u in used if layouts[u][1] > 4)
         if wide:
             return f"time-major tile loads {wide} wide along rows"
+        if m["ROW_VEC"] > 1 and not re.search(r"ld\.global\S*\.v\d\.b32", kernel.asm["ptx"]):
+            return f"rows loaded one at a time, though time strides are multiples of {m['ROW_VEC']}"
         for u in used:
             # where rows are contiguous and aligned (4 per thread, as `config.sub_tiles` counts),
             # one step per thread; otherwise (rows strided or unaligned: one per thread) a

@@ -121,6 +121,18 @@ def test_action_vector_rule():
     assert action_vector([f32, torch.zeros(6, 4, 19)[..., :18]], 18) == 1  # all or none
 
 
+def test_row_vector_rule():
+    from rl_triton._triton.ops import row_vector
+    f32 = torch.zeros(6, 300)
+    assert row_vector([f32, torch.zeros(6, 300, dtype=torch.bool)], 300, 1) == 4
+    assert row_vector([torch.zeros(6, 50)], 50, 1) == 2
+    assert row_vector([torch.zeros(6, 64)], 64, 1) == 1  # the compiler knows 64 already
+    assert row_vector([torch.zeros(6, 301)[:, :300]], 300, 1) == 1  # time stride 301
+    assert row_vector([f32], 300, 4) == 1  # rows in two groups
+    assert row_vector([torch.zeros(6, 302)[:, :300]], 300, 1) == 2
+    assert row_vector([f32, torch.zeros(6, 302)[:, :300]], 300, 1) == 2  # all tensors
+
+
 @pytest.mark.parametrize("name", ESTIMATORS)
 @pytest.mark.parametrize("time_major", [True, False])
 def test_long_rows_split_across_programs(name, time_major, device):

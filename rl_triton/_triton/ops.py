@@ -85,6 +85,23 @@ def action_vector(xs: list, n_act: int) -> int:
     return vec
 
 
+def row_vector(views: list, B: int, B2: int) -> int:
+    """Time-major rows: 4 or 2 when every time stride and the row count B are multiples of it
+    and the batch is one group of rows (B2 == 1), else 1; also 1 when all are multiples of 16,
+    which the compiler knows already (Triton specializes such integer arguments). `scan_kernel`
+    then tells the compiler, which otherwise sees a time stride of e.g. 300 as arbitrary: each
+    step's rows would load one value at a time where they can load 4 (16 bytes of float32;
+    time-major 300x4096: lambda-returns 19.1 -> 14.7 µs, H200). A plan's signature holds every
+    stride, so the promise holds for every call that uses it."""
+    strides = [v.stride(0) for v in views]
+    if all(x % 16 == 0 for x in strides + [B]):
+        return 1
+    vec = 4
+    while vec > 1 and (B2 != 1 or B % vec or any(x % vec for x in strides)):
+        vec //= 2
+    return vec
+
+
 def over_time(x: Optional[Tensor], T: int) -> Optional[Tensor]:
     """A bootstrap tensor [*batch] seen as [T, *batch] with time stride 0 (read at one step)."""
     return None if x is None else x.unsqueeze(0).expand(T, *x.shape)
@@ -153,6 +170,10 @@ class Launch:
                              if init_view is not None else (0, 0))
         self.ints = (T, self.B, B2, n_act, n_row_tiles, n_chunks)
         block_a = config.action_block(n_act)  # Retrace's action axis, in blocks of block_a
+        # Time-major rows loaded several at a time where the compiler cannot see that they may be
+        # (`row_vector`): not for narrow tiles (<= MAX_ROWS_NARROW rows), where V-trace's took
+        # 29% longer at 4x1048576 (docs/benchmarks.md, log), nor for Retrace's (not measured).
+        vector_rows = not (time_contiguous or action_slots or self.B <= config.MAX_ROWS_NARROW)
         self.meta = dict(COEF=kernel.coef, STORE=kernel.store, REVERSE=kernel.reverse,
                          EXCLUSIVE=kernel.exclusive, HAS_TRUNC=has_trunc, HAS_NEXT=has_next,
                          HAS_LAST=has_last, HAS_INIT=init is not None, VARIANT=variant,
@@ -162,6 +183,7 @@ class Launch:
                          BLOCK_T=cfg.block_t, BLOCK_B=cfg.block_b,
                          BLOCK_A=block_a, ACT_BLOCKS=triton.cdiv(n_act, block_a),
                          ACT_VEC=action_vector([ins[i] for i in action_slots], n_act),
+                         ROW_VEC=row_vector(present, self.B, B2) if vector_rows else 1,
                          SUB=cfg.sub, num_warps=cfg.num_warps)
         self.device_index = device.index
         self.states = {}  # look-back scratch by stream: launches on one stream never overlap

@@ -61,6 +61,15 @@ def offsets(t, b1, b2, st, s1, s2):
 
 
 @triton.jit
+def multiples(strides, VEC: tl.constexpr):
+    """The tuple `strides`, each rounded down to a multiple of VEC (no-ops on multiples)."""
+    out = ()
+    for i in tl.static_range(len(strides)):
+        out = out + (strides[i] // VEC * VEC,)
+    return out
+
+
+@triton.jit
 def load_value(ptr, off, mask):
     return tl.load(ptr + off, mask=mask, other=0.0).to(tl.float32)
 
@@ -406,7 +415,7 @@ def scan_kernel(
     HAS_INIT: tl.constexpr, VARIANT: tl.constexpr, LOOKBACK: tl.constexpr, WALK: tl.constexpr,
     WINDOW: tl.constexpr, DEPTH: tl.constexpr, TIME_AXIS: tl.constexpr, INT64: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_A: tl.constexpr,
-    ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr, SUB: tl.constexpr,
+    ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr, SUB: tl.constexpr, ROW_VEC: tl.constexpr,
 ):
     """One program per tile of `BLOCK_B` rows x `BLOCK_T` steps (`n_chunks` tiles along time),
     scanned once and kept in registers; with `LOOKBACK`, the tiles of a row run in parallel and
@@ -428,6 +437,13 @@ def scan_kernel(
         WHOLE: tl.constexpr = 0
     else:
         WHOLE: tl.constexpr = BLOCK_T - 1
+    if ROW_VEC > 1:
+        # every time stride and the row count are multiples of ROW_VEC (`ops.row_vector`):
+        # no-ops on the values that let the compiler see it, so that time-major rows load
+        # ROW_VEC values at a time
+        st = multiples(st, ROW_VEC)
+        ost = multiples(ost, ROW_VEC)
+        B = B // ROW_VEC * ROW_VEC
     k = tl.program_id(0)
     order = k // n_row_tiles  # tiles before this one in scan order, along its rows
     pid_b = k % n_row_tiles
