@@ -88,13 +88,14 @@ def test_few_long_time_major_rows_take_smaller_tiles():
     assert r.block_t * r.block_b * config.action_block(18) == config.TILE_ELEMENTS == 2048
 
 
-def test_vtrace_narrow_time_major_tiles_take_4_values_per_thread():
-    """Measured on the H200 (docs/benchmarks.md): 15-23% faster at 2 to 8 rows, slower at 16."""
+def test_vtrace_narrow_time_major_tiles_take_fewer_values_per_thread():
+    """Measured on the H200 (docs/benchmarks.md): 4 per thread 15-23% faster at 2 to 8 rows,
+    slower at 16; since rows of 4 and 8 load 4 at a time, as sub-tiles, 8 per thread there."""
     def vtrace(T, B):
         return config.choose(T, B, time_contiguous=False, device=CPU, exclusive=True)
-    for B in (2, 4, 8):
+    for B, per_thread in ((2, 4), (3, 4), (4, 8), (8, 8)):
         c = vtrace(1 << 20, B)
-        assert c.block_t * c.block_b == 1024 and c.num_warps == 1024 // (32 * 4)
+        assert c.block_t * c.block_b == 1024 and c.num_warps == 1024 // (32 * per_thread)
     assert vtrace(1 << 17, 16).num_warps == 1024 // (32 * 8)
     assert vtrace(1024, 16384).num_warps == 4
 
@@ -209,9 +210,9 @@ def test_time_major_reverse_scans_take_16_values_per_thread():
 
 def test_time_major_tiles_hold_consecutive_steps_per_thread():
     """Sub-tiles: as many as each thread's steps (rows along lanes, 4 per thread), up to
-    SUB_TILES_TIME_MAJOR; none for batch-major, narrow or Retrace tiles. Measured on the H200
-    (docs/benchmarks.md): V-trace 19%, lambda-returns and discounted returns 16-19% faster at
-    time-major 16384x1024; narrow tiles mixed."""
+    SUB_TILES_TIME_MAJOR; none for batch-major or Retrace tiles, nor below 4 rows. Measured on
+    the H200 (docs/benchmarks.md): V-trace 19%, lambda-returns and discounted returns 16-19%
+    faster at time-major 16384x1024; at 2 rows GAE 75% slower."""
     def tm(T, B, **kw):
         return config.choose(T, B, time_contiguous=False, device=CPU, **kw)
     gae, fwd, vtrace = tm(1024, 16384, reverse=True), tm(1024, 16384), tm(
@@ -220,7 +221,9 @@ def test_time_major_tiles_hold_consecutive_steps_per_thread():
     assert (fwd.num_warps, fwd.sub) == (2, 8)
     assert (vtrace.block_t, vtrace.num_warps, vtrace.sub) == (32, 4, 2)
     assert tm(128, 128).sub == 2  # 16x16 on one warp: 8 lanes along time
-    assert tm(1 << 20, 4, reverse=True).sub == 1  # narrow
+    assert tm(1 << 20, 4, reverse=True).sub == 4  # 256 x 4 on 2 warps
+    assert tm(1 << 20, 4, reverse=True, exclusive=True).sub == 2  # 256 x 4 on 4 warps
+    assert tm(1 << 21, 2, reverse=True).sub == tm(1 << 21, 3, reverse=True).sub == 1
     assert tm(1024, 16384, n_act=18).sub == 1  # Retrace
     assert choose(1024, 16384, True).sub == 1
     with config.rule(SUB_TILES_TIME_MAJOR=2):

@@ -155,14 +155,16 @@ def test_long_rows_split_across_programs(name, time_major, device):
 def test_time_major_sub_tiles(name, device):
     """Time-major tiles run as 1 to 16 sub-tiles of every sub-th step (each thread holds
     consecutive steps, `scan.scan_chunk`), with their tiles' carries found by look-back or by
-    walking: the same results. Retrace's tiles are 3-D (the rule gives them one sub-tile)."""
+    walking: the same results. Rows of 5 (odd time strides) and of 4 (loaded 4 at a time,
+    `ops.row_vector`). Retrace's tiles are 3-D (the rule gives them one sub-tile)."""
     T = 5 * 16 + 7
-    case = make_case(name, T, (5,), device=device, seed=17, p_term=0.1, p_trunc=0.1)
-    ref = case.reference()
-    for sub, block_b, walk in ((2, 2, False), (4, 8, False), (16, 8, False), (4, 2, True),
-                               (8, 8, True)):
-        with config.override(block_t=16, block_b=block_b, sub=sub, walk=walk):
-            assert_close(case.call("time-major", backend="triton"), ref)
+    for n, runs in ((5, ((2, 2, False), (4, 8, False), (16, 8, False))),
+                    (4, ((4, 2, True), (8, 8, True), (4, 4, False)))):
+        case = make_case(name, T, (n,), device=device, seed=17, p_term=0.1, p_trunc=0.1)
+        ref = case.reference()
+        for sub, block_b, walk in runs:
+            with config.override(block_t=16, block_b=block_b, sub=sub, walk=walk):
+                assert_close(case.call("time-major", backend="triton"), ref)
 
 
 def test_look_back_tags_name_the_launch(device):

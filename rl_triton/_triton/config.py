@@ -65,6 +65,10 @@ ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR = 8
 # 8 rows (4x1048576: 77.7 -> 61.3 µs), 2% more at 16 rows and 14% more at 16384x1024; the other
 # estimators' narrow tiles lost 7-12% at 8 per thread (docs/benchmarks.md, log).
 ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_TIME_MAJOR = 4
+# ... and at 4 to 8 rows, since their rows load 4 at a time (`ops.row_vector`) and they run as
+# sub-tiles: 8 per thread (4x1048576: 61.9 -> 53.3 µs, 8 rows 59.1 -> 49.2; with 4 per thread
+# 67.6 and 66.3; docs/benchmarks.md, log).
+ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_VECTOR_TIME_MAJOR = 8
 ELEMENTS_PER_THREAD_ACTIONS = 32  # Retrace, batch-major: steps x actions; more warps were slower
 ELEMENTS_PER_THREAD_ACTIONS_TIME_MAJOR = 16  # Retrace, time-major: here 4 warps beat 2
 MAX_WARPS = 8
@@ -80,11 +84,12 @@ DEPTH_WIDE = 1
 # multiprocessor) the look-back 6%, 7% and 35% (H200; docs/benchmarks.md, log).
 WALK_PROGRAMS_PER_SM = 2
 WALK_PROGRAMS_PER_SM_ACTIONS = 64
-# Time-major tiles of more than MAX_ROWS_NARROW rows, but Retrace's, run as sub-tiles of one step
-# per thread each (`sub_tiles`; at most this many): against whole tiles at 16384x1024 (H200),
-# V-trace 187 -> 152 µs, lambda-returns 80 -> 67, discounted returns 82 -> 67, eligibility traces
-# 57 -> 54, GAE bfloat16 110 -> 96, float32 108 -> 111; narrow tiles lost up to 33% (eligibility
-# traces at 4x1048576) and gained up to 11% (docs/benchmarks.md, log).
+# Time-major tiles of at least 4 rows, but Retrace's, run as sub-tiles of one step per thread
+# each (`sub_tiles`; at most this many): against whole tiles at 16384x1024 (H200), V-trace 187 ->
+# 152 µs, lambda-returns 80 -> 67, discounted returns 82 -> 67, eligibility traces 57 -> 54, GAE
+# bfloat16 110 -> 96, float32 108 -> 111; at 4x1048576, with rows loaded 4 at a time, lambda-
+# returns 36.0 -> 30.3, eligibility traces 25.8 -> 23.8. Tiles of 2 rows: GAE 38 -> 67 µs at
+# 2x2097152; Retrace's 3-D tiles: 2.3x slower (docs/benchmarks.md, log).
 SUB_TILES_TIME_MAJOR = 8
 
 
@@ -195,7 +200,9 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
         looks_back = T > block_t and not walk
         per_thread = ELEMENTS_PER_THREAD_LOOKBACK if looks_back else ELEMENTS_PER_THREAD
     else:
-        per_thread = (ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_TIME_MAJOR if exclusive and narrow
+        per_thread = (ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_VECTOR_TIME_MAJOR
+                      if exclusive and narrow and B >= 4
+                      else ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_TIME_MAJOR if exclusive and narrow
                       else ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR if exclusive
                       else ELEMENTS_PER_THREAD_SMALL_TIME_MAJOR if small
                       else ELEMENTS_PER_THREAD_REVERSE_TIME_MAJOR if reverse
@@ -208,7 +215,7 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
         cfg = replace(cfg, sub=1)
     elif "sub" in _overrides:
         cfg = replace(cfg, sub=min(cfg.sub, cfg.block_t))
-    elif not n_act and not narrow:
+    elif not n_act and B >= 4:
         cfg = replace(cfg, sub=sub_tiles(cfg))
     win = window(cfg.window, cfg.block_b, cfg.num_warps, device)
     return replace(cfg, window=win, depth=min(win, cfg.depth or depth(win, cfg.block_b, device)))

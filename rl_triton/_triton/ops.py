@@ -171,9 +171,9 @@ class Launch:
         self.ints = (T, self.B, B2, n_act, n_row_tiles, n_chunks)
         block_a = config.action_block(n_act)  # Retrace's action axis, in blocks of block_a
         # Time-major rows loaded several at a time where the compiler cannot see that they may be
-        # (`row_vector`): not for narrow tiles (<= MAX_ROWS_NARROW rows), where V-trace's took
-        # 29% longer at 4x1048576 (docs/benchmarks.md, log), nor for Retrace's (not measured).
-        vector_rows = not (time_contiguous or action_slots or self.B <= config.MAX_ROWS_NARROW)
+        # (`row_vector`), from 4 rows on (at 4 and 8 rows with the tiles of `config.choose`), not
+        # for Retrace's 3-D tiles (not measured) (docs/benchmarks.md, log).
+        vector_rows = not (time_contiguous or action_slots or self.B < 4)
         self.meta = dict(COEF=kernel.coef, STORE=kernel.store, REVERSE=kernel.reverse,
                          EXCLUSIVE=kernel.exclusive, HAS_TRUNC=has_trunc, HAS_NEXT=has_next,
                          HAS_LAST=has_last, HAS_INIT=init is not None, VARIANT=variant,
