@@ -113,8 +113,8 @@ _overrides: dict = {}
 
 @contextlib.contextmanager
 def override(**fields):
-    """Force tile fields (block_t, block_b, num_warps, window, walk, depth, sub) inside the block: for
-    tests and tuning."""
+    """Force tile fields (block_t, block_b, num_warps, window, walk, depth, sub) inside the block:
+    for tests and tuning."""
     old = dict(_overrides)
     _overrides.update(fields)
     try:
