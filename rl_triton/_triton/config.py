@@ -201,7 +201,7 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
         per_thread = ELEMENTS_PER_THREAD_LOOKBACK if looks_back else ELEMENTS_PER_THREAD
     else:
         per_thread = (ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_VECTOR_TIME_MAJOR
-                      if exclusive and narrow and B >= 4
+                      if exclusive and narrow and vector_rows(B, time_contiguous, n_act > 0)
                       else ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_TIME_MAJOR if exclusive and narrow
                       else ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR if exclusive
                       else ELEMENTS_PER_THREAD_SMALL_TIME_MAJOR if small
@@ -215,10 +215,18 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
         cfg = replace(cfg, sub=1)
     elif "sub" in _overrides:
         cfg = replace(cfg, sub=min(cfg.sub, cfg.block_t))
-    elif not n_act and B >= 4:
+    elif vector_rows(B, time_contiguous, n_act > 0):
         cfg = replace(cfg, sub=sub_tiles(cfg))
     win = window(cfg.window, cfg.block_b, cfg.num_warps, device)
     return replace(cfg, window=win, depth=min(win, cfg.depth or depth(win, cfg.block_b, device)))
+
+
+def vector_rows(B: int, time_contiguous: bool, actions: bool) -> bool:
+    """Time-major tiles of at least 4 rows, but Retrace's: their rows load 4 (or 2) at a time
+    where the compiler cannot see that they may (`ops.row_vector`), and they run as sub-tiles
+    (`sub_tiles`). Tiles of 2 rows as sub-tiles: GAE 44 -> 67 µs at 2x2097152; Retrace's: not
+    measured with vector rows, 2.3x slower as sub-tiles (docs/benchmarks.md, log)."""
+    return not time_contiguous and not actions and B >= 4
 
 
 def sub_tiles(cfg: TileConfig) -> int:

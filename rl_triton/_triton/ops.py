@@ -170,10 +170,6 @@ class Launch:
                              if init_view is not None else (0, 0))
         self.ints = (T, self.B, B2, n_act, n_row_tiles, n_chunks)
         block_a = config.action_block(n_act)  # Retrace's action axis, in blocks of block_a
-        # Time-major rows loaded several at a time where the compiler cannot see that they may be
-        # (`row_vector`), from 4 rows on (at 4 and 8 rows with the tiles of `config.choose`), not
-        # for Retrace's 3-D tiles (not measured) (docs/benchmarks.md, log).
-        vector_rows = not (time_contiguous or action_slots or self.B < 4)
         self.meta = dict(COEF=kernel.coef, STORE=kernel.store, REVERSE=kernel.reverse,
                          EXCLUSIVE=kernel.exclusive, HAS_TRUNC=has_trunc, HAS_NEXT=has_next,
                          HAS_LAST=has_last, HAS_INIT=init is not None, VARIANT=variant,
@@ -183,7 +179,8 @@ class Launch:
                          BLOCK_T=cfg.block_t, BLOCK_B=cfg.block_b,
                          BLOCK_A=block_a, ACT_BLOCKS=triton.cdiv(n_act, block_a),
                          ACT_VEC=action_vector([ins[i] for i in action_slots], n_act),
-                         ROW_VEC=row_vector(present, self.B, B2) if vector_rows else 1,
+                         ROW_VEC=(row_vector(present, self.B, B2) if config.vector_rows(
+                             self.B, time_contiguous, bool(action_slots)) else 1),
                          SUB=cfg.sub, num_warps=cfg.num_warps)
         self.device_index = device.index
         self.states = {}  # look-back scratch by stream: launches on one stream never overlap
