@@ -127,11 +127,13 @@ def check_loads(plan, kernel):
         if m["ROW_VEC"] > 1 and not re.search(r"ld\.global\S*\.v\d\.b32", kernel.asm["ptx"]):
             return f"rows loaded one at a time, though time strides are multiples of {m['ROW_VEC']}"
         for u in used:
-            # where rows are contiguous and aligned (4 per thread, as `config.sub_tiles` counts),
-            # one step per thread; otherwise (rows strided or unaligned: one per thread) a
-            # thread holds several steps of a sub-tile, but no step is held by two threads
+            # where rows are contiguous and aligned (4 per thread, as `config.sub_tiles` counts,
+            # or fewer where a sub-tile holds fewer values per thread), one step per thread;
+            # otherwise (rows strided or unaligned: one per thread) a thread holds several steps
+            # of a sub-tile, but no step is held by two threads
             cover = layouts[u][0] * layouts[u][2] * layouts[u][3]
-            exact = layouts[u][1] == min(4, m["BLOCK_B"])
+            per_thread = steps * m["BLOCK_B"] // (32 * m["num_warps"])
+            exact = layouts[u][1] == min(4, m["BLOCK_B"], per_thread)
             if cover > steps or (exact and m["SUB"] > 1 and cover != steps):
                 return f"sub-tiles of {steps} steps laid over {cover} steps of threads"
         return ""

@@ -3,9 +3,10 @@
 One program scans one tile of `block_t` steps x `block_b` rows; rows longer than a tile are
 split into tiles that run in parallel and find their carries by look-back (`scan.py`). The rule:
 - a tile holds about `TILE_ELEMENTS` values (for Retrace, steps x actions in its action block;
-  `TILE_ELEMENTS_SMALL` for tiles whose scan also carries the exclusive value, V-trace, and for
-  time-major tiles of at most `MAX_ROWS_NARROW` rows): enough bytes per program to keep the
-  memory system busy, few enough registers per thread;
+  `TILE_ELEMENTS_SMALL` for tiles whose scan also carries the exclusive value, V-trace, for
+  GAE's time-major tiles, whose writer holds values[t] through the scan, and for time-major
+  tiles of at most `MAX_ROWS_NARROW` rows): enough bytes per program to keep the memory system
+  busy, few enough registers per thread;
 - the tile's long side follows the contiguous axis of memory: time for batch-major data
   (`[N, T]`), rows for time-major data (`[T, N]`, at most `MAX_ROWS_TIME_MAJOR` rows, so that
   the scan along time, which crosses threads, stays small);
@@ -51,6 +52,15 @@ ELEMENTS_PER_THREAD = 8  # batch-major tiles: the scan runs along each thread's 
 # 29.1 -> 25.8, V-trace 64.0 -> 59.9, GAE bfloat16 31.9 -> 30.2; GAE float32 2-5% slower
 # (docs/benchmarks.md, log).
 ELEMENTS_PER_THREAD_LOOKBACK = 16
+# Tiles of 2-byte inputs (bfloat16, float16) take this many times the values per thread of
+# 4-byte inputs, so that a thread loads as many bytes, where the grid holds at least
+# MANY_PROGRAMS_PER_SM programs per multiprocessor (batch-major tiles without look-back, GAE's
+# time-major tiles): bfloat16 16384x1024 batch-major GAE 71.8 -> 63.8 µs, lambda-returns 53.5
+# -> 48.3, time-major GAE 96.8 -> 90.6. With fewer programs (4-16 per multiprocessor:
+# 1024x1024, 4096x128, 512x4096, 16x131072) 3-9% slower; V-trace (its exclusive scan holds 4
+# values per step) 14-43% slower everywhere (docs/benchmarks.md, log).
+HALF_PRECISION_SCALE = 2
+MANY_PROGRAMS_PER_SM = 32
 ELEMENTS_PER_THREAD_TIME_MAJOR = 32  # time-major forward scans: the scan crosses threads
 # Time-major reverse scans (run forward over steps in decreasing t, scan.py): 16 values per
 # thread took 15-23% less time than 32 at 16384x1024 and 1024x1024 (GAE 141 -> 108 µs, 19 -> 15);
@@ -59,7 +69,11 @@ ELEMENTS_PER_THREAD_REVERSE_TIME_MAJOR = 16
 ELEMENTS_PER_THREAD_SMALL_TIME_MAJOR = 16  # time-major tiles of TILE_ELEMENTS_SMALL values
 # V-trace's time-major tiles (1024 values, 4 values per step through the scan): 4 warps took
 # 9-24% less time than 2 at every grid shape once their loads shared one layout (183 against
-# 215 µs at 16384x1024); the other estimators lost up to 16% at 16 or 8 per thread.
+# 215 µs at 16384x1024); the other estimators lost up to 16% at 16 or 8 per thread. Since the
+# sub-tiles, GAE's time-major tiles too (`choose`, `aux`: its writer holds values[t] through
+# the scan; 96 registers per thread and 31% occupancy at 16 per thread): 16384x1024 110 -> 96
+# µs, 4096x128 11.9 -> 10.3, 1024x1024 14.9 -> 14.1; bfloat16 and the forward scans and
+# lambda-returns (72 registers, 44% occupancy) gained nothing (docs/benchmarks.md, log).
 ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR = 8
 # ... except at most MAX_ROWS_NARROW rows: 4 values per thread took 15-23% less time at 2, 4 and
 # 8 rows (4x1048576: 77.7 -> 61.3 µs), 2% more at 16 rows and 14% more at 16384x1024; the other
@@ -91,6 +105,11 @@ WALK_PROGRAMS_PER_SM_ACTIONS = 64
 # returns 36.0 -> 30.3, eligibility traces 25.8 -> 23.8. Tiles of 2 rows: GAE 38 -> 67 µs at
 # 2x2097152; Retrace's 3-D tiles: 2.3x slower (docs/benchmarks.md, log).
 SUB_TILES_TIME_MAJOR = 8
+# ... and at least this many where the tile's threads hold fewer values than 4 rows x this many
+# steps (8 per thread: V-trace, GAE), each thread then holding 2 rows of a sub-tile: V-trace
+# 16384x1024 150 -> 135 µs (bfloat16 144 -> 129), 1024x1024 to 64x32768 6-7% less time;
+# one row per thread (8 sub-tiles) 153 (docs/benchmarks.md, log).
+SUB_TILES_MIN_TIME_MAJOR = 4
 
 
 @dataclass(frozen=True)
@@ -171,12 +190,17 @@ def _tile(T: int, B: int, steps: int, time_contiguous: bool) -> tuple[int, int]:
 
 
 def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
-           n_act: int = 0, exclusive: bool = False, reverse: bool = False) -> TileConfig:
+           n_act: int = 0, exclusive: bool = False, reverse: bool = False,
+           aux: bool = False, itemsize: int = 4) -> TileConfig:
     """The tile for T steps x B rows; `n_act` > 0 for Retrace's action axis, `exclusive` for
-    scans that also carry the exclusive value (V-trace), `reverse` for reverse scans."""
+    scans that also carry the exclusive value (V-trace), `reverse` for reverse scans, `aux` for
+    writers that take per-step values of the builder (held in registers through the scan),
+    `itemsize` the bytes of a floating-point input."""
     per_step = action_block(n_act) if n_act else 1
     narrow = not time_contiguous and not n_act and B <= MAX_ROWS_NARROW
-    small = exclusive or narrow
+    # time-major tiles that hold more than the scan's pair per step: fewer values per thread
+    held = exclusive or (aux and not time_contiguous and not narrow)
+    small = held or narrow
     elements = TILE_ELEMENTS_SMALL if small else TILE_ELEMENTS
     target = MIN_PROGRAMS_PER_SM * _multiprocessors(device)
     while True:
@@ -193,17 +217,23 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     walk_programs = WALK_PROGRAMS_PER_SM_ACTIONS if n_act else WALK_PROGRAMS_PER_SM
     walk = (time_contiguous and T > block_t
             and -(-B // block_b) >= walk_programs * _multiprocessors(device))
+    # 2-byte inputs in grids of many programs per multiprocessor: the same bytes per thread as
+    # 4-byte inputs (twice the values), but V-trace's
+    many = tiles >= MANY_PROGRAMS_PER_SM * _multiprocessors(device)
+    wider = HALF_PRECISION_SCALE if itemsize <= 2 and many and not exclusive else 1
     if n_act:
         per_thread = (ELEMENTS_PER_THREAD_ACTIONS if time_contiguous
                       else ELEMENTS_PER_THREAD_ACTIONS_TIME_MAJOR)
     elif time_contiguous:
         looks_back = T > block_t and not walk
-        per_thread = ELEMENTS_PER_THREAD_LOOKBACK if looks_back else ELEMENTS_PER_THREAD
+        per_thread = (ELEMENTS_PER_THREAD_LOOKBACK if looks_back
+                      else ELEMENTS_PER_THREAD * wider)
     else:
         per_thread = (ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_VECTOR_TIME_MAJOR
                       if exclusive and narrow and vector_rows(B, time_contiguous, n_act > 0)
                       else ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_TIME_MAJOR if exclusive and narrow
                       else ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR if exclusive
+                      else ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR * wider if held
                       else ELEMENTS_PER_THREAD_SMALL_TIME_MAJOR if small
                       else ELEMENTS_PER_THREAD_REVERSE_TIME_MAJOR if reverse
                       else ELEMENTS_PER_THREAD_TIME_MAJOR)
@@ -232,9 +262,14 @@ def vector_rows(B: int, time_contiguous: bool, actions: bool) -> bool:
 def sub_tiles(cfg: TileConfig) -> int:
     """Sub-tiles of a time-major tile (`scan.scan_chunk`): the steps each thread holds, up to
     SUB_TILES_TIME_MAJOR, so that a thread holds consecutive steps and the scan across threads
-    sees one value per thread. Rows lie along lanes, up to 4 per thread (`scan_kernel`)."""
-    steps = cfg.block_t * cfg.block_b // (32 * cfg.num_warps * min(4, cfg.block_b))
-    return max(1, min(SUB_TILES_TIME_MAJOR, steps, cfg.block_t))
+    sees one value per thread. Rows lie along lanes, up to 4 per thread (`scan_kernel`); tiles
+    of fewer values per thread than 4 rows x SUB_TILES_MIN_TIME_MAJOR steps take that many
+    sub-tiles all the same, down to 2 rows per thread (1 loaded V-trace's 16384x1024 13% slower
+    than 2)."""
+    per_thread = cfg.block_t * cfg.block_b // (32 * cfg.num_warps)
+    steps = per_thread // min(4, cfg.block_b)
+    least = min(SUB_TILES_MIN_TIME_MAJOR, per_thread // 2)
+    return max(1, min(SUB_TILES_TIME_MAJOR, max(steps, least), cfg.block_t))
 
 
 def window(least: int, block_b: int, num_warps: int, device: torch.device) -> int:

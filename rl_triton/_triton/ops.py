@@ -30,12 +30,13 @@ class Kernel:
     store: object
     reverse: bool
     exclusive: bool = False  # the writer needs A at the previous step in scan order
+    aux: bool = False  # the writer takes per-step values of the builder (`config.choose`)
 
 
-GAE = Kernel(C.gae_coef, C.gae_store, reverse=True)
+GAE = Kernel(C.gae_coef, C.gae_store, reverse=True, aux=True)
 LAMBDA_RETURNS = Kernel(C.lambda_returns_coef, C.single_store, reverse=True)
 DISCOUNTED_RETURNS = Kernel(C.discounted_returns_coef, C.single_store, reverse=True)
-VTRACE = Kernel(C.vtrace_coef, C.vtrace_store, reverse=True, exclusive=True)
+VTRACE = Kernel(C.vtrace_coef, C.vtrace_store, reverse=True, exclusive=True, aux=True)
 RETRACE = Kernel(C.retrace_coef, C.retrace_store, reverse=True)
 FORWARD = Kernel(C.forward_coef, C.single_store, reverse=False)
 SCAN_REVERSE = Kernel(C.linear_scan_coef, C.single_store, reverse=True)
@@ -157,7 +158,9 @@ class Launch:
         time_contiguous = first.stride(0) == 1 and T > 1
         cfg = config.choose(T, self.B, time_contiguous=time_contiguous, device=device,
                             n_act=n_act if action_slots else 0, exclusive=kernel.exclusive,
-                            reverse=kernel.reverse)
+                            reverse=kernel.reverse, aux=kernel.aux,
+                            itemsize=max([x.element_size() for x in flat if x is not None
+                                          and x.is_floating_point()] or [4]))
         n_chunks = cfg.chunks(T)
         n_row_tiles = triton.cdiv(self.B, cfg.block_b)
         self.lookback = n_chunks > 1 and not cfg.walk
