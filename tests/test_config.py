@@ -211,8 +211,9 @@ def test_time_major_reverse_scans_take_16_values_per_thread():
 def test_time_major_tiles_hold_consecutive_steps_per_thread():
     """Sub-tiles: as many as each thread's steps (rows along lanes, 4 per thread), up to
     SUB_TILES_TIME_MAJOR, and at least SUB_TILES_MIN_TIME_MAJOR while each thread keeps 2 rows
-    of a sub-tile; none for batch-major or Retrace tiles, nor below 4 rows. GAE's time-major
-    tiles (`aux`) take 1024 values at 8 per thread, as V-trace's. Measured on the H200
+    of a sub-tile (in tiles of 32 steps or more, or V-trace's); none for batch-major or Retrace
+    tiles, nor below 4 rows. GAE's time-major tiles (`aux`) take 1024 values at 8 per thread,
+    as V-trace's, for 4-byte inputs. Measured on the H200
     (docs/benchmarks.md): V-trace 19%, lambda-returns and discounted returns 16-19% faster at
     time-major 16384x1024; at 2 rows GAE 75% slower; V-trace 10% and GAE 13% faster again with
     4 sub-tiles of 2 rows and GAE's smaller tiles."""
@@ -225,7 +226,8 @@ def test_time_major_tiles_hold_consecutive_steps_per_thread():
     assert (fwd.num_warps, fwd.sub) == (2, 8)
     assert (gae.block_t, gae.block_b, gae.num_warps, gae.sub) == (32, 32, 4, 4)  # 2 rows each
     assert (vtrace.block_t, vtrace.num_warps, vtrace.sub) == (32, 4, 4)
-    assert tm(128, 128).sub == 4  # 16x16 on one warp: 4 lanes along time, 2 rows each
+    assert tm(128, 128).sub == 2  # 16x16 on one warp: 8 lanes along time, 4 rows each
+    assert tm(128, 128, reverse=True, exclusive=True).sub == 4  # V-trace's: 2 rows each
     assert tm(1 << 20, 4, reverse=True).sub == 4  # 256 x 4 on 2 warps
     assert tm(1 << 20, 4, reverse=True, exclusive=True).sub == 4  # 256 x 4 on 4 warps: 2 rows
     assert tm(1 << 20, 4, reverse=True, aux=True) == tm(1 << 20, 4, reverse=True)  # narrow
@@ -237,9 +239,10 @@ def test_time_major_tiles_hold_consecutive_steps_per_thread():
     with config.rule(SUB_TILES_TIME_MAJOR=2):
         assert tm(1024, 16384).sub == 2
     with config.rule(SUB_TILES_MIN_TIME_MAJOR=1):
-        assert tm(1024, 16384, reverse=True, aux=True).sub == 2 and tm(128, 128).sub == 2
+        assert tm(1024, 16384, reverse=True, aux=True).sub == 2
     with config.override(block_t=16, block_b=32, num_warps=4):
-        assert tm(1024, 16384).sub == 2  # recomputed for the forced tile: 2 rows x 2 steps
+        assert tm(1024, 16384).sub == 1  # recomputed for the forced tile: one step per thread
+        assert tm(1024, 16384, reverse=True, exclusive=True).sub == 2  # V-trace: 2 rows x 2
     with config.override(block_t=16, block_b=32, num_warps=8):
         assert tm(1024, 16384).sub == 1  # 2 values per thread: one step
     with config.override(sub=32):
@@ -247,21 +250,21 @@ def test_time_major_tiles_hold_consecutive_steps_per_thread():
 
 
 def test_two_byte_inputs_take_twice_the_values_per_thread_in_large_grids():
-    """bfloat16 tiles load as many bytes per thread as float32 ones where the grid holds at least
-    MANY_PROGRAMS_PER_SM programs per multiprocessor (batch-major tiles without look-back, GAE's
-    time-major tiles), but V-trace's; measured on the H200 (docs/benchmarks.md): batch-major GAE
-    and lambda-returns at 16384x1024 10-11% faster, smaller grids 3-9% slower."""
+    """Batch-major bfloat16 tiles without look-back load as many bytes per thread as float32
+    ones where the grid holds at least MANY_PROGRAMS_PER_SM programs per multiprocessor, but
+    V-trace's; measured on the H200 (docs/benchmarks.md): GAE and lambda-returns at 16384x1024
+    10-11% faster, smaller grids 3-9% slower, V-trace 14-43% slower."""
     def pick(T, B, time_contiguous, itemsize, **kw):
         return config.choose(T, B, time_contiguous=time_contiguous, device=CPU,
                              itemsize=itemsize, reverse=True, **kw)
     bm32, bm16 = pick(1024, 16384, True, 4), pick(1024, 16384, True, 2)
     assert (bm32.block_t, bm32.block_b) == (bm16.block_t, bm16.block_b) == (1024, 2)
     assert (bm32.num_warps, bm16.num_warps) == (8, 4)
+    # time-major: GAE's bfloat16 tiles are the other estimators' (2048 values at 16 per thread)
     tm32, tm16 = pick(1024, 16384, False, 4, aux=True), pick(1024, 16384, False, 2, aux=True)
-    assert (tm32.num_warps, tm16.num_warps) == (4, 2) and tm16.sub == 4
-    assert pick(1024, 16384, False, 2) == pick(1024, 16384, False, 4)  # lambda-returns
-    for T, B, tc in [(1024, 1024, True), (4096, 512, True), (128, 4096, False),
-                     (1 << 17, 16, False)]:  # 4-16 programs per multiprocessor
+    assert (tm32.block_t, tm32.num_warps, tm16.block_t, tm16.num_warps) == (32, 4, 64, 4)
+    assert tm16 == pick(1024, 16384, False, 2) == pick(1024, 16384, False, 4)
+    for T, B, tc in [(1024, 1024, True), (4096, 512, True)]:  # 4-8 per multiprocessor
         assert pick(T, B, tc, 2, aux=True) == pick(T, B, tc, 4, aux=True), (T, B)
     assert (pick(1024, 16384, True, 2, exclusive=True, aux=True)
             == pick(1024, 16384, True, 4, exclusive=True, aux=True))  # V-trace

@@ -4,9 +4,9 @@ One program scans one tile of `block_t` steps x `block_b` rows; rows longer than
 split into tiles that run in parallel and find their carries by look-back (`scan.py`). The rule:
 - a tile holds about `TILE_ELEMENTS` values (for Retrace, steps x actions in its action block;
   `TILE_ELEMENTS_SMALL` for tiles whose scan also carries the exclusive value, V-trace, for
-  GAE's time-major tiles, whose writer holds values[t] through the scan, and for time-major
-  tiles of at most `MAX_ROWS_NARROW` rows): enough bytes per program to keep the memory system
-  busy, few enough registers per thread;
+  GAE's float32 time-major tiles, whose writer holds values[t] through the scan, and for
+  time-major tiles of at most `MAX_ROWS_NARROW` rows): enough bytes per program to keep the
+  memory system busy, few enough registers per thread;
 - the tile's long side follows the contiguous axis of memory: time for batch-major data
   (`[N, T]`), rows for time-major data (`[T, N]`, at most `MAX_ROWS_TIME_MAJOR` rows, so that
   the scan along time, which crosses threads, stays small);
@@ -16,6 +16,7 @@ split into tiles that run in parallel and find their carries by look-back (`scan
 - the look-back lays out `window` tiles' words per step: one warp's worth for tiles of several
   rows, one word per thread for one-row tiles, of which it reads only the nearest (`depth`);
 - batch-major tiles that look back take `ELEMENTS_PER_THREAD_LOOKBACK` values per thread;
+- batch-major tiles of 2-byte inputs in large grids take twice the values per thread;
 - time-major tiles run as sub-tiles so that each thread holds consecutive steps (`sub_tiles`);
 - when the row tiles alone fill the GPU, a program walks all tiles of its rows (batch-major
   tiles only: time-major tiles look back faster, see `choose`).
@@ -52,13 +53,12 @@ ELEMENTS_PER_THREAD = 8  # batch-major tiles: the scan runs along each thread's 
 # 29.1 -> 25.8, V-trace 64.0 -> 59.9, GAE bfloat16 31.9 -> 30.2; GAE float32 2-5% slower
 # (docs/benchmarks.md, log).
 ELEMENTS_PER_THREAD_LOOKBACK = 16
-# Tiles of 2-byte inputs (bfloat16, float16) take this many times the values per thread of
-# 4-byte inputs, so that a thread loads as many bytes, where the grid holds at least
-# MANY_PROGRAMS_PER_SM programs per multiprocessor (batch-major tiles without look-back, GAE's
-# time-major tiles): bfloat16 16384x1024 batch-major GAE 71.8 -> 63.8 µs, lambda-returns 53.5
-# -> 48.3, time-major GAE 96.8 -> 90.6. With fewer programs (4-16 per multiprocessor:
-# 1024x1024, 4096x128, 512x4096, 16x131072) 3-9% slower; V-trace (its exclusive scan holds 4
-# values per step) 14-43% slower everywhere (docs/benchmarks.md, log).
+# Batch-major tiles of 2-byte inputs (bfloat16, float16) without look-back take this many
+# times the values per thread of 4-byte inputs, so that a thread loads as many bytes, where the
+# grid holds at least MANY_PROGRAMS_PER_SM programs per multiprocessor: bfloat16 16384x1024 GAE
+# 71.8 -> 63.8 µs, lambda-returns 53.5 -> 48.3 (discounted returns 40.1 -> 41.1). With fewer
+# programs (4-8 per multiprocessor: 1024x1024, 4096x128, 512x4096) 3-9% slower; V-trace (its
+# exclusive scan holds 4 values per step) 14-43% slower everywhere (docs/benchmarks.md, log).
 HALF_PRECISION_SCALE = 2
 MANY_PROGRAMS_PER_SM = 32
 ELEMENTS_PER_THREAD_TIME_MAJOR = 32  # time-major forward scans: the scan crosses threads
@@ -70,10 +70,11 @@ ELEMENTS_PER_THREAD_SMALL_TIME_MAJOR = 16  # time-major tiles of TILE_ELEMENTS_S
 # V-trace's time-major tiles (1024 values, 4 values per step through the scan): 4 warps took
 # 9-24% less time than 2 at every grid shape once their loads shared one layout (183 against
 # 215 µs at 16384x1024); the other estimators lost up to 16% at 16 or 8 per thread. Since the
-# sub-tiles, GAE's time-major tiles too (`choose`, `aux`: its writer holds values[t] through
-# the scan; 96 registers per thread and 31% occupancy at 16 per thread): 16384x1024 110 -> 96
-# µs, 4096x128 11.9 -> 10.3, 1024x1024 14.9 -> 14.1; bfloat16 and the forward scans and
-# lambda-returns (72 registers, 44% occupancy) gained nothing (docs/benchmarks.md, log).
+# sub-tiles, GAE's time-major tiles of 4-byte inputs too (`choose`, `aux`: its writer holds
+# values[t] through the scan; 96 registers per thread and 31% occupancy at 16 per thread):
+# 16384x1024 110 -> 96 µs, 4096x128 11.9 -> 10.3, 1024x1024 14.9 -> 14.1. bfloat16 GAE lost
+# 7-10% at 512x4096 and 64x32768; lambda-returns (72 registers, 44% occupancy) and the forward
+# scans gained nothing from smaller tiles (docs/benchmarks.md, log).
 ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR = 8
 # ... except at most MAX_ROWS_NARROW rows: 4 values per thread took 15-23% less time at 2, 4 and
 # 8 rows (4x1048576: 77.7 -> 61.3 µs), 2% more at 16 rows and 14% more at 16384x1024; the other
@@ -107,8 +108,9 @@ WALK_PROGRAMS_PER_SM_ACTIONS = 64
 SUB_TILES_TIME_MAJOR = 8
 # ... and at least this many where the tile's threads hold fewer values than 4 rows x this many
 # steps (8 per thread: V-trace, GAE), each thread then holding 2 rows of a sub-tile: V-trace
-# 16384x1024 150 -> 135 µs (bfloat16 144 -> 129), 1024x1024 to 64x32768 6-7% less time;
-# one row per thread (8 sub-tiles) 153 (docs/benchmarks.md, log).
+# 16384x1024 150 -> 135 µs (bfloat16 144 -> 129), 1024x1024 to 64x32768 6-7% less time, 128x128
+# 9.7 -> 8.0; one row per thread (8 sub-tiles) 153. Not in tiles of 16 steps but V-trace's: GAE
+# and discounted returns at 16384x16 and 128x128 0.5-0.9 µs slower (docs/benchmarks.md, log).
 SUB_TILES_MIN_TIME_MAJOR = 4
 
 
@@ -199,7 +201,7 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     per_step = action_block(n_act) if n_act else 1
     narrow = not time_contiguous and not n_act and B <= MAX_ROWS_NARROW
     # time-major tiles that hold more than the scan's pair per step: fewer values per thread
-    held = exclusive or (aux and not time_contiguous and not narrow)
+    held = exclusive or (aux and not time_contiguous and not narrow and itemsize >= 4)
     small = held or narrow
     elements = TILE_ELEMENTS_SMALL if small else TILE_ELEMENTS
     target = MIN_PROGRAMS_PER_SM * _multiprocessors(device)
@@ -217,8 +219,8 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     walk_programs = WALK_PROGRAMS_PER_SM_ACTIONS if n_act else WALK_PROGRAMS_PER_SM
     walk = (time_contiguous and T > block_t
             and -(-B // block_b) >= walk_programs * _multiprocessors(device))
-    # 2-byte inputs in grids of many programs per multiprocessor: the same bytes per thread as
-    # 4-byte inputs (twice the values), but V-trace's
+    # batch-major 2-byte inputs in grids of many programs per multiprocessor: the same bytes
+    # per thread as 4-byte inputs (twice the values), but V-trace's
     many = tiles >= MANY_PROGRAMS_PER_SM * _multiprocessors(device)
     wider = HALF_PRECISION_SCALE if itemsize <= 2 and many and not exclusive else 1
     if n_act:
@@ -232,8 +234,7 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
         per_thread = (ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_VECTOR_TIME_MAJOR
                       if exclusive and narrow and vector_rows(B, time_contiguous, n_act > 0)
                       else ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_TIME_MAJOR if exclusive and narrow
-                      else ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR if exclusive
-                      else ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR * wider if held
+                      else ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR if held
                       else ELEMENTS_PER_THREAD_SMALL_TIME_MAJOR if small
                       else ELEMENTS_PER_THREAD_REVERSE_TIME_MAJOR if reverse
                       else ELEMENTS_PER_THREAD_TIME_MAJOR)
@@ -246,7 +247,7 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     elif "sub" in _overrides:
         cfg = replace(cfg, sub=min(cfg.sub, cfg.block_t))
     elif vector_rows(B, time_contiguous, n_act > 0):
-        cfg = replace(cfg, sub=sub_tiles(cfg))
+        cfg = replace(cfg, sub=sub_tiles(cfg, exclusive))
     win = window(cfg.window, cfg.block_b, cfg.num_warps, device)
     return replace(cfg, window=win, depth=min(win, cfg.depth or depth(win, cfg.block_b, device)))
 
@@ -259,16 +260,17 @@ def vector_rows(B: int, time_contiguous: bool, actions: bool) -> bool:
     return not time_contiguous and not actions and B >= 4
 
 
-def sub_tiles(cfg: TileConfig) -> int:
+def sub_tiles(cfg: TileConfig, exclusive: bool = False) -> int:
     """Sub-tiles of a time-major tile (`scan.scan_chunk`): the steps each thread holds, up to
     SUB_TILES_TIME_MAJOR, so that a thread holds consecutive steps and the scan across threads
     sees one value per thread. Rows lie along lanes, up to 4 per thread (`scan_kernel`); tiles
     of fewer values per thread than 4 rows x SUB_TILES_MIN_TIME_MAJOR steps take that many
     sub-tiles all the same, down to 2 rows per thread (1 loaded V-trace's 16384x1024 13% slower
-    than 2)."""
+    than 2), but tiles of fewer than 32 steps whose scan is not `exclusive` (V-trace's)."""
     per_thread = cfg.block_t * cfg.block_b // (32 * cfg.num_warps)
     steps = per_thread // min(4, cfg.block_b)
-    least = min(SUB_TILES_MIN_TIME_MAJOR, per_thread // 2)
+    least = (min(SUB_TILES_MIN_TIME_MAJOR, per_thread // 2)
+             if exclusive or cfg.block_t >= 2 * MIN_BLOCK_T else 1)
     return max(1, min(SUB_TILES_TIME_MAJOR, max(steps, least), cfg.block_t))
 
 
