@@ -213,10 +213,10 @@ def test_time_major_tiles_hold_consecutive_steps_per_thread():
     SUB_TILES_TIME_MAJOR, and at least SUB_TILES_MIN_TIME_MAJOR while each thread keeps 2 rows
     of a sub-tile (in tiles of 32 steps or more, or V-trace's); none for batch-major or Retrace
     tiles, nor below 4 rows. GAE's time-major tiles (`aux`) take 1024 values at 8 per thread,
-    as V-trace's, for 4-byte inputs. Measured on the H200
-    (docs/benchmarks.md): V-trace 19%, lambda-returns and discounted returns 16-19% faster at
-    time-major 16384x1024; at 2 rows GAE 75% slower; V-trace 10% and GAE 13% faster again with
-    4 sub-tiles of 2 rows and GAE's smaller tiles."""
+    as V-trace's, for 4-byte inputs. Measured on the H200 (docs/benchmarks.md): V-trace 19%,
+    lambda-returns and discounted returns 16-19% faster at time-major 16384x1024; at 2 rows GAE
+    75% slower; V-trace 10% and GAE 13% faster again with 4 sub-tiles of 2 rows and GAE's
+    smaller tiles."""
     def tm(T, B, **kw):
         return config.choose(T, B, time_contiguous=False, device=CPU, **kw)
     lam, fwd = tm(1024, 16384, reverse=True), tm(1024, 16384)

@@ -265,8 +265,8 @@ def sub_tiles(cfg: TileConfig, exclusive: bool = False) -> int:
     SUB_TILES_TIME_MAJOR, so that a thread holds consecutive steps and the scan across threads
     sees one value per thread. Rows lie along lanes, up to 4 per thread (`scan_kernel`); tiles
     of fewer values per thread than 4 rows x SUB_TILES_MIN_TIME_MAJOR steps take that many
-    sub-tiles all the same, down to 2 rows per thread (1 loaded V-trace's 16384x1024 13% slower
-    than 2), but tiles of fewer than 32 steps whose scan is not `exclusive` (V-trace's)."""
+    sub-tiles all the same, down to 2 rows per thread (with 1, V-trace at 16384x1024 took 13%
+    longer than with 2), but tiles of fewer than 32 steps whose scan is not `exclusive`."""
     per_thread = cfg.block_t * cfg.block_b // (32 * cfg.num_warps)
     steps = per_thread // min(4, cfg.block_b)
     least = (min(SUB_TILES_MIN_TIME_MAJOR, per_thread // 2)
