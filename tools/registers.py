@@ -1,0 +1,83 @@
+"""Registers per thread and theoretical occupancy of the kernels the H200 would run, on a machine
+without a GPU: the plan is built as on an H200 (132 multiprocessors), compiled for sm_90 with the
+installed Triton, and its cubin read with the cuobjdump that Triton ships.
+
+    python tools/registers.py gae:16384x1024:tm vtrace:1024x1024:bm:bf16 \\
+        gae:16384x1024:tm:block_t=64,num_warps=4
+
+An argument is estimator:NxT:tm|bm, then optionally :bf16 and :field=value,... (tile fields
+forced as with `python -m rl_triton.bench --tiles`). Registers match ncu's on the H200 when the
+installed Triton is the GPU machine's (docs/benchmarks.md, log: eleventh session). Run without
+TRITON_INTERPRET."""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+import compile_sm90  # noqa: E402
+from cases import make_case  # noqa: E402
+from rl_triton._triton import config  # noqa: E402
+
+MULTIPROCESSORS = 132  # H200
+REGISTERS_PER_SM, MAX_WARPS_PER_SM, MAX_BLOCKS_PER_SM = 65536, 64, 32
+SHARED_PER_SM, SHARED_RESERVED_PER_BLOCK = 228 * 1024, 1024
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                         "cuobjdump")
+
+
+def as_on_the_gpu():
+    """Make `config` choose as on an H200: its multiprocessor count and the look-back windows of
+    a GPU (the interpreter's differ)."""
+    window, depth, cuda = config.window, config.depth, torch.device("cuda")
+    config._multiprocessors = lambda device: MULTIPROCESSORS
+    config.window = lambda least, block_b, warps, device: window(least, block_b, warps, cuda)
+    config.depth = lambda win, block_b, device: depth(win, block_b, cuda)
+
+
+def occupancy(registers: int, warps: int, shared: int) -> tuple[int, float]:
+    """Programs per multiprocessor and the fraction of its warps they fill (registers are
+    allocated per warp in units of 256)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    programs = min((REGISTERS_PER_SM // per_warp) // warps, MAX_WARPS_PER_SM // warps,
+                   MAX_BLOCKS_PER_SM, SHARED_PER_SM // (shared + SHARED_RESERVED_PER_BLOCK))
+    return programs, programs * warps / MAX_WARPS_PER_SM
+
+
+def report(spec: str) -> str:
+    name, shape, layout, *rest = spec.split(":")
+    tiles = {}
+    for part in rest:
+        if "=" in part:
+            tiles.update({k: int(v) for k, v in (kv.split("=") for kv in part.split(","))})
+    n, t = map(int, shape.split("x"))
+    case = make_case(name, t, (n,), n_act=18,
+                     dtype=torch.bfloat16 if "bf16" in rest else torch.float32)
+    with config.override(**tiles):
+        plan, (tensors, scalars) = compile_sm90.plan_of(
+            case, "time-major" if layout == "tm" else "batch-major")
+    kernel = compile_sm90.compile_plan(plan, tensors, scalars)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    m, shared = plan.meta, kernel.metadata.shared
+    programs, fraction = occupancy(registers, m["num_warps"], shared)
+    return (f"{spec}: tile {m['BLOCK_T']}x{m['BLOCK_B']}, {m['num_warps']} warps, "
+            f"{m['SUB']} sub-tiles; {registers} registers, {shared} B shared; "
+            f"{programs} programs per multiprocessor, occupancy {fraction:.0%}")
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") != "1", "run without TRITON_INTERPRET"
+    as_on_the_gpu()
+    for arg in sys.argv[1:]:
+        print(report(arg), flush=True)
