@@ -3,6 +3,7 @@ without one: the interpreter that runs the other tests on the CPU never runs the
 (.ci/run) also installs the oldest supported Triton into .ci/triton-oldest, a virtual
 environment over this one, and the build runs with that too."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,3 +26,22 @@ def test_every_variant_compiles_for_sm90(python):
     report = done.stdout + done.stderr[-3000:]
     assert done.returncode == 0, report
     assert done.stdout.count("ok ") >= 68, report
+
+
+def test_registers_tool_reads_the_h200_plan():
+    """tools/registers.py (registers and occupancy without a GPU) builds the plan the H200 would
+    run, not the interpreter's: GAE's float32 time-major tiles at 128x128 shrink to 16x16 on one
+    warp (`config.choose` with 132 multiprocessors; with the interpreter's one, 32x32 on 4), and
+    the register counts are ones a kernel can have."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, str(HERE.parent / "tools" / "registers.py"),
+                           "gae:128x128:tm", "gae:16384x1024:tm:block_t=64,num_warps=4"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    lines = done.stdout.strip().split("\n")
+    assert "tile 16x16, 1 warp," in lines[0], lines
+    assert "tile 64x32, 4 warps" in lines[1], lines
+    registers = [int(x) for x in re.findall(r"; (\d+) registers", done.stdout)]
+    assert len(registers) == 2 and all(16 <= r <= 255 for r in registers), lines
+    assert registers[0] < registers[1], lines  # the smaller tile holds fewer values per thread

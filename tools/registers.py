@@ -71,7 +71,8 @@ def report(spec: str) -> str:
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     m, shared = plan.meta, kernel.metadata.shared
     programs, fraction = occupancy(registers, m["num_warps"], shared)
-    return (f"{spec}: tile {m['BLOCK_T']}x{m['BLOCK_B']}, {m['num_warps']} warps, "
+    warps = f"{m['num_warps']} warp" + ("s" if m["num_warps"] > 1 else "")
+    return (f"{spec}: tile {m['BLOCK_T']}x{m['BLOCK_B']}, {warps}, "
             f"{m['SUB']} sub-tiles; {registers} registers, {shared} B shared; "
             f"{programs} programs per multiprocessor, occupancy {fraction:.0%}")
 
