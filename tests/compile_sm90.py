@@ -97,8 +97,8 @@ def check_loads(plan, kernel):
     Time-major tiles: no tile load wider than 4 along rows (the flags' 16-wide loads once set
     every input's layout, and the scan crossed 16 lanes); rows loaded several at a time where
     the plan says the time strides allow it (`ops.row_vector`: rows of 300); sub-tiles laid out
-    one step per thread where their loads are 4 rows wide (`config.sub_tiles`), no step held by
-    two threads. Batch-major tiles: scalar 32-bit loads
+    one step per thread where their rows load as wide as the sub-tile allows (up to 4,
+    `config.sub_tiles`), no step held by two threads. Batch-major tiles: scalar 32-bit loads
     from at most 2 addresses per thread (values[t+1] is moved in registers, plus the step after
     each group of 8 and the bootstrap value; it was 8 unaligned loads). Triton 3.6 repeats a
     broadcast load (the bootstrap value, the initial carry) for every step a thread holds, from

@@ -14,14 +14,20 @@ HERE = Path(__file__).parent
 OLDEST = HERE.parent / ".ci" / "triton-oldest" / "bin" / "python"
 
 
+def compiler_env():
+    """The environment of a compiling subprocess: without the interpreter, with this checkout
+    importable."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+    return env
+
+
 @pytest.mark.parametrize("python", ["installed", "oldest"])
 def test_every_variant_compiles_for_sm90(python):
     if python == "oldest" and not OLDEST.exists():
         pytest.skip("no .ci/triton-oldest here (made by .ci/run)")
     exe = sys.executable if python == "installed" else str(OLDEST)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
-    done = subprocess.run([exe, str(HERE / "compile_sm90.py")], env=env,
+    done = subprocess.run([exe, str(HERE / "compile_sm90.py")], env=compiler_env(),
                           capture_output=True, text=True, timeout=900)
     report = done.stdout + done.stderr[-3000:]
     assert done.returncode == 0, report
@@ -33,11 +39,9 @@ def test_registers_tool_reads_the_h200_plan():
     run, not the interpreter's: GAE's float32 time-major tiles at 128x128 shrink to 16x16 on one
     warp (`config.choose` with 132 multiprocessors; with the interpreter's one, 32x32 on 4), and
     the register counts are ones a kernel can have."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, str(HERE.parent / "tools" / "registers.py"),
                            "gae:128x128:tm", "gae:16384x1024:tm:block_t=64,num_warps=4"],
-                          env=env, capture_output=True, text=True, timeout=600)
+                          env=compiler_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     lines = done.stdout.strip().split("\n")
     assert "tile 16x16, 1 warp," in lines[0], lines

@@ -219,15 +219,15 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     walk_programs = WALK_PROGRAMS_PER_SM_ACTIONS if n_act else WALK_PROGRAMS_PER_SM
     walk = (time_contiguous and T > block_t
             and -(-B // block_b) >= walk_programs * _multiprocessors(device))
-    # batch-major 2-byte inputs in grids of many programs per multiprocessor: the same bytes
-    # per thread as 4-byte inputs (twice the values), but V-trace's
-    many = tiles >= MANY_PROGRAMS_PER_SM * _multiprocessors(device)
-    wider = HALF_PRECISION_SCALE if itemsize <= 2 and many and not exclusive else 1
     if n_act:
         per_thread = (ELEMENTS_PER_THREAD_ACTIONS if time_contiguous
                       else ELEMENTS_PER_THREAD_ACTIONS_TIME_MAJOR)
     elif time_contiguous:
         looks_back = T > block_t and not walk
+        # 2-byte inputs in grids of many programs per multiprocessor: the same bytes per thread
+        # as 4-byte inputs (twice the values), but V-trace's
+        many = tiles >= MANY_PROGRAMS_PER_SM * _multiprocessors(device)
+        wider = HALF_PRECISION_SCALE if itemsize <= 2 and many and not exclusive else 1
         per_thread = (ELEMENTS_PER_THREAD_LOOKBACK if looks_back
                       else ELEMENTS_PER_THREAD * wider)
     else:
@@ -260,7 +260,7 @@ def vector_rows(B: int, time_contiguous: bool, actions: bool) -> bool:
     return not time_contiguous and not actions and B >= 4
 
 
-def sub_tiles(cfg: TileConfig, exclusive: bool = False) -> int:
+def sub_tiles(cfg: TileConfig, exclusive: bool) -> int:
     """Sub-tiles of a time-major tile (`scan.scan_chunk`): the steps each thread holds, up to
     SUB_TILES_TIME_MAJOR, so that a thread holds consecutive steps and the scan across threads
     sees one value per thread. Rows lie along lanes, up to 4 per thread (`scan_kernel`); tiles
