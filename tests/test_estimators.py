@@ -167,6 +167,26 @@ def test_time_major_sub_tiles(name, device):
                 assert_close(case.call("time-major", backend="triton"), ref)
 
 
+@pytest.mark.parametrize("name", ESTIMATORS)
+def test_full_tiles_drop_their_masks(name, device):
+    """Plans whose tiles divide the problem (T and the rows multiples of the tile) compile
+    without masks (`config.even`, `EVEN`), others with: the same results, in one tile per row,
+    looking back and walking, in both layouts. Retrace's action axis keeps its own mask (5
+    actions in a block of 8)."""
+    for T, n in ((64, 4), (64, 5), (67, 4)):
+        case = make_case(name, T, (n,), device=device, seed=23, p_term=0.1, p_trunc=0.1)
+        ref = case.reference()
+        for layout, block_t, block_b, walk in (("time-major", 16, 4, False),
+                                               ("time-major", 64, 2, False),
+                                               ("batch-major", 16, 2, False),
+                                               ("batch-major", 16, 1, True)):
+            estimators._PLANS.clear()
+            with config.override(block_t=block_t, block_b=block_b, walk=walk):
+                assert_close(case.call(layout, backend="triton"), ref)
+                (plan,) = estimators._PLANS.values()
+                assert plan.meta["EVEN"] is (T % block_t == 0 and n % block_b == 0)
+
+
 def test_look_back_tags_name_the_launch(device):
     """Every launch tags every tile's words with one new tag base (the last one + 2, from 0 in
     fresh scratch), which each tile reads from the word it wrote itself the launch before;

@@ -112,6 +112,9 @@ SUB_TILES_TIME_MAJOR = 8
 # 9.7 -> 8.0; one row per thread (8 sub-tiles) 153. Not in tiles of 16 steps but V-trace's: GAE
 # and discounted returns at 16384x16 and 128x128 0.5-0.9 µs slower (docs/benchmarks.md, log).
 SUB_TILES_MIN_TIME_MAJOR = 4
+# Plans whose tiles divide the problem (T and the rows multiples of the tile) drop their masks
+# (`even`); 0 turns that off, for measurements (`python -m rl_triton.bench --rule EVEN_TILES=0`).
+EVEN_TILES = 1
 
 
 @dataclass(frozen=True)
@@ -272,6 +275,13 @@ def sub_tiles(cfg: TileConfig, exclusive: bool) -> int:
     least = (min(SUB_TILES_MIN_TIME_MAJOR, per_thread // 2)
              if exclusive or cfg.block_t >= 2 * MIN_BLOCK_T else 1)
     return max(1, min(SUB_TILES_TIME_MAJOR, max(steps, least), cfg.block_t))
+
+
+def even(T: int, B: int, cfg: TileConfig) -> bool:
+    """Whether every tile of a plan is full: T steps and B rows are multiples of the tile's.
+    Such plans compile without masks (`scan.scan_kernel`, `EVEN`): no predicated load or store,
+    no select of padding, fewer registers."""
+    return bool(EVEN_TILES) and T % cfg.block_t == 0 and B % cfg.block_b == 0
 
 
 def window(least: int, block_b: int, num_warps: int, device: torch.device) -> int:

@@ -184,7 +184,8 @@ class Launch:
                          ACT_VEC=action_vector([ins[i] for i in action_slots], n_act),
                          ROW_VEC=(row_vector(present, self.B, B2) if config.vector_rows(
                              self.B, time_contiguous, bool(action_slots)) else 1),
-                         SUB=cfg.sub, num_warps=cfg.num_warps)
+                         SUB=cfg.sub, EVEN=config.even(T, self.B, cfg),
+                         num_warps=cfg.num_warps)
         self.device_index = device.index
         self.states = {}  # look-back scratch by stream: launches on one stream never overlap
         self.compiled, self.tail = None, ()
