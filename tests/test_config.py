@@ -271,3 +271,38 @@ def test_two_byte_inputs_take_twice_the_values_per_thread_in_large_grids():
     assert pick(1 << 20, 4, True, 2) == pick(1 << 20, 4, True, 4)  # look-back tiles
     with config.rule(MANY_PROGRAMS_PER_SM=4):
         assert pick(1024, 1024, True, 2).num_warps == 2
+
+
+def test_occupancy():
+    """Programs per multiprocessor from registers (per warp, in units of 256), warps, programs
+    and shared memory (H200 limits): the numbers ncu reported for these kernels."""
+    assert config.occupancy(168, 2, 2048) == (6, 0.1875)  # V-trace's batch-major look-back tiles
+    assert config.occupancy(56, 4, 2048) == (9, 0.5625)  # GAE's time-major tiles without masks
+    assert config.occupancy(64, 4, 2048) == (8, 0.5)
+    assert config.occupancy(32, 1, 0) == (32, 0.5)  # at most 32 programs
+    assert config.occupancy(32, 4, 100 * 1024) == (2, 0.125)  # shared memory
+
+
+def test_full_tiles_keep_their_masks_where_dropping_them_costs_warps():
+    """A plan whose tiles divide the problem drops its masks unless the kernel without them fits
+    fewer warps on a multiprocessor (registers of the two compiled kernels, `ops`)."""
+    from types import SimpleNamespace
+
+    from rl_triton._triton import ops
+
+    def keeps(regs_even, regs_masked, warps):
+        def compile(meta):
+            regs = regs_even if meta["EVEN"] else regs_masked
+            return SimpleNamespace(n_regs=regs, metadata=SimpleNamespace(shared=2048))
+        return ops.even_keeps_occupancy(None, None, {"EVEN": True, "num_warps": warps},
+                                        compile=compile)
+
+    assert keeps(56, 64, 4)  # fewer registers, more warps
+    assert keeps(165, 155, 2)  # more registers, the same 6 programs
+    assert keeps(72, 72, 4)
+    assert not keeps(182, 168, 2)  # 5 programs instead of 6
+    assert config.even(1024, 16384, config.TileConfig(32, 32, 4))
+    assert not config.even(1000, 16384, config.TileConfig(32, 32, 4))
+    assert not config.even(1024, 100, config.TileConfig(32, 32, 4))
+    with config.rule(EVEN_TILES=0):
+        assert not config.even(1024, 16384, config.TileConfig(32, 32, 4))

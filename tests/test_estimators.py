@@ -170,7 +170,8 @@ def test_time_major_sub_tiles(name, device):
 @pytest.mark.parametrize("name", ESTIMATORS)
 def test_full_tiles_drop_their_masks(name, device):
     """Plans whose tiles divide the problem (T and the rows multiples of the tile) compile
-    without masks (`config.even`, `EVEN`), others with: the same results, in one tile per row,
+    without masks (`config.even`, `EVEN`; a GPU keeps them where dropping them costs warps),
+    others with: the same results, in one tile per row,
     looking back and walking, in both layouts. Retrace's action axis keeps its own mask (5
     actions in a block of 8)."""
     for T, n in ((64, 4), (64, 5), (67, 4)):
@@ -184,7 +185,9 @@ def test_full_tiles_drop_their_masks(name, device):
             with config.override(block_t=block_t, block_b=block_b, walk=walk):
                 assert_close(case.call(layout, backend="triton"), ref)
                 (plan,) = estimators._PLANS.values()
-                assert plan.meta["EVEN"] is (T % block_t == 0 and n % block_b == 0)
+                full = T % block_t == 0 and n % block_b == 0
+                # a GPU keeps the masks where dropping them costs warps (test_gpu.py)
+                assert plan.meta["EVEN"] is full or (device != "cpu" and not plan.meta["EVEN"])
 
 
 def test_look_back_tags_name_the_launch(device):

@@ -18,6 +18,7 @@ split into tiles that run in parallel and find their carries by look-back (`scan
 - batch-major tiles that look back take `ELEMENTS_PER_THREAD_LOOKBACK` values per thread;
 - batch-major tiles of 2-byte inputs in large grids take twice the values per thread;
 - time-major tiles run as sub-tiles so that each thread holds consecutive steps (`sub_tiles`);
+- plans whose tiles divide the problem drop their masks where that keeps the occupancy (`even`);
 - when the row tiles alone fill the GPU, a program walks all tiles of its rows (batch-major
   tiles only: time-major tiles look back faster, see `choose`).
 docs/benchmarks.md has the measurements behind the numbers.
@@ -113,8 +114,15 @@ SUB_TILES_TIME_MAJOR = 8
 # and discounted returns at 16384x16 and 128x128 0.5-0.9 µs slower (docs/benchmarks.md, log).
 SUB_TILES_MIN_TIME_MAJOR = 4
 # Plans whose tiles divide the problem (T and the rows multiples of the tile) drop their masks
-# (`even`); 0 turns that off, for measurements (`python -m rl_triton.bench --rule EVEN_TILES=0`).
+# (`even`) where that keeps the kernel's occupancy (`ops`, at a plan's first launch); 0 turns
+# that off, for measurements (`python -m rl_triton.bench --rule EVEN_TILES=0`).
 EVEN_TILES = 1
+# A multiprocessor's limits (sm_80 and sm_90: the H200), for `occupancy`
+REGISTERS_PER_SM = 65536
+MAX_WARPS_PER_SM = 64
+MAX_PROGRAMS_PER_SM = 32
+SHARED_PER_SM = 228 * 1024
+SHARED_RESERVED_PER_PROGRAM = 1024
 
 
 @dataclass(frozen=True)
@@ -279,9 +287,21 @@ def sub_tiles(cfg: TileConfig, exclusive: bool) -> int:
 
 def even(T: int, B: int, cfg: TileConfig) -> bool:
     """Whether every tile of a plan is full: T steps and B rows are multiples of the tile's.
-    Such plans compile without masks (`scan.scan_kernel`, `EVEN`): no predicated load or store,
-    no select of padding, fewer registers."""
+    Such plans may compile without masks (`scan.scan_kernel`, `EVEN`): no predicated load or
+    store, no select of padding. On a GPU the plan keeps the masks where the kernel without them
+    takes more registers for fewer warps (`ops`; the compiler hoists loads it no longer has to
+    predicate: V-trace's batch-major look-back tiles 168 -> 182 registers, 14-20% slower;
+    docs/benchmarks.md, log)."""
     return bool(EVEN_TILES) and T % cfg.block_t == 0 and B % cfg.block_b == 0
+
+
+def occupancy(registers: int, warps: int, shared: int) -> tuple[int, float]:
+    """Programs of `warps` warps that fit on a multiprocessor, and the fraction of its warps
+    they fill (registers are allocated per warp in units of 256)."""
+    per_warp = -(-registers * 32 // 256) * 256
+    programs = min((REGISTERS_PER_SM // per_warp) // warps, MAX_WARPS_PER_SM // warps,
+                   MAX_PROGRAMS_PER_SM, SHARED_PER_SM // (shared + SHARED_RESERVED_PER_PROGRAM))
+    return programs, programs * warps / MAX_WARPS_PER_SM
 
 
 def window(least: int, block_b: int, num_warps: int, device: torch.device) -> int:

@@ -220,6 +220,8 @@ class Launch:
         args = self._args(ptrs, outs, init, state, scalars)
         kernel = self.compiled
         if kernel is None:
+            if self.meta["EVEN"] and self.device.type == "cuda":
+                self.meta["EVEN"] = even_keeps_occupancy(args, self.grid, self.meta)
             kernel = scan_kernel[self.grid](*args, **self.meta)
             if hasattr(kernel, "packed_metadata"):  # compiled (not the interpreter)
                 self.compiled = kernel
@@ -254,6 +256,24 @@ class Launch:
         if self.host is not None:
             for stream, state in self.states.items():
                 host.module().add_state(self.host, stream, state)
+
+
+def even_keeps_occupancy(args: tuple, grid: tuple, meta: dict, compile=None) -> bool:
+    """Whether the kernel without masks (`EVEN`, `config.even`) fits at least as many warps on
+    a multiprocessor as the one with masks: both are compiled (once, at a plan's first launch)
+    and their registers compared. `compile(meta)` returns a compiled kernel (default: this
+    GPU's, `JITFunction.warmup`)."""
+    if compile is None:
+        def compile(m):
+            kernel = scan_kernel.warmup(*args, grid=grid, **m)
+            kernel._init_handles()  # loads the binary: its register count
+            return kernel
+    fraction = []
+    for even in (True, False):
+        kernel = compile({**meta, "EVEN": even})
+        fraction.append(config.occupancy(kernel.n_regs, meta["num_warps"],
+                                         kernel.metadata.shared)[1])
+    return fraction[0] >= fraction[1]
 
 
 _RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
