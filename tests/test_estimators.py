@@ -171,9 +171,8 @@ def test_time_major_sub_tiles(name, device):
 def test_full_tiles_drop_their_masks(name, device):
     """Plans whose tiles divide the problem (T and the rows multiples of the tile) compile
     without masks (`config.even`, `EVEN`; a GPU keeps them where dropping them costs warps),
-    others with: the same results, in one tile per row,
-    looking back and walking, in both layouts. Retrace's action axis keeps its own mask (5
-    actions in a block of 8)."""
+    others with: the same results, in one tile per row, looking back and walking, in both
+    layouts. Retrace's action axis keeps its own mask (5 actions in a block of 8)."""
     for T, n in ((64, 4), (64, 5), (67, 4)):
         case = make_case(name, T, (n,), device=device, seed=23, p_term=0.1, p_trunc=0.1)
         ref = case.reference()

@@ -40,7 +40,8 @@ def as_on_the_gpu():
 
 
 def compiled(plan, tensors, scalars, meta):
-    """The plan's kernel for sm_90 with `meta`, and its registers per thread."""
+    """The plan's kernel for sm_90 with `meta` (now the plan's), with its registers per thread
+    as `n_regs` (as a kernel loaded on a GPU has them)."""
     plan.meta = meta
     kernel = compile_sm90.compile_plan(plan, tensors, scalars)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
