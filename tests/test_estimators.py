@@ -173,11 +173,11 @@ def test_full_tiles_drop_their_masks(name, device):
     without masks (`config.even`, `EVEN`; a GPU keeps them where dropping them costs warps),
     others with: the same results, in one tile per row, looking back and walking, in both
     layouts. Retrace's action axis keeps its own mask (5 actions in a block of 8)."""
-    for T, n in ((64, 4), (64, 5), (67, 4)):
+    for T, n in ((32, 4), (32, 5), (35, 4)):
         case = make_case(name, T, (n,), device=device, seed=23, p_term=0.1, p_trunc=0.1)
         ref = case.reference()
         for layout, block_t, block_b, walk in (("time-major", 16, 4, False),
-                                               ("time-major", 64, 2, False),
+                                               ("time-major", 32, 2, False),
                                                ("batch-major", 16, 2, False),
                                                ("batch-major", 16, 1, True)):
             estimators._PLANS.clear()
