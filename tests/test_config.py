@@ -275,7 +275,7 @@ def test_two_byte_inputs_take_twice_the_values_per_thread_in_large_grids():
 
 def test_occupancy():
     """Programs per multiprocessor from registers (per warp, in units of 256), warps, programs
-    and shared memory (H200 limits): the numbers ncu reported for these kernels."""
+    and shared memory (H200 limits), for register counts of the grid's kernels."""
     assert config.occupancy(168, 2, 2048) == (6, 0.1875)  # V-trace's batch-major look-back tiles
     assert config.occupancy(56, 4, 2048) == (9, 0.5625)  # GAE's time-major tiles without masks
     assert config.occupancy(64, 4, 2048) == (8, 0.5)
