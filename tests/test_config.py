@@ -306,3 +306,25 @@ def test_full_tiles_keep_their_masks_where_dropping_them_costs_warps():
     assert not config.even(1024, 100, config.TileConfig(32, 32, 4))
     with config.rule(EVEN_TILES=0):
         assert not config.even(1024, 16384, config.TileConfig(32, 32, 4))
+
+
+def test_full_tiles_keep_their_masks_where_registers_cannot_be_read(monkeypatch):
+    """Registers come from a private attribute of Triton's compiled kernels (`ops.registers`):
+    where a Triton does not have it, the masks are kept, with one warning per process."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from rl_triton._triton import ops
+
+    monkeypatch.setattr(ops, "_UNREADABLE", [])
+    kernels = {"no n_regs": SimpleNamespace(metadata=SimpleNamespace(shared=2048)),
+               "n_regs None": SimpleNamespace(n_regs=None, metadata=SimpleNamespace(shared=0)),
+               "no metadata": SimpleNamespace(n_regs=56)}
+    with pytest.warns(RuntimeWarning, match="keep their masks") as warned:
+        for kernel in kernels.values():
+            assert not ops.even_keeps_occupancy(None, None, {"EVEN": True, "num_warps": 4},
+                                                compile=lambda meta: kernel)
+    assert len(warned) == 1
+    assert ops.registers(SimpleNamespace(n_regs=56, metadata=SimpleNamespace(shared=0))) \
+        == (56, 0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -262,18 +263,44 @@ def even_keeps_occupancy(args: tuple, grid: tuple, meta: dict, compile=None) -> 
     """Whether the kernel without masks (`EVEN`, `config.even`) fits at least as many warps on
     a multiprocessor as the one with masks: both are compiled (once, at a plan's first launch)
     and their registers compared. `compile(meta)` returns a compiled kernel (default: this
-    GPU's, `JITFunction.warmup`)."""
+    GPU's, `JITFunction.warmup`). Where the registers cannot be read (`registers`), the masks
+    are kept: the kernel that is never slower for want of warps."""
     if compile is None:
         def compile(m):
             kernel = scan_kernel.warmup(*args, grid=grid, **m)
-            kernel._init_handles()  # loads the binary: its register count
+            load = getattr(kernel, "_init_handles", None)  # loads the binary: its n_regs
+            if load is not None:
+                load()
             return kernel
     fraction = []
     for even in (True, False):
         kernel = compile({**meta, "EVEN": even})
-        fraction.append(config.occupancy(kernel.n_regs, meta["num_warps"],
-                                         kernel.metadata.shared)[1])
+        used = registers(kernel)
+        if used is None:
+            return False
+        fraction.append(config.occupancy(used[0], meta["num_warps"], used[1])[1])
     return fraction[0] >= fraction[1]
+
+
+def registers(kernel):
+    """(registers per thread, shared memory bytes) of a compiled kernel, or None (with a
+    warning, once) where this Triton does not say. Triton has no public API for the registers:
+    `CompiledKernel.n_regs`, set once `_init_handles()` has loaded the binary on the GPU (Triton
+    3.6 to 3.9 at least)."""
+    used = getattr(kernel, "n_regs", None), getattr(getattr(kernel, "metadata", None),
+                                                     "shared", None)
+    if not all(isinstance(x, int) for x in used) or used[0] <= 0:
+        if not _UNREADABLE:
+            _UNREADABLE.append(True)
+            warnings.warn(f"rl_triton: this Triton ({triton.__version__}) does not give a "
+                          "compiled kernel's registers (CompiledKernel.n_regs); plans whose "
+                          "tiles divide the problem keep their masks", RuntimeWarning,
+                          stacklevel=3)
+        return None
+    return used
+
+
+_UNREADABLE = []  # the warning above, once per process
 
 
 _RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
