@@ -11,7 +11,8 @@ slot numbers below are the order in which `rl_triton._triton.ops` passes the ten
 import triton
 import triton.language as tl
 
-from .scan import cut_flags, load_flag, load_step, load_value, offsets, store_out, successor
+from .scan import (cut_flags, load_flag, load_step, load_step_flag, load_value, offsets,
+                   store_out, successor)
 
 # Slot numbers (compile-time constants, as Triton requires of globals read inside kernels).
 _c = tl.constexpr
@@ -74,6 +75,17 @@ def discounted_returns_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n
                             ACT_VEC: tl.constexpr, after):
     gamma = params[0]
     r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
+    if VARIANT == 1:
+        # last_value is the scan's initial carry A[T] (`ops.Kernel.carries_last`): step T-1
+        # passes it on unless terminated, as v'[T-1] = last_value, truncated or not. Through
+        # alpha instead, its per-step selects waited on the flags' and last_value's loads, and
+        # the compiler issued the rewards' loads only after them: two or three memory round
+        # trips in a row (sm_90 SASS; H200 time-major 16384x1024 68.6 -> 56.6 µs,
+        # docs/benchmarks.md, log).
+        cut = load_step_flag(ins, st, s1, s2, TERM, t, b1, b2, mask)
+        if HAS_TRUNC:
+            cut = cut | (load_step_flag(ins, st, s1, s2, TRUNC, t, b1, b2, mask) & (t < T - 1))
+        return r, tl.where(cut, 0.0, gamma), 0.0
     term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
     v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, end_rows, T,
                           None, False, HAS_NEXT, HAS_LAST, False, None)

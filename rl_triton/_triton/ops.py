@@ -32,11 +32,15 @@ class Kernel:
     reverse: bool
     exclusive: bool = False  # the writer needs A at the previous step in scan order
     aux: bool = False  # the writer takes per-step values of the builder (`config.choose`)
+    # the bootstrap value (last_value, without next_values) enters as the scan's initial carry,
+    # the builder's VARIANT 1, rather than through its alpha at step T-1
+    carries_last: bool = False
 
 
 GAE = Kernel(C.gae_coef, C.gae_store, reverse=True, aux=True)
 LAMBDA_RETURNS = Kernel(C.lambda_returns_coef, C.single_store, reverse=True)
-DISCOUNTED_RETURNS = Kernel(C.discounted_returns_coef, C.single_store, reverse=True)
+DISCOUNTED_RETURNS = Kernel(C.discounted_returns_coef, C.single_store, reverse=True,
+                            carries_last=True)
 VTRACE = Kernel(C.vtrace_coef, C.vtrace_store, reverse=True, exclusive=True, aux=True)
 RETRACE = Kernel(C.retrace_coef, C.retrace_store, reverse=True)
 FORWARD = Kernel(C.forward_coef, C.single_store, reverse=False)
@@ -377,16 +381,19 @@ def plan_value_estimator(kernel: Kernel, n_out: int, tensors: tuple, time_dim: i
 
     def build(ts):
         rewards, values, terminated, truncated, last_value, next_values, *extra = ts
+        carried = kernel.carries_last and last_value is not None and next_values is None
         r = _tm(rewards, time_dim)
         T = r.shape[0]
         ins = [r, _tm(values, time_dim), _tm(terminated, time_dim), _tm(truncated, time_dim),
-               _tm(next_values, time_dim), over_time(last_value, T)]
+               _tm(next_values, time_dim), None if carried else over_time(last_value, T)]
         ins += [_tm(x, time_dim) for x in extra]
         src = [0, 1, 2, 3, 5, 4] + [6 + i for i in range(len(extra))]
-        src = [i if ts[i] is not None else None for i in src]
+        src = [i if ins[k] is not None else None for k, i in enumerate(src)]
         return Launch(kernel, T, tuple(r.shape[1:]), ins, src, tuple(rewards.shape), time_dim,
                       n_out, out_dtype, has_trunc=truncated is not None,
-                      has_next=next_values is not None, has_last=last_value is not None)
+                      has_next=next_values is not None, has_last=ins[5] is not None,
+                      init=last_value if carried else None, init_src=4 if carried else None,
+                      variant=int(carried))
 
     return _plan_with_fallback(build, tensors)
 

@@ -482,10 +482,9 @@ def scan_kernel(
     b1 = b // B2
     b2 = b % B2
     carry = tl.zeros(r.shape, tl.float32)
-    if HAS_INIT:
-        carry = load_value(init, b1 * init_s1 + b2 * init_s2, mask_b)
-
     if WALK:
+        if HAS_INIT:
+            carry = load_value(init, b1 * init_s1 + b2 * init_s2, mask_b)
         for i in range(n_chunks):
             chunk = n_chunks - 1 - i if REVERSE else i
             ts, masks, a_s, bb_s, ea_s, eb_s, auxs, agg_a, agg_b = scan_chunk(
@@ -502,6 +501,12 @@ def scan_kernel(
             ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
             HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, INT64,
             BLOCK_T, BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, WHOLE)
+        if HAS_INIT:
+            # read by the first tile in scan order only, after its scan (not held through it):
+            # a tile after it never reaches the initial carry in its look-back, since the first
+            # tile publishes its outgoing value (a constant map)
+            carry = load_value(init, b1 * init_s1 + b2 * init_s2,
+                               tl.where(order == 0, mask_b, False))
         if LOOKBACK:
             slot = k * BLOCK_B + r
             if order > 0:
