@@ -211,18 +211,21 @@ def test_time_major_reverse_scans_take_16_values_per_thread():
 def test_time_major_tiles_hold_consecutive_steps_per_thread():
     """Sub-tiles: as many as each thread's steps (rows along lanes, 4 per thread), up to
     SUB_TILES_TIME_MAJOR, and at least SUB_TILES_MIN_TIME_MAJOR while each thread keeps 2 rows
-    of a sub-tile (in tiles of 32 steps or more, or V-trace's); none for batch-major or Retrace
-    tiles, nor below 4 rows. GAE's time-major tiles (`aux`) take 1024 values at 8 per thread,
-    as V-trace's, for 4-byte inputs. Measured on the H200 (docs/benchmarks.md): V-trace 19%,
-    lambda-returns and discounted returns 16-19% faster at time-major 16384x1024; at 2 rows GAE
-    75% slower; V-trace 10% and GAE 13% faster again with 4 sub-tiles of 2 rows and GAE's
-    smaller tiles."""
+    of a sub-tile (in tiles of 32 steps or more, or V-trace's), SUB_TILES_MIN_WIDE in tiles of
+    16 rows or more; none for batch-major or Retrace tiles, nor below 4 rows. GAE's time-major
+    tiles (`aux`) take 1024 values at 8 per thread, as V-trace's, for 4-byte inputs. Measured
+    on the H200 (docs/benchmarks.md): V-trace 19%, lambda-returns and discounted returns 16-19%
+    faster at time-major 16384x1024; at 2 rows GAE 75% slower; V-trace 10% and GAE 13% faster
+    again with 4 sub-tiles of 2 rows and GAE's smaller tiles; discounted returns 7% faster
+    with 8 sub-tiles of 2 rows than with 4 of 4, but GAE 23% slower in tiles of 4 rows."""
     def tm(T, B, **kw):
         return config.choose(T, B, time_contiguous=False, device=CPU, **kw)
     lam, fwd = tm(1024, 16384, reverse=True), tm(1024, 16384)
     gae = tm(1024, 16384, reverse=True, aux=True)
     vtrace = tm(1024, 16384, reverse=True, exclusive=True, aux=True)
-    assert (lam.block_t, lam.block_b, lam.num_warps, lam.sub) == (64, 32, 4, 4)
+    assert (lam.block_t, lam.block_b, lam.num_warps, lam.sub) == (64, 32, 4, 8)  # 2 rows each
+    with config.rule(SUB_TILES_WIDE_ROWS=64):
+        assert tm(1024, 16384, reverse=True).sub == 4  # 4 rows each
     assert (fwd.num_warps, fwd.sub) == (2, 8)
     assert (gae.block_t, gae.block_b, gae.num_warps, gae.sub) == (32, 32, 4, 4)  # 2 rows each
     assert (vtrace.block_t, vtrace.num_warps, vtrace.sub) == (32, 4, 4)
@@ -238,7 +241,7 @@ def test_time_major_tiles_hold_consecutive_steps_per_thread():
                          aux=True) == choose(1024, 16384, True)  # batch-major: unchanged
     with config.rule(SUB_TILES_TIME_MAJOR=2):
         assert tm(1024, 16384).sub == 2
-    with config.rule(SUB_TILES_MIN_TIME_MAJOR=1):
+    with config.rule(SUB_TILES_MIN_TIME_MAJOR=1, SUB_TILES_MIN_WIDE=1):
         assert tm(1024, 16384, reverse=True, aux=True).sub == 2
     with config.override(block_t=16, block_b=32, num_warps=4):
         assert tm(1024, 16384).sub == 1  # recomputed for the forced tile: one step per thread

@@ -113,6 +113,13 @@ SUB_TILES_TIME_MAJOR = 8
 # 9.7 -> 8.0; one row per thread (8 sub-tiles) 153. Not in tiles of 16 steps but V-trace's: GAE
 # and discounted returns at 16384x16 and 128x128 0.5-0.9 µs slower (docs/benchmarks.md, log).
 SUB_TILES_MIN_TIME_MAJOR = 4
+# ... and in tiles of at least SUB_TILES_WIDE_ROWS rows, at least SUB_TILES_MIN_WIDE: tiles of 16
+# values per thread as 8 sub-tiles of 2 rows, not 4 of 4 (H200, 16384x1024: discounted returns
+# 57.4 -> 53.3 µs, bfloat16 55.2 -> 49.6, lambda-returns bfloat16 60.6 -> 56.3; 2-8% at the other
+# shapes but GAE bfloat16 16384x1024, 81.9 -> 84.0, and lambda-returns float32 there, 67.3 ->
+# 67.7). Not in the long rows' tiles of 4 rows: 8-23% slower (docs/benchmarks.md, log).
+SUB_TILES_WIDE_ROWS = 16
+SUB_TILES_MIN_WIDE = 8
 # Plans whose tiles divide the problem (T and the rows multiples of the tile) drop their masks
 # (`even`) where that keeps the kernel's occupancy (`ops`, at a plan's first launch); 0 turns
 # that off, for measurements (`python -m rl_triton.bench --rule EVEN_TILES=0`).
@@ -277,10 +284,12 @@ def sub_tiles(cfg: TileConfig, exclusive: bool) -> int:
     sees one value per thread. Rows lie along lanes, up to 4 per thread (`scan_kernel`); tiles
     of fewer values per thread than 4 rows x SUB_TILES_MIN_TIME_MAJOR steps take that many
     sub-tiles all the same, down to 2 rows per thread (with 1, V-trace at 16384x1024 took 13%
-    longer than with 2), but tiles of fewer than 32 steps whose scan is not `exclusive`."""
+    longer than with 2), but tiles of fewer than 32 steps whose scan is not `exclusive`; tiles
+    of at least SUB_TILES_WIDE_ROWS rows likewise up to SUB_TILES_MIN_WIDE sub-tiles."""
     per_thread = cfg.block_t * cfg.block_b // (32 * cfg.num_warps)
     steps = per_thread // min(4, cfg.block_b)
-    least = (min(SUB_TILES_MIN_TIME_MAJOR, per_thread // 2)
+    least = SUB_TILES_MIN_WIDE if cfg.block_b >= SUB_TILES_WIDE_ROWS else SUB_TILES_MIN_TIME_MAJOR
+    least = (min(least, per_thread // 2)
              if exclusive or cfg.block_t >= 2 * MIN_BLOCK_T else 1)
     return max(1, min(SUB_TILES_TIME_MAJOR, max(steps, least), cfg.block_t))
 
