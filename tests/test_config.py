@@ -70,7 +70,8 @@ def test_vtrace_takes_smaller_tiles():
         assert v.block_t * v.block_b == config.TILE_ELEMENTS_SMALL == 1024
         assert g.block_t * g.block_b == config.TILE_ELEMENTS == 2048
         assert (v.num_warps, g.num_warps) == warps  # look-back tiles: 16 values per thread
-    v, g = vtrace(1024, 16384, False), choose(1024, 16384, False)
+    with config.rule(MANY_PROGRAMS_PER_SM=1 << 30):  # a grid of few programs per multiprocessor
+        v, g = vtrace(1024, 16384, False), choose(1024, 16384, False)
     assert v.block_t * v.block_b == 1024 and g.block_t * g.block_b == 2048
     assert v.block_b == g.block_b and (v.num_warps, g.num_warps) == (4, 2)
 
@@ -197,13 +198,18 @@ def test_batch_major_look_back_tiles_take_16_values_per_thread():
 
 def test_time_major_reverse_scans_take_16_values_per_thread():
     """Measured on the H200 (docs/benchmarks.md): time-major reverse scans (forward over steps in
-    decreasing t) 15-23% faster with 16 values per thread than 32; forward scans slower."""
+    decreasing t) 15-23% faster with 16 values per thread than 32; forward scans slower, but in
+    grids of many programs per multiprocessor (eligibility traces 5% faster at 16384x1024)."""
     def tm(T, B, reverse):
         return config.choose(T, B, time_contiguous=False, device=CPU, reverse=reverse)
-    for T, B, warps in [(1024, 16384, 4), (1024, 1024, 2), (4096, 512, 4)]:
+    for T, B, warps, many in [(1024, 16384, 4, True), (1024, 1024, 2, False),
+                              (4096, 512, 4, False)]:
         r, f = tm(T, B, True), tm(T, B, False)
         assert (r.block_t, r.block_b) == (f.block_t, f.block_b)
-        assert (r.num_warps, f.num_warps) == (warps, warps // 2)
+        assert (T // r.block_t * B // r.block_b >= config.MANY_PROGRAMS_PER_SM * 132) == many
+        assert (r.num_warps, f.num_warps) == (warps, warps if many else warps // 2)
+    with config.rule(MANY_PROGRAMS_PER_SM=1 << 30):
+        assert (tm(1024, 16384, True).num_warps, tm(1024, 16384, False).num_warps) == (4, 2)
     bm = config.choose(1024, 16384, time_contiguous=True, device=CPU, reverse=True)
     assert bm == choose(1024, 16384, True)  # batch-major tiles: unchanged
 
@@ -226,7 +232,9 @@ def test_time_major_tiles_hold_consecutive_steps_per_thread():
     assert (lam.block_t, lam.block_b, lam.num_warps, lam.sub) == (64, 32, 4, 8)  # 2 rows each
     with config.rule(SUB_TILES_WIDE_ROWS=64):
         assert tm(1024, 16384, reverse=True).sub == 4  # 4 rows each
-    assert (fwd.num_warps, fwd.sub) == (2, 8)
+    assert (fwd.num_warps, fwd.sub) == (4, 8)  # many programs: 16 per thread, 2 rows each
+    with config.rule(MANY_PROGRAMS_PER_SM=1 << 30):
+        assert (tm(1024, 16384).num_warps, tm(1024, 16384).sub) == (2, 8)  # 32: 4 rows each
     assert (gae.block_t, gae.block_b, gae.num_warps, gae.sub) == (32, 32, 4, 4)  # 2 rows each
     assert (vtrace.block_t, vtrace.num_warps, vtrace.sub) == (32, 4, 4)
     assert tm(128, 128).sub == 2  # 16x16 on one warp: 8 lanes along time, 4 rows each

@@ -63,6 +63,12 @@ ELEMENTS_PER_THREAD_LOOKBACK = 16
 HALF_PRECISION_SCALE = 2
 MANY_PROGRAMS_PER_SM = 32
 ELEMENTS_PER_THREAD_TIME_MAJOR = 32  # time-major forward scans: the scan crosses threads
+# ... but in grids of at least MANY_PROGRAMS_PER_SM programs per multiprocessor, where twice the
+# warps (2 rows per thread in 8 sub-tiles, `sub_tiles`; 64 registers instead of 104) pay: H200,
+# 16384x1024 eligibility traces 48.8 -> 46.5 µs, bfloat16 44.9 -> 42.2; with fewer programs
+# 512x4096 and 64x32768 within 2%, 1024x1024 3-4% and 16x131072 11% slower (docs/benchmarks.md,
+# log).
+ELEMENTS_PER_THREAD_MANY_TIME_MAJOR = 16
 # Time-major reverse scans (run forward over steps in decreasing t, scan.py): 16 values per
 # thread took 15-23% less time than 32 at 16384x1024 and 1024x1024 (GAE 141 -> 108 µs, 19 -> 15);
 # forward scans (eligibility traces) lost 4-10% with 16 (docs/benchmarks.md, log).
@@ -234,6 +240,7 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     # steps) the look-back took 17-30% less time than walking (GAE 154 against 189 µs, V-trace
     # 312 against 381); Retrace's (4096 row tiles of 4 rows x 16 steps x 32 actions) 3% less
     # (1206 against 1243; docs/benchmarks.md, log).
+    many = tiles >= MANY_PROGRAMS_PER_SM * _multiprocessors(device)
     walk_programs = WALK_PROGRAMS_PER_SM_ACTIONS if n_act else WALK_PROGRAMS_PER_SM
     walk = (time_contiguous and T > block_t
             and -(-B // block_b) >= walk_programs * _multiprocessors(device))
@@ -244,7 +251,6 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
         looks_back = T > block_t and not walk
         # 2-byte inputs in grids of many programs per multiprocessor: the same bytes per thread
         # as 4-byte inputs (twice the values), but V-trace's
-        many = tiles >= MANY_PROGRAMS_PER_SM * _multiprocessors(device)
         wider = HALF_PRECISION_SCALE if itemsize <= 2 and many and not exclusive else 1
         per_thread = (ELEMENTS_PER_THREAD_LOOKBACK if looks_back
                       else ELEMENTS_PER_THREAD * wider)
@@ -255,6 +261,7 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
                       else ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR if held
                       else ELEMENTS_PER_THREAD_SMALL_TIME_MAJOR if small
                       else ELEMENTS_PER_THREAD_REVERSE_TIME_MAJOR if reverse
+                      else ELEMENTS_PER_THREAD_MANY_TIME_MAJOR if many
                       else ELEMENTS_PER_THREAD_TIME_MAJOR)
     warps = block_t * block_b * per_step // (32 * per_thread)
     cfg = TileConfig(block_t, block_b, min(MAX_WARPS, _pow2(max(1, warps))), WINDOW, walk)
