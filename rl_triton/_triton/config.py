@@ -17,7 +17,9 @@ split into tiles that run in parallel and find their carries by look-back (`scan
   rows, one word per thread for one-row tiles, of which it reads only the nearest (`depth`);
 - batch-major tiles that look back take `ELEMENTS_PER_THREAD_LOOKBACK` values per thread;
 - batch-major tiles of 2-byte inputs in large grids take twice the values per thread;
-- time-major tiles run as sub-tiles so that each thread holds consecutive steps (`sub_tiles`);
+- time-major forward scans in large grids take half the values per thread (twice the warps);
+- time-major tiles run as sub-tiles so that each thread holds consecutive steps (`sub_tiles`),
+  2 rows per thread in tiles of 16 rows or more;
 - plans whose tiles divide the problem drop their masks where that keeps the occupancy (`even`);
 - when the row tiles alone fill the GPU, a program walks all tiles of its rows (batch-major
   tiles only: time-major tiles look back faster, see `choose`).
