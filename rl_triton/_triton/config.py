@@ -4,9 +4,9 @@ One program scans one tile of `block_t` steps x `block_b` rows; rows longer than
 split into tiles that run in parallel and find their carries by look-back (`scan.py`). The rule:
 - a tile holds about `TILE_ELEMENTS` values (for Retrace, steps x actions in its action block;
   `TILE_ELEMENTS_SMALL` for tiles whose scan also carries the exclusive value, V-trace, for
-  GAE's float32 time-major tiles, whose writer holds values[t] through the scan, and for
-  time-major tiles of at most `MAX_ROWS_NARROW` rows): enough bytes per program to keep the
-  memory system busy, few enough registers per thread;
+  GAE's time-major tiles, whose writer holds values[t] through the scan (bfloat16: in grids
+  of many programs only), and for time-major tiles of at most `MAX_ROWS_NARROW` rows): enough
+  bytes per program to keep the memory system busy, few enough registers per thread;
 - the tile's long side follows the contiguous axis of memory: time for batch-major data
   (`[N, T]`), rows for time-major data (`[T, N]`, at most `MAX_ROWS_TIME_MAJOR` rows, so that
   the scan along time, which crosses threads, stays small);
@@ -82,7 +82,8 @@ ELEMENTS_PER_THREAD_SMALL_TIME_MAJOR = 16  # time-major tiles of TILE_ELEMENTS_S
 # sub-tiles, GAE's time-major tiles of 4-byte inputs too (`choose`, `aux`: its writer holds
 # values[t] through the scan; 96 registers per thread and 31% occupancy at 16 per thread):
 # 16384x1024 110 -> 96 µs, 4096x128 11.9 -> 10.3, 1024x1024 14.9 -> 14.1. bfloat16 GAE lost
-# 7-10% at 512x4096 and 64x32768; lambda-returns (72 registers, 44% occupancy) and the forward
+# 5-10% at 512x4096, 64x32768 and 4096x128, and gained 7% in the grid of many programs,
+# 16384x1024 (93 -> 56 registers; `choose`); lambda-returns (72 registers, 44% occupancy) and the forward
 # scans gained nothing from smaller tiles (docs/benchmarks.md, log).
 ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR = 8
 # ... except at most MAX_ROWS_NARROW rows: 4 values per thread took 15-23% less time at 2, 4 and
@@ -217,6 +218,20 @@ def _tile(T: int, B: int, steps: int, time_contiguous: bool) -> tuple[int, int]:
     return block_t, block_b
 
 
+def _fit(T: int, B: int, elements: int, per_step: int, time_contiguous: bool,
+         device: torch.device) -> tuple[int, int, int]:
+    """The tile of about `elements` values (halved down to MIN_TILE_ELEMENTS until the tiles
+    give MIN_PROGRAMS_PER_SM programs per multiprocessor): block_t, block_b and the tiles."""
+    target = MIN_PROGRAMS_PER_SM * _multiprocessors(device)
+    while True:
+        steps = max(1, elements // per_step)
+        block_t, block_b = _tile(T, B, steps, time_contiguous)
+        tiles = -(-T // block_t) * -(-B // block_b)
+        if tiles >= target or elements // 2 < MIN_TILE_ELEMENTS:
+            return block_t, block_b, tiles
+        elements //= 2
+
+
 def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
            n_act: int = 0, exclusive: bool = False, reverse: bool = False,
            aux: bool = False, itemsize: int = 4) -> TileConfig:
@@ -226,23 +241,24 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     `itemsize` the bytes of a floating-point input."""
     per_step = action_block(n_act) if n_act else 1
     narrow = not time_contiguous and not n_act and B <= MAX_ROWS_NARROW
-    # time-major tiles that hold more than the scan's pair per step: fewer values per thread
-    held = exclusive or (aux and not time_contiguous and not narrow and itemsize >= 4)
+    # time-major tiles that hold more than the scan's pair per step: fewer values per thread;
+    # GAE's tiles of 2-byte inputs only in grids of many programs (below)
+    held = exclusive or (aux and not time_contiguous and not narrow)
     small = held or narrow
     elements = TILE_ELEMENTS_SMALL if small else TILE_ELEMENTS
-    target = MIN_PROGRAMS_PER_SM * _multiprocessors(device)
-    while True:
-        steps = max(1, elements // per_step)
-        block_t, block_b = _tile(T, B, steps, time_contiguous)
-        tiles = -(-T // block_t) * -(-B // block_b)
-        if tiles >= target or elements // 2 < MIN_TILE_ELEMENTS:
-            break
-        elements //= 2
+    block_t, block_b, tiles = _fit(T, B, elements, per_step, time_contiguous, device)
+    many = tiles >= MANY_PROGRAMS_PER_SM * _multiprocessors(device)
+    if held and not exclusive and itemsize < 4 and not many:
+        # bfloat16 GAE in grids of few programs per multiprocessor: 16 values per thread, not
+        # 8 (H200, 512x4096 19.0 against 20.5 µs, 64x32768 19.0 against 20.9, 4096x128 9.5
+        # against 10.0); in grids of many, 8 (16384x1024: 83.1 -> 77.1; docs/benchmarks.md, log)
+        held = small = False
+        block_t, block_b, tiles = _fit(T, B, TILE_ELEMENTS, per_step, time_contiguous, device)
+        many = tiles >= MANY_PROGRAMS_PER_SM * _multiprocessors(device)
     # Time-major tiles do not walk their rows. At 16384x1024 (512 row tiles of 32 rows x 64
     # steps) the look-back took 17-30% less time than walking (GAE 154 against 189 µs, V-trace
     # 312 against 381); Retrace's (4096 row tiles of 4 rows x 16 steps x 32 actions) 3% less
     # (1206 against 1243; docs/benchmarks.md, log).
-    many = tiles >= MANY_PROGRAMS_PER_SM * _multiprocessors(device)
     walk_programs = WALK_PROGRAMS_PER_SM_ACTIONS if n_act else WALK_PROGRAMS_PER_SM
     walk = (time_contiguous and T > block_t
             and -(-B // block_b) >= walk_programs * _multiprocessors(device))
