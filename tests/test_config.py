@@ -25,10 +25,21 @@ def test_tile_follows_the_contiguous_axis():
     assert tm.block_t * tm.block_b <= config.TILE_ELEMENTS
 
 
-def test_retrace_counts_its_action_block():
+def test_retrace_walks_its_actions_in_blocks():
+    """Blocks of 8 actions (2 for 2-byte batch-major inputs), TILE_STEPS_ACTIONS steps x rows
+    per tile, one block of one step per thread: 4 warps. Measured on the H200
+    (docs/benchmarks.md): against one 32-lane block, 6-13% faster at 16384x1024 in float32,
+    22% (bfloat16 batch-major) and 10% (time-major) in bfloat16."""
+    assert config.action_block(18) == config.action_block(18, 2, False) == 8
+    assert config.action_block(18, 2, True) == 2 and config.action_block(18, 4, True) == 8
+    assert config.action_block(5) == 8 and config.action_block(1) == 1
+    for itemsize in (4, 2):
+        for tc in (True, False):
+            r = config.choose(1024, 16384, time_contiguous=tc, device=CPU, n_act=18,
+                              itemsize=itemsize, reverse=True)
+            assert r.block_t * r.block_b == config.TILE_STEPS_ACTIONS == 128
+            assert r.num_warps == 4 and r.sub == 1, (itemsize, tc)
     plain, retrace = choose(4096, 512, True), choose(4096, 512, True, n_act=18)
-    assert config.action_block(18) == 32
-    assert retrace.block_t * retrace.block_b * 32 <= config.TILE_ELEMENTS
     assert retrace.block_t * retrace.block_b < plain.block_t * plain.block_b
 
 
@@ -85,8 +96,8 @@ def test_few_long_time_major_rows_take_smaller_tiles():
         assert c.num_warps == 2
     c = choose(1 << 17, 16, False)
     assert c.block_b == 16 and c.block_t * c.block_b == 2048 and c.num_warps == 2
-    r = choose(1 << 20, 4, False, n_act=18)  # Retrace's keep 2048 values (steps x actions)
-    assert r.block_t * r.block_b * config.action_block(18) == config.TILE_ELEMENTS == 2048
+    r = choose(1 << 20, 4, False, n_act=18)  # Retrace's keep their steps x rows
+    assert r.block_t * r.block_b == config.TILE_STEPS_ACTIONS
 
 
 def test_vtrace_narrow_time_major_tiles_take_fewer_values_per_thread():
@@ -99,14 +110,6 @@ def test_vtrace_narrow_time_major_tiles_take_fewer_values_per_thread():
         assert c.block_t * c.block_b == 1024 and c.num_warps == 1024 // (32 * per_thread)
     assert vtrace(1 << 17, 16).num_warps == 1024 // (32 * 8)
     assert vtrace(1024, 16384).num_warps == 4
-
-
-def test_retrace_time_major_takes_more_warps():
-    """Measured on the H200 (docs/benchmarks.md): 4 warps for time-major Retrace tiles of 2048
-    values, 2 for batch-major ones."""
-    bm, tm = choose(1024, 1024, True, n_act=18), choose(1024, 1024, False, n_act=18)
-    assert bm.block_t * bm.block_b == tm.block_t * tm.block_b
-    assert (bm.num_warps, tm.num_warps) == (2, 4)
 
 
 def test_programs_walk_their_rows_when_row_tiles_fill_the_gpu():
@@ -127,10 +130,10 @@ def test_time_major_tiles_look_back_rather_than_walk():
 
 
 def test_retrace_walks_only_when_its_row_tiles_far_exceed_the_gpu():
-    """Retrace's batch-major programs have 2 warps: walking beat the look-back at 16384 rows
-    (124 per multiprocessor), lost at 512, 1024 and 4096 (H200, docs/benchmarks.md)."""
+    """Walking beat the look-back at 16384 rows (124 per multiprocessor), lost at 512, 1024
+    and 4096 (H200, docs/benchmarks.md)."""
     assert choose(1024, 16384, True, n_act=18).walk
-    for T, B in [(4096, 512), (1024, 1024), (128, 4096)]:
+    for T, B in [(4096, 512), (1024, 1024), (256, 4096)]:
         c = choose(T, B, True, n_act=18)
         assert c.chunks(T) > 1 and not c.walk
     assert choose(4096, 512, True).walk  # the other estimators' threshold is lower

@@ -2,7 +2,8 @@
 
 One program scans one tile of `block_t` steps x `block_b` rows; rows longer than a tile are
 split into tiles that run in parallel and find their carries by look-back (`scan.py`). The rule:
-- a tile holds about `TILE_ELEMENTS` values (for Retrace, steps x actions in its action block;
+- a tile holds about `TILE_ELEMENTS` values (Retrace's `TILE_STEPS_ACTIONS` steps x rows, each
+  step's actions walked in blocks, `action_block`;
   `TILE_ELEMENTS_SMALL` for tiles whose scan also carries the exclusive value, V-trace, for
   GAE's time-major tiles, whose writer holds values[t] through the scan (bfloat16: in grids
   of many programs only), and for time-major tiles of at most `MAX_ROWS_NARROW` rows): enough
@@ -46,7 +47,18 @@ TILE_ELEMENTS_SMALL = 1024
 MAX_ROWS_NARROW = 8
 MIN_TILE_ELEMENTS = 256
 MIN_PROGRAMS_PER_SM = 4
-MAX_ACTION_BLOCK = 32  # Retrace walks the action axis in blocks of at most this many actions
+# Retrace walks the action axis in blocks of at most MAX_ACTION_BLOCK actions (unrolled; each
+# thread sums its steps' actions in registers across blocks), MAX_ACTION_BLOCK_HALF_PRECISION
+# for 2-byte inputs in batch-major tiles, and its tiles hold TILE_STEPS_ACTIONS steps x rows,
+# each thread up to ELEMENTS_PER_THREAD_ACTIONS values of a block (4 warps). Against one block of
+# 32 lanes for 18 actions (14 masked) and 2048 values per tile, H200 device µs at 16384x1024:
+# blocks of 8, float32 batch-major 848 -> 794, time-major 1085 -> 949, bfloat16 time-major 863
+# -> 776; blocks of 2 (one step's pair per thread), bfloat16 batch-major 531 -> 413 (blocks of 8:
+# 435; float32 with blocks of 2: 1006). Time-major 16384x16 7-14% slower (26.7 -> 28.7, bfloat16
+# 20.0 -> 22.8), every other cell measured faster or within 3% (docs/benchmarks.md, log).
+MAX_ACTION_BLOCK = 8
+MAX_ACTION_BLOCK_HALF_PRECISION = 2
+TILE_STEPS_ACTIONS = 128
 MIN_BLOCK_T = 16
 MAX_ROWS_TIME_MAJOR = 32
 ELEMENTS_PER_THREAD = 8  # batch-major tiles: the scan runs along each thread's own values
@@ -94,8 +106,7 @@ ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_TIME_MAJOR = 4
 # sub-tiles: 8 per thread (4x1048576: 61.9 -> 53.3 µs, 8 rows 59.1 -> 49.2; with 4 per thread
 # 67.6 and 66.3; docs/benchmarks.md, log).
 ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_VECTOR_TIME_MAJOR = 8
-ELEMENTS_PER_THREAD_ACTIONS = 32  # Retrace, batch-major: steps x actions; more warps were slower
-ELEMENTS_PER_THREAD_ACTIONS_TIME_MAJOR = 16  # Retrace, time-major: here 4 warps beat 2
+ELEMENTS_PER_THREAD_ACTIONS = 8
 MAX_WARPS = 8
 WINDOW = 16  # tiles read per step of the look-back: in the interpreter; on a GPU see `window`
 # Look-back windows of one word per thread (one-row tiles) read only their DEPTH_WIDE nearest
@@ -104,8 +115,8 @@ WINDOW = 16  # tiles read per step of the look-back: in the interpreter; on a GP
 DEPTH_WIDE = 1
 # A batch-major program walks all tiles of its rows (passing the carry in registers, no
 # look-back) when its rows' tiles alone give WALK_PROGRAMS_PER_SM programs per multiprocessor;
-# Retrace's (2 warps each) WALK_PROGRAMS_PER_SM_ACTIONS. Retrace at 16384x1024 (124 row tiles
-# per multiprocessor): walking 3% faster; at 4096x128, 1024x1024 and 512x4096 (31, 8 and 4 per
+# Retrace's WALK_PROGRAMS_PER_SM_ACTIONS. Retrace at 16384x1024 (124 row tiles of 2 warps per
+# multiprocessor, with the action blocks of 32 lanes of before): walking 3% faster; at 4096x128, 1024x1024 and 512x4096 (31, 8 and 4 per
 # multiprocessor) the look-back 6%, 7% and 35% (H200; docs/benchmarks.md, log).
 WALK_PROGRAMS_PER_SM = 2
 WALK_PROGRAMS_PER_SM_ACTIONS = 64
@@ -203,9 +214,11 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def action_block(n_act: int) -> int:
-    """Actions loaded at once along Retrace's action axis."""
-    return min(_pow2(n_act), MAX_ACTION_BLOCK)
+def action_block(n_act: int, itemsize: int = 4, time_contiguous: bool = False) -> int:
+    """Actions loaded at once along Retrace's action axis (`coefficients.retrace_coef`)."""
+    most = (MAX_ACTION_BLOCK_HALF_PRECISION if itemsize <= 2 and time_contiguous
+            else MAX_ACTION_BLOCK)
+    return min(_pow2(n_act), most)
 
 
 def _tile(T: int, B: int, steps: int, time_contiguous: bool) -> tuple[int, int]:
@@ -239,13 +252,14 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     scans that also carry the exclusive value (V-trace), `reverse` for reverse scans, `aux` for
     writers that take per-step values of the builder (held in registers through the scan),
     `itemsize` the bytes of a floating-point input."""
-    per_step = action_block(n_act) if n_act else 1
+    per_step = action_block(n_act, itemsize, time_contiguous) if n_act else 1
     narrow = not time_contiguous and not n_act and B <= MAX_ROWS_NARROW
     # time-major tiles that hold more than the scan's pair per step: fewer values per thread;
     # GAE's tiles of 2-byte inputs only in grids of many programs (below)
     held = exclusive or (aux and not time_contiguous and not narrow)
     small = held or narrow
-    elements = TILE_ELEMENTS_SMALL if small else TILE_ELEMENTS
+    elements = (TILE_STEPS_ACTIONS * per_step if n_act
+                else TILE_ELEMENTS_SMALL if small else TILE_ELEMENTS)
     block_t, block_b, tiles = _fit(T, B, elements, per_step, time_contiguous, device)
     many = tiles >= MANY_PROGRAMS_PER_SM * _multiprocessors(device)
     if held and not exclusive and itemsize < 4 and not many:
@@ -263,8 +277,7 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     walk = (time_contiguous and T > block_t
             and -(-B // block_b) >= walk_programs * _multiprocessors(device))
     if n_act:
-        per_thread = (ELEMENTS_PER_THREAD_ACTIONS if time_contiguous
-                      else ELEMENTS_PER_THREAD_ACTIONS_TIME_MAJOR)
+        per_thread = min(ELEMENTS_PER_THREAD_ACTIONS, per_step)
     elif time_contiguous:
         looks_back = T > block_t and not walk
         # 2-byte inputs in grids of many programs per multiprocessor: the same bytes per thread

@@ -161,11 +161,11 @@ class Launch:
                       + [_extent(v) for v in present])
         first = flat[0]
         time_contiguous = first.stride(0) == 1 and T > 1
+        itemsize = max([x.element_size() for x in flat if x is not None
+                        and x.is_floating_point()] or [4])
         cfg = config.choose(T, self.B, time_contiguous=time_contiguous, device=device,
                             n_act=n_act if action_slots else 0, exclusive=kernel.exclusive,
-                            reverse=kernel.reverse, aux=kernel.aux,
-                            itemsize=max([x.element_size() for x in flat if x is not None
-                                          and x.is_floating_point()] or [4]))
+                            reverse=kernel.reverse, aux=kernel.aux, itemsize=itemsize)
         n_chunks = cfg.chunks(T)
         n_row_tiles = triton.cdiv(self.B, cfg.block_b)
         self.lookback = n_chunks > 1 and not cfg.walk
@@ -177,7 +177,8 @@ class Launch:
         self.init_strides = ((stride1[id(init_view)], stride2[id(init_view)])
                              if init_view is not None else (0, 0))
         self.ints = (T, self.B, B2, n_act, n_row_tiles, n_chunks)
-        block_a = config.action_block(n_act)  # Retrace's action axis, in blocks of block_a
+        # Retrace's action axis, in blocks of block_a
+        block_a = config.action_block(n_act, itemsize, time_contiguous)
         self.meta = dict(COEF=kernel.coef, STORE=kernel.store, REVERSE=kernel.reverse,
                          EXCLUSIVE=kernel.exclusive, HAS_TRUNC=has_trunc, HAS_NEXT=has_next,
                          HAS_LAST=has_last, HAS_INIT=init is not None, VARIANT=variant,
@@ -186,7 +187,8 @@ class Launch:
                          INT64=largest > INT32_MAX or self.state_size > INT32_MAX,
                          BLOCK_T=cfg.block_t, BLOCK_B=cfg.block_b,
                          BLOCK_A=block_a, ACT_BLOCKS=triton.cdiv(n_act, block_a),
-                         ACT_VEC=action_vector([ins[i] for i in action_slots], n_act),
+                         ACT_VEC=min(block_a, action_vector([ins[i] for i in action_slots],
+                                                            n_act)),
                          ROW_VEC=(row_vector(present, self.B, B2) if config.vector_rows(
                              self.B, time_contiguous, bool(action_slots)) else 1),
                          SUB=cfg.sub, EVEN=config.even(T, self.B, cfg),
