@@ -26,10 +26,10 @@ def test_tile_follows_the_contiguous_axis():
 
 
 def test_retrace_walks_its_actions_in_blocks():
-    """Blocks of 8 actions (2 for 2-byte batch-major inputs), TILE_STEPS_ACTIONS steps x rows
-    per tile, one block of one step per thread: 4 warps. Measured on the H200
-    (docs/benchmarks.md): against one 32-lane block, 6-13% faster at 16384x1024 in float32,
-    22% (bfloat16 batch-major) and 10% (time-major) in bfloat16."""
+    """Blocks of 8 actions (2 for 2-byte batch-major inputs), 128 steps x rows per tile (256
+    time-major), one block of one step per thread: 4 warps (8 time-major). Measured on the H200
+    (docs/benchmarks.md): against one 32-lane block, 7-17% faster at 16384x1024 in float32,
+    23% (bfloat16 batch-major) and 14% (time-major) in bfloat16."""
     assert config.action_block(18) == config.action_block(18, 2, False) == 8
     assert config.action_block(18, 2, True) == 2 and config.action_block(18, 4, True) == 8
     assert config.action_block(5) == 8 and config.action_block(1) == 1
@@ -37,8 +37,8 @@ def test_retrace_walks_its_actions_in_blocks():
         for tc in (True, False):
             r = config.choose(1024, 16384, time_contiguous=tc, device=CPU, n_act=18,
                               itemsize=itemsize, reverse=True)
-            assert r.block_t * r.block_b == config.TILE_STEPS_ACTIONS == 128
-            assert r.num_warps == 4 and r.sub == 1, (itemsize, tc)
+            assert r.block_t * r.block_b == (128 if tc else 256)
+            assert r.num_warps == (4 if tc else 8) and r.sub == 1, (itemsize, tc)
     plain, retrace = choose(4096, 512, True), choose(4096, 512, True, n_act=18)
     assert retrace.block_t * retrace.block_b < plain.block_t * plain.block_b
 
@@ -97,7 +97,7 @@ def test_few_long_time_major_rows_take_smaller_tiles():
     c = choose(1 << 17, 16, False)
     assert c.block_b == 16 and c.block_t * c.block_b == 2048 and c.num_warps == 2
     r = choose(1 << 20, 4, False, n_act=18)  # Retrace's keep their steps x rows
-    assert r.block_t * r.block_b == config.TILE_STEPS_ACTIONS
+    assert r.block_t * r.block_b == config.TILE_STEPS_ACTIONS_TIME_MAJOR
 
 
 def test_vtrace_narrow_time_major_tiles_take_fewer_values_per_thread():

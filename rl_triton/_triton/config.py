@@ -2,7 +2,7 @@
 
 One program scans one tile of `block_t` steps x `block_b` rows; rows longer than a tile are
 split into tiles that run in parallel and find their carries by look-back (`scan.py`). The rule:
-- a tile holds about `TILE_ELEMENTS` values (Retrace's `TILE_STEPS_ACTIONS` steps x rows, each
+- a tile holds about `TILE_ELEMENTS` values (Retrace's `TILE_STEPS_ACTIONS*` steps x rows, each
   step's actions walked in blocks, `action_block`;
   `TILE_ELEMENTS_SMALL` for tiles whose scan also carries the exclusive value, V-trace, for
   GAE's time-major tiles, whose writer holds values[t] through the scan (bfloat16: in grids
@@ -49,16 +49,20 @@ MIN_TILE_ELEMENTS = 256
 MIN_PROGRAMS_PER_SM = 4
 # Retrace walks the action axis in blocks of at most MAX_ACTION_BLOCK actions (unrolled; each
 # thread sums its steps' actions in registers across blocks), MAX_ACTION_BLOCK_HALF_PRECISION
-# for 2-byte inputs in batch-major tiles, and its tiles hold TILE_STEPS_ACTIONS steps x rows,
-# each thread up to ELEMENTS_PER_THREAD_ACTIONS values of a block (4 warps). Against one block of
+# for 2-byte inputs in batch-major tiles, and its tiles hold TILE_STEPS_ACTIONS steps x rows
+# (TILE_STEPS_ACTIONS_TIME_MAJOR time-major), each thread up to ELEMENTS_PER_THREAD_ACTIONS
+# values of a block (4 warps batch-major, 8 time-major). Against one block of
 # 32 lanes for 18 actions (14 masked) and 2048 values per tile, H200 device µs at 16384x1024:
 # blocks of 8, float32 batch-major 848 -> 794, time-major 1085 -> 949, bfloat16 time-major 863
 # -> 776; blocks of 2 (one step's pair per thread), bfloat16 batch-major 531 -> 413 (blocks of 8:
 # 435; float32 with blocks of 2: 1006). Time-major 16384x16 7-14% slower (26.7 -> 28.7, bfloat16
-# 20.0 -> 22.8), every other cell measured faster or within 3% (docs/benchmarks.md, log).
+# 20.0 -> 22.8), every other cell measured faster or within 3%. Time-major tiles of 256 steps x
+# rows: 16384x1024 946 -> 905 µs (bfloat16 780 -> 748), 1024x1024 82 -> 78, 4x1048576 bfloat16
+# 167 -> 176; batch-major ones 6% slower at 16384x1024 (docs/benchmarks.md, log).
 MAX_ACTION_BLOCK = 8
 MAX_ACTION_BLOCK_HALF_PRECISION = 2
 TILE_STEPS_ACTIONS = 128
+TILE_STEPS_ACTIONS_TIME_MAJOR = 256
 MIN_BLOCK_T = 16
 MAX_ROWS_TIME_MAJOR = 32
 ELEMENTS_PER_THREAD = 8  # batch-major tiles: the scan runs along each thread's own values
@@ -258,7 +262,8 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     # GAE's tiles of 2-byte inputs only in grids of many programs (below)
     held = exclusive or (aux and not time_contiguous and not narrow)
     small = held or narrow
-    elements = (TILE_STEPS_ACTIONS * per_step if n_act
+    steps_actions = TILE_STEPS_ACTIONS if time_contiguous else TILE_STEPS_ACTIONS_TIME_MAJOR
+    elements = (steps_actions * per_step if n_act
                 else TILE_ELEMENTS_SMALL if small else TILE_ELEMENTS)
     block_t, block_b, tiles = _fit(T, B, elements, per_step, time_contiguous, device)
     many = tiles >= MANY_PROGRAMS_PER_SM * _multiprocessors(device)
