@@ -28,8 +28,8 @@ def test_tile_follows_the_contiguous_axis():
 def test_retrace_walks_its_actions_in_blocks():
     """Blocks of 8 actions (2 for 2-byte batch-major inputs), 128 steps x rows per tile (256
     time-major), one block of one step per thread: 4 warps (8 time-major). Measured on the H200
-    (docs/benchmarks.md): against one 32-lane block, 7-17% faster at 16384x1024 in float32,
-    23% (bfloat16 batch-major) and 14% (time-major) in bfloat16."""
+    (docs/benchmarks.md): against one 32-lane block, 6-16% faster at 16384x1024 in float32,
+    22% (bfloat16 batch-major) and 14% (time-major) in bfloat16."""
     assert config.action_block(18) == config.action_block(18, 2, False) == 8
     assert config.action_block(18, 2, True) == 2 and config.action_block(18, 4, True) == 8
     assert config.action_block(5) == 8 and config.action_block(1) == 1

@@ -51,14 +51,16 @@ MIN_PROGRAMS_PER_SM = 4
 # thread sums its steps' actions in registers across blocks), MAX_ACTION_BLOCK_HALF_PRECISION
 # for 2-byte inputs in batch-major tiles, and its tiles hold TILE_STEPS_ACTIONS steps x rows
 # (TILE_STEPS_ACTIONS_TIME_MAJOR time-major), each thread up to ELEMENTS_PER_THREAD_ACTIONS
-# values of a block (4 warps batch-major, 8 time-major). Against one block of
-# 32 lanes for 18 actions (14 masked) and 2048 values per tile, H200 device µs at 16384x1024:
+# values of a block (4 warps batch-major, 8 time-major). Against one block of 32 lanes for 18
+# actions (14 masked) and 2048 values per tile, H200 device µs at 16384x1024:
 # blocks of 8, float32 batch-major 848 -> 794, time-major 1085 -> 949, bfloat16 time-major 863
 # -> 776; blocks of 2 (one step's pair per thread), bfloat16 batch-major 531 -> 413 (blocks of 8:
 # 435; float32 with blocks of 2: 1006). Time-major 16384x16 7-14% slower (26.7 -> 28.7, bfloat16
-# 20.0 -> 22.8), every other cell measured faster or within 3%. Time-major tiles of 256 steps x
+# 20.0 -> 22.8), the other cells measured faster or within 3%. Time-major tiles of 256 steps x
 # rows: 16384x1024 946 -> 905 µs (bfloat16 780 -> 748), 1024x1024 82 -> 78, 4x1048576 bfloat16
-# 167 -> 176; batch-major ones 6% slower at 16384x1024 (docs/benchmarks.md, log).
+# 167 -> 176; batch-major ones 6% slower at 16384x1024. In the grid, against the old rule:
+# slower at 16384x16 time-major (7-11%), 128x128 batch-major float32 (8.6 -> 9.1 µs) and
+# 4096x128 time-major float32 (3%) (docs/benchmarks.md, log).
 MAX_ACTION_BLOCK = 8
 MAX_ACTION_BLOCK_HALF_PRECISION = 2
 TILE_STEPS_ACTIONS = 128
@@ -99,8 +101,8 @@ ELEMENTS_PER_THREAD_SMALL_TIME_MAJOR = 16  # time-major tiles of TILE_ELEMENTS_S
 # values[t] through the scan; 96 registers per thread and 31% occupancy at 16 per thread):
 # 16384x1024 110 -> 96 µs, 4096x128 11.9 -> 10.3, 1024x1024 14.9 -> 14.1. bfloat16 GAE lost
 # 5-10% at 512x4096, 64x32768 and 4096x128, and gained 7% in the grid of many programs,
-# 16384x1024 (93 -> 56 registers; `choose`); lambda-returns (72 registers, 44% occupancy) and the forward
-# scans gained nothing from smaller tiles (docs/benchmarks.md, log).
+# 16384x1024 (93 -> 56 registers; `choose`); lambda-returns (72 registers, 44% occupancy) and
+# the forward scans gained nothing from smaller tiles (docs/benchmarks.md, log).
 ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR = 8
 # ... except at most MAX_ROWS_NARROW rows: 4 values per thread took 15-23% less time at 2, 4 and
 # 8 rows (4x1048576: 77.7 -> 61.3 µs), 2% more at 16 rows and 14% more at 16384x1024; the other
@@ -120,8 +122,9 @@ DEPTH_WIDE = 1
 # A batch-major program walks all tiles of its rows (passing the carry in registers, no
 # look-back) when its rows' tiles alone give WALK_PROGRAMS_PER_SM programs per multiprocessor;
 # Retrace's WALK_PROGRAMS_PER_SM_ACTIONS. Retrace at 16384x1024 (124 row tiles of 2 warps per
-# multiprocessor, with the action blocks of 32 lanes of before): walking 3% faster; at 4096x128, 1024x1024 and 512x4096 (31, 8 and 4 per
-# multiprocessor) the look-back 6%, 7% and 35% (H200; docs/benchmarks.md, log).
+# multiprocessor, with the 32-lane action blocks of the time): walking 3% faster; at 4096x128,
+# 1024x1024 and 512x4096 (31, 8 and 4 per multiprocessor) the look-back 6%, 7% and 35% (H200;
+# docs/benchmarks.md, log).
 WALK_PROGRAMS_PER_SM = 2
 WALK_PROGRAMS_PER_SM_ACTIONS = 64
 # Time-major tiles of at least 4 rows, but Retrace's, run as sub-tiles of one step per thread
