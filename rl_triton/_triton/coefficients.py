@@ -160,22 +160,33 @@ def retrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, param
     # the mask is constant over groups of ACT_VEC actions: ACT_VEC actions per vector load. 18
     # float32 actions in pairs: 201 -> 105 shuffles, 96 -> 80 registers (sm_90, batch-major),
     # 1016 -> 862 µs at 16384x1024 (H200; bfloat16 920 -> 530).
-    q_row = offsets(t + 1, b1, b2, st[RT_Q], s1[RT_Q], s2[RT_Q])
-    pi_row = offsets(t + 1, b1, b2, st[RT_PI], s1[RT_PI], s2[RT_PI])
+    # These loads run on the transposed tile. Their addresses are contiguous along neither axis
+    # of the tile (a row of actions lies between two steps, or two rows, that are neighbours in
+    # memory), and Triton lays lanes along the first of equally contiguous axes: on the
+    # transposed tile that is the tile's last axis, which follows memory (`scan_kernel`), so a
+    # warp's loads cover neighbouring rows of actions. On the tile itself lanes ran along the
+    # strided axis, and the gathers' addresses crossed the threads through shared memory:
+    # H200, time-major 16384x1024 906 -> 703 µs (bfloat16 747 -> 564), 16384x16 28.3 -> 25.3,
+    # batch-major 16384x16 30.6 -> 23.4 (docs/benchmarks.md, log).
+    q_row = tl.trans(offsets(t + 1, b1, b2, st[RT_Q], s1[RT_Q], s2[RT_Q]))
+    pi_row = tl.trans(offsets(t + 1, b1, b2, st[RT_PI], s1[RT_PI], s2[RT_PI]))
+    inside_tr = tl.trans(inside)
     if ACT_VEC > 1:
         q_row = q_row // ACT_VEC * ACT_VEC
         pi_row = pi_row // ACT_VEC * ACT_VEC
-    expected = tl.zeros(mask.shape, tl.float32)
+    expected = tl.zeros(inside_tr.shape, tl.float32)
     for k in tl.static_range(ACT_BLOCKS):
         a = k * BLOCK_A + tl.arange(0, BLOCK_A)[None, None, :]
-        in_a = tl.max_constancy(inside[:, :, None] & (a < n_act), [1, 1, ACT_VEC])
+        in_a = tl.max_constancy(inside_tr[:, :, None] & (a < n_act), [1, 1, ACT_VEC])
         q = load_value(ins[RT_Q], q_row[:, :, None] + a * sa[RT_Q], in_a)
         p = load_value(ins[RT_PI], pi_row[:, :, None] + a * sa[RT_PI], in_a)
         expected += tl.sum(q * p, axis=2)
+    expected = tl.trans(expected)
     a_next = tl.load(ins[RT_ACT] + offsets(t + 1, b1, b2, st[RT_ACT], s1[RT_ACT], s2[RT_ACT]),
                      mask=inside, other=0)
-    q_a_next = load_value(ins[RT_Q], q_row + a_next * sa[RT_Q], inside)
-    pi_a_next = load_value(ins[RT_PI], pi_row + a_next * sa[RT_PI], inside)
+    a_next = tl.trans(a_next)
+    q_a_next = tl.trans(load_value(ins[RT_Q], q_row + a_next * sa[RT_Q], inside_tr))
+    pi_a_next = tl.trans(load_value(ins[RT_PI], pi_row + a_next * sa[RT_PI], inside_tr))
     mu_next = tl.where(inside, load_step(ins, st, s1, s2, RT_MU, t + 1, b1, b2, inside), 1.0)
     c_next = lam * tl.minimum(pi_a_next / mu_next, c_clip)
 
@@ -201,8 +212,9 @@ def retrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, param
     if VARIANT == 1:  # also return G - Q(s_t, a_t)
         a_t = tl.load(ins[RT_ACT] + offsets(t, b1, b2, st[RT_ACT], s1[RT_ACT], s2[RT_ACT]),
                       mask=mask, other=0)
-        q_a = load_value(ins[RT_Q], offsets(t, b1, b2, st[RT_Q], s1[RT_Q], s2[RT_Q])
-                         + a_t * sa[RT_Q], mask)
+        q_a = tl.trans(load_value(ins[RT_Q], tl.trans(offsets(t, b1, b2, st[RT_Q], s1[RT_Q],
+                                                               s2[RT_Q]) + a_t * sa[RT_Q]),
+                                  tl.trans(mask)))
     return alpha, beta, q_a
 
 
