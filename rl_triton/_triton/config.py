@@ -49,7 +49,7 @@ MIN_TILE_ELEMENTS = 256
 MIN_PROGRAMS_PER_SM = 4
 # Retrace walks the action axis in blocks of at most MAX_ACTION_BLOCK actions (unrolled; each
 # thread sums its steps' actions in registers across blocks), MAX_ACTION_BLOCK_HALF_PRECISION
-# for 2-byte inputs in batch-major tiles, and its tiles hold TILE_STEPS_ACTIONS steps x rows
+# for 2-byte inputs, and its tiles hold TILE_STEPS_ACTIONS steps x rows
 # (TILE_STEPS_ACTIONS_TIME_MAJOR time-major), each thread up to ELEMENTS_PER_THREAD_ACTIONS
 # values of a block (4 warps batch-major, 8 time-major). Against one block of 32 lanes for 18
 # actions (14 masked) and 2048 values per tile, H200 device µs at 16384x1024:
@@ -60,7 +60,10 @@ MIN_PROGRAMS_PER_SM = 4
 # rows: 16384x1024 946 -> 905 µs (bfloat16 780 -> 748), 1024x1024 82 -> 78, 4x1048576 bfloat16
 # 167 -> 176; batch-major ones 6% slower at 16384x1024. In the grid, against the old rule:
 # slower at 16384x16 time-major (7-11%), 128x128 batch-major float32 (8.6 -> 9.1 µs) and
-# 4096x128 time-major float32 (3%) (docs/benchmarks.md, log).
+# 4096x128 time-major float32 (3%). Since the action loads run on the transposed tile
+# (`coefficients.retrace_coef`), bfloat16 time-major takes blocks of 2 as well: 16384x1024 564
+# -> 455 µs, 16x131072 93 -> 75, 1024x1024 50 -> 45, 4096x128 30 -> 27, 16384x16 unchanged;
+# float32 there lost 17-41% with blocks of 2 (docs/benchmarks.md, log).
 MAX_ACTION_BLOCK = 8
 MAX_ACTION_BLOCK_HALF_PRECISION = 2
 TILE_STEPS_ACTIONS = 128
@@ -221,10 +224,9 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def action_block(n_act: int, itemsize: int = 4, time_contiguous: bool = False) -> int:
+def action_block(n_act: int, itemsize: int = 4) -> int:
     """Actions loaded at once along Retrace's action axis (`coefficients.retrace_coef`)."""
-    most = (MAX_ACTION_BLOCK_HALF_PRECISION if itemsize <= 2 and time_contiguous
-            else MAX_ACTION_BLOCK)
+    most = MAX_ACTION_BLOCK_HALF_PRECISION if itemsize <= 2 else MAX_ACTION_BLOCK
     return min(_pow2(n_act), most)
 
 
@@ -259,7 +261,7 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     scans that also carry the exclusive value (V-trace), `reverse` for reverse scans, `aux` for
     writers that take per-step values of the builder (held in registers through the scan),
     `itemsize` the bytes of a floating-point input."""
-    per_step = action_block(n_act, itemsize, time_contiguous) if n_act else 1
+    per_step = action_block(n_act, itemsize) if n_act else 1
     narrow = not time_contiguous and not n_act and B <= MAX_ROWS_NARROW
     # time-major tiles that hold more than the scan's pair per step: fewer values per thread;
     # GAE's tiles of 2-byte inputs only in grids of many programs (below)

@@ -178,7 +178,7 @@ class Launch:
                              if init_view is not None else (0, 0))
         self.ints = (T, self.B, B2, n_act, n_row_tiles, n_chunks)
         # Retrace's action axis, in blocks of block_a
-        block_a = config.action_block(n_act, itemsize, time_contiguous)
+        block_a = config.action_block(n_act, itemsize)
         self.meta = dict(COEF=kernel.coef, STORE=kernel.store, REVERSE=kernel.reverse,
                          EXCLUSIVE=kernel.exclusive, HAS_TRUNC=has_trunc, HAS_NEXT=has_next,
                          HAS_LAST=has_last, HAS_INIT=init is not None, VARIANT=variant,
