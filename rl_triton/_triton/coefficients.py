@@ -166,8 +166,8 @@ def retrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, param
     # transposed tile that is the tile's last axis, which follows memory (`scan_kernel`), so a
     # warp's loads cover neighbouring rows of actions. On the tile itself lanes ran along the
     # strided axis, and the gathers' addresses crossed the threads through shared memory:
-    # H200, time-major 16384x1024 906 -> 703 µs (bfloat16 747 -> 564), 16384x16 28.3 -> 25.3,
-    # batch-major 16384x16 30.6 -> 23.4 (docs/benchmarks.md, log).
+    # H200, time-major 16384x1024 906 -> 703 µs (bfloat16 747 -> 564), 16384x16 28.1 -> 25.3,
+    # batch-major 16384x16 30.5 -> 23.4 (docs/benchmarks.md, log).
     q_row = tl.trans(offsets(t + 1, b1, b2, st[RT_Q], s1[RT_Q], s2[RT_Q]))
     pi_row = tl.trans(offsets(t + 1, b1, b2, st[RT_PI], s1[RT_PI], s2[RT_PI]))
     inside_tr = tl.trans(inside)

@@ -63,7 +63,7 @@ MIN_PROGRAMS_PER_SM = 4
 # 4096x128 time-major float32 (3%). Since the action loads run on the transposed tile
 # (`coefficients.retrace_coef`), bfloat16 time-major takes blocks of 2 as well: 16384x1024 564
 # -> 455 µs, 16x131072 93 -> 75, 1024x1024 50 -> 45, 4096x128 30 -> 27, 16384x16 unchanged;
-# float32 there lost 17-41% with blocks of 2 (docs/benchmarks.md, log).
+# float32 there lost 20-41% with blocks of 2 (docs/benchmarks.md, log).
 MAX_ACTION_BLOCK = 8
 MAX_ACTION_BLOCK_HALF_PRECISION = 2
 TILE_STEPS_ACTIONS = 128
