@@ -52,15 +52,15 @@ MIN_PROGRAMS_PER_SM = 4
 # for 2-byte inputs, and its tiles hold TILE_STEPS_ACTIONS steps x rows
 # (TILE_STEPS_ACTIONS_TIME_MAJOR time-major), each thread up to ELEMENTS_PER_THREAD_ACTIONS
 # values of a block (4 warps batch-major, 8 time-major). Against one block of 32 lanes for 18
-# actions (14 masked) and 2048 values per tile, H200 device µs at 16384x1024:
-# blocks of 8, float32 batch-major 848 -> 794, time-major 1085 -> 949, bfloat16 time-major 863
-# -> 776; blocks of 2 (one step's pair per thread), bfloat16 batch-major 531 -> 413 (blocks of 8:
-# 435; float32 with blocks of 2: 1006). Time-major 16384x16 7-14% slower (26.7 -> 28.7, bfloat16
-# 20.0 -> 22.8), the other cells measured faster or within 3%. Time-major tiles of 256 steps x
-# rows: 16384x1024 946 -> 905 µs (bfloat16 780 -> 748), 1024x1024 82 -> 78, 4x1048576 bfloat16
-# 167 -> 176; batch-major ones 6% slower at 16384x1024. In the grid, against the old rule:
-# slower at 16384x16 time-major (7-11%), 128x128 batch-major float32 (8.6 -> 9.1 µs) and
-# 4096x128 time-major float32 (3%). Since the action loads run on the transposed tile
+# actions (14 masked) and 2048 values per tile, H200 device µs at 16384x1024: blocks of 8,
+# float32 batch-major 848 -> 794, time-major 1085 -> 949, bfloat16 time-major 863 -> 776; blocks
+# of 2 (one step's pair per thread), bfloat16 batch-major 531 -> 413 (blocks of 8: 435; float32
+# with blocks of 2: 1006). Time-major 16384x16 7-14% slower (26.7 -> 28.7, bfloat16 20.0 ->
+# 22.8), the other cells measured faster or within 3%. Time-major tiles of 256 steps x rows:
+# 16384x1024 946 -> 905 µs (bfloat16 780 -> 748), 1024x1024 82 -> 78, 4x1048576 bfloat16 167 ->
+# 176; batch-major ones 6% slower at 16384x1024. In the fourteenth session's grid, against the
+# 32-lane rule: slower at 16384x16 time-major (7-11%), 128x128 batch-major float32 (8.6 -> 9.1
+# µs) and 4096x128 time-major float32 (3%). Since the action loads run on the transposed tile
 # (`coefficients.retrace_coef`), bfloat16 time-major takes blocks of 2 as well: 16384x1024 564
 # -> 455 µs, 16x131072 93 -> 75, 1024x1024 50 -> 45, 4096x128 30 -> 27, 16384x16 unchanged;
 # float32 there lost 20-41% with blocks of 2 (docs/benchmarks.md, log).
