@@ -20,7 +20,7 @@ def choose(T, B, time_contiguous, n_act=0):
 def test_tile_follows_the_contiguous_axis():
     bm = choose(4096, 512, time_contiguous=True)  # [N, T]: long side along time
     assert bm.block_t >= 256 and bm.block_t * bm.block_b <= config.TILE_ELEMENTS
-    tm = choose(4096, 512, time_contiguous=False)  # [T, N]: long side along rows, capped
+    tm = choose(1024, 16384, time_contiguous=False)  # [T, N]: long side along rows, capped
     assert tm.block_b == config.MAX_ROWS_TIME_MAJOR
     assert tm.block_t * tm.block_b <= config.TILE_ELEMENTS
 
@@ -109,7 +109,8 @@ def test_vtrace_narrow_time_major_tiles_take_fewer_values_per_thread():
     for B, per_thread in ((2, 4), (3, 4), (4, 8), (8, 8)):
         c = vtrace(1 << 20, B)
         assert c.block_t * c.block_b == 1024 and c.num_warps == 1024 // (32 * per_thread)
-    assert vtrace(1 << 17, 16).num_warps == 1024 // (32 * 8)
+    with config.rule(SPAN_PROGRAMS_PER_SM=0):
+        assert vtrace(1 << 17, 16).num_warps == 1024 // (32 * 8)
     assert vtrace(1024, 16384).num_warps == 4
 
 
@@ -208,7 +209,8 @@ def test_time_major_reverse_scans_take_16_values_per_thread():
         return config.choose(T, B, time_contiguous=False, device=CPU, reverse=reverse)
     for T, B, warps, many in [(1024, 16384, 4, True), (1024, 1024, 2, False),
                               (4096, 512, 4, False)]:
-        r, f = tm(T, B, True), tm(T, B, False)
+        with config.rule(SPAN_PROGRAMS_PER_SM=0):  # the grids of few programs span otherwise
+            r, f = tm(T, B, True), tm(T, B, False)
         assert (r.block_t, r.block_b) == (f.block_t, f.block_b)
         assert (T // r.block_t * B // r.block_b >= config.MANY_PROGRAMS_PER_SM * 132) == many
         assert (r.num_warps, f.num_warps) == (warps, warps if many else warps // 2)
@@ -216,6 +218,35 @@ def test_time_major_reverse_scans_take_16_values_per_thread():
         assert (tm(1024, 16384, True).num_warps, tm(1024, 16384, False).num_warps) == (4, 2)
     bm = config.choose(1024, 16384, time_contiguous=True, device=CPU, reverse=True)
     assert bm == choose(1024, 16384, True)  # batch-major tiles: unchanged
+
+
+def test_time_major_tiles_in_grids_of_few_programs_span_128_steps():
+    """Time-major grids of fewer than SPAN_PROGRAMS_PER_SM programs per multiprocessor (with the
+    tiles of the rest of the rule) take tiles of 128 steps x 16 rows, 32 values per thread (16
+    for GAE), rows halved down to 4 while the tiles are fewer than the multiprocessors. Measured
+    on the H200 (docs/benchmarks.md): 128x128 20-27% faster, 4096x128 8-24%, 1024x1024 up to
+    14%, 512x4096, 64x32768 and 16x131072 up to 14% (V-trace 512x4096 2% slower); at
+    16384x1024 (62 programs per multiprocessor) such tiles were 8-41% slower."""
+    def tm(T, B, **kw):
+        return config.choose(T, B, time_contiguous=False, device=CPU, reverse=True, **kw)
+    for T, B in [(128, 4096), (1024, 1024), (4096, 512), (32768, 64), (131072, 16)]:
+        c, gae = tm(T, B), tm(T, B, aux=True)
+        assert (c.block_t, c.block_b, c.num_warps, c.sub) == (128, 16, 2, 8), (T, B)
+        assert (gae.block_t, gae.block_b, gae.num_warps) == (128, 16, 4), (T, B)
+        assert tm(T, B, exclusive=True, aux=True) == c  # V-trace: 32 per thread as well
+        assert tm(T, B, itemsize=2, aux=True) == gae
+        with config.rule(SPAN_PROGRAMS_PER_SM=0):  # rows first, up to 32
+            assert tm(T, B).block_b == min(B, 32) and tm(T, B) != c
+    c = tm(128, 128)  # 8 tiles of 16 rows < 132 multiprocessors: 32 tiles of 4 rows
+    assert (c.block_t, c.block_b, c.num_warps, c.sub, c.chunks(128)) == (128, 4, 1, 4, 1)
+    assert tm(100, 7) == tm(100, 7, aux=True) != tm(128, 128)  # narrow: the rule above
+    assert (tm(16, 16384).block_t, tm(16, 16384).block_b) == (16, 16)  # as before
+    for T, B in [(1024, 16384), (1 << 20, 4)]:  # many programs; narrow rows
+        with config.rule(SPAN_PROGRAMS_PER_SM=0):
+            old = tm(T, B), tm(T, B, aux=True)
+        assert (tm(T, B), tm(T, B, aux=True)) == old
+    assert tm(128, 4096, n_act=18).block_t * tm(128, 4096, n_act=18).block_b == 256  # Retrace
+    assert config.choose(128, 4096, time_contiguous=True, device=CPU).block_t == 128  # [N, T]
 
 
 def test_time_major_tiles_hold_consecutive_steps_per_thread():
@@ -241,8 +272,9 @@ def test_time_major_tiles_hold_consecutive_steps_per_thread():
         assert (tm(1024, 16384).num_warps, tm(1024, 16384).sub) == (2, 8)  # 32: 4 rows each
     assert (gae.block_t, gae.block_b, gae.num_warps, gae.sub) == (32, 32, 4, 4)  # 2 rows each
     assert (vtrace.block_t, vtrace.num_warps, vtrace.sub) == (32, 4, 4)
-    assert tm(128, 128).sub == 2  # 16x16 on one warp: 8 lanes along time, 4 rows each
-    assert tm(128, 128, reverse=True, exclusive=True).sub == 4  # V-trace's: 2 rows each
+    with config.rule(SPAN_PROGRAMS_PER_SM=0):  # 128x128 spans otherwise (128 x 4, 4 sub-tiles)
+        assert tm(128, 128).sub == 2  # 16x16 on one warp: 8 lanes along time, 4 rows each
+        assert tm(128, 128, reverse=True, exclusive=True).sub == 4  # V-trace's: 2 rows each
     assert tm(1 << 20, 4, reverse=True).sub == 4  # 256 x 4 on 2 warps
     assert tm(1 << 20, 4, reverse=True, exclusive=True).sub == 4  # 256 x 4 on 4 warps: 2 rows
     assert tm(1 << 20, 4, reverse=True, aux=True) == tm(1 << 20, 4, reverse=True)  # narrow
@@ -282,8 +314,9 @@ def test_two_byte_inputs_take_twice_the_values_per_thread_in_large_grids():
     tm32, tm16 = pick(1024, 16384, False, 4, aux=True), pick(1024, 16384, False, 2, aux=True)
     assert (tm32.block_t, tm32.num_warps, tm32.sub) == (32, 4, 4) and tm16 == tm32
     for T, B in [(4096, 512), (32768, 64), (128, 4096), (1024, 1024)]:
-        few = pick(T, B, False, 2, aux=True)
-        assert few == pick(T, B, False, 2) != pick(T, B, False, 4, aux=True), (T, B)
+        with config.rule(SPAN_PROGRAMS_PER_SM=0):  # these grids span otherwise
+            few = pick(T, B, False, 2, aux=True)
+            assert few == pick(T, B, False, 2) != pick(T, B, False, 4, aux=True), (T, B)
     with config.rule(MANY_PROGRAMS_PER_SM=1 << 30):
         assert pick(1024, 16384, False, 2, aux=True) == pick(1024, 16384, False, 2)
     for T, B, tc in [(1024, 1024, True), (4096, 512, True)]:  # 4-8 per multiprocessor

@@ -70,6 +70,21 @@ TILE_STEPS_ACTIONS = 128
 TILE_STEPS_ACTIONS_TIME_MAJOR = 256
 MIN_BLOCK_T = 16
 MAX_ROWS_TIME_MAJOR = 32
+# Time-major tiles in grids of fewer than SPAN_PROGRAMS_PER_SM programs per multiprocessor (with
+# the tiles above) span SPAN_STEPS steps x SPAN_ROWS rows instead, SPAN_ELEMENTS_PER_THREAD per
+# thread (GAE's, whose writer holds values[t] through the scan: SPAN_ELEMENTS_PER_THREAD_AUX),
+# and halve their rows (down to SPAN_MIN_ROWS) while they give fewer programs than
+# multiprocessors: fewer tiles along time, so fewer look-back round trips (none at T <= 128).
+# H200 device µs against the tiles above (2026-11-30, float32): 128x128 (tiles of 128 x 4
+# rows) 6.9-7.7 -> 5.1-6.2, 4096x128 (128x16) 8.6-11.2 -> 6.6-10.2, 1024x1024 11.2-17.0 -> 9.7-
+# 17.0, 512x4096 and 64x32768 within -14% to +2%; at 16384x1024, 62 programs per multiprocessor,
+# 8-41% slower (docs/benchmarks.md, log).
+SPAN_PROGRAMS_PER_SM = 32
+SPAN_STEPS = 128
+SPAN_ROWS = 16
+SPAN_MIN_ROWS = 4
+SPAN_ELEMENTS_PER_THREAD = 32
+SPAN_ELEMENTS_PER_THREAD_AUX = 16
 ELEMENTS_PER_THREAD = 8  # batch-major tiles: the scan runs along each thread's own values
 # Batch-major tiles that look back (rows longer than a tile, not walked): half the warps, so
 # that each look-back (one exposed L2 round trip per tile) stalls half as many. At 4x1048576
@@ -254,6 +269,17 @@ def _fit(T: int, B: int, elements: int, per_step: int, time_contiguous: bool,
         elements //= 2
 
 
+def _span(T: int, B: int, device: torch.device) -> tuple[int, int]:
+    """A time-major tile of up to SPAN_STEPS steps x SPAN_ROWS rows, its rows halved (down to
+    SPAN_MIN_ROWS) while the tiles give fewer programs than multiprocessors."""
+    block_t = max(MIN_BLOCK_T, min(_pow2(T), SPAN_STEPS))
+    block_b = min(_pow2(B), SPAN_ROWS)
+    while (block_b > SPAN_MIN_ROWS
+           and -(-T // block_t) * -(-B // block_b) < _multiprocessors(device)):
+        block_b //= 2
+    return block_t, block_b
+
+
 def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
            n_act: int = 0, exclusive: bool = False, reverse: bool = False,
            aux: bool = False, itemsize: int = 4) -> TileConfig:
@@ -279,6 +305,10 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
         held = small = False
         block_t, block_b, tiles = _fit(T, B, TILE_ELEMENTS, per_step, time_contiguous, device)
         many = tiles >= MANY_PROGRAMS_PER_SM * _multiprocessors(device)
+    span = (not time_contiguous and not n_act and not narrow
+            and tiles < SPAN_PROGRAMS_PER_SM * _multiprocessors(device))
+    if span:
+        block_t, block_b = _span(T, B, device)
     # Time-major tiles do not walk their rows. At 16384x1024 (512 row tiles of 32 rows x 64
     # steps) the look-back took 17-30% less time than walking (GAE 154 against 189 µs, V-trace
     # 312 against 381); Retrace's (4096 row tiles of 4 rows x 16 steps x 32 actions) 3% less
@@ -295,6 +325,9 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
         wider = HALF_PRECISION_SCALE if itemsize <= 2 and many and not exclusive else 1
         per_thread = (ELEMENTS_PER_THREAD_LOOKBACK if looks_back
                       else ELEMENTS_PER_THREAD * wider)
+    elif span:
+        per_thread = (SPAN_ELEMENTS_PER_THREAD_AUX if aux and not exclusive
+                      else SPAN_ELEMENTS_PER_THREAD)
     else:
         per_thread = (ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_VECTOR_TIME_MAJOR
                       if exclusive and narrow and vector_rows(B, time_contiguous, n_act > 0)
