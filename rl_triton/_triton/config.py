@@ -13,6 +13,8 @@ split into tiles that run in parallel and find their carries by look-back (`scan
   the scan along time, which crosses threads, stays small);
 - when the tiles would not give `MIN_PROGRAMS_PER_SM` programs per multiprocessor, they shrink (down
   to `MIN_TILE_ELEMENTS`): small problems are latency-bound, and more programs hide the latency;
+- time-major tiles in grids of few programs per multiprocessor span up to `SPAN_STEPS` steps
+  instead (`_span`): each tile along time costs a look-back round trip;
 - `ELEMENTS_PER_THREAD*` values per thread set the warps;
 - the look-back lays out `window` tiles' words per step: one warp's worth for tiles of several
   rows, one word per thread for one-row tiles, of which it reads only the nearest (`depth`);
@@ -75,10 +77,11 @@ MAX_ROWS_TIME_MAJOR = 32
 # thread (GAE's, whose writer holds values[t] through the scan: SPAN_ELEMENTS_PER_THREAD_AUX),
 # and halve their rows (down to SPAN_MIN_ROWS) while they give fewer programs than
 # multiprocessors: fewer tiles along time, so fewer look-back round trips (none at T <= 128).
-# H200 device µs against the tiles above (2026-11-30, float32): 128x128 (tiles of 128 x 4
-# rows) 6.9-7.7 -> 5.1-6.2, 4096x128 (128x16) 8.6-11.2 -> 6.6-10.2, 1024x1024 11.2-17.0 -> 9.7-
-# 17.0, 512x4096 and 64x32768 within -14% to +2%; at 16384x1024, 62 programs per multiprocessor,
-# 8-41% slower (docs/benchmarks.md, log).
+# H200 grid against the tiles above (2026-11-30, device time, every estimator but Retrace):
+# 128x128 (32 tiles of 128 x 4) 0.72-0.82, 4096x128 0.75-0.91, 1024x1024 0.87-1.01, 512x4096
+# 0.94-1.03, 64x32768 0.88-1.00, 16x131072 0.91-0.98. At 16384x1024 (62 programs per
+# multiprocessor) tiles of 128 x 16 were 8-41% slower; 128 x 16 at 128x128 0.76-0.99 against
+# 128 x 4's 0.73-0.80; GAE on 2 warps 3-5% slower than on 4 (docs/benchmarks.md, log).
 SPAN_PROGRAMS_PER_SM = 32
 SPAN_STEPS = 128
 SPAN_ROWS = 16
