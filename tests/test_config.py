@@ -224,9 +224,10 @@ def test_time_major_tiles_in_grids_of_few_programs_span_128_steps():
     """Time-major grids of fewer than SPAN_PROGRAMS_PER_SM programs per multiprocessor (with the
     tiles of the rest of the rule) take tiles of 128 steps x 16 rows, 32 values per thread (16
     for GAE), rows halved down to 4 while the tiles are fewer than the multiprocessors. Measured
-    on the H200 (docs/benchmarks.md): 128x128 20-27% faster, 4096x128 8-24%, 1024x1024 up to
-    14%, 512x4096, 64x32768 and 16x131072 up to 14% (V-trace 512x4096 2% slower); at
-    16384x1024 (62 programs per multiprocessor) such tiles were 8-41% slower."""
+    on the H200 (docs/benchmarks.md, grids before and after): 128x128 18-28% faster, 4096x128
+    9-25%, 1024x1024 up to 13%, 64x32768 up to 12%, 16x131072 2-9%, 512x4096 up to 6%
+    (V-trace 1-3% slower at 1024x1024 and 512x4096); at 16384x1024 (62 programs per
+    multiprocessor) such tiles were 8-41% slower."""
     def tm(T, B, **kw):
         return config.choose(T, B, time_contiguous=False, device=CPU, reverse=True, **kw)
     for T, B in [(128, 4096), (1024, 1024), (4096, 512), (32768, 64), (131072, 16)]:
