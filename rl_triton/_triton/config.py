@@ -88,11 +88,13 @@ MAX_ROWS_TIME_MAJOR = 32
 # 128x128 (32 tiles of 128 x 4) 0.72-0.82, 4096x128 0.75-0.91, 1024x1024 0.87-1.01, 512x4096
 # 0.94-1.03, 64x32768 0.88-1.00, 16x131072 0.91-0.98. At 16384x1024 (62 programs per
 # multiprocessor) tiles of 128 x 16 were 8-41% slower; 128 x 16 at 128x128 0.76-0.99 against
-# 128 x 4's 0.73-0.80; GAE on 2 warps 3-5% slower than on 4 (docs/benchmarks.md, log).
+# 128 x 4's 0.73-0.80; GAE on 2 warps 3-5% slower than on 4. At 128x128, 64 tiles of 128 x 2
+# against 32 of 128 x 4 (2026-12-01): 0.95-0.98 (GAE 5.76 -> 5.50 µs, V-trace 6.21 -> 5.98),
+# the forward scans 1.01; 128 tiles of 128 x 1 1.04-1.13 (docs/benchmarks.md, log).
 SPAN_PROGRAMS_PER_SM = 32
 SPAN_STEPS = 128
 SPAN_ROWS = 16
-SPAN_MIN_ROWS = 4
+SPAN_MIN_ROWS = 2
 SPAN_ELEMENTS_PER_THREAD = 32
 SPAN_ELEMENTS_PER_THREAD_AUX = 16
 ELEMENTS_PER_THREAD = 8  # batch-major tiles: the scan runs along each thread's own values
