@@ -99,8 +99,9 @@ def check_loads(plan, kernel):
     the plan says the time strides allow it (`ops.row_vector`: rows of 300); sub-tiles laid out
     one step per thread where their rows load as wide as the sub-tile allows (up to 4,
     `config.sub_tiles`), no step held by two threads. Batch-major tiles: scalar 32-bit loads
-    from at most 2 addresses per thread (values[t+1] is moved in registers, plus the step after
-    each group of 8 and the bootstrap value; it was 8 unaligned loads). Triton 3.6 repeats a
+    from at most 2 addresses per thread where a thread holds 8 steps or more (values[t+1] is
+    moved in registers, plus the step after each group of 8 and the bootstrap value; it was 8
+    unaligned loads). Triton 3.6 repeats a
     broadcast load (the bootstrap value, the initial carry) for every step a thread holds, from
     one address: counted once. Retrace's 3-D tiles (float32 in `variants`): rows of an even
     number of actions loaded ACT_VEC actions at a time (the sum over actions took half the
@@ -136,6 +137,11 @@ def check_loads(plan, kernel):
             exact = layouts[u][1] == min(4, m["BLOCK_B"], per_thread)
             if cover > steps or (exact and m["SUB"] > 1 and cover != steps):
                 return f"sub-tiles of {steps} steps laid over {cover} steps of threads"
+        return ""
+    if m["BLOCK_T"] * m["BLOCK_B"] < 8 * 32 * m["num_warps"]:
+        # fewer than 8 steps per thread (`config.FILL_MIN_ELEMENTS`: grids of fewer tiles than
+        # multiprocessors): groups of 8 steps span threads, so the steps after them are loaded
+        # one by one; measured faster there all the same (docs/benchmarks.md, log)
         return ""
     scalar = {address for op, address in re.findall(
         r"\b(ld\.global\S*)\s+\{[^}]*\},\s*\[([^\]]+)\]", kernel.asm["ptx"])

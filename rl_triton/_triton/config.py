@@ -51,11 +51,13 @@ MAX_ROWS_NARROW = 8
 MIN_TILE_ELEMENTS = 256
 MIN_PROGRAMS_PER_SM = 4
 # Batch-major tiles that give fewer than FILL_TILES_PER_SM tiles per multiprocessor even at
-# MIN_TILE_ELEMENTS then halve their rows (down to one; their steps stay, so no look-back is
+# MIN_TILE_ELEMENTS then halve their rows (down to one, and to FILL_MIN_ELEMENTS values: one
+# warp of 4 values per thread, 16-byte loads of float32; their steps stay, so no look-back is
 # added): at 128x128, 128 tiles of 128 x 1 instead of 64 of 128 x 2, both on one warp. H200
 # device time (2026-12-01): GAE 5.76 -> 4.96 µs (bfloat16 5.31 -> 4.86), V-trace 5.22 -> 5.09,
 # the other estimators within 2% (docs/benchmarks.md, log).
 FILL_TILES_PER_SM = 1
+FILL_MIN_ELEMENTS = 128
 # Retrace walks the action axis in blocks of at most MAX_ACTION_BLOCK actions (unrolled; each
 # thread sums its steps' actions in registers across blocks), MAX_ACTION_BLOCK_HALF_PRECISION
 # for 2-byte inputs, and its tiles hold TILE_STEPS_ACTIONS steps x rows
@@ -271,7 +273,8 @@ def _fit(T: int, B: int, elements: int, per_step: int, time_contiguous: bool,
          device: torch.device) -> tuple[int, int, int]:
     """The tile of about `elements` values (halved down to MIN_TILE_ELEMENTS until the tiles
     give MIN_PROGRAMS_PER_SM programs per multiprocessor; batch-major tiles then halve their
-    rows while they give fewer than FILL_TILES_PER_SM): block_t, block_b and the tiles."""
+    rows, down to FILL_MIN_ELEMENTS values, while they give fewer than FILL_TILES_PER_SM):
+    block_t, block_b and the tiles."""
     target = MIN_PROGRAMS_PER_SM * _multiprocessors(device)
     while True:
         steps = max(1, elements // per_step)
@@ -280,7 +283,7 @@ def _fit(T: int, B: int, elements: int, per_step: int, time_contiguous: bool,
         if tiles >= target or elements // 2 < MIN_TILE_ELEMENTS:
             break
         elements //= 2
-    while (time_contiguous and block_b > 1
+    while (time_contiguous and block_b > 1 and block_t * block_b // 2 >= FILL_MIN_ELEMENTS
            and tiles < FILL_TILES_PER_SM * _multiprocessors(device)):
         block_b //= 2
         tiles = -(-T // block_t) * -(-B // block_b)
