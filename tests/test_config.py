@@ -58,7 +58,7 @@ def test_batch_major_tiles_fill_the_multiprocessors_with_rows_not_steps():
     assert (tile.block_t, tile.block_b, tile.num_warps) == (128, 1, 1)
     with config.rule(FILL_TILES_PER_SM=0):
         assert (choose(128, 128, True).block_t, choose(128, 128, True).block_b) == (128, 2)
-    # down to one warp of 4 values per thread: 16 x 8 at 16x64, not 16 x 1
+    # down to one warp of 4 values per thread: 16 x 8 for 64 rows of 16 steps, not 16 x 1
     assert (choose(16, 64, True).block_t, choose(16, 64, True).block_b) == (16, 8)
     # rows only: tiles of one row keep their steps, however few the tiles (64 here)
     with config.rule(FILL_TILES_PER_SM=0):

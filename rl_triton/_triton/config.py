@@ -55,7 +55,8 @@ MIN_PROGRAMS_PER_SM = 4
 # warp of 4 values per thread, 16-byte loads of float32; their steps stay, so no look-back is
 # added): at 128x128, 128 tiles of 128 x 1 instead of 64 of 128 x 2, both on one warp. H200
 # device time (2026-12-01): GAE 5.76 -> 4.96 µs (bfloat16 5.31 -> 4.86), V-trace 5.22 -> 5.09,
-# the other estimators within 2% (docs/benchmarks.md, log).
+# the other estimators within 2%; 64 rows of 16 steps, 16 x 8 against 16 x 16: GAE 5.63 ->
+# 4.80, the others within 3%; 16 x 1 1-4% slower than 16 x 8 (docs/benchmarks.md, log).
 FILL_TILES_PER_SM = 1
 FILL_MIN_ELEMENTS = 128
 # Retrace walks the action axis in blocks of at most MAX_ACTION_BLOCK actions (unrolled; each
