@@ -149,6 +149,15 @@ def check_loads(plan, kernel):
     return f"scalar 32-bit loads from {len(scalar)} addresses per thread" if len(scalar) > 2 else ""
 
 
+def check_register_cap(plan, kernel):
+    """A plan's register cap (`config.TileConfig.max_registers`, Triton's `maxnreg`) reaches
+    the PTX as `.maxnreg`. Returns what is wrong, or ''."""
+    cap = plan.meta.get("maxnreg")
+    if cap and not re.search(rf"\.maxnreg\s+{cap}\b", kernel.asm["ptx"]):
+        return f"no .maxnreg {cap} in the PTX"
+    return ""
+
+
 def check_reverse_scans(plan, kernel):
     """Reverse scans run forward over steps laid in decreasing t (scan.py, `DESC` and `FLIP`):
     no `reverse = true` scan in the TTGIR. And batch-major tiles reverse their groups of 8 steps
@@ -185,6 +194,8 @@ def variants():
     yield "retrace, 40 actions, no advantages", case, "batch-major"
     yield "eligibility traces of vectors", make_case("eligibility_traces", 4096, (4,),
                                                      features=(3,)), "time-major"
+    # a grid of many programs: V-trace's time-major tiles with their register cap (maxnreg)
+    yield "vtrace T=512 N=16384 time-major", make_case("vtrace", 512, (16384,)), "time-major"
 
 
 def main():
@@ -200,7 +211,7 @@ def main():
             plan, (tensors, scalars) = plan_of(case, layout)
             kernel = compile_plan(plan, tensors, scalars)
             problem = (check_look_back(plan, kernel) or check_loads(plan, kernel)
-                       or check_reverse_scans(plan, kernel))
+                       or check_register_cap(plan, kernel) or check_reverse_scans(plan, kernel))
             if problem:
                 raise AssertionError(problem)
             print(f"ok      {label} ({time.time() - t0:.1f} s)", flush=True)

@@ -400,3 +400,24 @@ def test_full_tiles_keep_their_masks_where_registers_cannot_be_read(monkeypatch)
     assert len(warned) == 1
     assert ops.registers(SimpleNamespace(n_regs=56, metadata=SimpleNamespace(shared=0))) \
         == (56, 0)
+
+
+def test_vtrace_time_major_tiles_of_many_programs_cap_their_registers():
+    """V-trace's time-major tiles of 8 values per thread (grids of many programs) compile with
+    at most MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR registers: 6 programs of 4 warps per
+    multiprocessor instead of 5 (H200, 16384x1024: 122.9 -> 116.7 µs, bfloat16 112.6 -> 104.5;
+    docs/benchmarks.md, log).
+    Not the span tiles (32 values per thread, up to 255 registers), not the narrow ones, not the
+    other estimators (caps gained them at most 2%)."""
+    def tm(T, B, **kw):
+        return config.choose(T, B, time_contiguous=False, device=CPU, reverse=True, aux=True, **kw)
+    capped = tm(1024, 16384, exclusive=True)
+    assert capped.max_registers == config.MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR == 80
+    assert tm(1024, 16384, exclusive=True, itemsize=2).max_registers == 80
+    for T, B in [(1024, 1024), (128, 128), (1 << 20, 4)]:  # span, span, narrow
+        assert tm(T, B, exclusive=True).max_registers == 0, (T, B)
+    assert tm(1024, 16384).max_registers == 0  # GAE
+    assert config.choose(1024, 16384, time_contiguous=True, device=CPU, exclusive=True,
+                         reverse=True, aux=True).max_registers == 0  # batch-major
+    with config.rule(MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR=0):
+        assert tm(1024, 16384, exclusive=True).max_registers == 0

@@ -137,6 +137,15 @@ ELEMENTS_PER_THREAD_SMALL_TIME_MAJOR = 16  # time-major tiles of TILE_ELEMENTS_S
 # 16384x1024 (93 -> 56 registers; `choose`); lambda-returns (72 registers, 44% occupancy) and
 # the forward scans gained nothing from smaller tiles (docs/benchmarks.md, log).
 ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR = 8
+# ... and those tiles compile with at most MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR registers per
+# thread (Triton's `maxnreg`; 0: the compiler's choice): 94-107 registers give 5 programs of 4
+# warps per multiprocessor, 80 give 6 (sm_90, a few values spilled to the stack). H200,
+# 16384x1024: 122.9 -> 116.7 µs (bfloat16 112.6 -> 104.5), 16384x512 65.9 -> 63.0 (59.9 ->
+# 55.9); a cap of 72 3% slower in float32; caps on the other time-major tiles (forward scans,
+# discounted and lambda-returns at 64 or 56 registers, GAE at 48 or 80) gained at most 2% and
+# lost up to 17% (docs/benchmarks.md, log). Not on span tiles (up to 255 registers: they
+# would spill).
+MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR = 80
 # ... except at most MAX_ROWS_NARROW rows: 4 values per thread took 15-23% less time at 2, 4 and
 # 8 rows (4x1048576: 77.7 -> 61.3 µs), 2% more at 16 rows and 14% more at 16384x1024; the other
 # estimators' narrow tiles lost 7-12% at 8 per thread (docs/benchmarks.md, log).
@@ -201,6 +210,7 @@ class TileConfig:
     walk: bool = False  # one program walks all tiles of its rows (else: one per tile)
     depth: int = 0  # words of the window read per pass of the look-back (0: `depth` decides)
     sub: int = 1  # time-major tiles: sub-tiles (consecutive steps per thread, `sub_tiles`)
+    max_registers: int = 0  # registers per thread the compiler may use (0: its choice)
 
     def chunks(self, T: int) -> int:
         """Tiles along the time axis."""
@@ -212,8 +222,8 @@ _overrides: dict = {}
 
 @contextlib.contextmanager
 def override(**fields):
-    """Force tile fields (block_t, block_b, num_warps, window, walk, depth, sub) inside the block:
-    for tests and tuning."""
+    """Force tile fields (block_t, block_b, num_warps, window, walk, depth, sub, max_registers)
+    inside the block: for tests and tuning."""
     old = dict(_overrides)
     _overrides.update(fields)
     try:
@@ -361,6 +371,8 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
                       else ELEMENTS_PER_THREAD_TIME_MAJOR)
     warps = block_t * block_b * per_step // (32 * per_thread)
     cfg = TileConfig(block_t, block_b, min(MAX_WARPS, _pow2(max(1, warps))), WINDOW, walk)
+    if (not time_contiguous and not n_act and not span and exclusive and not narrow):
+        cfg = replace(cfg, max_registers=MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR)
     if _overrides:
         cfg = replace(cfg, **_overrides)
     if time_contiguous:

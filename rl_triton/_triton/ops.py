@@ -193,6 +193,8 @@ class Launch:
                              self.B, time_contiguous, bool(action_slots)) else 1),
                          SUB=cfg.sub, EVEN=config.even(T, self.B, cfg),
                          num_warps=cfg.num_warps)
+        if cfg.max_registers:
+            self.meta["maxnreg"] = cfg.max_registers
         self.device_index = device.index
         self.states = {}  # look-back scratch by stream: launches on one stream never overlap
         self.compiled, self.tail = None, ()
