@@ -22,6 +22,9 @@ split into tiles that run in parallel and find their carries by look-back (`scan
 - batch-major tiles that look back take `ELEMENTS_PER_THREAD_LOOKBACK` values per thread;
 - batch-major tiles of 2-byte inputs in large grids take twice the values per thread;
 - time-major forward scans in large grids take half the values per thread (twice the warps);
+- V-trace's time-major tiles in large grids cap their registers
+  (`MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR`, Triton's `maxnreg`): one more program per
+  multiprocessor;
 - time-major tiles run as sub-tiles so that each thread holds consecutive steps (`sub_tiles`),
   2 rows per thread in tiles of 16 rows or more;
 - plans whose tiles divide the problem drop their masks where that keeps the occupancy (`even`);
