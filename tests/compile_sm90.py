@@ -101,11 +101,10 @@ def check_loads(plan, kernel):
     `config.sub_tiles`), no step held by two threads. Batch-major tiles: scalar 32-bit loads
     from at most 2 addresses per thread where a thread holds 8 steps or more (values[t+1] is
     moved in registers, plus the step after each group of 8 and the bootstrap value; it was 8
-    unaligned loads). Triton 3.6 repeats a
-    broadcast load (the bootstrap value, the initial carry) for every step a thread holds, from
-    one address: counted once. Retrace's 3-D tiles (float32 in `variants`): rows of an even
-    number of actions loaded ACT_VEC actions at a time (the sum over actions took half the
-    shuffles). Returns what is wrong, or ''."""
+    unaligned loads). Triton 3.6 repeats a broadcast load (the bootstrap value, the initial
+    carry) for every step a thread holds, from one address: counted once. Retrace's 3-D tiles
+    (float32 in `variants`): rows of an even number of actions loaded ACT_VEC actions at a time
+    (the sum over actions took half the shuffles). Returns what is wrong, or ''."""
     m = plan.meta
     if m["BLOCK_A"] != 1:
         vec = m["ACT_VEC"]

@@ -406,9 +406,8 @@ def test_vtrace_time_major_tiles_of_many_programs_cap_their_registers():
     """V-trace's time-major tiles of 8 values per thread (grids of many programs) compile with
     at most MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR registers: 6 programs of 4 warps per
     multiprocessor instead of 5 (H200, 16384x1024: 122.9 -> 116.7 µs, bfloat16 112.6 -> 104.5;
-    docs/benchmarks.md, log).
-    Not the span tiles (32 values per thread, up to 255 registers), not the narrow ones, not the
-    other estimators (caps gained them at most 2%)."""
+    docs/benchmarks.md, log). Not the span tiles (32 values per thread, up to 255 registers),
+    not the narrow ones, not the other estimators (caps gained them at most 2%)."""
     def tm(T, B, **kw):
         return config.choose(T, B, time_contiguous=False, device=CPU, reverse=True, aux=True, **kw)
     capped = tm(1024, 16384, exclusive=True)

@@ -374,7 +374,7 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
                       else ELEMENTS_PER_THREAD_TIME_MAJOR)
     warps = block_t * block_b * per_step // (32 * per_thread)
     cfg = TileConfig(block_t, block_b, min(MAX_WARPS, _pow2(max(1, warps))), WINDOW, walk)
-    if (not time_contiguous and not n_act and not span and exclusive and not narrow):
+    if exclusive and not (time_contiguous or n_act or span or narrow):  # V-trace's 8 per thread
         cfg = replace(cfg, max_registers=MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR)
     if _overrides:
         cfg = replace(cfg, **_overrides)
