@@ -202,7 +202,8 @@ def launch_floor(device):
 
 # ---- the run ---------------------------------------------------------------------------------
 
-TILE_FIELDS = ("block_t", "block_b", "num_warps", "window", "depth", "sub", "walk")
+TILE_FIELDS = ("block_t", "block_b", "num_warps", "window", "depth", "sub", "max_registers",
+               "walk")
 
 
 def parse_tiles(s):

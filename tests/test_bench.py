@@ -56,6 +56,7 @@ def test_tiles_option():
     assert bench.parse_tiles("walk=0,window=32") == dict(walk=False, window=32)
     assert bench.parse_tiles("walk=1") == dict(walk=True)
     assert bench.parse_tiles("sub=4,depth=1") == dict(sub=4, depth=1)
+    assert bench.parse_tiles("max_registers=80") == dict(max_registers=80)  # maxnreg
     for bad in ("block_t=0", "blockt=64", "num_warps=four", "window", "walk=2"):
         with pytest.raises(argparse.ArgumentTypeError, match="is not one of"):
             bench.parse_tiles(bad)
