@@ -283,6 +283,19 @@ def _tile(T: int, B: int, steps: int, time_contiguous: bool) -> tuple[int, int]:
     return block_t, block_b
 
 
+def _tiles(T: int, B: int, block_t: int, block_b: int) -> int:
+    return -(-T // block_t) * -(-B // block_b)
+
+
+def _fewer_rows(T: int, B: int, block_t: int, block_b: int, least: int, target: int) -> int:
+    """`block_b` (a power of 2) halved, down to `least` rows, while the tiles number fewer
+    than `target`: more programs for a grid too small to fill the GPU, each tile keeping its
+    steps (no look-back added)."""
+    while block_b // 2 >= least and _tiles(T, B, block_t, block_b) < target:
+        block_b //= 2
+    return block_b
+
+
 def _fit(T: int, B: int, elements: int, per_step: int, time_contiguous: bool,
          device: torch.device) -> tuple[int, int, int]:
     """The tile of about `elements` values (halved down to MIN_TILE_ELEMENTS until the tiles
@@ -293,25 +306,21 @@ def _fit(T: int, B: int, elements: int, per_step: int, time_contiguous: bool,
     while True:
         steps = max(1, elements // per_step)
         block_t, block_b = _tile(T, B, steps, time_contiguous)
-        tiles = -(-T // block_t) * -(-B // block_b)
-        if tiles >= target or elements // 2 < MIN_TILE_ELEMENTS:
+        if _tiles(T, B, block_t, block_b) >= target or elements // 2 < MIN_TILE_ELEMENTS:
             break
         elements //= 2
-    while (time_contiguous and block_b > 1 and block_t * block_b // 2 >= FILL_MIN_ELEMENTS
-           and tiles < FILL_TILES_PER_SM * _multiprocessors(device)):
-        block_b //= 2
-        tiles = -(-T // block_t) * -(-B // block_b)
-    return block_t, block_b, tiles
+    if time_contiguous:
+        block_b = _fewer_rows(T, B, block_t, block_b, max(1, -(-FILL_MIN_ELEMENTS // block_t)),
+                              FILL_TILES_PER_SM * _multiprocessors(device))
+    return block_t, block_b, _tiles(T, B, block_t, block_b)
 
 
 def _span(T: int, B: int, device: torch.device) -> tuple[int, int]:
     """A time-major tile of up to SPAN_STEPS steps x SPAN_ROWS rows, its rows halved (down to
     SPAN_MIN_ROWS) while the tiles give fewer programs than multiprocessors."""
     block_t = max(MIN_BLOCK_T, min(_pow2(T), SPAN_STEPS))
-    block_b = min(_pow2(B), SPAN_ROWS)
-    while (block_b > SPAN_MIN_ROWS
-           and -(-T // block_t) * -(-B // block_b) < _multiprocessors(device)):
-        block_b //= 2
+    block_b = _fewer_rows(T, B, block_t, min(_pow2(B), SPAN_ROWS), SPAN_MIN_ROWS,
+                          _multiprocessors(device))
     return block_t, block_b
 
 
