@@ -1,4 +1,6 @@
 """The one place where tiles, warps and the look-back window are chosen."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -239,18 +241,21 @@ def test_time_major_reverse_scans_take_16_values_per_thread():
 def test_time_major_tiles_in_grids_of_few_programs_span_128_steps():
     """Time-major grids of fewer than SPAN_PROGRAMS_PER_SM programs per multiprocessor (with the
     tiles of the rest of the rule) take tiles of 128 steps x 16 rows, 32 values per thread (16
-    for GAE), rows halved down to 2 while the tiles are fewer than the multiprocessors. Measured
+    for GAE and V-trace, whose writers hold per-step values through the scan; V-trace's capped
+    at MAX_REGISTERS_EXCLUSIVE_WIDE registers), rows halved down to 2 while the tiles are fewer
+    than the multiprocessors. Measured
     on the H200 (docs/benchmarks.md, grids before and after): 128x128 18-28% faster, 4096x128
     9-25%, 1024x1024 up to 13%, 64x32768 up to 12%, 16x131072 2-9%, 512x4096 up to 6%
-    (V-trace 1-3% slower at 1024x1024 and 512x4096); at 16384x1024 (62 programs per
-    multiprocessor) such tiles were 8-41% slower."""
+    (V-trace 1-3% slower at 1024x1024 and 512x4096, then 5-8% faster on 4 warps with the cap);
+    at 16384x1024 (62 programs per multiprocessor) such tiles were 8-41% slower."""
     def tm(T, B, **kw):
         return config.choose(T, B, time_contiguous=False, device=CPU, reverse=True, **kw)
     for T, B in [(128, 4096), (1024, 1024), (4096, 512), (32768, 64), (131072, 16)]:
         c, gae = tm(T, B), tm(T, B, aux=True)
         assert (c.block_t, c.block_b, c.num_warps, c.sub) == (128, 16, 2, 8), (T, B)
-        assert (gae.block_t, gae.block_b, gae.num_warps) == (128, 16, 4), (T, B)
-        assert tm(T, B, exclusive=True, aux=True) == c  # V-trace: 32 per thread as well
+        assert (gae.block_t, gae.block_b, gae.num_warps, gae.max_registers) == (128, 16, 4, 0)
+        vtrace = tm(T, B, exclusive=True, aux=True)
+        assert vtrace == replace(gae, max_registers=config.MAX_REGISTERS_EXCLUSIVE_WIDE)
         assert tm(T, B, itemsize=2, aux=True) == gae
         with config.rule(SPAN_PROGRAMS_PER_SM=0):  # rows first, up to 32
             assert tm(T, B).block_b == min(B, 32) and tm(T, B) != c
@@ -402,21 +407,51 @@ def test_full_tiles_keep_their_masks_where_registers_cannot_be_read(monkeypatch)
         == (56, 0)
 
 
-def test_vtrace_time_major_tiles_of_many_programs_cap_their_registers():
-    """V-trace's time-major tiles of 8 values per thread (grids of many programs) compile with
-    at most MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR registers: 6 programs of 4 warps per
-    multiprocessor instead of 5 (H200, 16384x1024: 122.9 -> 116.7 µs, bfloat16 112.6 -> 104.5;
-    docs/benchmarks.md, log). Not the span tiles (32 values per thread, up to 255 registers),
-    not the narrow ones, not the other estimators (caps gained them at most 2%)."""
-    def tm(T, B, **kw):
-        return config.choose(T, B, time_contiguous=False, device=CPU, reverse=True, aux=True, **kw)
-    capped = tm(1024, 16384, exclusive=True)
-    assert capped.max_registers == config.MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR == 80
-    assert tm(1024, 16384, exclusive=True, itemsize=2).max_registers == 80
-    for T, B in [(1024, 1024), (128, 128), (1 << 20, 4)]:  # span, span, narrow
-        assert tm(T, B, exclusive=True).max_registers == 0, (T, B)
-    assert tm(1024, 16384).max_registers == 0  # GAE
-    assert config.choose(1024, 16384, time_contiguous=True, device=CPU, exclusive=True,
-                         reverse=True, aux=True).max_registers == 0  # batch-major
-    with config.rule(MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR=0):
-        assert tm(1024, 16384, exclusive=True).max_registers == 0
+def test_register_caps():
+    """Tiles that hold per-step values through the scan cap their registers (Triton's
+    `maxnreg`) where the H200 measured a gain (docs/benchmarks.md, log):
+    - V-trace's time-major tiles of 8 values per thread, in grids of many programs and the
+      narrow ones of 4 to 8 rows: MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR (16384x1024 122.9 -> 116.7
+      µs, 4x1048576 0.92 of the time); not at 2 rows (1.02);
+    - V-trace's tiles of 16 values per thread, time-major span tiles and batch-major tiles of
+      rows longer than the tile: MAX_REGISTERS_EXCLUSIVE_WIDE (0.92-0.95);
+    - GAE's batch-major tiles of rows longer than the tile: MAX_REGISTERS_AUX_LONG_ROWS
+      (0.85-0.97);
+    - nothing else: caps on the other estimators' tiles gained at most 2%."""
+    def choose(T, B, tc, **kw):
+        return config.choose(T, B, time_contiguous=tc, device=CPU, reverse=True, **kw)
+
+    def vtrace(T, B, tc, **kw):
+        return choose(T, B, tc, exclusive=True, aux=True, **kw).max_registers
+
+    def gae(T, B, tc, **kw):
+        return choose(T, B, tc, aux=True, **kw).max_registers
+
+    assert config.MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR == 80
+    assert config.MAX_REGISTERS_EXCLUSIVE_WIDE == 128
+    assert config.MAX_REGISTERS_AUX_LONG_ROWS == 64
+    for itemsize in (4, 2):
+        for T, B in [(1024, 16384), (512, 16384), (1 << 20, 4), (1 << 19, 8)]:  # many; narrow
+            assert vtrace(T, B, False, itemsize=itemsize) == 80, (T, B)
+        for T, B in [(1 << 21, 2), (1 << 22, 1)]:  # narrow, 1-2 rows
+            assert vtrace(T, B, False, itemsize=itemsize) == 0, (T, B)
+        for T, B in [(1024, 1024), (4096, 512), (32768, 64), (128, 4096)]:  # span
+            assert vtrace(T, B, False, itemsize=itemsize) == 128, (T, B)
+        for T, B in [(1 << 20, 4), (32768, 64), (131072, 16), (1 << 22, 1)]:  # look-back
+            assert choose(T, B, True, exclusive=True, aux=True).walk is False
+            assert vtrace(T, B, True, itemsize=itemsize) == 128, (T, B)
+            assert gae(T, B, True, itemsize=itemsize) == 64, (T, B)
+        assert choose(4096, 512, True, aux=True).walk  # walked rows
+        assert gae(4096, 512, True, itemsize=itemsize) == 64
+        for T, B in [(1024, 16384), (1024, 1024), (128, 4096), (16, 16384)]:  # one tile per row
+            assert vtrace(T, B, True, itemsize=itemsize) == gae(T, B, True, itemsize=itemsize) == 0
+        for T, B in [(1024, 16384), (1024, 1024), (1 << 20, 4)]:  # GAE time-major
+            assert gae(T, B, False, itemsize=itemsize) == 0, (T, B)
+    for T, B, tc in [(1024, 16384, False), (1024, 1024, False), (1 << 20, 4, True),
+                     (1 << 20, 4, False), (4096, 512, True)]:  # the other estimators, Retrace
+        assert choose(T, B, tc).max_registers == 0, (T, B, tc)
+        assert choose(T, B, tc, n_act=18).max_registers == 0, (T, B, tc)
+    with config.rule(MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR=0, MAX_REGISTERS_EXCLUSIVE_WIDE=0,
+                     MAX_REGISTERS_AUX_LONG_ROWS=0):
+        assert vtrace(1024, 16384, False) == vtrace(1024, 1024, False) == 0
+        assert vtrace(1 << 20, 4, True) == gae(1 << 20, 4, True) == 0

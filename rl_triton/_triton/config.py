@@ -22,9 +22,8 @@ split into tiles that run in parallel and find their carries by look-back (`scan
 - batch-major tiles that look back take `ELEMENTS_PER_THREAD_LOOKBACK` values per thread;
 - batch-major tiles of 2-byte inputs in large grids take twice the values per thread;
 - time-major forward scans in large grids take half the values per thread (twice the warps);
-- V-trace's time-major tiles in large grids cap their registers
-  (`MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR`, Triton's `maxnreg`): one more program per
-  multiprocessor;
+- V-trace's time-major tiles, V-trace's and GAE's batch-major tiles of long rows cap their
+  registers (`_max_registers`, Triton's `maxnreg`): more programs per multiprocessor;
 - time-major tiles run as sub-tiles so that each thread holds consecutive steps (`sub_tiles`),
   2 rows per thread in tiles of 16 rows or more;
 - plans whose tiles divide the problem drop their masks where that keeps the occupancy (`even`);
@@ -96,7 +95,11 @@ MAX_ROWS_TIME_MAJOR = 32
 # multiprocessor) tiles of 128 x 16 were 8-41% slower; 128 x 16 at 128x128 0.76-0.99 against
 # 128 x 4's 0.73-0.80; GAE on 2 warps 3-5% slower than on 4. At 128x128, 64 tiles of 128 x 2
 # against 32 of 128 x 4 (2026-12-01): 0.95-0.98 (GAE 5.76 -> 5.50 µs, V-trace 6.21 -> 5.98),
-# the forward scans 1.01; 128 tiles of 128 x 1 1.04-1.13 (docs/benchmarks.md, log).
+# the forward scans 1.01; 128 tiles of 128 x 1 1.04-1.13. V-trace's too take 16 per thread
+# (4 warps), with at most MAX_REGISTERS_EXCLUSIVE_WIDE registers (below): against 32 per
+# thread (255 registers, 4 programs of 2 warps per multiprocessor), 1024x1024 0.95 (bfloat16
+# 0.92), 512x4096 0.93, 64x32768 0.93, 16x131072 0.92, 4096x128 0.98; on 4 warps without the
+# cap (147 registers, 3 programs) 1.03-1.10 (docs/benchmarks.md, log).
 SPAN_PROGRAMS_PER_SM = 32
 SPAN_STEPS = 128
 SPAN_ROWS = 16
@@ -146,9 +149,23 @@ ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR = 8
 # 16384x1024: 122.9 -> 116.7 µs (bfloat16 112.6 -> 104.5), 16384x512 65.9 -> 63.0 (59.9 ->
 # 55.9); a cap of 72 3% slower in float32; caps on the other time-major tiles (forward scans,
 # discounted and lambda-returns at 64 or 56 registers, GAE at 48 or 80) gained at most 2% and
-# lost up to 17% (docs/benchmarks.md, log). Not on span tiles (up to 255 registers: they
-# would spill).
+# lost up to 17%. The narrow tiles of 4 to 8 rows (vector rows, 108-110 registers, 4 programs)
+# likewise: 4x1048576 0.92 (bfloat16 0.87), 8x524288 0.90 (0.89); at 2 rows (86 registers, 8
+# warps) 1.02 (docs/benchmarks.md, log). Not the span tiles (below).
 MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR = 80
+# V-trace's tiles of 16 values per thread (time-major span tiles, batch-major tiles of rows
+# longer than the tile: 147-166 registers) compile with at most this many: 4 programs of 4
+# warps (span) or 8 of 2 (look-back) per multiprocessor instead of 3 or 6. Batch-major look-back
+# tiles (H200, 2026-12-01): 4x1048576 0.95 (bfloat16 0.94), 1x4194304 0.92, 8x524288 0.95,
+# 64x32768 0.94 (0.93), 16x131072 0.94 (0.92); a cap of 112 0.99-1.02, 96 1.20-1.28 (spills);
+# the walked tiles (120 registers) stay below it (caps of 96 and 80 there: 1.00-1.03).
+MAX_REGISTERS_EXCLUSIVE_WIDE = 128
+# GAE's batch-major tiles of rows longer than the tile (look-back: 2048 values on 4 warps, 84
+# registers, 5 programs per multiprocessor; walked: 8 warps, 80 registers, 3 programs) compile
+# with at most this many: 8 and 4 programs. H200 (2026-12-01): 4x1048576 0.90 (bfloat16 0.97),
+# 1x4194304 0.89, 64x32768 0.92 (0.93), 16x131072 0.90, walked 512x4096 0.85 (1.01); a cap of
+# 72 0.96-1.08, of 80 0.92 at 4x1048576 (docs/benchmarks.md, log).
+MAX_REGISTERS_AUX_LONG_ROWS = 64
 # ... except at most MAX_ROWS_NARROW rows: 4 values per thread took 15-23% less time at 2, 4 and
 # 8 rows (4x1048576: 77.7 -> 61.3 µs), 2% more at 16 rows and 14% more at 16384x1024; the other
 # estimators' narrow tiles lost 7-12% at 8 per thread (docs/benchmarks.md, log).
@@ -370,8 +387,7 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
         per_thread = (ELEMENTS_PER_THREAD_LOOKBACK if looks_back
                       else ELEMENTS_PER_THREAD * wider)
     elif span:
-        per_thread = (SPAN_ELEMENTS_PER_THREAD_AUX if aux and not exclusive
-                      else SPAN_ELEMENTS_PER_THREAD)
+        per_thread = SPAN_ELEMENTS_PER_THREAD_AUX if aux else SPAN_ELEMENTS_PER_THREAD
     else:
         per_thread = (ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_VECTOR_TIME_MAJOR
                       if exclusive and narrow and vector_rows(B, time_contiguous, n_act > 0)
@@ -382,9 +398,9 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
                       else ELEMENTS_PER_THREAD_MANY_TIME_MAJOR if many
                       else ELEMENTS_PER_THREAD_TIME_MAJOR)
     warps = block_t * block_b * per_step // (32 * per_thread)
-    cfg = TileConfig(block_t, block_b, min(MAX_WARPS, _pow2(max(1, warps))), WINDOW, walk)
-    if exclusive and not (time_contiguous or n_act or span or narrow):  # V-trace's 8 per thread
-        cfg = replace(cfg, max_registers=MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR)
+    cfg = TileConfig(block_t, block_b, min(MAX_WARPS, _pow2(max(1, warps))), WINDOW, walk,
+                     max_registers=_max_registers(T, B, block_t, time_contiguous, span, n_act,
+                                                  exclusive, aux))
     if _overrides:
         cfg = replace(cfg, **_overrides)
     if time_contiguous:
@@ -395,6 +411,22 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
         cfg = replace(cfg, sub=sub_tiles(cfg, exclusive))
     win = window(cfg.window, cfg.block_b, cfg.num_warps, device)
     return replace(cfg, window=win, depth=min(win, cfg.depth or depth(win, cfg.block_b, device)))
+
+
+def _max_registers(T: int, B: int, block_t: int, time_contiguous: bool, span: bool, n_act: int,
+                   exclusive: bool, aux: bool) -> int:
+    """The register cap of a tile (Triton's `maxnreg`; 0: none): V-trace's time-major tiles of
+    8 values per thread, its tiles of 16 (span tiles, batch-major tiles of long rows), GAE's
+    batch-major tiles of long rows. Measured on the H200: one or more programs per
+    multiprocessor without spilling (the constants above)."""
+    long_rows = time_contiguous and T > block_t
+    if exclusive and (span or long_rows):
+        return MAX_REGISTERS_EXCLUSIVE_WIDE
+    if exclusive and vector_rows(B, time_contiguous, n_act > 0):
+        return MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR
+    if aux and long_rows:
+        return MAX_REGISTERS_AUX_LONG_ROWS
+    return 0
 
 
 def vector_rows(B: int, time_contiguous: bool, actions: bool) -> bool:
