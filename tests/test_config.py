@@ -415,9 +415,10 @@ def test_register_caps():
       µs, 4x1048576 0.92 of the time); not at 2 rows (1.02);
     - V-trace's tiles of 16 values per thread, time-major span tiles and batch-major tiles of
       rows longer than the tile: MAX_REGISTERS_EXCLUSIVE_WIDE (0.92-0.95);
-    - GAE's batch-major tiles of rows longer than the tile: MAX_REGISTERS_AUX_LONG_ROWS
-      (0.85-0.97);
-    - nothing else: caps on the other estimators' tiles gained at most 2%."""
+    - the other batch-major tiles of rows longer than the tile that look back, and GAE's
+      walked ones: MAX_REGISTERS_LONG_ROWS (0.85-0.99);
+    - nothing else: not Retrace's tiles, not the forward scans' walked tiles (1.03), and caps
+      on the other estimators' time-major tiles gained at most 2%."""
     def choose(T, B, tc, **kw):
         return config.choose(T, B, time_contiguous=tc, device=CPU, reverse=True, **kw)
 
@@ -427,9 +428,12 @@ def test_register_caps():
     def gae(T, B, tc, **kw):
         return choose(T, B, tc, aux=True, **kw).max_registers
 
+    def forward(T, B, tc, **kw):
+        return config.choose(T, B, time_contiguous=tc, device=CPU, **kw).max_registers
+
     assert config.MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR == 80
     assert config.MAX_REGISTERS_EXCLUSIVE_WIDE == 128
-    assert config.MAX_REGISTERS_AUX_LONG_ROWS == 64
+    assert config.MAX_REGISTERS_LONG_ROWS == 64
     for itemsize in (4, 2):
         for T, B in [(1024, 16384), (512, 16384), (1 << 20, 4), (1 << 19, 8)]:  # many; narrow
             assert vtrace(T, B, False, itemsize=itemsize) == 80, (T, B)
@@ -441,17 +445,21 @@ def test_register_caps():
             assert choose(T, B, True, exclusive=True, aux=True).walk is False
             assert vtrace(T, B, True, itemsize=itemsize) == 128, (T, B)
             assert gae(T, B, True, itemsize=itemsize) == 64, (T, B)
-        assert choose(4096, 512, True, aux=True).walk  # walked rows
+            assert forward(T, B, True, itemsize=itemsize) == 64, (T, B)
+            assert choose(T, B, True, itemsize=itemsize).max_registers == 64  # reverse scans
+            assert choose(T, B, True, n_act=18, itemsize=itemsize).max_registers == 0  # Retrace
+        assert choose(4096, 512, True, aux=True).walk and config.choose(
+            4096, 512, time_contiguous=True, device=CPU).walk  # walked rows
         assert gae(4096, 512, True, itemsize=itemsize) == 64
+        assert forward(4096, 512, True, itemsize=itemsize) == 0
         for T, B in [(1024, 16384), (1024, 1024), (128, 4096), (16, 16384)]:  # one tile per row
             assert vtrace(T, B, True, itemsize=itemsize) == gae(T, B, True, itemsize=itemsize) == 0
-        for T, B in [(1024, 16384), (1024, 1024), (1 << 20, 4)]:  # GAE time-major
+            assert forward(T, B, True, itemsize=itemsize) == 0
+        for T, B in [(1024, 16384), (1024, 1024), (1 << 20, 4)]:  # time-major
             assert gae(T, B, False, itemsize=itemsize) == 0, (T, B)
-    for T, B, tc in [(1024, 16384, False), (1024, 1024, False), (1 << 20, 4, True),
-                     (1 << 20, 4, False), (4096, 512, True)]:  # the other estimators, Retrace
-        assert choose(T, B, tc).max_registers == 0, (T, B, tc)
-        assert choose(T, B, tc, n_act=18).max_registers == 0, (T, B, tc)
+            assert forward(T, B, False, itemsize=itemsize) == 0, (T, B)
+            assert choose(T, B, False, n_act=18, itemsize=itemsize).max_registers == 0
     with config.rule(MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR=0, MAX_REGISTERS_EXCLUSIVE_WIDE=0,
-                     MAX_REGISTERS_AUX_LONG_ROWS=0):
+                     MAX_REGISTERS_LONG_ROWS=0):
         assert vtrace(1024, 16384, False) == vtrace(1024, 1024, False) == 0
-        assert vtrace(1 << 20, 4, True) == gae(1 << 20, 4, True) == 0
+        assert vtrace(1 << 20, 4, True) == gae(1 << 20, 4, True) == forward(1 << 20, 4, True) == 0

@@ -22,8 +22,8 @@ split into tiles that run in parallel and find their carries by look-back (`scan
 - batch-major tiles that look back take `ELEMENTS_PER_THREAD_LOOKBACK` values per thread;
 - batch-major tiles of 2-byte inputs in large grids take twice the values per thread;
 - time-major forward scans in large grids take half the values per thread (twice the warps);
-- V-trace's time-major tiles, V-trace's and GAE's batch-major tiles of long rows cap their
-  registers (`_max_registers`, Triton's `maxnreg`): more programs per multiprocessor;
+- V-trace's time-major tiles and the batch-major tiles of long rows cap their registers
+  (`_max_registers`, Triton's `maxnreg`): more programs per multiprocessor;
 - time-major tiles run as sub-tiles so that each thread holds consecutive steps (`sub_tiles`),
   2 rows per thread in tiles of 16 rows or more;
 - plans whose tiles divide the problem drop their masks where that keeps the occupancy (`even`);
@@ -160,12 +160,16 @@ MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR = 80
 # 64x32768 0.94 (0.93), 16x131072 0.94 (0.92); a cap of 112 0.99-1.02, 96 1.20-1.28 (spills);
 # the walked tiles (120 registers) stay below it (caps of 96 and 80 there: 1.00-1.03).
 MAX_REGISTERS_EXCLUSIVE_WIDE = 128
-# GAE's batch-major tiles of rows longer than the tile (look-back: 2048 values on 4 warps, 84
-# registers, 5 programs per multiprocessor; walked: 8 warps, 80 registers, 3 programs) compile
-# with at most this many: 8 and 4 programs. H200 (2026-12-01): 4x1048576 0.90 (bfloat16 0.97),
-# 1x4194304 0.89, 64x32768 0.92 (0.93), 16x131072 0.90, walked 512x4096 0.85 (1.01); a cap of
-# 72 0.96-1.08, of 80 0.92 at 4x1048576 (docs/benchmarks.md, log).
-MAX_REGISTERS_AUX_LONG_ROWS = 64
+# The other batch-major tiles of rows longer than the tile that look back (2048 values on 4
+# warps), but Retrace's, and GAE's walked ones compile with at most this many: GAE's (84
+# registers, 5 programs per multiprocessor; walked: 8 warps, 80 registers, 3 programs) and the
+# forward scans' (91 registers) fit 8 programs (walked GAE 4). H200 (2026-12-01): GAE 4x1048576
+# 0.90 (bfloat16 0.97), 1x4194304 0.89, 64x32768 0.92 (0.93), 16x131072 0.90, walked 512x4096
+# 0.85 (1.01); eligibility traces 4x1048576 0.97 (0.98), 64x32768 0.95, episodic sums
+# 4x1048576 0.97, 16x131072 0.92; discounted returns (66 registers) 0.99; a cap of 72 or 80
+# 0.92-1.08, GAE's time-major span tiles at 80 or 64 1.00-1.16, the forward scans' walked
+# tiles at 64 1.03 (docs/benchmarks.md, log).
+MAX_REGISTERS_LONG_ROWS = 64
 # ... except at most MAX_ROWS_NARROW rows: 4 values per thread took 15-23% less time at 2, 4 and
 # 8 rows (4x1048576: 77.7 -> 61.3 µs), 2% more at 16 rows and 14% more at 16384x1024; the other
 # estimators' narrow tiles lost 7-12% at 8 per thread (docs/benchmarks.md, log).
@@ -399,8 +403,8 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
                       else ELEMENTS_PER_THREAD_TIME_MAJOR)
     warps = block_t * block_b * per_step // (32 * per_thread)
     cfg = TileConfig(block_t, block_b, min(MAX_WARPS, _pow2(max(1, warps))), WINDOW, walk,
-                     max_registers=_max_registers(T, B, block_t, time_contiguous, span, n_act,
-                                                  exclusive, aux))
+                     max_registers=_max_registers(T, B, block_t, time_contiguous, span, walk,
+                                                  n_act, exclusive, aux))
     if _overrides:
         cfg = replace(cfg, **_overrides)
     if time_contiguous:
@@ -413,19 +417,20 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     return replace(cfg, window=win, depth=min(win, cfg.depth or depth(win, cfg.block_b, device)))
 
 
-def _max_registers(T: int, B: int, block_t: int, time_contiguous: bool, span: bool, n_act: int,
-                   exclusive: bool, aux: bool) -> int:
+def _max_registers(T: int, B: int, block_t: int, time_contiguous: bool, span: bool, walk: bool,
+                   n_act: int, exclusive: bool, aux: bool) -> int:
     """The register cap of a tile (Triton's `maxnreg`; 0: none): V-trace's time-major tiles of
-    8 values per thread, its tiles of 16 (span tiles, batch-major tiles of long rows), GAE's
-    batch-major tiles of long rows. Measured on the H200: one or more programs per
-    multiprocessor without spilling (the constants above)."""
+    8 values per thread, its tiles of 16 (span tiles, batch-major tiles of long rows), the
+    other batch-major tiles of long rows that look back (GAE's walked ones too), not
+    Retrace's. Measured on the H200: more programs per multiprocessor without spilling (the
+    constants above)."""
     long_rows = time_contiguous and T > block_t
     if exclusive and (span or long_rows):
         return MAX_REGISTERS_EXCLUSIVE_WIDE
     if exclusive and vector_rows(B, time_contiguous, n_act > 0):
         return MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR
-    if aux and long_rows:
-        return MAX_REGISTERS_AUX_LONG_ROWS
+    if long_rows and not n_act and (aux or not walk):
+        return MAX_REGISTERS_LONG_ROWS
     return 0
 
 
