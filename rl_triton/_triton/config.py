@@ -153,6 +153,14 @@ ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR = 8
 # likewise: 4x1048576 0.92 (bfloat16 0.87), 8x524288 0.90 (0.89); at 2 rows (86 registers, 8
 # warps) 1.02 (docs/benchmarks.md, log). Not the span tiles (below).
 MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR = 80
+# ... except at most MAX_ROWS_NARROW rows: 4 values per thread took 15-23% less time at 2, 4 and
+# 8 rows (4x1048576: 77.7 -> 61.3 µs), 2% more at 16 rows and 14% more at 16384x1024; the other
+# estimators' narrow tiles lost 7-12% at 8 per thread (docs/benchmarks.md, log).
+ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_TIME_MAJOR = 4
+# ... and at 4 to 8 rows, since their rows load 4 at a time (`ops.row_vector`) and they run as
+# sub-tiles: 8 per thread (4x1048576: 61.9 -> 53.3 µs, 8 rows 59.1 -> 49.2; with 4 per thread
+# 67.6 and 66.3; docs/benchmarks.md, log).
+ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_VECTOR_TIME_MAJOR = 8
 # V-trace's tiles of 16 values per thread (time-major span tiles, batch-major tiles of rows
 # longer than the tile: 147-166 registers) compile with at most this many: 4 programs of 4
 # warps (span) or 8 of 2 (look-back) per multiprocessor instead of 3 or 6. Batch-major look-back
@@ -170,14 +178,6 @@ MAX_REGISTERS_EXCLUSIVE_WIDE = 128
 # 0.92-1.08, GAE's time-major span tiles at 80 or 64 1.00-1.16, the forward scans' walked
 # tiles at 64 1.03 (docs/benchmarks.md, log).
 MAX_REGISTERS_LONG_ROWS = 64
-# ... except at most MAX_ROWS_NARROW rows: 4 values per thread took 15-23% less time at 2, 4 and
-# 8 rows (4x1048576: 77.7 -> 61.3 µs), 2% more at 16 rows and 14% more at 16384x1024; the other
-# estimators' narrow tiles lost 7-12% at 8 per thread (docs/benchmarks.md, log).
-ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_TIME_MAJOR = 4
-# ... and at 4 to 8 rows, since their rows load 4 at a time (`ops.row_vector`) and they run as
-# sub-tiles: 8 per thread (4x1048576: 61.9 -> 53.3 µs, 8 rows 59.1 -> 49.2; with 4 per thread
-# 67.6 and 66.3; docs/benchmarks.md, log).
-ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_VECTOR_TIME_MAJOR = 8
 ELEMENTS_PER_THREAD_ACTIONS = 8
 MAX_WARPS = 8
 WINDOW = 16  # tiles read per step of the look-back: in the interpreter; on a GPU see `window`
