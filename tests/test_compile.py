@@ -38,14 +38,19 @@ def test_registers_tool_reads_the_h200_plan():
     """tools/registers.py (registers and occupancy without a GPU) builds the plan the H200 would
     run, not the interpreter's: GAE's float32 time-major tiles at 128x128 span the rows' 128
     steps in 2 rows on one warp (`config.choose` with 132 multiprocessors; with the
-    interpreter's one, 16 rows on 4 warps), and the register counts are ones a kernel can have."""
+    interpreter's one, 16 rows on 4 warps), the register counts are ones a kernel can have, and
+    a register cap far below the compiler's count shows as spilled values (stack bytes)."""
     done = subprocess.run([sys.executable, str(HERE.parent / "tools" / "registers.py"),
-                           "gae:128x128:tm", "gae:16384x1024:tm:block_t=64,num_warps=4"],
+                           "gae:128x128:tm", "gae:16384x1024:tm:block_t=64,num_warps=4",
+                           "gae:16384x1024:tm:block_t=64,num_warps=4,max_registers=32"],
                           env=compiler_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     lines = done.stdout.strip().split("\n")
     assert "tile 128x2, 1 warp," in lines[0], lines
-    assert "tile 64x32, 4 warps" in lines[1], lines
+    assert "tile 64x32, 4 warps" in lines[1] and "tile 64x32, 4 warps" in lines[2], lines
     registers = [int(x) for x in re.findall(r"; (\d+) registers", done.stdout)]
-    assert len(registers) == 2 and all(16 <= r <= 255 for r in registers), lines
+    stack = [int(x) for x in re.findall(r"registers, (\d+) B stack", done.stdout)]
+    assert len(registers) == len(stack) == 3, lines
+    assert all(16 <= r <= 255 for r in registers), lines
     assert registers[0] < registers[1], lines  # the smaller tile holds fewer values per thread
+    assert registers[2] <= 32 < registers[1] and stack[2] > stack[1], lines  # capped: spills

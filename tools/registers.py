@@ -1,4 +1,5 @@
-"""Registers per thread and theoretical occupancy of the kernels the H200 would run, on a machine
+"""Registers per thread, stack bytes per thread (spilled values) and theoretical occupancy of the
+kernels the H200 would run, on a machine
 without a GPU: the plan is built as on an H200 (132 multiprocessors), compiled for sm_90 with the
 installed Triton, and its cubin read with the cuobjdump that Triton ships.
 
@@ -41,7 +42,8 @@ def as_on_the_gpu():
 
 def compiled(plan, tensors, scalars, meta):
     """The plan's kernel for sm_90 with `meta` (now the plan's), with its registers per thread
-    as `n_regs` (as a kernel loaded on a GPU has them)."""
+    as `n_regs` (as a kernel loaded on a GPU has them) and its stack bytes per thread as
+    `stack` (values spilled from registers: a register cap too low spills)."""
     plan.meta = meta
     kernel = compile_sm90.compile_plan(plan, tensors, scalars)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -50,6 +52,7 @@ def compiled(plan, tensors, scalars, meta):
         usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name],
                                capture_output=True, text=True, check=True).stdout
     kernel.n_regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    kernel.stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     return kernel
 
 
@@ -80,7 +83,8 @@ def report(spec: str) -> str:
     warps = f"{m['num_warps']} warp" + ("s" if m["num_warps"] > 1 else "")
     masks = "no masks" if m["EVEN"] else "masks"
     return (f"{spec}: tile {m['BLOCK_T']}x{m['BLOCK_B']}, {warps}, "
-            f"{m['SUB']} sub-tiles, {masks}; {registers} registers, {shared} B shared; "
+            f"{m['SUB']} sub-tiles, {masks}; {registers} registers, {kernel.stack} B stack, "
+            f"{shared} B shared; "
             f"{programs} programs per multiprocessor, occupancy {fraction:.0%}")
 
 
