@@ -1,7 +1,7 @@
 """Registers per thread, stack bytes per thread (spilled values) and theoretical occupancy of the
-kernels the H200 would run, on a machine
-without a GPU: the plan is built as on an H200 (132 multiprocessors), compiled for sm_90 with the
-installed Triton, and its cubin read with the cuobjdump that Triton ships.
+kernels the H200 would run, on a machine without a GPU: the plan is built as on an H200 (132
+multiprocessors), compiled for sm_90 with the installed Triton, and its cubin read with the
+cuobjdump that Triton ships.
 
     python tools/registers.py gae:16384x1024:tm vtrace:1024x1024:bm:bf16 \\
         gae:16384x1024:tm:block_t=64,num_warps=4
