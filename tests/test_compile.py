@@ -35,9 +35,9 @@ def test_every_variant_compiles_for_sm90(python):
 
 
 def test_registers_tool_reads_the_h200_plan():
-    """tools/registers.py (registers and occupancy without a GPU) builds the plan the H200 would
-    run, not the interpreter's: GAE's float32 time-major tiles at 128x128 span the rows' 128
-    steps in 2 rows on one warp (`config.choose` with 132 multiprocessors; with the
+    """tools/registers.py (registers, spills and occupancy without a GPU) builds the plan the
+    H200 would run, not the interpreter's: GAE's float32 time-major tiles at 128x128 span the
+    rows' 128 steps in 2 rows on one warp (`config.choose` with 132 multiprocessors; with the
     interpreter's one, 16 rows on 4 warps), the register counts are ones a kernel can have, and
     a register cap far below the compiler's count shows as spilled values (stack bytes)."""
     done = subprocess.run([sys.executable, str(HERE.parent / "tools" / "registers.py"),
