@@ -243,16 +243,25 @@ def test_time_major_tiles_in_grids_of_few_programs_span_128_steps():
     tiles of the rest of the rule) take tiles of 128 steps x 16 rows, 32 values per thread (16
     for GAE and V-trace, whose writers hold per-step values through the scan; V-trace's capped
     at MAX_REGISTERS_EXCLUSIVE_WIDE registers), rows halved down to 2 while the tiles are fewer
-    than the multiprocessors. Measured
+    than the multiprocessors; 16 values per thread for every estimator where the tiles look
+    back in a grid of at most SPAN_FEW_PROGRAMS_PER_SM programs per multiprocessor. Measured
     on the H200 (docs/benchmarks.md, grids before and after): 128x128 18-28% faster, 4096x128
     9-25%, 1024x1024 up to 13%, 64x32768 up to 12%, 16x131072 2-9%, 512x4096 up to 6%
     (V-trace 1-3% slower at 1024x1024 and 512x4096, then 5-8% faster on 4 warps with the cap);
-    at 16384x1024 (62 programs per multiprocessor) such tiles were 8-41% slower."""
+    at 16384x1024 (62 programs per multiprocessor) such tiles were 8-41% slower. On 4 warps
+    where few programs look back: 1024x1024 and 2048x512 2-6% faster, 512x4096 (1024
+    programs) 4-11% slower."""
     def tm(T, B, **kw):
         return config.choose(T, B, time_contiguous=False, device=CPU, reverse=True, **kw)
-    for T, B in [(128, 4096), (1024, 1024), (4096, 512), (32768, 64), (131072, 16)]:
+    for T, B in [(128, 4096), (1024, 1024), (4096, 512), (32768, 64), (131072, 16),
+                 (512, 2048), (512, 1024)]:
         c, gae = tm(T, B), tm(T, B, aux=True)
-        assert (c.block_t, c.block_b, c.num_warps, c.sub) == (128, 16, 2, 8), (T, B)
+        few = T > 128 and c.chunks(T) * B // 16 <= config.SPAN_FEW_PROGRAMS_PER_SM * 132
+        assert few == ((T, B) in [(1024, 1024), (512, 2048), (512, 1024)]), (T, B)
+        assert (c.block_t, c.block_b, c.num_warps, c.sub) == (128, 16, 4 if few else 2, 8), (T, B)
+        assert config.choose(T, B, time_contiguous=False, device=CPU) == c  # forward scans
+        with config.rule(SPAN_FEW_PROGRAMS_PER_SM=0):
+            assert tm(T, B).num_warps == 2
         assert (gae.block_t, gae.block_b, gae.num_warps, gae.max_registers) == (128, 16, 4, 0)
         vtrace = tm(T, B, exclusive=True, aux=True)
         assert vtrace == replace(gae, max_registers=config.MAX_REGISTERS_EXCLUSIVE_WIDE)

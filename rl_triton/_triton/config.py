@@ -99,8 +99,14 @@ MAX_ROWS_TIME_MAJOR = 32
 # (4 warps), with at most MAX_REGISTERS_EXCLUSIVE_WIDE registers (below): against 32 per
 # thread (255 registers, 4 programs of 2 warps per multiprocessor), 1024x1024 0.95 (bfloat16
 # 0.92), 512x4096 0.93, 64x32768 0.93, 16x131072 0.92, 4096x128 0.98; on 4 warps without the
-# cap (147 registers, 3 programs) 1.03-1.10 (docs/benchmarks.md, log).
+# cap (147 registers, 3 programs) 1.03-1.10 (docs/benchmarks.md, log). The other estimators'
+# span tiles that look back take 16 per thread too in grids of at most SPAN_FEW_PROGRAMS_PER_SM
+# programs per multiprocessor (one wave of few warps, each waiting through its look-back):
+# 1024x1024 0.95-0.98 (discounted returns bfloat16 1.01), 2048x512 0.94-0.97, 1024x512
+# 0.96-0.99; with 1024 programs (512x4096) 1.04-1.11, without a look-back (4096x128) 0.99-1.06
+# (2026-12-01; docs/benchmarks.md, log).
 SPAN_PROGRAMS_PER_SM = 32
+SPAN_FEW_PROGRAMS_PER_SM = 4
 SPAN_STEPS = 128
 SPAN_ROWS = 16
 SPAN_MIN_ROWS = 2
@@ -391,7 +397,9 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
         per_thread = (ELEMENTS_PER_THREAD_LOOKBACK if looks_back
                       else ELEMENTS_PER_THREAD * wider)
     elif span:
-        per_thread = SPAN_ELEMENTS_PER_THREAD_AUX if aux else SPAN_ELEMENTS_PER_THREAD
+        few = (T > block_t and _tiles(T, B, block_t, block_b)
+               <= SPAN_FEW_PROGRAMS_PER_SM * _multiprocessors(device))
+        per_thread = SPAN_ELEMENTS_PER_THREAD_AUX if aux or few else SPAN_ELEMENTS_PER_THREAD
     else:
         per_thread = (ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_VECTOR_TIME_MAJOR
                       if exclusive and narrow and vector_rows(B, time_contiguous, n_act > 0)
