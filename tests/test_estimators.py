@@ -201,6 +201,32 @@ def test_full_tiles_drop_their_masks(name, device):
                 assert plan.meta["EVEN"] is full or (device != "cpu" and not plan.meta["EVEN"])
 
 
+@pytest.mark.parametrize("name", ["lambda_returns", "retrace", "gae"])
+def test_calls_without_truncations_read_the_terminations_twice(name, device):
+    """Lambda-returns' and Retrace's time-major calls without truncation flags pass their
+    terminations in the truncation slot too (`ops.Kernel.trunc_slot_always`: the compiler then
+    issues their loads up front; cut = terminated | truncated is unchanged): the same results as
+    the kernel without the slot (bit for bit in the interpreter, where no look-back order
+    varies). Batch-major calls and the other estimators build without the slot."""
+    case = make_case(name, 37, (5,), device=device, seed=29, trunc=False)
+    ref = case.reference()
+    slot = 6 if name == "retrace" else 3  # the truncation slot; the terminations' is slot - 1
+    for layout in ("time-major", "batch-major"):
+        outs = []
+        for on in (1, 0):
+            estimators._PLANS.clear()
+            with config.rule(TRUNCATION_SLOT_ALWAYS=on):
+                outs.append(case.call(layout, backend="triton"))
+            (plan,) = estimators._PLANS.values()
+            twice = bool(on) and layout == "time-major" and name != "gae"
+            assert plan.meta["HAS_TRUNC"] is twice, (layout, on)
+            assert plan.src[slot] == (slot - 1 if twice else None), (layout, on)
+        assert_close(outs[0], ref)
+        assert_close(outs[0], outs[1])
+        if device == "cpu":
+            assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 def test_look_back_tags_name_the_launch(device):
     """Every launch tags every tile's words with one new tag base (the last one + 2, from 0 in
     fresh scratch), which each tile reads from the word it wrote itself the launch before;

@@ -191,6 +191,9 @@ WINDOW = 16  # tiles read per step of the look-back: in the interpreter; on a GP
 # words per pass, the rest of the window masked: at 4x1048576, GAE 40.6 -> 37.1 µs, V-trace
 # 70.5 -> 63.6, with or without cuts (reading 8 or 32 gained less; docs/benchmarks.md, log).
 DEPTH_WIDE = 1
+# Lambda-returns' and Retrace's time-major calls without truncation flags read the terminations
+# in the truncation slot (`ops.Kernel.trunc_slot_always`); 0 builds them without the slot.
+TRUNCATION_SLOT_ALWAYS = 1
 # A batch-major program walks all tiles of its rows (passing the carry in registers, no
 # look-back) when its rows' tiles alone give WALK_PROGRAMS_PER_SM programs per multiprocessor;
 # Retrace's WALK_PROGRAMS_PER_SM_ACTIONS. Retrace at 16384x1024 (124 row tiles of 2 warps per
