@@ -54,3 +54,30 @@ def test_registers_tool_reads_the_h200_plan():
     assert all(16 <= r <= 255 for r in registers), lines
     assert registers[0] < registers[1], lines  # the smaller tile holds fewer values per thread
     assert registers[2] <= 32 < registers[1] and stack[2] > stack[1], lines  # capped: spills
+    rounds = [[int(x) for x in r.split(" + ")] for r in re.findall(r"rounds \(([\d +]+)\)",
+                                                                    done.stdout)]
+    assert len(rounds) == 3 and all(sum(r) >= 4 for r in rounds), lines  # its global loads
+
+
+def test_load_rounds_follow_the_first_consumers():
+    """tools/registers.py's load rounds: a load belongs to the round in which an in-order warp
+    issues it; an instruction that reads a register a load of the current round writes opens
+    the next round (one of an earlier round is back by then). The look-back's `.STRONG` loads
+    are not counted, predicated loads are, and a store's operands are all sources."""
+    sass = """
+        /*0000*/                   LDG.E R2, desc[UR4][R4.64] ;            /* 0x0 */
+        /*0010*/                   LDG.E.64 R6, desc[UR4][R8.64] ;         /* 0x0 */
+        /*0020*/                   FADD R10, R2, R3 ;                      /* 0x0 */
+        /*0030*/              @!P0 LDG.E R12, desc[UR4][R14.64] ;          /* 0x0 */
+        /*0040*/                   FADD R11, R7, R12 ;                     /* 0x0 */
+        /*0050*/                   LDG.E.STRONG.SYS R16, desc[UR4][R20.64] ;  /* 0x0 */
+        /*0060*/                   STG.E desc[UR4][R18.64], R16 ;          /* 0x0 */
+        /*0070*/                   LDG.E.128 R20, desc[UR4][R22.64] ;      /* 0x0 */
+        /*0080*/                   STG.E desc[UR4][R24.64], R23 ;          /* 0x0 */
+    """
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import registers; "
+            "print(registers.load_rounds(sys.stdin.read()))")
+    done = subprocess.run([sys.executable, "-c", code, str(HERE.parent / "tools")], input=sass,
+                          env=compiler_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[2, 1, 1]", done.stdout

@@ -1,15 +1,19 @@
-"""Registers per thread, stack bytes per thread (spilled values) and theoretical occupancy of the
-kernels the H200 would run, on a machine without a GPU: the plan is built as on an H200 (132
-multiprocessors), compiled for sm_90 with the installed Triton, and its cubin read with the
-cuobjdump that Triton ships.
+"""Registers per thread, stack bytes per thread (spilled values), theoretical occupancy and load
+rounds of the kernels the H200 would run, on a machine without a GPU: the plan is built as on an
+H200 (132 multiprocessors), compiled for sm_90 with the installed Triton, and its cubin read
+with the cuobjdump that Triton ships.
 
     python tools/registers.py gae:16384x1024:tm vtrace:1024x1024:bm:bf16 \\
-        gae:16384x1024:tm:block_t=64,num_warps=4
+        gae:16384x1024:tm:block_t=64,num_warps=4 lambda_returns:4096x128:tm:notrunc
 
-An argument is estimator:NxT:tm|bm, then optionally :bf16 and :field=value,... (tile fields
-forced as with `python -m rl_triton.bench --tiles`). Registers match ncu's on the H200 when the
-installed Triton is the GPU machine's (docs/benchmarks.md, log: eleventh session). Run without
-TRITON_INTERPRET."""
+An argument is estimator:NxT:tm|bm, then optionally :bf16, :notrunc (no truncation flags) and
+:field=value,... (tile fields forced as with `python -m rl_triton.bench --tiles`). Registers
+match ncu's on the H200 when the installed Triton is the GPU machine's (docs/benchmarks.md, log:
+eleventh session; the CI's `.ci/triton-oldest/bin/python` runs Triton 3.6, the GPU machine's).
+Load rounds: the global loads of the SASS in the order an in-order warp issues them, a new round
+opening at each instruction that consumes a load not yet back; loads issued in several rounds
+wait on memory one round after another (docs/benchmarks.md, log: nineteenth session). Run
+without TRITON_INTERPRET."""
 import os
 import re
 import subprocess
@@ -51,9 +55,39 @@ def compiled(plan, tensors, scalars, meta):
         f.flush()
         usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name],
                                capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([CUOBJDUMP, "-sass", f.name],
+                              capture_output=True, text=True, check=True).stdout
     kernel.n_regs = int(re.search(r"REG:(\d+)", usage).group(1))
     kernel.stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    kernel.rounds = load_rounds(sass)
     return kernel
+
+
+def load_rounds(sass: str) -> list:
+    """Global loads (not the look-back's, `.STRONG`) per round of issue: an in-order warp issues
+    every instruction until one reads a register that a load still in flight writes, then waits
+    for that load; the loads issued after the wait form the next round."""
+    pending, now, rounds = {}, 0, []
+    for line in sass.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4}\*/\s+(.*?);", line)
+        if not m:
+            continue
+        parts = m.group(1).split()
+        if parts[0].startswith("@"):  # predicate
+            parts = parts[1:]
+        op, operands = parts[0], " ".join(parts[1:])
+        # sources: all operands but a non-store's first (its destination)
+        sources = operands if op.startswith("ST") else operands.partition(",")[2]
+        for reg in re.findall(r"\bR(\d+)\b", sources):
+            if pending.get(int(reg), -1) >= now:
+                now = pending[int(reg)] + 1
+        if op.startswith("LDG") and "STRONG" not in op:
+            first = int(re.match(r"R(\d+)", operands).group(1))
+            width = 4 if ".128" in op else 2 if ".64" in op else 1
+            for r in range(first, first + width):
+                pending[r] = now
+            rounds.append(now)
+    return [rounds.count(r) for r in range(max(rounds) + 1)] if rounds else []
 
 
 def report(spec: str) -> str:
@@ -63,7 +97,7 @@ def report(spec: str) -> str:
         if "=" in part:
             tiles.update({k: int(v) for k, v in (kv.split("=") for kv in part.split(","))})
     n, t = map(int, shape.split("x"))
-    case = make_case(name, t, (n,), n_act=18,
+    case = make_case(name, t, (n,), n_act=18, trunc="notrunc" not in rest,
                      dtype=torch.bfloat16 if "bf16" in rest else torch.float32)
     with config.override(**tiles):
         plan, (tensors, scalars) = compile_sm90.plan_of(
@@ -85,7 +119,8 @@ def report(spec: str) -> str:
     return (f"{spec}: tile {m['BLOCK_T']}x{m['BLOCK_B']}, {warps}, "
             f"{m['SUB']} sub-tiles, {masks}; {registers} registers, {kernel.stack} B stack, "
             f"{shared} B shared; "
-            f"{programs} programs per multiprocessor, occupancy {fraction:.0%}")
+            f"{programs} programs per multiprocessor, occupancy {fraction:.0%}; loads in "
+            f"{len(kernel.rounds)} rounds ({' + '.join(map(str, kernel.rounds))})")
 
 
 if __name__ == "__main__":
