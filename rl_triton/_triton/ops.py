@@ -38,10 +38,10 @@ class Kernel:
     # Without truncation flags, time-major tiles read the terminations in the truncation slot too
     # (`config.TRUNCATION_SLOT_ALWAYS`): the same results bit for bit (cut = terminated |
     # truncated), and the compiler's schedule of the builder with both flags issues its loads up
-    # front; without the slot, Triton 3.6 issued lambda-returns' in 3-5 dependent rounds (sm_90
-    # SASS), and on the H200 lambda-returns took 0.76-0.95 of the time with the slot at every
-    # time-major shape, Retrace 0.88-0.94; GAE 1.09 at 4096x128, the others and batch-major
-    # tiles 0.99-1.01 (docs/benchmarks.md, log).
+    # front; without the slot, Triton 3.6 issued lambda-returns' in 3-4 dependent rounds, against
+    # 1-3 with it (sm_90 SASS, `tools/registers.py`), and on the H200 lambda-returns took
+    # 0.76-0.95 of the time with the slot at every time-major shape measured, Retrace 0.88-0.94;
+    # GAE 1.09 at 4096x128, the others and batch-major tiles 0.99-1.01 (docs/benchmarks.md, log).
     trunc_slot_always: bool = False
 
 
