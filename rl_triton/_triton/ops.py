@@ -169,7 +169,7 @@ class Launch:
         largest = max([_extent(v, (n_act - 1) * a) for v, a in zip(flat, sa) if v is not None]
                       + [_extent(v) for v in present])
         first = flat[0]
-        time_contiguous = first.stride(0) == 1 and T > 1
+        time_contiguous = _time_contiguous(first)
         itemsize = max([x.element_size() for x in flat if x is not None
                         and x.is_floating_point()] or [4])
         cfg = config.choose(T, self.B, time_contiguous=time_contiguous, device=device,
@@ -388,11 +388,16 @@ def _plan_with_fallback(build, tensors, copy=_contiguous):
     return build(copy(tensors)), copy
 
 
+def _time_contiguous(view: Tensor) -> bool:
+    """Whether a [T, ...] view's steps are contiguous (batch-major tiles; else time-major)."""
+    return view.stride(0) == 1 and view.shape[0] > 1
+
+
 def _trunc_slot_from_terminated(kernel: Kernel, r: Tensor) -> bool:
     """Whether a call without truncation flags reads its terminations in the truncation slot
     (`Kernel.trunc_slot_always`): time-major rows only (`r` is the rewards [T, ...] view)."""
-    time_major = not (r.stride(0) == 1 and r.shape[0] > 1)  # as `Launch` decides
-    return kernel.trunc_slot_always and time_major and bool(config.TRUNCATION_SLOT_ALWAYS)
+    return (kernel.trunc_slot_always and not _time_contiguous(r)
+            and bool(config.TRUNCATION_SLOT_ALWAYS))
 
 
 def plan_value_estimator(kernel: Kernel, n_out: int, tensors: tuple, time_dim: int,
@@ -434,10 +439,10 @@ def plan_retrace(tensors: tuple, return_advantages: bool, time_dim: int, out_dty
                over_time(last_q, T), over_time(last_pi, T)]
         src = [i if ts[i] is not None else None for i in range(9)]
         if twice:
-            src[6], trunc = 5, term
+            src[6] = 5
         return Launch(RETRACE, T, tuple(ins[0].shape[1:]), ins, src, tuple(rewards.shape),
                       time_dim, 2 if return_advantages else 1, out_dtype,
-                      action_slots=_RETRACE_ACTION_SLOTS, has_trunc=trunc is not None,
+                      action_slots=_RETRACE_ACTION_SLOTS, has_trunc=trunc is not None or twice,
                       variant=int(return_advantages))
 
     return _plan_with_fallback(build, tensors)
