@@ -53,13 +53,11 @@ def compiled(plan, tensors, scalars, meta):
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name],
-                               capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([CUOBJDUMP, "-sass", f.name],
+        dump = subprocess.run([CUOBJDUMP, "--dump-resource-usage", "-sass", f.name],
                               capture_output=True, text=True, check=True).stdout
-    kernel.n_regs = int(re.search(r"REG:(\d+)", usage).group(1))
-    kernel.stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-    kernel.rounds = load_rounds(sass)
+    kernel.n_regs = int(re.search(r"REG:(\d+)", dump).group(1))
+    kernel.stack = int(re.search(r"STACK:(\d+)", dump).group(1))
+    kernel.rounds = load_rounds(dump)
     return kernel
 
 
