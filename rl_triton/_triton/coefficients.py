@@ -150,9 +150,14 @@ def retrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, param
     term, cut = cut_flags(ins, st, s1, s2, RT_TERM, RT_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
     inside = mask & (t + 1 < T)  # slot t+1 is in the window
 
-    # E[t] = sum_a pi(a|s_{t+1}) Q(s_{t+1}, a) over slot t+1's rows, in ACT_BLOCKS blocks of
-    # BLOCK_A actions; then the entries of a_{t+1}, gathered from the rows just read (cache
-    # hits). The loops over blocks are unrolled: as a loop of n_act / BLOCK_A steps, the one
+    # The entries of a_{t+1} gathered from slot t+1's rows of Q and pi; then E[t] = sum_a
+    # pi(a|s_{t+1}) Q(s_{t+1}, a) over the same rows, in ACT_BLOCKS blocks of BLOCK_A actions.
+    # The gathers come first so that their round trip (actions, then the entries they index)
+    # overlaps the blocks' loads instead of following them: load rounds (`tools/registers.py`,
+    # sm_90) 8 -> 6 time-major at 16384x1024, 11 -> 9 batch-major; H200 device time 16384x1024
+    # batch-major 787 -> 737 µs, time-major 703 -> 688, 64x32768 time-major 121 -> 118,
+    # 4096x128 time-major 39.9 -> 39.0, batch-major 37.8 -> 38.5 (docs/benchmarks.md, log,
+    # twentieth session). The loops over blocks are unrolled: as a loop of n_act / BLOCK_A steps, the one
     # block of 18 actions took 2.2 times the registers (sm_90, 208 against 96) and the kernel
     # 1.3-2.2 times the time (H200; docs/benchmarks.md, log).
     # Where every row starts at a multiple of ACT_VEC actions (`ops.action_vector`), the
@@ -174,6 +179,11 @@ def retrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, param
     if ACT_VEC > 1:
         q_row = q_row // ACT_VEC * ACT_VEC
         pi_row = pi_row // ACT_VEC * ACT_VEC
+    a_next = tl.load(ins[RT_ACT] + offsets(t + 1, b1, b2, st[RT_ACT], s1[RT_ACT], s2[RT_ACT]),
+                     mask=inside, other=0)
+    a_next = tl.trans(a_next)
+    q_a_next = tl.trans(load_value(ins[RT_Q], q_row + a_next * sa[RT_Q], inside_tr))
+    pi_a_next = tl.trans(load_value(ins[RT_PI], pi_row + a_next * sa[RT_PI], inside_tr))
     expected = tl.zeros(inside_tr.shape, tl.float32)
     for k in tl.static_range(ACT_BLOCKS):
         a = k * BLOCK_A + tl.arange(0, BLOCK_A)[None, None, :]
@@ -182,11 +192,6 @@ def retrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, param
         p = load_value(ins[RT_PI], pi_row[:, :, None] + a * sa[RT_PI], in_a)
         expected += tl.sum(q * p, axis=2)
     expected = tl.trans(expected)
-    a_next = tl.load(ins[RT_ACT] + offsets(t + 1, b1, b2, st[RT_ACT], s1[RT_ACT], s2[RT_ACT]),
-                     mask=inside, other=0)
-    a_next = tl.trans(a_next)
-    q_a_next = tl.trans(load_value(ins[RT_Q], q_row + a_next * sa[RT_Q], inside_tr))
-    pi_a_next = tl.trans(load_value(ins[RT_PI], pi_row + a_next * sa[RT_PI], inside_tr))
     mu_next = tl.where(inside, load_step(ins, st, s1, s2, RT_MU, t + 1, b1, b2, inside), 1.0)
     c_next = lam * tl.minimum(pi_a_next / mu_next, c_clip)
 
