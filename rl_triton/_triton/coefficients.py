@@ -157,9 +157,9 @@ def retrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, param
     # sm_90) 8 -> 6 time-major at 16384x1024, 11 -> 9 batch-major; H200 device time 16384x1024
     # batch-major 787 -> 737 µs, time-major 703 -> 688, 64x32768 time-major 121 -> 118,
     # 4096x128 time-major 39.9 -> 39.0, batch-major 37.8 -> 38.5 (docs/benchmarks.md, log,
-    # twentieth session). The loops over blocks are unrolled: as a loop of n_act / BLOCK_A steps, the one
-    # block of 18 actions took 2.2 times the registers (sm_90, 208 against 96) and the kernel
-    # 1.3-2.2 times the time (H200; docs/benchmarks.md, log).
+    # twentieth session). The loops over blocks are unrolled: as a loop of n_act / BLOCK_A
+    # steps, the one block of 18 actions took 2.2 times the registers (sm_90, 208 against 96)
+    # and the kernel 1.3-2.2 times the time (H200; docs/benchmarks.md, log).
     # Where every row starts at a multiple of ACT_VEC actions (`ops.action_vector`), the
     # compiler is told so (the rows rounded down to that multiple: no-ops on the values) and that
     # the mask is constant over groups of ACT_VEC actions: ACT_VEC actions per vector load. 18
