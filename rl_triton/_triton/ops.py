@@ -35,23 +35,25 @@ class Kernel:
     # the bootstrap value (last_value, without next_values) enters as the scan's initial carry,
     # the builder's VARIANT 1, rather than through its alpha at step T-1
     carries_last: bool = False
-    # Without truncation flags, time-major tiles read the terminations in the truncation slot too
-    # (`config.TRUNCATION_SLOT_ALWAYS`): the same results bit for bit (cut = terminated |
-    # truncated), and the compiler's schedule of the builder with both flags issues its loads up
+    # The builder's (terminations, truncations) slots, where its time-major calls without
+    # truncation flags read the terminations in the truncation slot too
+    # (`config.TRUNCATION_SLOT_ALWAYS`, `Launch`): the same results bit for bit (cut = terminated
+    # | truncated), and the compiler's schedule of the builder with both flags issues its loads up
     # front; without the slot, Triton 3.6 issued lambda-returns' in 3-4 dependent rounds, against
     # 1-3 with it (sm_90 SASS, `tools/registers.py`), and on the H200 lambda-returns took
     # 0.76-0.95 of the time with the slot at every time-major shape measured, Retrace 0.88-0.94;
     # GAE 1.09 at 4096x128, the others and batch-major tiles 0.99-1.01 (docs/benchmarks.md, log).
-    trunc_slot_always: bool = False
+    trunc_slot_always: Optional[tuple] = None
 
 
 GAE = Kernel(C.gae_coef, C.gae_store, reverse=True, aux=True)
 LAMBDA_RETURNS = Kernel(C.lambda_returns_coef, C.single_store, reverse=True,
-                        trunc_slot_always=True)
+                        trunc_slot_always=(C.TERM.value, C.TRUNC.value))
 DISCOUNTED_RETURNS = Kernel(C.discounted_returns_coef, C.single_store, reverse=True,
                             carries_last=True)
 VTRACE = Kernel(C.vtrace_coef, C.vtrace_store, reverse=True, exclusive=True, aux=True)
-RETRACE = Kernel(C.retrace_coef, C.retrace_store, reverse=True, trunc_slot_always=True)
+RETRACE = Kernel(C.retrace_coef, C.retrace_store, reverse=True,
+                 trunc_slot_always=(C.RT_TERM.value, C.RT_TRUNC.value))
 FORWARD = Kernel(C.forward_coef, C.single_store, reverse=False)
 SCAN_REVERSE = Kernel(C.linear_scan_coef, C.single_store, reverse=True)
 SCAN_FORWARD = Kernel(C.linear_scan_coef, C.single_store, reverse=False)
@@ -141,6 +143,13 @@ class Launch:
                  init: Optional[Tensor] = None, init_src: Optional[int] = None,
                  action_slots: tuple = (), has_trunc: bool = False, has_next: bool = False,
                  has_last: bool = False, variant: int = 0):
+        # batch-major tiles where the steps are contiguous (slot 0, the rewards), else time-major
+        time_contiguous = ins[0].stride(0) == 1 and T > 1
+        if (kernel.trunc_slot_always and not has_trunc and config.TRUNCATION_SLOT_ALWAYS
+                and not time_contiguous):
+            term, trunc = kernel.trunc_slot_always
+            ins, src = list(ins), list(src)
+            ins[trunc], src[trunc], has_trunc = ins[term], src[term], True
         self.T, self.B = T, math.prod(bshape)  # never 0: empty calls return before a plan
         self.out_shape, self.out_dtype, self.n_out = out_shape, out_dtype, n_out
         self.src, self.init_src = src, init_src
@@ -168,8 +177,6 @@ class Launch:
         sa = tuple(ins[i].stride(-1) if i in action_slots else 0 for i in range(len(ins)))
         largest = max([_extent(v, (n_act - 1) * a) for v, a in zip(flat, sa) if v is not None]
                       + [_extent(v) for v in present])
-        first = flat[0]
-        time_contiguous = _time_contiguous(first)
         itemsize = max([x.element_size() for x in flat if x is not None
                         and x.is_floating_point()] or [4])
         cfg = config.choose(T, self.B, time_contiguous=time_contiguous, device=device,
@@ -388,18 +395,6 @@ def _plan_with_fallback(build, tensors, copy=_contiguous):
     return build(copy(tensors)), copy
 
 
-def _time_contiguous(view: Tensor) -> bool:
-    """Whether a [T, ...] view's steps are contiguous (batch-major tiles; else time-major)."""
-    return view.stride(0) == 1 and view.shape[0] > 1
-
-
-def _trunc_slot_from_terminated(kernel: Kernel, r: Tensor) -> bool:
-    """Whether a call without truncation flags reads its terminations in the truncation slot
-    (`Kernel.trunc_slot_always`): time-major rows only (`r` is the rewards [T, ...] view)."""
-    return (kernel.trunc_slot_always and not _time_contiguous(r)
-            and bool(config.TRUNCATION_SLOT_ALWAYS))
-
-
 def plan_value_estimator(kernel: Kernel, n_out: int, tensors: tuple, time_dim: int,
                          out_dtype: torch.dtype):
     """tensors: (rewards, values, terminated, truncated, last_value, next_values, *extra)."""
@@ -409,15 +404,13 @@ def plan_value_estimator(kernel: Kernel, n_out: int, tensors: tuple, time_dim: i
         carried = kernel.carries_last and last_value is not None and next_values is None
         r = _tm(rewards, time_dim)
         T = r.shape[0]
-        twice = truncated is None and _trunc_slot_from_terminated(kernel, r)
-        ins = [r, _tm(values, time_dim), _tm(terminated, time_dim),
-               _tm(terminated if twice else truncated, time_dim),
+        ins = [r, _tm(values, time_dim), _tm(terminated, time_dim), _tm(truncated, time_dim),
                _tm(next_values, time_dim), None if carried else over_time(last_value, T)]
         ins += [_tm(x, time_dim) for x in extra]
-        src = [0, 1, 2, 2 if twice else 3, 5, 4] + [6 + i for i in range(len(extra))]
+        src = [0, 1, 2, 3, 5, 4] + [6 + i for i in range(len(extra))]
         src = [i if ins[k] is not None else None for k, i in enumerate(src)]
         return Launch(kernel, T, tuple(r.shape[1:]), ins, src, tuple(rewards.shape), time_dim,
-                      n_out, out_dtype, has_trunc=truncated is not None or twice,
+                      n_out, out_dtype, has_trunc=truncated is not None,
                       has_next=next_values is not None, has_last=ins[5] is not None,
                       init=last_value if carried else None, init_src=4 if carried else None,
                       variant=int(carried))
@@ -432,17 +425,13 @@ def plan_retrace(tensors: tuple, return_advantages: bool, time_dim: int, out_dty
     def build(ts):
         rewards, q, actions, pi, mu, term, trunc, last_q, last_pi = ts
         T = rewards.shape[time_dim]
-        r = _tm(rewards, time_dim)
-        twice = trunc is None and _trunc_slot_from_terminated(RETRACE, r)
-        ins = [r, _tm(q, time_dim), _tm(actions, time_dim), _tm(pi, time_dim), _tm(mu, time_dim),
-               _tm(term, time_dim), _tm(term if twice else trunc, time_dim),
+        ins = [_tm(rewards, time_dim), _tm(q, time_dim), _tm(actions, time_dim),
+               _tm(pi, time_dim), _tm(mu, time_dim), _tm(term, time_dim), _tm(trunc, time_dim),
                over_time(last_q, T), over_time(last_pi, T)]
         src = [i if ts[i] is not None else None for i in range(9)]
-        if twice:
-            src[6] = 5
         return Launch(RETRACE, T, tuple(ins[0].shape[1:]), ins, src, tuple(rewards.shape),
                       time_dim, 2 if return_advantages else 1, out_dtype,
-                      action_slots=_RETRACE_ACTION_SLOTS, has_trunc=trunc is not None or twice,
+                      action_slots=_RETRACE_ACTION_SLOTS, has_trunc=trunc is not None,
                       variant=int(return_advantages))
 
     return _plan_with_fallback(build, tensors)
