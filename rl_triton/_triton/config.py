@@ -196,12 +196,14 @@ DEPTH_WIDE = 1
 TRUNCATION_SLOT_ALWAYS = 1
 # A batch-major program walks all tiles of its rows (passing the carry in registers, no
 # look-back) when its rows' tiles alone give WALK_PROGRAMS_PER_SM programs per multiprocessor;
-# Retrace's WALK_PROGRAMS_PER_SM_ACTIONS. Retrace at 16384x1024 (124 row tiles of 2 warps per
-# multiprocessor, with the 32-lane action blocks of the time): walking 3% faster; at 4096x128,
-# 1024x1024 and 512x4096 (31, 8 and 4 per multiprocessor) the look-back 6%, 7% and 35% (H200;
-# docs/benchmarks.md, log).
+# Retrace's WALK_PROGRAMS_PER_SM_ACTIONS. Retrace's tiles of 128 steps x 1 row (4 warps), H200
+# device time, walking against the look-back (2026-12-01): 1024x1024 0.87 (bfloat16 0.95),
+# 896x1024 0.88, 768x1024 0.90 (bfloat16 1.00), 2048x512 0.91, 4096x256 0.93, 8192x256 0.90,
+# 1024x2048 0.86; with fewer rows per multiprocessor, 640x4096 (4.8) 0.95, 512x4096 (3.9) 1.02
+# (bfloat16 1.27). (With the 32-lane action blocks of the ninth session, the look-back had been
+# faster up to 31 rows per multiprocessor; docs/benchmarks.md, log.)
 WALK_PROGRAMS_PER_SM = 2
-WALK_PROGRAMS_PER_SM_ACTIONS = 64
+WALK_PROGRAMS_PER_SM_ACTIONS = 5
 # Time-major tiles of at least 4 rows, but Retrace's, run as sub-tiles of one step per thread
 # each (`sub_tiles`; at most this many): against whole tiles at 16384x1024 (H200), V-trace 187 ->
 # 152 µs, lambda-returns 80 -> 67, discounted returns 82 -> 67, eligibility traces 57 -> 54, GAE
