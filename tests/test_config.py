@@ -95,7 +95,7 @@ def test_vtrace_takes_smaller_tiles():
     batch-major, 4 warps (8 values per thread) against 2 time-major."""
     def vtrace(T, B, tc):
         return config.choose(T, B, time_contiguous=tc, device=CPU, exclusive=True)
-    for T, B, warps in [(1024, 16384, (4, 8)), (4096, 512, (4, 8)), (1 << 20, 4, (2, 4))]:
+    for T, B, warps in [(1024, 16384, (4, 8)), (4096, 512, (4, 8)), (131072, 16, (2, 4))]:
         v, g = vtrace(T, B, True), choose(T, B, True)
         assert v.block_t * v.block_b == config.TILE_ELEMENTS_SMALL == 1024
         assert g.block_t * g.block_b == config.TILE_ELEMENTS == 2048
@@ -104,6 +104,25 @@ def test_vtrace_takes_smaller_tiles():
         v, g = vtrace(1024, 16384, False), choose(1024, 16384, False)
     assert v.block_t * v.block_b == 1024 and g.block_t * g.block_b == 2048
     assert v.block_b == g.block_b and (v.num_warps, g.num_warps) == (4, 2)
+
+
+def test_vtrace_few_long_batch_major_rows_take_one_warp_tiles():
+    """Measured on the H200 (docs/benchmarks.md): V-trace's batch-major rows longer than its
+    tile, at most 8 of them, in tiles of 256 steps on one warp at 80 registers: 4x1048576 0.81
+    of the time of 1024-step tiles on 2 warps, 1x4194304 0.79; not at 16 rows (1.05-1.26)."""
+    def vtrace(T, B):
+        return config.choose(T, B, time_contiguous=True, device=CPU, exclusive=True,
+                             reverse=True, aux=True)
+    for T, B in [(1 << 20, 4), (1 << 22, 1), (1 << 19, 8), (4096, 3), (1025, 2)]:
+        c = vtrace(T, B)
+        assert (c.block_t, c.block_b, c.num_warps, c.walk) == (256, 1, 1, False), (T, B)
+        assert c.max_registers == config.MAX_REGISTERS_EXCLUSIVE_NARROW == 80
+    c = vtrace(131072, 16)  # more rows: the 1024-step tiles
+    assert (c.block_t, c.num_warps, c.max_registers) == (1024, 2, 128)
+    c = vtrace(1 << 20, 4)
+    assert choose(1 << 20, 4, True).block_t == 2048  # not the other estimators' tiles
+    assert config.choose(1 << 20, 4, time_contiguous=False, device=CPU,
+                         exclusive=True).block_t * 4 == 1024  # nor V-trace's time-major ones
 
 
 def test_few_long_time_major_rows_take_smaller_tiles():
@@ -426,7 +445,8 @@ def test_register_caps():
       narrow ones of 4 to 8 rows: MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR (16384x1024 122.9 -> 116.7
       µs, 4x1048576 0.92 of the time); not at 2 rows (1.02);
     - V-trace's tiles of 16 values per thread, time-major span tiles and batch-major tiles of
-      rows longer than the tile: MAX_REGISTERS_EXCLUSIVE_WIDE (0.92-0.95);
+      rows longer than the tile: MAX_REGISTERS_EXCLUSIVE_WIDE (0.92-0.95); of at most 8 such
+      rows, its one-warp tiles: MAX_REGISTERS_EXCLUSIVE_NARROW (0.96 of the time uncapped);
     - the other batch-major tiles of rows longer than the tile that look back, and GAE's
       walked ones: MAX_REGISTERS_LONG_ROWS (0.85-0.99);
     - nothing else: not Retrace's tiles, not the forward scans' walked tiles (1.03), and caps
@@ -455,7 +475,7 @@ def test_register_caps():
             assert vtrace(T, B, False, itemsize=itemsize) == 128, (T, B)
         for T, B in [(1 << 20, 4), (32768, 64), (131072, 16), (1 << 22, 1)]:  # look-back
             assert choose(T, B, True, exclusive=True, aux=True).walk is False
-            assert vtrace(T, B, True, itemsize=itemsize) == 128, (T, B)
+            assert vtrace(T, B, True, itemsize=itemsize) == (80 if B <= 8 else 128), (T, B)
             assert gae(T, B, True, itemsize=itemsize) == 64, (T, B)
             assert forward(T, B, True, itemsize=itemsize) == 64, (T, B)
             assert choose(T, B, True, itemsize=itemsize).max_registers == 64  # reverse scans
@@ -472,6 +492,6 @@ def test_register_caps():
             assert forward(T, B, False, itemsize=itemsize) == 0, (T, B)
             assert choose(T, B, False, n_act=18, itemsize=itemsize).max_registers == 0
     with config.rule(MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR=0, MAX_REGISTERS_EXCLUSIVE_WIDE=0,
-                     MAX_REGISTERS_LONG_ROWS=0):
+                     MAX_REGISTERS_LONG_ROWS=0, MAX_REGISTERS_EXCLUSIVE_NARROW=0):
         assert vtrace(1024, 16384, False) == vtrace(1024, 1024, False) == 0
         assert vtrace(1 << 20, 4, True) == gae(1 << 20, 4, True) == forward(1 << 20, 4, True) == 0

@@ -22,6 +22,8 @@ split into tiles that run in parallel and find their carries by look-back (`scan
 - batch-major tiles that look back take `ELEMENTS_PER_THREAD_LOOKBACK` values per thread;
 - batch-major tiles of 2-byte inputs in large grids take twice the values per thread;
 - time-major forward scans in large grids take half the values per thread (twice the warps);
+- V-trace's batch-major tiles of at most `MAX_ROWS_NARROW` rows that look back hold
+  `TILE_ELEMENTS_EXCLUSIVE_NARROW` steps on one warp;
 - V-trace's time-major tiles and the batch-major tiles of long rows cap their registers
   (`_max_registers`, Triton's `maxnreg`): more programs per multiprocessor;
 - time-major tiles run as sub-tiles so that each thread holds consecutive steps (`sub_tiles`),
@@ -50,6 +52,16 @@ TILE_ELEMENTS = 2048
 # slower (docs/benchmarks.md, log).
 TILE_ELEMENTS_SMALL = 1024
 MAX_ROWS_NARROW = 8
+# V-trace's batch-major tiles of at most MAX_ROWS_NARROW rows longer than TILE_ELEMENTS_SMALL
+# steps (they look back): tiles of this many steps, one warp (8 values per thread), at most
+# MAX_REGISTERS_EXCLUSIVE_NARROW registers (25 programs per multiprocessor; the 1024-step
+# tiles on 2 warps at 128 registers: 8). H200 device time against those (2026-12-01):
+# 4x1048576 0.81-0.82 (bfloat16 0.82), 1x4194304 0.79; without the cap 0.86. At more rows the
+# same tiles were not steadily faster: 64x32768 0.90 (bfloat16 0.91), 128x16384 0.83, but
+# 16x131072 1.05 (bfloat16 1.12; without truncation flags 1.18 and 1.26), so they stay there
+# (docs/benchmarks.md, log).
+TILE_ELEMENTS_EXCLUSIVE_NARROW = 256
+MAX_REGISTERS_EXCLUSIVE_NARROW = 80
 MIN_TILE_ELEMENTS = 256
 MIN_PROGRAMS_PER_SM = 4
 # Batch-major tiles that give fewer than FILL_TILES_PER_SM tiles per multiprocessor even at
@@ -371,6 +383,8 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     small = held or narrow
     steps_actions = TILE_STEPS_ACTIONS if time_contiguous else TILE_STEPS_ACTIONS_TIME_MAJOR
     elements = (steps_actions * per_step if n_act
+                else TILE_ELEMENTS_EXCLUSIVE_NARROW if _exclusive_narrow(T, B, time_contiguous,
+                                                                        exclusive)
                 else TILE_ELEMENTS_SMALL if small else TILE_ELEMENTS)
     block_t, block_b, tiles = _fit(T, B, elements, per_step, time_contiguous, device)
     many = tiles >= MANY_PROGRAMS_PER_SM * _multiprocessors(device)
@@ -433,11 +447,14 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
 def _max_registers(T: int, B: int, block_t: int, time_contiguous: bool, span: bool, walk: bool,
                    n_act: int, exclusive: bool, aux: bool) -> int:
     """The register cap of a tile (Triton's `maxnreg`; 0: none): V-trace's time-major tiles of
-    8 values per thread, its tiles of 16 (span tiles, batch-major tiles of long rows), the
+    8 values per thread, its tiles of 16 (span tiles, batch-major tiles of long rows) and its
+    one-warp tiles of a few long rows, the
     other batch-major tiles of long rows that look back (GAE's walked ones too), not
     Retrace's. Measured on the H200: more programs per multiprocessor without spilling (the
     constants above)."""
     long_rows = time_contiguous and T > block_t
+    if _exclusive_narrow(T, B, time_contiguous, exclusive):
+        return MAX_REGISTERS_EXCLUSIVE_NARROW
     if exclusive and (span or long_rows):
         return MAX_REGISTERS_EXCLUSIVE_WIDE
     if exclusive and vector_rows(B, time_contiguous, n_act > 0):
@@ -445,6 +462,12 @@ def _max_registers(T: int, B: int, block_t: int, time_contiguous: bool, span: bo
     if long_rows and not n_act and (aux or not walk):
         return MAX_REGISTERS_LONG_ROWS
     return 0
+
+
+def _exclusive_narrow(T: int, B: int, time_contiguous: bool, exclusive: bool) -> bool:
+    """V-trace's batch-major tiles of a few rows longer than its ordinary tile: tiles of
+    TILE_ELEMENTS_EXCLUSIVE_NARROW steps on one warp (the constant's comment)."""
+    return time_contiguous and exclusive and B <= MAX_ROWS_NARROW and T > TILE_ELEMENTS_SMALL
 
 
 def vector_rows(B: int, time_contiguous: bool, actions: bool) -> bool:
