@@ -56,10 +56,11 @@ MAX_ROWS_NARROW = 8
 # steps (they look back): tiles of this many steps, one warp (8 values per thread), at most
 # MAX_REGISTERS_EXCLUSIVE_NARROW registers (25 programs per multiprocessor; the 1024-step
 # tiles on 2 warps at 128 registers: 8). H200 device time against those (2026-12-01):
-# 4x1048576 0.81-0.82 (bfloat16 0.82), 1x4194304 0.79; without the cap 0.86. At more rows the
-# same tiles were not steadily faster: 64x32768 0.90 (bfloat16 0.91), 128x16384 0.83, but
-# 16x131072 1.05 (bfloat16 1.12; without truncation flags 1.18 and 1.26), so they stay there
-# (docs/benchmarks.md, log).
+# 4x1048576 0.81-0.83 (bfloat16 0.82-0.85), 1x4194304 0.79 (bfloat16 0.77), 2x2097152 0.80,
+# 8x524288 0.89, 8x65536 0.92; without truncation flags 4x1048576 0.92, 8x524288 bfloat16
+# 1.06; without the cap 0.86 at 4x1048576. At more rows the same tiles were not steadily
+# faster: 64x32768 0.90 (bfloat16 0.91), 128x16384 0.83, but 16x131072 1.05 (bfloat16 1.12;
+# without truncation flags 1.18 and 1.26), so they stay there (docs/benchmarks.md, log).
 TILE_ELEMENTS_EXCLUSIVE_NARROW = 256
 MAX_REGISTERS_EXCLUSIVE_NARROW = 80
 MIN_TILE_ELEMENTS = 256
