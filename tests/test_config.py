@@ -119,7 +119,6 @@ def test_vtrace_few_long_batch_major_rows_take_one_warp_tiles():
         assert c.max_registers == config.MAX_REGISTERS_EXCLUSIVE_NARROW == 80
     c = vtrace(131072, 16)  # more rows: the 1024-step tiles
     assert (c.block_t, c.num_warps, c.max_registers) == (1024, 2, 128)
-    c = vtrace(1 << 20, 4)
     assert choose(1 << 20, 4, True).block_t == 2048  # not the other estimators' tiles
     assert config.choose(1 << 20, 4, time_contiguous=False, device=CPU,
                          exclusive=True).block_t * 4 == 1024  # nor V-trace's time-major ones

@@ -449,10 +449,9 @@ def _max_registers(T: int, B: int, block_t: int, time_contiguous: bool, span: bo
                    n_act: int, exclusive: bool, aux: bool) -> int:
     """The register cap of a tile (Triton's `maxnreg`; 0: none): V-trace's time-major tiles of
     8 values per thread, its tiles of 16 (span tiles, batch-major tiles of long rows) and its
-    one-warp tiles of a few long rows, the
-    other batch-major tiles of long rows that look back (GAE's walked ones too), not
-    Retrace's. Measured on the H200: more programs per multiprocessor without spilling (the
-    constants above)."""
+    one-warp tiles of a few long rows, the other batch-major tiles of long rows that look back
+    (GAE's walked ones too), not Retrace's. Measured on the H200: more programs per
+    multiprocessor without spilling (the constants above)."""
     long_rows = time_contiguous and T > block_t
     if _exclusive_narrow(T, B, time_contiguous, exclusive):
         return MAX_REGISTERS_EXCLUSIVE_NARROW
