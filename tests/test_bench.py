@@ -71,3 +71,27 @@ def test_tiles_option():
     assert "Rule constants changed: {'WINDOW': 32} (--rule)" in bench.markdown(
         dict(env=dict(env, tiles=None, rule={"WINDOW": 32}), rows=[asdict(row)]))
     assert "same bytes" not in md  # no copy time measured: no such table
+
+
+def test_ab_tool_checks_every_variant_and_names_its_plan():
+    """tools/ab.py (A/B device times of variants of the tile rule, on the GPU): without one it
+    builds each variant's plan, checks its result against float64 and prints the plan; a
+    forced tile that changes the plan shows in it, and a malformed problem is refused."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).parent.parent / "tools" / "ab.py"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, str(tool), "gae:3x40:bm:notrunc", "--", "base",
+                           "cut|tiles:block_t=16,walk=0"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    base, cut = done.stdout.strip().split("\n")
+    assert "gae:3x40:batch-major:float32:notrunc base: relative error" in base
+    assert "LOOKBACK=False" in base and "BLOCK_T=64" in base, base
+    assert "LOOKBACK=True" in cut and "BLOCK_T=16 BLOCK_B=4" in cut and "grid 3," in cut, cut
+    bad = subprocess.run([sys.executable, str(tool), "gae:3x40:xm", "--", "base"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "estimator:NxT:tm|bm" in bad.stderr

@@ -1,0 +1,117 @@
+"""A/B device times of variants of the tile rule, in one process, alternating (for checking
+rl_triton/_triton/config.py against measurements: docs/benchmarks.md, log):
+
+    python tools/ab.py [--rounds 5] retrace:1024x1024:bm vtrace:4x1048576:bm:bf16:notrunc \\
+        -- base 'walk|rule:WALK_PROGRAMS_PER_SM_ACTIONS=1' 'w2|tiles:num_warps=2,max_registers=0'
+
+A problem is estimator:NxT:tm|bm, then optionally :bf16 and :notrunc (no truncation flags), as
+for `tools/registers.py`; its inputs are the benchmark's (`rl_triton.bench.make_inputs`). A
+variant is a label, then optionally |rule:NAME=value,... (constants of the rule, as
+`python -m rl_triton.bench --rule`) and |tiles:field=value,... (tile fields forced, as
+`--tiles`); the first variant is the reference of the ratios. Every variant's plan is printed
+and its result checked against float64 before any timing; then each round times every variant
+once (`rl_triton.bench.device_time_us`, a fresh plan each time), and the medians are printed
+with their ratio to the first variant's. Without a GPU (`TRITON_INTERPRET=1`), only the plans
+and the checks."""
+import argparse
+import contextlib
+import functools
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+import rl_triton  # noqa: E402
+from rl_triton import bench, estimators  # noqa: E402
+from rl_triton._triton import config  # noqa: E402
+
+PLAN_FIELDS = ("BLOCK_T", "BLOCK_B", "num_warps", "maxnreg", "WALK", "LOOKBACK", "WINDOW",
+               "DEPTH", "SUB", "EVEN")
+
+
+def parse_problem(s):
+    name, shape, layout, *extra = s.split(":")
+    if layout not in ("tm", "bm") or not set(extra) <= {"bf16", "notrunc"}:
+        raise argparse.ArgumentTypeError(f"{s!r} is not estimator:NxT:tm|bm[:bf16][:notrunc]")
+    N, T = bench.parse_shape(shape)
+    return dict(name=name, N=N, T=T, layout="time-major" if layout == "tm" else "batch-major",
+                dtype=torch.bfloat16 if "bf16" in extra else torch.float32,
+                truncation="notrunc" not in extra)
+
+
+def parse_variant(s):
+    label, *parts = s.split("|")
+    rule, tiles = {}, {}
+    for part in parts:
+        kind, _, body = part.partition(":")
+        if kind == "rule":
+            rule.update(bench.parse_rule(body))
+        elif kind == "tiles":
+            tiles.update(bench.parse_tiles(body))
+        else:
+            raise argparse.ArgumentTypeError(f"{part!r} is not rule:... or tiles:...")
+    return label, rule, tiles
+
+
+@contextlib.contextmanager
+def variant(rule, tiles):
+    """The rule's constants and tile fields of a variant, with no plan built before it."""
+    estimators._PLANS.clear()
+    with config.rule(**rule), config.override(**tiles):
+        yield
+    estimators._PLANS.clear()
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        sys.exit(__doc__)
+    split = argv.index("--")
+    p = argparse.ArgumentParser(prog="tools/ab.py")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("problems", nargs="+", type=parse_problem)
+    args = p.parse_args(argv[:split])
+    variants = [parse_variant(v) for v in argv[split + 1:]]
+    if not variants:
+        sys.exit("no variants after --")
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if gpu else "cpu")
+    for prob in args.problems:
+        spec = (f"{prob['name']}:{prob['N']}x{prob['T']}:{prob['layout']}:"
+                f"{str(prob['dtype'])[6:]}{'' if prob['truncation'] else ':notrunc'}")
+        kw, nbytes = bench.make_inputs(prob["name"], prob["N"], prob["T"], prob["layout"],
+                                       prob["dtype"], prob["truncation"], device, seed=1)
+        refs = bench.float64_result(prob["name"], kw)
+        fn = functools.partial(getattr(rl_triton, prob["name"]), **kw,
+                               **({} if gpu else {"backend": "triton"}))
+        for label, rule, tiles in variants:
+            with variant(rule, tiles):
+                err = bench.rel_err(fn(), refs, kw["time_dim"])
+                (plan,) = estimators._PLANS.values()
+            meta = " ".join(f"{k}={plan.meta[k]}" for k in PLAN_FIELDS if k in plan.meta)
+            print(f"  {spec} {label}: relative error {err:.1e}, grid {plan.grid[0]}, {meta}",
+                  flush=True)
+            if not err < 1e-5:
+                sys.exit(f"{spec} {label}: relative error {err:.3g}; not timing a wrong result")
+        if not gpu:
+            continue
+        times = {label: [] for label, _, _ in variants}
+        for _ in range(args.rounds):
+            for label, rule, tiles in variants:
+                with variant(rule, tiles):
+                    fn()
+                    times[label].append(bench.device_time_us(fn))
+        ref = statistics.median(times[variants[0][0]])
+        line = (f"{spec}: {nbytes / 1e6:.1f} MB, same-bytes copy "
+                f"{bench.same_bytes_copy_us(nbytes, device):.1f} us")
+        for label, _, _ in variants:
+            m = statistics.median(times[label])
+            line += f" | {label} {m:.1f} ({m / ref:.3f})"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
