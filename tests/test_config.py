@@ -47,7 +47,7 @@ def test_retrace_walks_its_actions_in_blocks():
 
 
 def test_small_problems_take_smaller_tiles_for_more_programs():
-    big, small = choose(1 << 20, 64, True), choose(128, 512, True)
+    big, small = choose(1 << 10, 16384, True), choose(128, 512, True)
     assert big.block_t * big.block_b == config.TILE_ELEMENTS
     assert (small.block_t, small.block_b) == (128, 2)  # MIN_TILE_ELEMENTS: 256 tiles
 
@@ -95,33 +95,42 @@ def test_vtrace_takes_smaller_tiles():
     batch-major, 4 warps (8 values per thread) against 2 time-major."""
     def vtrace(T, B, tc):
         return config.choose(T, B, time_contiguous=tc, device=CPU, exclusive=True)
-    for T, B, warps in [(1024, 16384, (4, 8)), (4096, 512, (4, 8)), (131072, 16, (2, 4))]:
+    for T, B, warps in [(1024, 16384, (4, 8)), (4096, 512, (4, 8))]:
         v, g = vtrace(T, B, True), choose(T, B, True)
         assert v.block_t * v.block_b == config.TILE_ELEMENTS_SMALL == 1024
         assert g.block_t * g.block_b == config.TILE_ELEMENTS == 2048
-        assert (v.num_warps, g.num_warps) == warps  # look-back tiles: 16 values per thread
+        assert (v.num_warps, g.num_warps) == warps
     with config.rule(MANY_PROGRAMS_PER_SM=1 << 30):  # a grid of few programs per multiprocessor
         v, g = vtrace(1024, 16384, False), choose(1024, 16384, False)
     assert v.block_t * v.block_b == 1024 and g.block_t * g.block_b == 2048
     assert v.block_b == g.block_b and (v.num_warps, g.num_warps) == (4, 2)
 
 
-def test_vtrace_few_long_batch_major_rows_take_one_warp_tiles():
-    """Measured on the H200 (docs/benchmarks.md): V-trace's batch-major rows longer than its
-    tile, at most 8 of them, in tiles of 256 steps on one warp at 80 registers: 4x1048576 0.81
-    of the time of 1024-step tiles on 2 warps, 1x4194304 0.79; not at 16 rows (1.05-1.26)."""
+def test_batch_major_rows_that_look_back_take_one_warp_tiles():
+    """Measured on the H200 (docs/benchmarks.md): batch-major rows longer than a tile that look
+    back (not walked) in tiles of one warp: 512 steps (16 values per thread), 0.85-0.96 of the
+    time of 2048 steps on 4 warps; V-trace's 256 steps at 80 registers, 0.75-0.89 of 1024 steps
+    on 2 warps at 1 to 256 rows; walked rows (300x4096) keep their tiles (1.43-1.61)."""
     def vtrace(T, B):
         return config.choose(T, B, time_contiguous=True, device=CPU, exclusive=True,
                              reverse=True, aux=True)
-    for T, B in [(1 << 20, 4), (1 << 22, 1), (1 << 19, 8), (4096, 3), (1025, 2)]:
+    for T, B in [(1 << 20, 4), (1 << 22, 1), (1 << 19, 8), (4096, 3), (1025, 2), (1 << 17, 16),
+                 (1 << 15, 64), (1 << 13, 256), (1 << 18, 12)]:
         c = vtrace(T, B)
         assert (c.block_t, c.block_b, c.num_warps, c.walk) == (256, 1, 1, False), (T, B)
-        assert c.max_registers == config.MAX_REGISTERS_EXCLUSIVE_NARROW == 80
-    c = vtrace(131072, 16)  # more rows: the 1024-step tiles
-    assert (c.block_t, c.num_warps, c.max_registers) == (1024, 2, 128)
-    assert choose(1 << 20, 4, True).block_t == 2048  # not the other estimators' tiles
+        assert c.max_registers == config.MAX_REGISTERS_EXCLUSIVE_LOOKBACK == 80
+        g = choose(T, B, True)
+        if T >= 1 << 15:  # (smaller grids shrink their tiles for more programs)
+            assert (g.block_t, g.block_b, g.num_warps, g.walk) == (512, 1, 1, False), (T, B)
+            assert g.max_registers == config.MAX_REGISTERS_LONG_ROWS
+    for T, B in [(4096, 300), (4096, 512)]:  # rows enough to walk: their tiles
+        c, g = vtrace(T, B), choose(T, B, True)
+        assert c.walk and (c.block_t, c.num_warps, c.max_registers) == (1024, 4, 128)
+        assert g.walk and (g.block_t, g.num_warps) == (2048, 8)
+    r = choose(1 << 20, 4, True, n_act=18)  # not Retrace's
+    assert r.block_t * r.block_b == config.TILE_STEPS_ACTIONS and r.num_warps == 4
     assert config.choose(1 << 20, 4, time_contiguous=False, device=CPU,
-                         exclusive=True).block_t * 4 == 1024  # nor V-trace's time-major ones
+                         exclusive=True).block_t * 4 == 1024  # nor time-major ones
 
 
 def test_few_long_time_major_rows_take_smaller_tiles():
@@ -212,10 +221,12 @@ def test_look_back_window_on_a_gpu():
 
 def test_look_back_depth():
     """Measured on the H200 (docs/benchmarks.md): windows of one word per thread read only their
-    nearest word per pass; one warp's worth of words is read whole; the interpreter reads any
-    window whole unless a test asks for less."""
+    nearest word per pass, one-warp tiles' too (reading their 32 words: 1.02-1.23 of the
+    time); one warp's worth of words of tiles of several rows is read whole; the interpreter
+    reads any window whole unless a test asks for less."""
     cuda = torch.device("cuda")  # a device object only: nothing runs
     assert config.depth(256, 1, cuda) == config.DEPTH_WIDE == 1
+    assert config.depth(32, 1, cuda) == 1  # a one-warp, one-row tile's window
     assert config.depth(128, 1, cuda) == 1 and config.depth(8, 64, cuda) == 1
     for block_b in (2, 4, 16, 32):
         assert config.depth(32 // block_b, block_b, cuda) == 32 // block_b
@@ -233,7 +244,8 @@ def test_batch_major_look_back_tiles_take_16_values_per_thread():
     for T, B in [(1 << 20, 4), (1 << 17, 16), (1 << 15, 64)]:
         c = choose(T, B, True)
         assert c.chunks(T) > 1 and not c.walk
-        assert c.block_t * c.block_b == 2048 and c.num_warps == 2048 // (32 * 16)
+        assert c.block_t * c.block_b == config.TILE_ELEMENTS_LOOKBACK
+        assert c.num_warps == config.TILE_ELEMENTS_LOOKBACK // (32 * 16) == 1
     walked, one_tile = choose(4096, 512, True), choose(1024, 16384, True)
     assert walked.walk and walked.num_warps == 8
     assert one_tile.chunks(1024) == 1 and one_tile.num_warps == 8
@@ -443,9 +455,10 @@ def test_register_caps():
     - V-trace's time-major tiles of 8 values per thread, in grids of many programs and the
       narrow ones of 4 to 8 rows: MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR (16384x1024 122.9 -> 116.7
       µs, 4x1048576 0.92 of the time); not at 2 rows (1.02);
-    - V-trace's tiles of 16 values per thread, time-major span tiles and batch-major tiles of
-      rows longer than the tile: MAX_REGISTERS_EXCLUSIVE_WIDE (0.92-0.95); of at most 8 such
-      rows, its one-warp tiles: MAX_REGISTERS_EXCLUSIVE_NARROW (0.96 of the time uncapped);
+    - V-trace's tiles of 16 values per thread, time-major span tiles and walked batch-major
+      tiles of rows longer than the tile: MAX_REGISTERS_EXCLUSIVE_WIDE (0.92-0.95); its
+      one-warp tiles of such rows that look back: MAX_REGISTERS_EXCLUSIVE_LOOKBACK (0.96 of the
+      time uncapped);
     - the other batch-major tiles of rows longer than the tile that look back, and GAE's
       walked ones: MAX_REGISTERS_LONG_ROWS (0.85-0.99);
     - nothing else: not Retrace's tiles, not the forward scans' walked tiles (1.03), and caps
@@ -474,7 +487,7 @@ def test_register_caps():
             assert vtrace(T, B, False, itemsize=itemsize) == 128, (T, B)
         for T, B in [(1 << 20, 4), (32768, 64), (131072, 16), (1 << 22, 1)]:  # look-back
             assert choose(T, B, True, exclusive=True, aux=True).walk is False
-            assert vtrace(T, B, True, itemsize=itemsize) == (80 if B <= 8 else 128), (T, B)
+            assert vtrace(T, B, True, itemsize=itemsize) == 80, (T, B)
             assert gae(T, B, True, itemsize=itemsize) == 64, (T, B)
             assert forward(T, B, True, itemsize=itemsize) == 64, (T, B)
             assert choose(T, B, True, itemsize=itemsize).max_registers == 64  # reverse scans
@@ -482,6 +495,7 @@ def test_register_caps():
         assert choose(4096, 512, True, aux=True).walk and config.choose(
             4096, 512, time_contiguous=True, device=CPU).walk  # walked rows
         assert gae(4096, 512, True, itemsize=itemsize) == 64
+        assert vtrace(4096, 512, True, itemsize=itemsize) == 128
         assert forward(4096, 512, True, itemsize=itemsize) == 0
         for T, B in [(1024, 16384), (1024, 1024), (128, 4096), (16, 16384)]:  # one tile per row
             assert vtrace(T, B, True, itemsize=itemsize) == gae(T, B, True, itemsize=itemsize) == 0
@@ -491,6 +505,6 @@ def test_register_caps():
             assert forward(T, B, False, itemsize=itemsize) == 0, (T, B)
             assert choose(T, B, False, n_act=18, itemsize=itemsize).max_registers == 0
     with config.rule(MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR=0, MAX_REGISTERS_EXCLUSIVE_WIDE=0,
-                     MAX_REGISTERS_LONG_ROWS=0, MAX_REGISTERS_EXCLUSIVE_NARROW=0):
+                     MAX_REGISTERS_LONG_ROWS=0, MAX_REGISTERS_EXCLUSIVE_LOOKBACK=0):
         assert vtrace(1024, 16384, False) == vtrace(1024, 1024, False) == 0
         assert vtrace(1 << 20, 4, True) == gae(1 << 20, 4, True) == forward(1 << 20, 4, True) == 0

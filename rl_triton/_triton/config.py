@@ -22,8 +22,8 @@ split into tiles that run in parallel and find their carries by look-back (`scan
 - batch-major tiles that look back take `ELEMENTS_PER_THREAD_LOOKBACK` values per thread;
 - batch-major tiles of 2-byte inputs in large grids take twice the values per thread;
 - time-major forward scans in large grids take half the values per thread (twice the warps);
-- V-trace's batch-major tiles of at most `MAX_ROWS_NARROW` rows that look back hold
-  `TILE_ELEMENTS_EXCLUSIVE_NARROW` steps on one warp;
+- batch-major tiles that look back hold `TILE_ELEMENTS_LOOKBACK` steps on one warp (V-trace's
+  `TILE_ELEMENTS_EXCLUSIVE_LOOKBACK`);
 - V-trace's time-major tiles and the batch-major tiles of long rows cap their registers
   (`_max_registers`, Triton's `maxnreg`): more programs per multiprocessor;
 - time-major tiles run as sub-tiles so that each thread holds consecutive steps (`sub_tiles`),
@@ -52,17 +52,23 @@ TILE_ELEMENTS = 2048
 # slower (docs/benchmarks.md, log).
 TILE_ELEMENTS_SMALL = 1024
 MAX_ROWS_NARROW = 8
-# V-trace's batch-major tiles of at most MAX_ROWS_NARROW rows longer than TILE_ELEMENTS_SMALL
-# steps (they look back): tiles of this many steps, one warp (8 values per thread), at most
-# MAX_REGISTERS_EXCLUSIVE_NARROW registers (25 programs per multiprocessor; the 1024-step
-# tiles on 2 warps at 128 registers: 8). H200 device time against those (2026-12-01):
-# 4x1048576 0.81-0.83 (bfloat16 0.82-0.85), 1x4194304 0.79 (bfloat16 0.77), 2x2097152 0.80,
-# 8x524288 0.89, 8x65536 0.92; without truncation flags 4x1048576 0.92, 8x524288 bfloat16
-# 1.06; without the cap 0.86 at 4x1048576. At more rows the same tiles were not steadily
-# faster: 64x32768 0.90 (bfloat16 0.91), 128x16384 0.83, but 16x131072 1.05 (bfloat16 1.12;
-# without truncation flags 1.18 and 1.26), so they stay there (docs/benchmarks.md, log).
-TILE_ELEMENTS_EXCLUSIVE_NARROW = 256
-MAX_REGISTERS_EXCLUSIVE_NARROW = 80
+# Batch-major tiles of rows longer than the tile above that look back (not walked) hold
+# TILE_ELEMENTS_LOOKBACK steps on one warp instead (16 values per thread), V-trace's
+# TILE_ELEMENTS_EXCLUSIVE_LOOKBACK (8 per thread) at most MAX_REGISTERS_EXCLUSIVE_LOOKBACK
+# registers (25 programs per multiprocessor; its 1024-step tiles on 2 warps at 128: 8), each
+# reading one word of its look-back window per pass (`depth`). H200 device time (2026-12-01)
+# against 2048 steps on 4 warps: GAE 4x1048576 0.89 (bfloat16 0.85), 16x131072 0.92, 64x32768
+# 0.91, discounted returns 4x1048576 0.96, lambda-returns 16x131072 0.95, eligibility traces
+# 64x32768 0.94, episodic sums bfloat16 16x131072 0.92 (256 steps 0.96-1.10, 1024 on 2 warps
+# 0.98-1.05). V-trace against 1024 steps on 2 warps: at up to 8 rows 4x1048576 0.81-0.83
+# (bfloat16 0.82-0.85), 1x4194304 0.79, 8x524288 0.89 (reading all 32 words of the window per
+# pass, as then); at more rows, one word per pass: 16x131072 0.79 (bfloat16 0.79, without
+# truncation flags 0.88), 64x32768 0.80 (without flags 0.86), 128x16384 0.79, 200x16384 0.75,
+# 256x8192 0.80, 12x262144 0.76; walked rows, 300x4096 and 512x4096, 1.43-1.61, so not those
+# (docs/benchmarks.md, log).
+TILE_ELEMENTS_LOOKBACK = 512
+TILE_ELEMENTS_EXCLUSIVE_LOOKBACK = 256
+MAX_REGISTERS_EXCLUSIVE_LOOKBACK = 80
 MIN_TILE_ELEMENTS = 256
 MIN_PROGRAMS_PER_SM = 4
 # Batch-major tiles that give fewer than FILL_TILES_PER_SM tiles per multiprocessor even at
@@ -181,14 +187,15 @@ ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_TIME_MAJOR = 4
 # 67.6 and 66.3; docs/benchmarks.md, log).
 ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_VECTOR_TIME_MAJOR = 8
 # V-trace's tiles of 16 values per thread (time-major span tiles, batch-major tiles of rows
-# longer than the tile: 147-166 registers) compile with at most this many: 4 programs of 4
+# longer than the tile, now walked ones only: 147-166 registers) compile with at most this many: 4 programs of 4
 # warps (span) or 8 of 2 (look-back) per multiprocessor instead of 3 or 6. Batch-major look-back
 # tiles (H200, 2026-12-01): 4x1048576 0.95 (bfloat16 0.94), 1x4194304 0.92, 8x524288 0.95,
 # 64x32768 0.94 (0.93), 16x131072 0.94 (0.92); a cap of 112 0.99-1.02, 96 1.20-1.28 (spills);
 # the walked tiles (120 registers) stay below it (caps of 96 and 80 there: 1.00-1.03).
 MAX_REGISTERS_EXCLUSIVE_WIDE = 128
-# The other batch-major tiles of rows longer than the tile that look back (2048 values on 4
-# warps), but Retrace's, and GAE's walked ones compile with at most this many: GAE's (84
+# The other batch-major tiles of rows longer than the tile that look back (measured when they
+# held 2048 values on 4 warps; now TILE_ELEMENTS_LOOKBACK's one-warp tiles, measured with the
+# cap), but Retrace's, and GAE's walked ones compile with at most this many: GAE's (84
 # registers, 5 programs per multiprocessor; walked: 8 warps, 80 registers, 3 programs) and the
 # forward scans' (91 registers) fit 8 programs (walked GAE 4). H200 (2026-12-01): GAE 4x1048576
 # 0.90 (bfloat16 0.97), 1x4194304 0.89, 64x32768 0.92 (0.93), 16x131072 0.90, walked 512x4096
@@ -202,7 +209,10 @@ MAX_WARPS = 8
 WINDOW = 16  # tiles read per step of the look-back: in the interpreter; on a GPU see `window`
 # Look-back windows of one word per thread (one-row tiles) read only their DEPTH_WIDE nearest
 # words per pass, the rest of the window masked: at 4x1048576, GAE 40.6 -> 37.1 µs, V-trace
-# 70.5 -> 63.6, with or without cuts (reading 8 or 32 gained less; docs/benchmarks.md, log).
+# 70.5 -> 63.6, with or without cuts (reading 8 or 32 gained less). One-warp tiles too (their
+# window of 32 words had been read whole): H200 (2026-12-01), V-trace 4x1048576 0.89,
+# 8x524288 0.82, 1x4194304 0.95, 8x65536 0.92, bfloat16 without flags 0.82-0.87; one-warp tiles
+# of small grids (GAE 8x4096, Retrace 4x8192 and others) 0.94-0.98 (docs/benchmarks.md, log).
 DEPTH_WIDE = 1
 # Lambda-returns' and Retrace's time-major calls without truncation flags read the terminations
 # in the truncation slot (`ops.Kernel.trunc_slot_always`); 0 builds them without the slot.
@@ -384,10 +394,14 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     small = held or narrow
     steps_actions = TILE_STEPS_ACTIONS if time_contiguous else TILE_STEPS_ACTIONS_TIME_MAJOR
     elements = (steps_actions * per_step if n_act
-                else TILE_ELEMENTS_EXCLUSIVE_NARROW if _exclusive_narrow(T, B, time_contiguous,
-                                                                        exclusive)
                 else TILE_ELEMENTS_SMALL if small else TILE_ELEMENTS)
     block_t, block_b, tiles = _fit(T, B, elements, per_step, time_contiguous, device)
+    if (time_contiguous and not n_act and T > block_t
+            and not _walks(B, block_b, n_act, device)):
+        # batch-major rows that look back: one-warp tiles (TILE_ELEMENTS_LOOKBACK's comment)
+        least = TILE_ELEMENTS_EXCLUSIVE_LOOKBACK if exclusive else TILE_ELEMENTS_LOOKBACK
+        block_t, block_b, tiles = _fit(T, B, min(elements, least), per_step, time_contiguous,
+                                       device)
     many = tiles >= MANY_PROGRAMS_PER_SM * _multiprocessors(device)
     if held and not exclusive and itemsize < 4 and not many:
         # bfloat16 GAE in grids of few programs per multiprocessor: 16 values per thread, not
@@ -404,9 +418,7 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     # steps) the look-back took 17-30% less time than walking (GAE 154 against 189 µs, V-trace
     # 312 against 381); Retrace's (4096 row tiles of 4 rows x 16 steps x 32 actions) 3% less
     # (1206 against 1243; docs/benchmarks.md, log).
-    walk_programs = WALK_PROGRAMS_PER_SM_ACTIONS if n_act else WALK_PROGRAMS_PER_SM
-    walk = (time_contiguous and T > block_t
-            and -(-B // block_b) >= walk_programs * _multiprocessors(device))
+    walk = time_contiguous and T > block_t and _walks(B, block_b, n_act, device)
     if n_act:
         per_thread = min(ELEMENTS_PER_THREAD_ACTIONS, per_step)
     elif time_contiguous:
@@ -448,13 +460,13 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
 def _max_registers(T: int, B: int, block_t: int, time_contiguous: bool, span: bool, walk: bool,
                    n_act: int, exclusive: bool, aux: bool) -> int:
     """The register cap of a tile (Triton's `maxnreg`; 0: none): V-trace's time-major tiles of
-    8 values per thread, its tiles of 16 (span tiles, batch-major tiles of long rows) and its
-    one-warp tiles of a few long rows, the other batch-major tiles of long rows that look back
-    (GAE's walked ones too), not Retrace's. Measured on the H200: more programs per
+    8 values per thread, its tiles of 16 (span tiles, walked batch-major tiles of long rows) and
+    its one-warp tiles of long rows that look back, the other batch-major tiles of long rows
+    that look back (GAE's walked ones too), not Retrace's. Measured on the H200: more programs per
     multiprocessor without spilling (the constants above)."""
     long_rows = time_contiguous and T > block_t
-    if _exclusive_narrow(T, B, time_contiguous, exclusive):
-        return MAX_REGISTERS_EXCLUSIVE_NARROW
+    if exclusive and long_rows and not walk:
+        return MAX_REGISTERS_EXCLUSIVE_LOOKBACK
     if exclusive and (span or long_rows):
         return MAX_REGISTERS_EXCLUSIVE_WIDE
     if exclusive and vector_rows(B, time_contiguous, n_act > 0):
@@ -464,10 +476,12 @@ def _max_registers(T: int, B: int, block_t: int, time_contiguous: bool, span: bo
     return 0
 
 
-def _exclusive_narrow(T: int, B: int, time_contiguous: bool, exclusive: bool) -> bool:
-    """V-trace's batch-major tiles of a few rows longer than its ordinary tile: tiles of
-    TILE_ELEMENTS_EXCLUSIVE_NARROW steps on one warp (the constant's comment)."""
-    return time_contiguous and exclusive and B <= MAX_ROWS_NARROW and T > TILE_ELEMENTS_SMALL
+def _walks(B: int, block_b: int, n_act: int, device: torch.device) -> bool:
+    """Whether a batch-major program walks all tiles of its rows (rather than one tile each,
+    looking back) when they are longer than a tile: when its row tiles alone give
+    WALK_PROGRAMS_PER_SM programs per multiprocessor (Retrace: WALK_PROGRAMS_PER_SM_ACTIONS)."""
+    walk_programs = WALK_PROGRAMS_PER_SM_ACTIONS if n_act else WALK_PROGRAMS_PER_SM
+    return -(-B // block_b) >= walk_programs * _multiprocessors(device)
 
 
 def vector_rows(B: int, time_contiguous: bool, actions: bool) -> bool:
@@ -539,8 +553,8 @@ def window(least: int, block_b: int, num_warps: int, device: torch.device) -> in
 
 def depth(window: int, block_b: int, device: torch.device) -> int:
     """Words of a look-back window read per pass (`scan.look_back`): a GPU window of one word per
-    thread across several warps (one-row tiles) reads its DEPTH_WIDE nearest only; windows of
-    one warp's worth, and the interpreter's, read every word."""
-    if device.type == "cuda" and window * block_b > 32:
+    thread (one-row tiles, on one warp or several) reads its DEPTH_WIDE nearest only; windows of
+    one warp's worth for tiles of several rows, and the interpreter's, read every word."""
+    if device.type == "cuda" and (block_b == 1 or window * block_b > 32):
         return DEPTH_WIDE
     return window
