@@ -213,7 +213,11 @@ WINDOW = 16  # tiles read per step of the look-back: in the interpreter; on a GP
 # window of 32 words had been read whole): H200 (2026-12-01), V-trace 4x1048576 0.89,
 # 8x524288 0.82, 1x4194304 0.95, 8x65536 0.92, bfloat16 without flags 0.82-0.87; one-warp tiles
 # of small grids (GAE 8x4096, Retrace 4x8192 and others) 0.94-0.98 (docs/benchmarks.md, log).
+# Windows of one warp's worth for tiles of several rows likewise when they lay at least
+# DEPTH_WIDE_MIN_WINDOW words along time (tiles of at most 4 rows): time-major 4x1048576 0.94-0.96;
+# windows of 2 words (tiles of 16 rows) 1.01-1.06, so those are read whole.
 DEPTH_WIDE = 1
+DEPTH_WIDE_MIN_WINDOW = 8
 # Lambda-returns' and Retrace's time-major calls without truncation flags read the terminations
 # in the truncation slot (`ops.Kernel.trunc_slot_always`); 0 builds them without the slot.
 TRUNCATION_SLOT_ALWAYS = 1
@@ -553,8 +557,10 @@ def window(least: int, block_b: int, num_warps: int, device: torch.device) -> in
 
 def depth(window: int, block_b: int, device: torch.device) -> int:
     """Words of a look-back window read per pass (`scan.look_back`): a GPU window of one word per
-    thread (one-row tiles, on one warp or several) reads its DEPTH_WIDE nearest only; windows of
-    one warp's worth for tiles of several rows, and the interpreter's, read every word."""
-    if device.type == "cuda" and (block_b == 1 or window * block_b > 32):
+    thread (one-row tiles, on one warp or several) reads its DEPTH_WIDE nearest only, and so does
+    a window of one warp's worth for tiles of several rows that is at least DEPTH_WIDE_MIN_WINDOW
+    words deep; shallower windows, and the interpreter's, read every word."""
+    if device.type == "cuda" and (block_b == 1 or window * block_b > 32
+                                  or window >= DEPTH_WIDE_MIN_WINDOW):
         return DEPTH_WIDE
     return window
