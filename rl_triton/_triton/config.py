@@ -214,10 +214,11 @@ WINDOW = 16  # tiles read per step of the look-back: in the interpreter; on a GP
 # 8x524288 0.82, 1x4194304 0.95, 8x65536 0.92, bfloat16 without flags 0.82-0.87; one-warp tiles
 # of small grids (GAE 8x4096, Retrace 4x8192 and others) 0.94-0.98 (docs/benchmarks.md, log).
 # Windows of one warp's worth for tiles of several rows likewise when they lay at least
-# DEPTH_WIDE_MIN_WINDOW words along time (tiles of at most 4 rows): time-major 4x1048576 0.94-0.96;
-# windows of 2 words (tiles of 16 rows) 1.01-1.06, so those are read whole.
+# DEPTH_WIDE_MIN_WINDOW words along time (tiles of at most 8 rows): time-major 4x1048576 0.94-0.96
+# (all six scan estimators but Retrace, bfloat16 and without flags too), 2x2097152 0.95, 8x524288
+# 0.98-0.99; windows of 2 words (tiles of 16 rows) 1.01-1.06, so those are read whole.
 DEPTH_WIDE = 1
-DEPTH_WIDE_MIN_WINDOW = 8
+DEPTH_WIDE_MIN_WINDOW = 4
 # Lambda-returns' and Retrace's time-major calls without truncation flags read the terminations
 # in the truncation slot (`ops.Kernel.trunc_slot_always`); 0 builds them without the slot.
 TRUNCATION_SLOT_ALWAYS = 1
