@@ -215,8 +215,9 @@ WINDOW = 16  # tiles read per step of the look-back: in the interpreter; on a GP
 # of small grids (GAE 8x4096, Retrace 4x8192 and others) 0.94-0.98 (docs/benchmarks.md, log).
 # Windows of one warp's worth for tiles of several rows likewise when they lay at least
 # DEPTH_WIDE_MIN_WINDOW words along time (tiles of at most 8 rows): time-major 4x1048576 0.94-0.96
-# (all six scan estimators but Retrace, bfloat16 and without flags too), 2x2097152 0.95, 8x524288
-# 0.98-0.99; windows of 2 words (tiles of 16 rows) 1.01-1.06, so those are read whole.
+# (the six scan estimators but Retrace, bfloat16 and without flags too; Retrace 0.88-0.91 in the
+# grid), 2x2097152 0.95, 8x524288 0.98-0.99; windows of 2 words (tiles of 16 rows) 1.01-1.06, so
+# those are read whole.
 DEPTH_WIDE = 1
 DEPTH_WIDE_MIN_WINDOW = 4
 # Lambda-returns' and Retrace's time-major calls without truncation flags read the terminations
