@@ -18,7 +18,8 @@ split into tiles that run in parallel and find their carries by look-back (`scan
   instead (`_span`): each tile along time costs a look-back round trip;
 - `ELEMENTS_PER_THREAD*` values per thread set the warps;
 - the look-back lays out `window` tiles' words per step: one warp's worth for tiles of several
-  rows, one word per thread for one-row tiles, of which it reads only the nearest (`depth`);
+  rows, one word per thread for one-row tiles; it reads only the nearest word per pass
+  (`depth`) but where a window of several rows is shallower than `DEPTH_WIDE_MIN_WINDOW`;
 - batch-major tiles that look back take `ELEMENTS_PER_THREAD_LOOKBACK` values per thread;
 - batch-major tiles of 2-byte inputs in large grids take twice the values per thread;
 - time-major forward scans in large grids take half the values per thread (twice the warps);
@@ -187,11 +188,12 @@ ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_TIME_MAJOR = 4
 # 67.6 and 66.3; docs/benchmarks.md, log).
 ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_VECTOR_TIME_MAJOR = 8
 # V-trace's tiles of 16 values per thread (time-major span tiles, batch-major tiles of rows
-# longer than the tile, now walked ones only: 147-166 registers) compile with at most this many: 4 programs of 4
-# warps (span) or 8 of 2 (look-back) per multiprocessor instead of 3 or 6. Batch-major look-back
-# tiles (H200, 2026-12-01): 4x1048576 0.95 (bfloat16 0.94), 1x4194304 0.92, 8x524288 0.95,
-# 64x32768 0.94 (0.93), 16x131072 0.94 (0.92); a cap of 112 0.99-1.02, 96 1.20-1.28 (spills);
-# the walked tiles (120 registers) stay below it (caps of 96 and 80 there: 1.00-1.03).
+# longer than the tile, now walked ones only: 147-166 registers) compile with at most this
+# many: 4 programs of 4 warps (span) or 8 of 2 (look-back) per multiprocessor instead of 3 or 6.
+# Batch-major look-back tiles (H200, 2026-12-01): 4x1048576 0.95 (bfloat16 0.94), 1x4194304
+# 0.92, 8x524288 0.95, 64x32768 0.94 (0.93), 16x131072 0.94 (0.92); a cap of 112 0.99-1.02, 96
+# 1.20-1.28 (spills); the walked tiles (120 registers) stay below it (caps of 96 and 80 there:
+# 1.00-1.03).
 MAX_REGISTERS_EXCLUSIVE_WIDE = 128
 # The other batch-major tiles of rows longer than the tile that look back (measured when they
 # held 2048 values on 4 warps; now TILE_ELEMENTS_LOOKBACK's one-warp tiles, measured with the
