@@ -191,6 +191,14 @@ def variants():
     case = make_case("retrace", 4096, (4,), n_act=40)
     case.extra["return_advantages"] = False
     yield "retrace, 40 actions, no advantages", case, "batch-major"
+    # Retrace's tiles spanning the window: one row of 128 steps (`retrace_terms`' early loads),
+    # and bootstrap tensors of another dtype than Q's (their pass of their own)
+    yield "retrace T=128 N=4096 batch-major", make_case("retrace", 128, (4096,), n_act=18), \
+        "batch-major"
+    case = make_case("retrace", 16, (64,), n_act=18)
+    case.extra.update({k: case.extra[k].to(torch.bfloat16)
+                       for k in ("last_q_values", "last_target_probs")})
+    yield "retrace T=16 N=64, bfloat16 bootstrap", case, "time-major"
     yield "eligibility traces of vectors", make_case("eligibility_traces", 4096, (4,),
                                                      features=(3,)), "time-major"
     # a grid of many programs: V-trace's time-major tiles with their register cap (maxnreg)

@@ -145,6 +145,29 @@ def test_row_vector_rule():
     assert row_vector([f32, torch.zeros(6, 302)[:, :300]], 300, 1) == 2  # all tensors
 
 
+@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
+@pytest.mark.parametrize("last_dtype", [None, torch.bfloat16], ids=["same-dtype", "bfloat16"])
+def test_retrace_bootstrap_state(layout, last_dtype, device):
+    """E[T-1] comes from the bootstrap state. Where every tile spans its rows' whole window
+    (`coefficients.retrace_whole_coef`), the action blocks read the bootstrap's rows at
+    t = T-1 when they share Q's and pi's dtypes, else a pass of its own does (bfloat16 bootstrap
+    tensors); where rows span several tiles, the tile holding T-1 does: all against the
+    reference, in one-row tiles (batch-major 128 x 1) and tiles of several rows."""
+    from rl_triton._triton import coefficients
+    for T, n, block_t, block_b in ((37, 5, 64, 4), (37, 5, 64, 1), (37, 5, 16, 2),
+                                   (100, 3, 128, 1)):
+        case = make_case("retrace", T, (n,), device=device, seed=T + block_b, n_act=18)
+        if last_dtype is not None:
+            case.extra.update({k: case.extra[k].to(last_dtype)
+                               for k in ("last_q_values", "last_target_probs")})
+        estimators._PLANS.clear()
+        with config.override(block_t=block_t, block_b=block_b):
+            assert_close(case.call(layout, backend="triton"), case.reference())
+            (plan,) = estimators._PLANS.values()
+        whole = block_t >= T
+        assert (plan.meta["COEF"] is coefficients.retrace_whole_coef) is whole
+
+
 @pytest.mark.parametrize("name", ESTIMATORS)
 @pytest.mark.parametrize("time_major", [True, False])
 def test_long_rows_split_across_programs(name, time_major, device):

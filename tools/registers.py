@@ -6,9 +6,10 @@ with the cuobjdump that Triton ships.
     python tools/registers.py gae:16384x1024:tm vtrace:1024x1024:bm:bf16 \\
         gae:16384x1024:tm:block_t=64,num_warps=4 lambda_returns:4096x128:tm:notrunc
 
-An argument is estimator:NxT:tm|bm, then optionally :bf16, :notrunc (no truncation flags) and
-:field=value,... (tile fields forced as with `python -m rl_triton.bench --tiles`). Registers
-match ncu's on the H200 when the installed Triton is the GPU machine's (docs/benchmarks.md, log:
+An argument is estimator:NxT:tm|bm, then optionally :bf16, :notrunc (no truncation flags),
+:adv (Retrace's advantages too; the benchmark times its targets only) and :field=value,...
+(tile fields forced as with `python -m rl_triton.bench --tiles`). Registers match ncu's on the
+H200 when the installed Triton is the GPU machine's (docs/benchmarks.md, log:
 eleventh session; the CI's `.ci/triton-oldest/bin/python` runs Triton 3.6, the GPU machine's).
 Load rounds: the global loads of the SASS in the order an in-order warp issues them, a new round
 opening at each instruction that consumes a load not yet back; loads issued in several rounds
@@ -97,6 +98,8 @@ def report(spec: str) -> str:
     n, t = map(int, shape.split("x"))
     case = make_case(name, t, (n,), n_act=18, trunc="notrunc" not in rest,
                      dtype=torch.bfloat16 if "bf16" in rest else torch.float32)
+    if name == "retrace":  # targets only, as `python -m rl_triton.bench` times it
+        case.extra["return_advantages"] = "adv" in rest
     with config.override(**tiles):
         plan, (tensors, scalars) = compile_sm90.plan_of(
             case, "time-major" if layout == "tm" else "batch-major")

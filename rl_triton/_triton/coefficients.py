@@ -143,13 +143,29 @@ def retrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, param
                  HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
                  VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
                  ACT_VEC: tl.constexpr, after):
+    return retrace_terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+                         HAS_TRUNC, VARIANT, BLOCK_A, ACT_BLOCKS, ACT_VEC, False)
+
+
+@triton.jit
+def retrace_whole_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+                       HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+                       VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+                       ACT_VEC: tl.constexpr, after):
+    """`retrace_coef` for tiles that span their rows' whole window (every tile holds step T-1:
+    `ops.Launch` picks it)."""
+    return retrace_terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+                         HAS_TRUNC, VARIANT, BLOCK_A, ACT_BLOCKS, ACT_VEC, True)
+
+
+@triton.jit
+def retrace_terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+                  HAS_TRUNC: tl.constexpr, VARIANT: tl.constexpr, BLOCK_A: tl.constexpr,
+                  ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr, WHOLE: tl.constexpr):
     gamma = params[0]
     lam = params[1]
     c_clip = params[2]
-    r = load_step(ins, st, s1, s2, RT_R, t, b1, b2, mask)
-    term, cut = cut_flags(ins, st, s1, s2, RT_TERM, RT_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
     inside = mask & (t + 1 < T)  # slot t+1 is in the window
-
     # The entries of a_{t+1} gathered from slot t+1's rows of Q and pi; then E[t] = sum_a
     # pi(a|s_{t+1}) Q(s_{t+1}, a) over the same rows, in ACT_BLOCKS blocks of BLOCK_A actions.
     # The gathers come first so that their round trip (actions, then the entries they index)
@@ -173,43 +189,94 @@ def retrace_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, param
     # strided axis, and the gathers' addresses crossed the threads through shared memory:
     # H200, time-major 16384x1024 906 -> 703 µs (bfloat16 747 -> 564), 16384x16 28.1 -> 25.3,
     # batch-major 16384x16 30.5 -> 23.4 (docs/benchmarks.md, log).
+    # In one-row batch-major tiles that span the window (128 steps x 1 row: T in 65..128),
+    # a_{t+1}, r, the flags and mu are loaded before the blocks' addresses are formed: Triton
+    # 3.6's schedule then issues 28 of the tile's 31 loads in one round (3 rounds against 5,
+    # 72 registers against 56; `tools/registers.py`): H200 4096x128 0.84-0.86 of the previous
+    # time, against 0.96-0.98 in the order below (bfloat16 0.97 and 0.96). In tiles of several
+    # rows the same order took 0.98-1.01 against 0.92-0.96 (16384x16), and 1.02-1.22 where rows
+    # span several tiles (docs/benchmarks.md, log, twenty-fourth session).
+    EARLY: tl.constexpr = WHOLE and mask.shape[0] == 1
+    if EARLY:
+        a_next = tl.load(ins[RT_ACT] + offsets(t + 1, b1, b2, st[RT_ACT], s1[RT_ACT],
+                                               s2[RT_ACT]), mask=inside, other=0)
+    r = load_step(ins, st, s1, s2, RT_R, t, b1, b2, mask)
+    term, cut = cut_flags(ins, st, s1, s2, RT_TERM, RT_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
+    if EARLY:
+        mu_next = tl.where(inside, load_step(ins, st, s1, s2, RT_MU, t + 1, b1, b2, inside),
+                           1.0)
     q_row = tl.trans(offsets(t + 1, b1, b2, st[RT_Q], s1[RT_Q], s2[RT_Q]))
     pi_row = tl.trans(offsets(t + 1, b1, b2, st[RT_PI], s1[RT_PI], s2[RT_PI]))
     inside_tr = tl.trans(inside)
     if ACT_VEC > 1:
         q_row = q_row // ACT_VEC * ACT_VEC
         pi_row = pi_row // ACT_VEC * ACT_VEC
-    a_next = tl.load(ins[RT_ACT] + offsets(t + 1, b1, b2, st[RT_ACT], s1[RT_ACT], s2[RT_ACT]),
-                     mask=inside, other=0)
+    if not EARLY:
+        a_next = tl.load(ins[RT_ACT] + offsets(t + 1, b1, b2, st[RT_ACT], s1[RT_ACT],
+                                               s2[RT_ACT]), mask=inside, other=0)
     a_next = tl.trans(a_next)
     q_a_next = tl.trans(load_value(ins[RT_Q], q_row + a_next * sa[RT_Q], inside_tr))
     pi_a_next = tl.trans(load_value(ins[RT_PI], pi_row + a_next * sa[RT_PI], inside_tr))
+    # Where every tile spans its rows' whole window (`retrace_whole_coef`) each holds step T-1,
+    # and the blocks read E's state there from the bootstrap tensors (when they share Q's and
+    # pi's dtypes: one pointer per value), summing the products in each thread before one
+    # reduction, rather than in a pass of its own after them (below): H200 16384x16 0.92-0.96
+    # of the time (bfloat16 0.90-0.92), 4096x128 0.96-0.98. Where rows span several tiles, such
+    # loads in every tile (predicated off but at T-1) took 1.09-1.42x (72 registers against
+    # 56 at 16384x1024, sm_90), so those tiles keep the pass (docs/benchmarks.md, log).
+    FOLD: tl.constexpr = (WHOLE and ins[RT_Q].dtype == ins[RT_LAST_Q].dtype
+                          and ins[RT_PI].dtype == ins[RT_LAST_PI].dtype)
+    state_tr = inside_tr
+    if FOLD:
+        at_end = tl.trans(mask & (t == T - 1))
+        state_tr = inside_tr | at_end
+        lq_row = tl.trans(offsets(0, b1, b2, st[RT_LAST_Q], s1[RT_LAST_Q], s2[RT_LAST_Q]))
+        lpi_row = tl.trans(offsets(0, b1, b2, st[RT_LAST_PI], s1[RT_LAST_PI], s2[RT_LAST_PI]))
+        if ACT_VEC > 1:
+            lq_row = lq_row // ACT_VEC * ACT_VEC
+            lpi_row = lpi_row // ACT_VEC * ACT_VEC
     expected = tl.zeros(inside_tr.shape, tl.float32)
+    products = tl.zeros([inside_tr.shape[0], inside_tr.shape[1], BLOCK_A], tl.float32)
     for k in tl.static_range(ACT_BLOCKS):
         a = k * BLOCK_A + tl.arange(0, BLOCK_A)[None, None, :]
-        in_a = tl.max_constancy(inside_tr[:, :, None] & (a < n_act), [1, 1, ACT_VEC])
-        q = load_value(ins[RT_Q], q_row[:, :, None] + a * sa[RT_Q], in_a)
-        p = load_value(ins[RT_PI], pi_row[:, :, None] + a * sa[RT_PI], in_a)
-        expected += tl.sum(q * p, axis=2)
+        in_a = tl.max_constancy(state_tr[:, :, None] & (a < n_act), [1, 1, ACT_VEC])
+        q_ptr = ins[RT_Q] + (q_row[:, :, None] + a * sa[RT_Q])
+        p_ptr = ins[RT_PI] + (pi_row[:, :, None] + a * sa[RT_PI])
+        if FOLD:
+            q_ptr = tl.where(at_end[:, :, None],
+                             ins[RT_LAST_Q] + (lq_row[:, :, None] + a * sa[RT_LAST_Q]), q_ptr)
+            p_ptr = tl.where(at_end[:, :, None],
+                             ins[RT_LAST_PI] + (lpi_row[:, :, None] + a * sa[RT_LAST_PI]), p_ptr)
+        q = tl.load(q_ptr, mask=in_a, other=0.0).to(tl.float32)
+        p = tl.load(p_ptr, mask=in_a, other=0.0).to(tl.float32)
+        if FOLD:
+            products += q * p
+        else:
+            expected += tl.sum(q * p, axis=2)
+    if FOLD:
+        expected = tl.sum(products, axis=2)
     expected = tl.trans(expected)
-    mu_next = tl.where(inside, load_step(ins, st, s1, s2, RT_MU, t + 1, b1, b2, inside), 1.0)
+    if not EARLY:
+        mu_next = tl.where(inside, load_step(ins, st, s1, s2, RT_MU, t + 1, b1, b2, inside),
+                           1.0)
     c_next = lam * tl.minimum(pi_a_next / mu_next, c_clip)
 
     # At t = T-1, E comes from the bootstrap state s_T: read by the tile that holds T-1 only.
     # (The bootstrap tensors have a zero time stride: one row per batch entry.)
-    if tl.max(end_rows.to(tl.int32)) != 0:
-        last = end_rows
-        lq_row = offsets(0, b1, b2, st[RT_LAST_Q], s1[RT_LAST_Q], s2[RT_LAST_Q])[:, :, None]
-        lpi_row = offsets(0, b1, b2, st[RT_LAST_PI], s1[RT_LAST_PI],
-                          s2[RT_LAST_PI])[:, :, None]
-        end = tl.zeros(last.shape, tl.float32)
-        for a0 in range(0, n_act, BLOCK_A):
-            a = a0 + tl.arange(0, BLOCK_A)[None, None, :]
-            end_a = last[:, :, None] & (a < n_act)
-            end += tl.sum(load_value(ins[RT_LAST_Q], lq_row + a * sa[RT_LAST_Q], end_a)
-                          * load_value(ins[RT_LAST_PI], lpi_row + a * sa[RT_LAST_PI], end_a),
-                          axis=2)
-        expected = tl.where(t == T - 1, end, expected)
+    if not FOLD:
+        if tl.max(end_rows.to(tl.int32)) != 0:
+            last = end_rows
+            lq_row = offsets(0, b1, b2, st[RT_LAST_Q], s1[RT_LAST_Q], s2[RT_LAST_Q])[:, :, None]
+            lpi_row = offsets(0, b1, b2, st[RT_LAST_PI], s1[RT_LAST_PI],
+                              s2[RT_LAST_PI])[:, :, None]
+            end = tl.zeros(last.shape, tl.float32)
+            for a0 in range(0, n_act, BLOCK_A):
+                a = a0 + tl.arange(0, BLOCK_A)[None, None, :]
+                end_a = last[:, :, None] & (a < n_act)
+                end += tl.sum(load_value(ins[RT_LAST_Q], lq_row + a * sa[RT_LAST_Q], end_a)
+                              * load_value(ins[RT_LAST_PI], lpi_row + a * sa[RT_LAST_PI], end_a),
+                              axis=2)
+            expected = tl.where(t == T - 1, end, expected)
 
     alpha = r + tl.where(term, 0.0, gamma * (expected - tl.where(cut, 0.0, c_next * q_a_next)))
     beta = tl.where(cut, 0.0, gamma * c_next)

@@ -44,6 +44,9 @@ class Kernel:
     # 0.76-0.95 of the time with the slot at every time-major shape measured, Retrace 0.88-0.94;
     # GAE 1.09 at 4096x128, the others and batch-major tiles 0.99-1.01 (docs/benchmarks.md, log).
     trunc_slot_always: Optional[tuple] = None
+    # the builder for tiles that span their rows' whole window (each holds step T-1), where it
+    # differs from `coef`
+    coef_whole: object = None
 
 
 GAE = Kernel(C.gae_coef, C.gae_store, reverse=True, aux=True)
@@ -53,7 +56,8 @@ DISCOUNTED_RETURNS = Kernel(C.discounted_returns_coef, C.single_store, reverse=T
                             carries_last=True)
 VTRACE = Kernel(C.vtrace_coef, C.vtrace_store, reverse=True, exclusive=True, aux=True)
 RETRACE = Kernel(C.retrace_coef, C.retrace_store, reverse=True,
-                 trunc_slot_always=(C.RT_TERM.value, C.RT_TRUNC.value))
+                 trunc_slot_always=(C.RT_TERM.value, C.RT_TRUNC.value),
+                 coef_whole=C.retrace_whole_coef)
 FORWARD = Kernel(C.forward_coef, C.single_store, reverse=False)
 SCAN_REVERSE = Kernel(C.linear_scan_coef, C.single_store, reverse=True)
 SCAN_FORWARD = Kernel(C.linear_scan_coef, C.single_store, reverse=False)
@@ -195,7 +199,9 @@ class Launch:
         self.ints = (T, self.B, B2, n_act, n_row_tiles, n_chunks)
         # Retrace's action axis, in blocks of block_a
         block_a = config.action_block(n_act, itemsize)
-        self.meta = dict(COEF=kernel.coef, STORE=kernel.store, REVERSE=kernel.reverse,
+        # tiles that span their rows' whole window hold step T-1 (`coefficients.retrace_terms`)
+        coef = kernel.coef_whole if kernel.coef_whole is not None and n_chunks == 1 else kernel.coef
+        self.meta = dict(COEF=coef, STORE=kernel.store, REVERSE=kernel.reverse,
                          EXCLUSIVE=kernel.exclusive, HAS_TRUNC=has_trunc, HAS_NEXT=has_next,
                          HAS_LAST=has_last, HAS_INIT=init is not None, VARIANT=variant,
                          LOOKBACK=self.lookback, WALK=cfg.walk and n_chunks > 1,
