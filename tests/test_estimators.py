@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rl_triton import estimators
-from rl_triton._triton import config
+from rl_triton._triton import coefficients, config
 from cases import (BACKENDS, ESTIMATORS, FLAG_DTYPES, assert_close, make_case, rel_err,
                    to_layout)
 
@@ -153,7 +153,6 @@ def test_retrace_bootstrap_state(layout, last_dtype, device):
     t = T-1 when they share Q's and pi's dtypes, else a pass of its own does (bfloat16 bootstrap
     tensors); where rows span several tiles, the tile holding T-1 does: all against the
     reference, in one-row tiles (batch-major 128 x 1) and tiles of several rows."""
-    from rl_triton._triton import coefficients
     for T, n, block_t, block_b in ((37, 5, 64, 4), (37, 5, 64, 1), (37, 5, 16, 2),
                                    (100, 3, 128, 1)):
         case = make_case("retrace", T, (n,), device=device, seed=T + block_b, n_act=18)

@@ -198,8 +198,7 @@ def retrace_terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, para
     # span several tiles (docs/benchmarks.md, log, twenty-fourth session).
     EARLY: tl.constexpr = WHOLE and mask.shape[0] == 1
     if EARLY:
-        a_next = tl.load(ins[RT_ACT] + offsets(t + 1, b1, b2, st[RT_ACT], s1[RT_ACT],
-                                               s2[RT_ACT]), mask=inside, other=0)
+        a_next = load_action(ins, st, s1, s2, t + 1, b1, b2, inside)
     r = load_step(ins, st, s1, s2, RT_R, t, b1, b2, mask)
     term, cut = cut_flags(ins, st, s1, s2, RT_TERM, RT_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
     if EARLY:
@@ -212,8 +211,7 @@ def retrace_terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, para
         q_row = q_row // ACT_VEC * ACT_VEC
         pi_row = pi_row // ACT_VEC * ACT_VEC
     if not EARLY:
-        a_next = tl.load(ins[RT_ACT] + offsets(t + 1, b1, b2, st[RT_ACT], s1[RT_ACT],
-                                               s2[RT_ACT]), mask=inside, other=0)
+        a_next = load_action(ins, st, s1, s2, t + 1, b1, b2, inside)
     a_next = tl.trans(a_next)
     q_a_next = tl.trans(load_value(ins[RT_Q], q_row + a_next * sa[RT_Q], inside_tr))
     pi_a_next = tl.trans(load_value(ins[RT_PI], pi_row + a_next * sa[RT_PI], inside_tr))
@@ -235,8 +233,10 @@ def retrace_terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, para
         if ACT_VEC > 1:
             lq_row = lq_row // ACT_VEC * ACT_VEC
             lpi_row = lpi_row // ACT_VEC * ACT_VEC
-    expected = tl.zeros(inside_tr.shape, tl.float32)
-    products = tl.zeros([inside_tr.shape[0], inside_tr.shape[1], BLOCK_A], tl.float32)
+    if FOLD:
+        products = tl.zeros([inside_tr.shape[0], inside_tr.shape[1], BLOCK_A], tl.float32)
+    else:
+        expected = tl.zeros(inside_tr.shape, tl.float32)
     for k in tl.static_range(ACT_BLOCKS):
         a = k * BLOCK_A + tl.arange(0, BLOCK_A)[None, None, :]
         in_a = tl.max_constancy(state_tr[:, :, None] & (a < n_act), [1, 1, ACT_VEC])
@@ -282,12 +282,18 @@ def retrace_terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, para
     beta = tl.where(cut, 0.0, gamma * c_next)
     q_a = 0.0
     if VARIANT == 1:  # also return G - Q(s_t, a_t)
-        a_t = tl.load(ins[RT_ACT] + offsets(t, b1, b2, st[RT_ACT], s1[RT_ACT], s2[RT_ACT]),
-                      mask=mask, other=0)
+        a_t = load_action(ins, st, s1, s2, t, b1, b2, mask)
         q_a = tl.trans(load_value(ins[RT_Q], tl.trans(offsets(t, b1, b2, st[RT_Q], s1[RT_Q],
                                                                s2[RT_Q]) + a_t * sa[RT_Q]),
                                   tl.trans(mask)))
     return alpha, beta, q_a
+
+
+@triton.jit
+def load_action(ins, st, s1, s2, t, b1, b2, mask):
+    """Retrace's actions at steps t (0 where masked)."""
+    return tl.load(ins[RT_ACT] + offsets(t, b1, b2, st[RT_ACT], s1[RT_ACT], s2[RT_ACT]),
+                   mask=mask, other=0)
 
 
 @triton.jit
