@@ -7,8 +7,8 @@ For every estimator, shape (N envs x T steps), layout, input dtype and truncatio
    full-call time (synchronize, host timer, call, synchronize; median of >= 200 calls),
 3. reports the achieved bandwidth (minimal bytes / device time) as a fraction of the copy
    bandwidth measured in the same run (a 1 GiB copy), the device time of a copy that moves the
-   same bytes (the floor at this size: fixed launch and ramp costs weigh on small copies too),
-   and the speedup over the baselines: the sequential loop
+   same bytes (the faster of torch's `copy_` and a plain Triton copy: the floor at this size,
+   since fixed launch and ramp costs weigh on small copies too), and the speedup over the baselines: the sequential loop
    (`backend="loop"`, CleanRL-style), the torch backend eager, and the torch backend under
    `torch.compile`.
 It writes `bench.json`, `bench.md` and `bench.png` into `--out`.
@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 import rl_triton
 from rl_triton import _torch
@@ -178,20 +180,42 @@ def full_call_us(fn, calls=200, warmup=20) -> float:
     return statistics.median(times) * 1e6
 
 
+@triton.jit
+def _copy_kernel(src, dst, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + i, tl.load(src + i, mask=i < n), mask=i < n)
+
+
+_COPY_BLOCK = 1024  # values per program of the Triton copy, on _COPY_WARPS warps
+_COPY_WARPS = 8
+
+
+def copies(src, dst) -> dict:
+    """Two device-to-device copies of src into dst, by name: torch's `copy_`, and a plain Triton
+    copy, which took 0.67-0.94 of `copy_`'s time from 2.7 to 109 MB on the H200 and the same at
+    302 MB and 1 GiB (docs/benchmarks.md, log, twenty-fifth session)."""
+    n = src.numel()
+    grid = (triton.cdiv(n, _COPY_BLOCK),)
+    return {"torch": lambda: dst.copy_(src),
+            "triton": lambda: _copy_kernel[grid](src, dst, n, BLOCK=_COPY_BLOCK,
+                                                 num_warps=_COPY_WARPS)}
+
+
 _COPY_US: dict = {}
 
 
 def same_bytes_copy_us(nbytes, device) -> float:
-    """Device time of a device-to-device copy that reads nbytes / 2 and writes nbytes / 2."""
+    """Device time of the faster of `copies` reading nbytes / 2 and writing nbytes / 2."""
     if nbytes not in _COPY_US:
         src = torch.empty(max(1, nbytes // 8), dtype=torch.float32, device=device)
         dst = torch.empty_like(src)
-        _COPY_US[nbytes] = device_time_us(lambda: dst.copy_(src))
+        _COPY_US[nbytes] = min(device_time_us(f) for f in copies(src, dst).values())
     return _COPY_US[nbytes]
 
 
 def copy_bandwidth(device) -> float:
-    """Bytes read + written per second by a large device-to-device copy (1 GiB each way)."""
+    """Bytes read + written per second by a large device-to-device copy (1 GiB each way,
+    `same_bytes_copy_us`)."""
     return 2**31 / (same_bytes_copy_us(2**31, device) * 1e-6)
 
 

@@ -42,6 +42,16 @@ def test_reports(tmp_path):
     assert (tmp_path / "r" / "bench.png").stat().st_size > 1000
 
 
+@pytest.mark.parametrize("n", [1, 1000, 5003])
+def test_copies_copy(n, device):
+    """Both copies whose faster one is the benchmark's same-bytes floor copy every value."""
+    src = torch.randn(n, device=device)
+    for name, copy in bench.copies(src, dst := torch.zeros_like(src)).items():
+        copy()
+        assert torch.equal(dst, src), name
+        dst.zero_()
+
+
 def test_rule_option():
     assert bench.parse_rule("WALK_PROGRAMS_PER_SM=4,WINDOW=32") == dict(
         WALK_PROGRAMS_PER_SM=4, WINDOW=32)
