@@ -8,9 +8,9 @@ For every estimator, shape (N envs x T steps), layout, input dtype and truncatio
 3. reports the achieved bandwidth (minimal bytes / device time) as a fraction of the copy
    bandwidth measured in the same run (a 1 GiB copy), the device time of a copy that moves the
    same bytes (the faster of torch's `copy_` and a plain Triton copy: the floor at this size,
-   since fixed launch and ramp costs weigh on small copies too), and the speedup over the baselines: the sequential loop
-   (`backend="loop"`, CleanRL-style), the torch backend eager, and the torch backend under
-   `torch.compile`.
+   since fixed launch and ramp costs weigh on small copies too), and the speedup over the
+   baselines: the sequential loop (`backend="loop"`, CleanRL-style), the torch backend eager,
+   and the torch backend under `torch.compile`.
 It writes `bench.json`, `bench.md` and `bench.png` into `--out`.
 """
 from __future__ import annotations
@@ -192,8 +192,9 @@ _COPY_WARPS = 8
 
 def copies(src, dst) -> dict:
     """Two device-to-device copies of src into dst, by name: torch's `copy_`, and a plain Triton
-    copy, which took 0.67-0.94 of `copy_`'s time from 2.7 to 109 MB on the H200 and the same at
-    302 MB and 1 GiB (docs/benchmarks.md, log, twenty-fifth session)."""
+    copy, which on the H200 took a median of 0.85 of `copy_`'s time at 4-32 MB and 0.88 at
+    32-64 MB (0.61-1.02 over the benchmark's sizes), the same from 128 MB (docs/benchmarks.md,
+    log, twenty-fifth session)."""
     n = src.numel()
     grid = (triton.cdiv(n, _COPY_BLOCK),)
     return {"torch": lambda: dst.copy_(src),
