@@ -1,9 +1,10 @@
-"""Argument normalization, shared by every estimator.
+"""Argument checks, shared by every op, run on every call before any cache or backend.
 
-Each public function describes its arguments to a `Call`, which checks them (type, dtype, device,
-shape, time axis, scalars, option strings) before any backend runs and hands the backends
-time-major views: `[T, *batch]` for per-step tensors, `[*batch]` for bootstraps. Views, never
-copies: the Triton backend reads the caller's memory in place through the views' strides.
+An op describes its arguments to a `Call`, which checks them (type, dtype, device, shape, time
+axis, gradients, scalars, option strings) and returns the tensors to use: the caller's own, or
+for a lazily negated or conjugated view its values. While checking, a `Call` also collects the
+signature that launch plans are cached under (`rl_triton._plans`): every tensor's shape,
+strides, dtype and 16-byte alignment, so that the one pass over the arguments serves both.
 """
 from __future__ import annotations
 
@@ -11,32 +12,30 @@ import numbers
 
 import torch
 
-VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+Tensor = torch.Tensor
+VALUE_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 BACKENDS = ("auto", "triton", "torch", "loop")
 
 VALUE = "value"  # float32 / bfloat16 / float16
-FLAG = "flag"  # bool, any integer dtype, or any float dtype holding 0/1
+FLAG = "flag"  # bool, any integer dtype, or any float dtype (set where nonzero)
 INDEX = "index"  # any integer dtype (action indices)
 
 
-def _describe(x) -> str:
-    return f"a {type(x).__name__}" if not isinstance(x, torch.Tensor) else f"dtype {x.dtype}"
-
-
-def _check_dtype(name: str, x: torch.Tensor, kind: str) -> None:
-    dt = x.dtype
+def _check_dtype(name: str, dt: torch.dtype, kind: str) -> None:
     if kind == VALUE:
-        ok = dt in VALUE_DTYPES
+        if dt in VALUE_DTYPES:
+            return
         want = "float32, bfloat16 or float16"
     elif kind == FLAG:
-        ok = not dt.is_complex
+        if not dt.is_complex:
+            return
         want = "bool, an integer dtype or a float dtype"
     else:
-        ok = dt != torch.bool and not dt.is_floating_point and not dt.is_complex
+        if dt != torch.bool and not dt.is_floating_point and not dt.is_complex:
+            return
         want = "an integer dtype"
-    if not ok:
-        raise TypeError(f"{name} has dtype {dt}; expected {want}")
+    raise TypeError(f"{name} has dtype {dt}; expected {want}")
 
 
 def check_scalar(name: str, value, *, low: float = 0.0, high: float | None = 1.0,
@@ -55,104 +54,149 @@ def check_scalar(name: str, value, *, low: float = 0.0, high: float | None = 1.0
     return v
 
 
-def check_backend(backend, device: torch.device) -> str:
-    if not isinstance(backend, str) or backend not in BACKENDS:
+def check_bool(name: str, value) -> bool:
+    if type(value) is not bool:
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_backend(backend) -> str:
+    if type(backend) is not str or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}; got {backend!r}")
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
     return backend
 
 
 def check_out_dtype(out_dtype) -> torch.dtype:
-    if out_dtype not in OUT_DTYPES:
+    if type(out_dtype) is not torch.dtype or out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be one of {', '.join(map(str, OUT_DTYPES))}; got {out_dtype!r}")
     return out_dtype
 
 
+def _grad_error(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"{name} requires grad, and rl_triton does not compute gradients yet: its outputs would "
+        f"be silently detached. Pass {name}.detach(), or call it under torch.no_grad().")
+
+
 class Call:
-    """The checked arguments of one estimator call.
+    """The checked arguments of one op call.
 
     `ref` (named `ref_name`) fixes the layout: its shape is `step_shape`, its axis `time_dim`
     (negative counts from the end of `ref`) is the time axis. Per-step tensors must have
     `step_shape` followed by their own trailing axes; bootstrap tensors the batch shape (the step
-    shape without its time axis) followed by theirs.
+    shape without its time axis) followed by theirs. `key` is the calls's signature so far.
     """
 
+    __slots__ = ("ref_name", "time_dim", "step_shape", "T", "batch_shape", "device", "key",
+                 "grad")
+
     def __init__(self, ref_name: str, ref, time_dim, kind: str = VALUE):
-        if not isinstance(ref, torch.Tensor):
+        if not isinstance(ref, Tensor):
             raise TypeError(f"{ref_name} must be a torch.Tensor, got {type(ref).__name__}")
         if ref.ndim == 0:
             raise ValueError(f"{ref_name} must have a time axis; got a 0-d tensor")
-        if isinstance(time_dim, bool) or not isinstance(time_dim, int):
-            raise TypeError(f"time_dim must be an int, got {type(time_dim).__name__}")
+        if type(time_dim) is not int:
+            if isinstance(time_dim, bool) or not isinstance(time_dim, numbers.Integral):
+                raise TypeError(f"time_dim must be an int, got {type(time_dim).__name__}")
+            time_dim = int(time_dim)
         if not -ref.ndim <= time_dim < ref.ndim:
             raise ValueError(f"time_dim={time_dim} is out of range for {ref_name} with shape "
                              f"{tuple(ref.shape)} ({ref.ndim} dimensions)")
         self.ref_name = ref_name
         self.time_dim = time_dim % ref.ndim
-        self.step_shape = tuple(ref.shape)
+        self.step_shape = ref.shape
         self.T = ref.shape[self.time_dim]
         self.batch_shape = self.step_shape[:self.time_dim] + self.step_shape[self.time_dim + 1:]
         self.device = ref.device
-        self._check(ref_name, ref, kind)
+        self.key = [self.time_dim, ref.device]
+        self.grad = torch.is_grad_enabled()
 
-    def _check(self, name: str, x, kind: str) -> None:
-        if not isinstance(x, torch.Tensor):
+    def _check(self, name: str, x, kind: str) -> Tensor:
+        if not isinstance(x, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.device != self.device:
             raise ValueError(f"{name} is on {x.device} but {self.ref_name} is on {self.device}; "
                              "all tensors must be on one device")
-        _check_dtype(name, x, kind)
+        _check_dtype(name, x.dtype, kind)
+        if x.requires_grad and self.grad:
+            raise _grad_error(name)
+        if x.is_neg() or x.is_conj():  # kernels read memory: the view's values, not its bits
+            x = x.resolve_conj().resolve_neg()
+        self.key.append((x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0))
+        return x
 
     def step(self, name: str, x, kind: str = VALUE, *, trailing: int = 0,
              trailing_shape: tuple | None = None, optional: bool = False):
-        """A per-step tensor as a time-major view `[T, *batch, *trailing]` (or None)."""
+        """A per-step tensor `[*step_shape, *trailing]` (or None), checked."""
         if x is None:
             if optional:
+                self.key.append(None)
                 return None
             raise ValueError(f"{name} is required")
-        self._check(name, x, kind)
+        x = self._check(name, x, kind)
+        shape, n = x.shape, len(self.step_shape)
         if trailing_shape is not None:
-            trailing = len(trailing_shape)
-        lead = tuple(x.shape[:len(self.step_shape)])
-        tail = tuple(x.shape[len(self.step_shape):])
-        if lead != self.step_shape or len(tail) != trailing or (
-                trailing_shape is not None and tail != tuple(trailing_shape)):
-            want = self.step_shape + (tuple(trailing_shape) if trailing_shape is not None
-                                      else ("...",) * trailing)
-            raise ValueError(f"{name} has shape {tuple(x.shape)} but {self.ref_name} has shape "
-                             f"{self.step_shape}; {name} must have shape "
+            ok = shape == self.step_shape + tuple(trailing_shape)
+        else:
+            ok = x.ndim == n + trailing and shape[:n] == self.step_shape
+        if not ok:
+            want = tuple(self.step_shape) + (tuple(trailing_shape) if trailing_shape is not None
+                                             else ("...",) * trailing)
+            raise ValueError(f"{name} has shape {tuple(shape)} but {self.ref_name} has shape "
+                             f"{tuple(self.step_shape)}; {name} must have shape "
                              f"{_fmt_shape(want)}")
-        return x.detach().movedim(self.time_dim, 0)
+        return x
 
     def bootstrap(self, name: str, x, kind: str = VALUE, *, trailing_shape: tuple = (),
                   optional: bool = True):
-        """A tensor without time axis, shape `[*batch, *trailing_shape]` (or None)."""
+        """A tensor without time axis, shape `[*batch, *trailing_shape]` (or None), checked."""
         if x is None:
             if optional:
+                self.key.append(None)
                 return None
             raise ValueError(f"{name} is required")
-        self._check(name, x, kind)
+        x = self._check(name, x, kind)
         want = self.batch_shape + tuple(trailing_shape)
-        if tuple(x.shape) != want:
+        if x.shape != want:
             raise ValueError(f"{name} has shape {tuple(x.shape)} but {self.ref_name} has shape "
-                             f"{self.step_shape} with time_dim={self.time_dim}; {name} must have "
-                             f"shape {_fmt_shape(want)} ({self.ref_name}'s shape without its time "
-                             "axis)")
-        return x.detach()
+                             f"{tuple(self.step_shape)} with time_dim={self.time_dim}; {name} "
+                             f"must have shape {_fmt_shape(tuple(want))} ({self.ref_name}'s "
+                             "shape without its time axis)")
+        return x
 
-    def require_bootstrap(self, next_values, last_value) -> None:
-        if next_values is None and last_value is None:
-            raise ValueError("pass last_value (the value of the state after the last step) or "
-                             "next_values (the successor value of every step); a silent zero "
-                             "bootstrap is refused")
-        if next_values is not None and last_value is not None:
-            raise ValueError("pass either last_value or next_values, not both")
+    def empty(self) -> bool:
+        return self.T == 0 or 0 in self.step_shape
+
+    def tm(self, x):
+        """The time-major view `[T, *batch, ...]` of a per-step tensor (None stays None)."""
+        return None if x is None else x.movedim(self.time_dim, 0)
 
     def output(self, dtype: torch.dtype, trailing_shape: tuple = ()):
-        """A new output in the caller's layout, and its time-major view."""
-        out = torch.empty(self.step_shape + tuple(trailing_shape), dtype=dtype, device=self.device)
-        return out, out.movedim(self.time_dim, 0)
+        """A new output in the caller's layout."""
+        return torch.empty(tuple(self.step_shape) + tuple(trailing_shape), dtype=dtype,
+                           device=self.device)
+
+
+def require_bootstrap(next_values, last_value) -> None:
+    if next_values is None and last_value is None:
+        raise ValueError("pass last_value (the value of the state after the last step) or "
+                         "next_values (the successor value of every step); a silent zero "
+                         "bootstrap is refused")
+    if next_values is not None and last_value is not None:
+        raise ValueError("pass either last_value or next_values, not both")
+
+
+def check_actions(actions: Tensor, n_act: int) -> None:
+    """Every action in [0, n_act): one reduction (and, on CUDA, one sync)."""
+    if actions.numel() == 0:
+        return
+    lo, hi = torch.aminmax(actions)
+    lo, hi = int(lo), int(hi)
+    if lo < 0 or hi >= n_act:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"actions holds {bad}, outside [0, {n_act}) (q_values has {n_act} "
+                         "actions); pass check_actions=False only where the actions are known "
+                         "to be in range (the kernel then clamps them)")
 
 
 def _fmt_shape(shape) -> str:

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 import rl_triton
-from rl_triton import _torch
+from rl_triton import testing
 
 ESTIMATORS = ["gae", "vtrace", "retrace", "lambda_returns", "discounted_returns",
               "eligibility_traces", "episodic_cumsum"]
@@ -60,58 +60,39 @@ class Row:
 # ---- inputs ----------------------------------------------------------------------------------
 
 def make_inputs(name, N, T, layout, dtype, truncation, device, seed=0):
-    """Keyword arguments of `rl_triton.<name>` for an N x T problem, and the minimal bytes."""
-    g = torch.Generator(device=device).manual_seed(seed)
+    """Keyword arguments of `rl_triton.<name>` for an N x T problem (`rl_triton.testing`'s
+    inputs: flags set at 1% of steps, 18 actions, the functions' default scalars), and the
+    minimal bytes."""
+    steps, extra = testing.make_inputs(name, T, (N,), dtype=dtype, trunc=truncation,
+                                       device=device, seed=seed, n_act=N_ACTIONS, p_term=0.01,
+                                       p_trunc=0.01, params=_DEFAULTS.get(name, {}))
+    if name == "retrace":
+        extra["return_advantages"] = False
     tm = layout == "time-major"
-    shape = (T, N) if tm else (N, T)
-
-    def randn(*extra):
-        return torch.randn(shape + extra, generator=g, device=device).to(dtype)
-
-    def flag(p):
-        return torch.rand(shape, generator=g, device=device) < p
-
-    kw = {"time_dim": 0 if tm else 1}
-    term = flag(0.01)
-    trunc = flag(0.01) if truncation else None
-    if name in ("gae", "lambda_returns", "vtrace"):
-        kw.update(rewards=randn(), values=randn(), terminated=term, truncated=trunc,
-                  last_value=torch.randn(N, generator=g, device=device).to(dtype))
-        if name == "vtrace":
-            blp = randn() - 1
-            kw.update(target_log_probs=(blp + 0.3 * randn()).to(dtype), behavior_log_probs=blp)
-    elif name == "discounted_returns":
-        kw.update(rewards=randn(), terminated=term, truncated=trunc,
-                  last_value=torch.randn(N, generator=g, device=device).to(dtype))
-    elif name == "retrace":
-        pi = torch.softmax(randn(N_ACTIONS).float(), -1).to(dtype)
-        last_pi = torch.softmax(torch.randn(N, N_ACTIONS, generator=g, device=device), -1)
-        kw.update(rewards=randn(), q_values=randn(N_ACTIONS),
-                  actions=torch.randint(0, N_ACTIONS, shape, generator=g, device=device),
-                  target_probs=pi, behavior_probs=(0.2 + 0.8 * torch.rand(
-                      shape, generator=g, device=device)).to(dtype), terminated=term,
-                  truncated=trunc, last_q_values=torch.randn(N, N_ACTIONS, generator=g,
-                                                             device=device).to(dtype),
-                  last_target_probs=last_pi.to(dtype))
-    else:  # forward scans
-        kw.update(x=randn(), dones=term | trunc if trunc is not None else term)
-        if name == "eligibility_traces":
-            kw.update(gamma=0.99, lam=0.95)
+    kw = {k: v if tm else v.movedim(0, 1).contiguous() for k, v in steps.items()}
+    kw.update(extra, time_dim=0 if tm else 1)
     n_out = 2 if name in ("gae", "vtrace") else 1
     tensors = [v for v in kw.values() if isinstance(v, torch.Tensor)]
     nbytes = sum(t.numel() * t.element_size() for t in tensors) + n_out * N * T * 4
     return kw, nbytes
 
 
+# the public functions' default scalars (the benchmark times the calls users make)
+_DEFAULTS = {"gae": dict(gamma=0.99, lam=0.95), "lambda_returns": dict(gamma=0.99, lam=0.95),
+             "discounted_returns": dict(gamma=0.99), "eligibility_traces": dict(gamma=0.99,
+                                                                                lam=0.95),
+             "vtrace": dict(gamma=0.99, lam=1.0, rho_clip=1.0, c_clip=1.0, pg_rho_clip=1.0),
+             "retrace": dict(gamma=0.99, lam=1.0, c_clip=1.0)}
+
+
 def float64_result(name, kw):
-    """The same inputs through the vectorized torch backend in float64, time-major."""
+    """The same inputs through the vectorized torch implementation in float64, time-major."""
     td = kw["time_dim"]
     args = {k: (v.movedim(td, 0) if isinstance(v, torch.Tensor) and v.ndim >= 2 and k not in (
         "last_value", "last_q_values", "last_target_probs") else v)
         for k, v in kw.items() if k != "time_dim"}
-    out = getattr(_torch, name)(**args, dtype=torch.float64)
-    out = out[:1] if name == "retrace" else out
-    return out if isinstance(out, tuple) else (out,)
+    out = testing.vectorized(name, **args)
+    return out[:1] if name == "retrace" and not kw.get("return_advantages") else out
 
 
 def rel_err(outs, refs, td):
@@ -247,13 +228,13 @@ def parse_tiles(s):
 
 def parse_rule(s):
     """"WALK_PROGRAMS_PER_SM=4,MAX_ROWS_TIME_MAJOR=32" -> {...}: constants of the tile rule."""
-    from rl_triton._triton import config
+    from rl_triton.scan import tiles as config
     names, values = config.constants(), {}
     for item in s.split(","):
         key, _, value = item.partition("=")
         if key not in names or not value.isdigit():
             raise argparse.ArgumentTypeError(
-                f"{item!r} is not NAME=<int> for a constant of rl_triton/_triton/config.py "
+                f"{item!r} is not NAME=<int> for a constant of rl_triton/scan/tiles.py "
                 f"({', '.join(sorted(names))})")
         values[key] = int(value)
     return values
@@ -284,11 +265,11 @@ def main(argv=None):
     p.add_argument("--tiles", default=None, type=parse_tiles,
                    help="replace the tile rule for every configuration, e.g. "
                         "block_t=64,block_b=32,num_warps=4 (for tuning "
-                        "rl_triton/_triton/config.py; fields: %s)" % ", ".join(TILE_FIELDS))
+                        "rl_triton/scan/tiles.py; fields: %s)" % ", ".join(TILE_FIELDS))
     p.add_argument("--rule", default=None, type=parse_rule,
                    help="change constants of the tile rule for every configuration, e.g. "
                         "WALK_PROGRAMS_PER_SM=4,MAX_ROWS_TIME_MAJOR=64 (to check the rule of "
-                        "rl_triton/_triton/config.py against measurements)")
+                        "rl_triton/scan/tiles.py against measurements)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -323,7 +304,7 @@ def main(argv=None):
                for dt in dtypes for tr in truncs]
     t_start = time.time()
     tiles = contextlib.ExitStack()
-    from rl_triton._triton import config as tile_config
+    from rl_triton.scan import tiles as tile_config
     if args.tiles:
         tiles.enter_context(tile_config.override(**args.tiles))
     if args.rule:

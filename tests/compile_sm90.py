@@ -18,8 +18,9 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cases import make_case  # noqa: E402
-from rl_triton import estimators  # noqa: E402
-from rl_triton._triton import coefficients, config, ops, scan  # noqa: E402
+from rl_triton import _plans  # noqa: E402
+from rl_triton.ops import linear_scan as linear_scan_op, retrace as retrace_op  # noqa: E402
+from rl_triton.scan import kernel, launch, tiles  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -32,20 +33,20 @@ def plan_of(case, layout):
         seen["plan"], seen["args"] = plan, (tensors, scalars)
         return [torch.empty(plan.out_shape, dtype=plan.out_dtype) for _ in range(plan.n_out)]
 
-    run, os.environ["TRITON_INTERPRET"] = ops.Launch.run, "1"  # lets backend="triton" take CPU
-    ops.Launch.run = intercept
+    run, os.environ["TRITON_INTERPRET"] = launch.Launch.run, "1"  # lets backend="triton" take CPU
+    launch.Launch.run = intercept
     try:
-        estimators._PLANS.clear()
+        _plans._PLANS.clear()
         case.call(layout, backend="triton")
     finally:
-        ops.Launch.run = run
+        launch.Launch.run = run
         del os.environ["TRITON_INTERPRET"]
     return seen["plan"], seen["args"]
 
 
 def compile_plan(plan, tensors, scalars):
     """What JITFunction.run does before it launches, for TARGET instead of the current GPU."""
-    fn = scan.scan_kernel
+    fn = kernel.scan_kernel
     backend = make_backend(TARGET)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     outs = tuple(torch.empty(plan.out_shape, dtype=plan.out_dtype) for _ in range(plan.n_out))
@@ -79,7 +80,7 @@ def look_back_loop_barriers(ptx: str):
 
 def check_look_back(plan, kernel):
     """Tiles of several rows read one warp's worth of look-back words per pass and every warp runs
-    the loop on its own (`config.window`): a barrier inside it would make warps that leave at
+    the loop on its own (`tiles.window`): a barrier inside it would make warps that leave at
     different passes wait at different barriers. Returns what is wrong, or ''."""
     m = plan.meta
     if not m["LOOKBACK"] or not 2 <= m["BLOCK_B"] <= 32:
@@ -98,7 +99,7 @@ def check_loads(plan, kernel):
     every input's layout, and the scan crossed 16 lanes); rows loaded several at a time where
     the plan says the time strides allow it (`ops.row_vector`: rows of 300); sub-tiles laid out
     one step per thread where their rows load as wide as the sub-tile allows (up to 4,
-    `config.sub_tiles`), no step held by two threads. Batch-major tiles: scalar 32-bit loads
+    `tiles.sub_tiles`), no step held by two threads. Batch-major tiles: scalar 32-bit loads
     from at most 2 addresses per thread where a thread holds 8 steps or more (values[t+1] is
     moved in registers, plus the step after each group of 8 and the bootstrap value; it was 8
     unaligned loads). Triton 3.6 repeats a broadcast load (the bootstrap value, the initial
@@ -127,7 +128,7 @@ def check_loads(plan, kernel):
         if m["ROW_VEC"] > 1 and not re.search(r"ld\.global\S*\.v\d\.b32", kernel.asm["ptx"]):
             return f"rows loaded one at a time, though time strides are multiples of {m['ROW_VEC']}"
         for u in used:
-            # where rows are contiguous and aligned (4 per thread, as `config.sub_tiles` counts,
+            # where rows are contiguous and aligned (4 per thread, as `tiles.sub_tiles` counts,
             # or fewer where a sub-tile holds fewer values per thread), one step per thread;
             # otherwise (rows strided or unaligned: one per thread) a thread holds several steps
             # of a sub-tile, but no step is held by two threads
@@ -138,7 +139,7 @@ def check_loads(plan, kernel):
                 return f"sub-tiles of {steps} steps laid over {cover} steps of threads"
         return ""
     if m["BLOCK_T"] * m["BLOCK_B"] < 8 * 32 * m["num_warps"]:
-        # fewer than 8 steps per thread (`config.FILL_MIN_ELEMENTS`: grids of fewer tiles than
+        # fewer than 8 steps per thread (`tiles.FILL_MIN_ELEMENTS`: grids of fewer tiles than
         # multiprocessors): groups of 8 steps span threads, so the steps after them are loaded
         # one by one; measured faster there all the same (docs/benchmarks.md, log)
         return ""
@@ -149,7 +150,7 @@ def check_loads(plan, kernel):
 
 
 def check_register_cap(plan, kernel):
-    """A plan's register cap (`config.TileConfig.max_registers`, Triton's `maxnreg`) reaches
+    """A plan's register cap (`tiles.TileConfig.max_registers`, Triton's `maxnreg`) reaches
     the PTX as `.maxnreg`. Returns what is wrong, or ''."""
     cap = plan.meta.get("maxnreg")
     if cap and not re.search(rf"\.maxnreg\s+{cap}\b", kernel.asm["ptx"]):
@@ -171,7 +172,7 @@ def check_reverse_scans(plan, kernel):
     if "reverse = true" in kernel.asm["ttgir"]:
         return "a reverse=True scan in the TTGIR"
     if (m["TIME_AXIS"] == 0 or m["LOOKBACK"] or m["BLOCK_A"] != 1
-            or m["COEF"] is coefficients.linear_scan_coef):
+            or m["COEF"] is linear_scan_op.coef):
         return ""
     per_quantity = kernel.asm["ptx"].count("shfl.sync") / (4 if m["EXCLUSIVE"] else 2)
     return f"{per_quantity:g} shuffles per scanned quantity" if per_quantity > 16 else ""
@@ -206,11 +207,11 @@ def variants():
 
 
 def main():
-    config._multiprocessors = lambda device: 132  # choose tiles as for an H200
-    gpu_window, gpu_depth = config.window, config.depth  # look-back windows as on a GPU (CPU
-    config.window = lambda least, block_b, warps, device: gpu_window(  # plans: any window)
+    tiles._multiprocessors = lambda device: 132  # choose tiles as for an H200
+    gpu_window, gpu_depth = tiles.window, tiles.depth  # look-back windows as on a GPU (CPU
+    tiles.window = lambda least, block_b, warps, device: gpu_window(  # plans: any window)
         least, block_b, warps, torch.device("cuda"))
-    config.depth = lambda window, block_b, device: gpu_depth(window, block_b, torch.device("cuda"))
+    tiles.depth = lambda window, block_b, device: gpu_depth(window, block_b, torch.device("cuda"))
     failed = 0
     for label, case, layout in variants():
         t0 = time.time()

@@ -35,15 +35,15 @@ def test_ops_are_registered():
 
 def test_eager_calls_reuse_the_launch_plan(device):
     """Repeated calls with one signature take the cached plan; new scalars are honoured."""
-    from rl_triton import estimators
+    from rl_triton import _plans
     case = make_case("gae", 31, (3,), device=device, seed=8)
-    estimators._PLANS.clear()
+    _plans._PLANS.clear()
     a1 = rl_triton.gae(**case.steps, last_value=case.extra["last_value"], gamma=0.9, lam=0.8,
                        backend="triton")
-    assert len(estimators._PLANS) == 1
+    assert len(_plans._PLANS) == 1
     a2 = rl_triton.gae(**case.steps, last_value=case.extra["last_value"], gamma=0.5, lam=0.3,
                        backend="triton")
-    assert len(estimators._PLANS) == 1
+    assert len(_plans._PLANS) == 1
     for out, (g, l) in ((a1, (0.9, 0.8)), (a2, (0.5, 0.3))):
         ref = rl_triton.gae(**case.steps, last_value=case.extra["last_value"], gamma=g, lam=l,
                             backend="loop")
@@ -56,14 +56,14 @@ def test_eager_calls_reuse_the_launch_plan(device):
 def test_compiled_calls_reuse_the_launch_plan(device):
     """Inside a compiled step the custom op looks its plan up like an eager call: one plan (and
     one look-back scratch) for every call with one signature."""
-    from rl_triton import estimators
+    from rl_triton import _plans
 
     def step(r, v, term, trunc, lv):
         adv, ret = rl_triton.gae(r, v, term, trunc, last_value=lv, backend="triton")
         return adv * 1.0, ret
 
     torch._dynamo.reset()
-    estimators._PLANS.clear()
+    _plans._PLANS.clear()
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     for seed in (1, 2):
         case = make_case("gae", 40, (3,), device=device, seed=seed)
@@ -72,4 +72,4 @@ def test_compiled_calls_reuse_the_launch_plan(device):
                        case.extra["last_value"])
         ref = rl_triton.gae(**s, last_value=case.extra["last_value"], backend="loop")
         assert_close(got, ref, tol=1e-5)
-    assert [key[0] for key in estimators._PLANS] == ["op:gae"]
+    assert [key[0] for key in _plans._PLANS] == ["gae"]

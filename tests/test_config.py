@@ -4,7 +4,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rl_triton._triton import config
+from rl_triton.scan import tiles as config
 
 CPU = torch.device("cpu")
 

@@ -139,8 +139,6 @@ def test_missing_or_double_bootstrap(backend):
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
-    from rl_triton import estimators
-    monkeypatch.setattr(estimators, "_PLANS", {})  # no launch plan from an earlier call
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     raises(ValueError, "TRITON_INTERPRET=1", rl_triton.gae, **gae_args(device="cpu"),
            backend="triton")

@@ -4,8 +4,9 @@ import itertools
 import pytest
 import torch
 
-from rl_triton import estimators
-from rl_triton._triton import coefficients, config
+from rl_triton import _plans
+from rl_triton.ops import linear_scan as linear_scan_op, retrace as retrace_op
+from rl_triton.scan import tiles
 from cases import (BACKENDS, ESTIMATORS, FLAG_DTYPES, assert_close, make_case, rel_err,
                    to_layout)
 
@@ -111,17 +112,17 @@ def test_retrace_action_vectors(n_act, storage, device):
 @pytest.mark.parametrize("layout", ["batch-major", "time-major"])
 def test_retrace_action_blocks_bound_the_vectors(layout, device):
     """2-byte rows walk their actions in blocks of 2, 4-byte rows in blocks of 8
-    (`config.action_block`); a vector along actions never spans more than a block, although
+    (`tiles.action_block`); a vector along actions never spans more than a block, although
     rows of 16 bfloat16 actions could load 8 at a time."""
     case = make_case("retrace", 37, (5,), dtype=torch.bfloat16, device=device, seed=7, n_act=16)
-    estimators._PLANS.clear()
+    _plans._PLANS.clear()
     assert_close(case.call(layout, backend="triton"), case.reference(), tol=1e-5)
-    (plan,) = estimators._PLANS.values()
+    (plan,) = _plans._PLANS.values()
     assert (plan.meta["BLOCK_A"], plan.meta["ACT_BLOCKS"], plan.meta["ACT_VEC"]) == (2, 8, 2)
 
 
 def test_action_vector_rule():
-    from rl_triton._triton.ops import action_vector
+    from rl_triton.scan.launch import action_vector
     f32 = torch.zeros(6, 4, 18)
     assert action_vector([f32, f32[0]], 18) == 2  # per-step rows and the bootstrap row
     assert action_vector([torch.zeros(6, 4, 8)], 8) == 4
@@ -134,7 +135,7 @@ def test_action_vector_rule():
 
 
 def test_row_vector_rule():
-    from rl_triton._triton.ops import row_vector
+    from rl_triton.scan.launch import row_vector
     f32 = torch.zeros(6, 300)
     assert row_vector([f32, torch.zeros(6, 300, dtype=torch.bool)], 300, 1) == 4
     assert row_vector([torch.zeros(6, 50)], 50, 1) == 2
@@ -149,7 +150,7 @@ def test_row_vector_rule():
 @pytest.mark.parametrize("last_dtype", [None, torch.bfloat16], ids=["same-dtype", "bfloat16"])
 def test_retrace_bootstrap_state(layout, last_dtype, device):
     """E[T-1] comes from the bootstrap state. Where every tile spans its rows' whole window
-    (`coefficients.retrace_whole_coef`), the action blocks read the bootstrap's rows at
+    (`retrace_op.coef_whole`), the action blocks read the bootstrap's rows at
     t = T-1 when they share Q's and pi's dtypes, else a pass of its own does (bfloat16 bootstrap
     tensors); where rows span several tiles, the tile holding T-1 does: all against the
     reference, in one-row tiles (batch-major 128 x 1) and tiles of several rows."""
@@ -159,12 +160,12 @@ def test_retrace_bootstrap_state(layout, last_dtype, device):
         if last_dtype is not None:
             case.extra.update({k: case.extra[k].to(last_dtype)
                                for k in ("last_q_values", "last_target_probs")})
-        estimators._PLANS.clear()
-        with config.override(block_t=block_t, block_b=block_b):
+        _plans._PLANS.clear()
+        with tiles.override(block_t=block_t, block_b=block_b):
             assert_close(case.call(layout, backend="triton"), case.reference())
-            (plan,) = estimators._PLANS.values()
+            (plan,) = _plans._PLANS.values()
         whole = block_t >= T
-        assert (plan.meta["COEF"] is coefficients.retrace_whole_coef) is whole
+        assert (plan.meta["COEF"] is retrace_op.coef_whole) is whole
 
 
 @pytest.mark.parametrize("name", ESTIMATORS)
@@ -180,7 +181,7 @@ def test_long_rows_split_across_programs(name, time_major, device):
     ref = case.reference()
     for window, depth, walk in ((1, 0, False), (2, 0, False), (16, 0, False), (16, 1, False),
                                 (16, 3, False), (16, 0, True)):
-        with config.override(block_t=16, block_b=2, window=window, depth=depth, walk=walk):
+        with tiles.override(block_t=16, block_b=2, window=window, depth=depth, walk=walk):
             assert_close(case.call(layout, backend="triton"), ref)
             assert_close(case.call(layout, backend="triton"), ref)  # a second launch, same scratch
 
@@ -197,14 +198,14 @@ def test_time_major_sub_tiles(name, device):
         case = make_case(name, T, (n,), device=device, seed=17, p_term=0.1, p_trunc=0.1)
         ref = case.reference()
         for sub, block_b, walk in runs:
-            with config.override(block_t=16, block_b=block_b, sub=sub, walk=walk):
+            with tiles.override(block_t=16, block_b=block_b, sub=sub, walk=walk):
                 assert_close(case.call("time-major", backend="triton"), ref)
 
 
 @pytest.mark.parametrize("name", ESTIMATORS)
 def test_full_tiles_drop_their_masks(name, device):
     """Plans whose tiles divide the problem (T and the rows multiples of the tile) compile
-    without masks (`config.even`, `EVEN`; a GPU keeps them where dropping them costs warps),
+    without masks (`tiles.even`, `EVEN`; a GPU keeps them where dropping them costs warps),
     others with: the same results, in one tile per row, looking back and walking, in both
     layouts. Retrace's action axis keeps its own mask (5 actions in a block of 8)."""
     for T, n in ((32, 4), (32, 5), (35, 4)):
@@ -214,10 +215,10 @@ def test_full_tiles_drop_their_masks(name, device):
                                                ("time-major", 32, 2, False),
                                                ("batch-major", 16, 2, False),
                                                ("batch-major", 16, 1, True)):
-            estimators._PLANS.clear()
-            with config.override(block_t=block_t, block_b=block_b, walk=walk):
+            _plans._PLANS.clear()
+            with tiles.override(block_t=block_t, block_b=block_b, walk=walk):
                 assert_close(case.call(layout, backend="triton"), ref)
-                (plan,) = estimators._PLANS.values()
+                (plan,) = _plans._PLANS.values()
                 full = T % block_t == 0 and n % block_b == 0
                 # a GPU keeps the masks where dropping them costs warps (test_gpu.py)
                 assert plan.meta["EVEN"] is full or (device != "cpu" and not plan.meta["EVEN"])
@@ -236,10 +237,10 @@ def test_calls_without_truncations_read_the_terminations_twice(name, device):
     for layout in ("time-major", "batch-major"):
         outs = []
         for on in (1, 0):
-            estimators._PLANS.clear()
-            with config.rule(TRUNCATION_SLOT_ALWAYS=on):
+            _plans._PLANS.clear()
+            with tiles.rule(TRUNCATION_SLOT_ALWAYS=on):
                 outs.append(case.call(layout, backend="triton"))
-            (plan,) = estimators._PLANS.values()
+            (plan,) = _plans._PLANS.values()
             twice = bool(on) and layout == "time-major" and name != "gae"
             assert plan.meta["HAS_TRUNC"] is twice, (layout, on)
             assert plan.src[slot] == (slot - 1 if twice else None), (layout, on)
@@ -255,11 +256,11 @@ def test_look_back_tags_name_the_launch(device):
     a tile that derived another base would wait forever for its predecessors' words."""
     case = make_case("gae", 5 * 16 + 7, (3,), device=device, seed=5)
     ref = case.reference()
-    estimators._PLANS.clear()
-    with config.override(block_t=16, block_b=2, walk=False):
+    _plans._PLANS.clear()
+    with tiles.override(block_t=16, block_b=2, walk=False):
         for launch in range(3):
             assert_close(case.call("time-major", backend="triton"), ref)
-            (plan,) = estimators._PLANS.values()
+            (plan,) = _plans._PLANS.values()
             (state,) = plan.states.values()
             tags = (state.cpu() >> 32)[: state.numel() // 2]  # the words_a of every tile row
             assert set(tags.tolist()) == {2 * launch + 1, 2 * launch + 2}, (launch, tags)

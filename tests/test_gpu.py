@@ -7,16 +7,14 @@ import pytest
 import torch
 
 import rl_triton
-from rl_triton import _torch
+from rl_triton.testing import vectorized
 from cases import ESTIMATORS, assert_close, make_case
 
 DEV = "cuda"
 
 
 def float64_vectorized(case):
-    extra = {k: v for k, v in case.extra.items() if k != "return_advantages"}
-    out = getattr(_torch, case.name)(**case.steps, **extra, dtype=torch.float64)
-    return out if isinstance(out, tuple) else (out,)
+    return vectorized(case.name, **case.steps, **case.extra)
 
 
 @pytest.mark.parametrize("name", ESTIMATORS)
@@ -53,18 +51,18 @@ def test_one_row_of_2_pow_24_steps(name):
 def test_full_tiles_drop_their_masks_where_that_keeps_the_warps(name, T, n, layout, full,
                                                                 monkeypatch):
     """A plan whose tiles divide the problem compiles its kernel with and without masks at its
-    first launch and runs the one `ops.even_keeps_occupancy` picks (its rule: test_config.py);
+    first launch and runs the one `launch.even_keeps_occupancy` picks (its rule: test_config.py);
     other plans keep their masks. Either way the results are exact."""
-    from rl_triton import estimators
-    from rl_triton._triton import ops
+    from rl_triton import _plans
+    from rl_triton.scan import launch
     picked = []
-    rule = ops.even_keeps_occupancy
+    rule = launch.even_keeps_occupancy
     monkeypatch.setattr(ops, "even_keeps_occupancy",
                         lambda *a, **k: picked.append(rule(*a, **k)) or picked[-1])
-    estimators._PLANS.clear()
+    _plans._PLANS.clear()
     case = make_case(name, T, (n,), device=DEV, seed=3)
     assert_close(case.call(layout, backend="triton"), float64_vectorized(case))
-    (plan,) = estimators._PLANS.values()
+    (plan,) = _plans._PLANS.values()
     assert picked == ([plan.meta["EVEN"]] if full else [])
     assert full or not plan.meta["EVEN"]
 
@@ -81,7 +79,8 @@ def test_long_reverse_scan_without_boundaries(beta, tol):
     alpha = torch.randn(1, T, device=DEV)
     beta_t = torch.full((1, T), beta, device=DEV)
     out = rl_triton.linear_scan(alpha, beta_t, time_dim=1)
-    ref = _torch.linear_scan(alpha.T, beta_t.T, reverse=True, dtype=torch.float64).T
+    (ref,) = vectorized("linear_scan", alpha=alpha.T, beta=beta_t.T, reverse=True)
+    ref = ref.T
     assert_close((out,), (ref,), tol=tol)
 
 
@@ -187,15 +186,15 @@ def test_look_back_on_cold_launches(T, n, layout, rows):
     replicas read at different moments gave relative errors of 1e-3 to 2e-2 on exactly these
     launches (docs/benchmarks.md, log). Every launch is checked, for tiles of one to 32 rows (the
     rule's window for each: one warp's worth for several rows, one word per thread for one)."""
-    from rl_triton import estimators
-    from rl_triton._triton import config
+    from rl_triton import _plans
+    from rl_triton.scan import tiles
 
     case = make_case("gae", T, (n,), device=DEV, seed=11, p_term=0.01, p_trunc=0.01)
     ref = float64_vectorized(case)
     for block_b in rows:
         for _ in range(3):
-            estimators._PLANS.clear()
-            with config.override(block_b=block_b, block_t=2048 // block_b, walk=False):
+            _plans._PLANS.clear()
+            with tiles.override(block_b=block_b, block_t=2048 // block_b, walk=False):
                 for _ in range(3):
                     assert_close(case.call(layout, backend="triton"), ref)
 
@@ -204,7 +203,7 @@ def test_look_back_on_cold_launches(T, n, layout, rows):
 def test_look_back_without_cuts(layout):
     """beta close to 1 and no cut: every tile's carry depends on every tile before it, so the
     look-back must reach back to published values or to the start (fresh plans, cold launches)."""
-    from rl_triton import estimators
+    from rl_triton import _plans
 
     T, n, td = 2**20, 4, 0 if layout == "time-major" else 1
     g = torch.Generator(device=DEV).manual_seed(3)
@@ -212,10 +211,10 @@ def test_look_back_without_cuts(layout):
     a = torch.randn(shape, generator=g, device=DEV)
     b = 0.999 + 0.001 * torch.rand(shape, generator=g, device=DEV)
     for reverse in (True, False):
-        ref = _torch.linear_scan(a.movedim(td, 0), b.movedim(td, 0), reverse=reverse,
-                                 dtype=torch.float64)
+        (ref,) = vectorized("linear_scan", alpha=a.movedim(td, 0), beta=b.movedim(td, 0),
+                            reverse=reverse)
         for _ in range(3):
-            estimators._PLANS.clear()
+            _plans._PLANS.clear()
             for _ in range(3):
                 out = rl_triton.linear_scan(a, b, reverse=reverse, time_dim=td).movedim(td, 0)
                 assert_close((out,), (ref,))
@@ -226,7 +225,7 @@ def test_launch_hooks_see_every_launch():
     call them as Triton's own launch path does."""
     from triton import knobs
 
-    from rl_triton import estimators
+    from rl_triton import _plans
 
     seen = []
 
@@ -239,7 +238,7 @@ def test_launch_hooks_see_every_launch():
     else:
         knobs.runtime.launch_enter_hook = hook
     try:
-        estimators._PLANS.clear()
+        _plans._PLANS.clear()
         case = make_case("gae", 4096, (4,), device=DEV)
         for _ in range(3):
             case.call(backend="triton")

@@ -14,7 +14,7 @@ from torchrl.objectives import A2CLoss, ClipPPOLoss  # noqa: E402
 from torchrl.objectives.utils import ValueEstimators  # noqa: E402
 from torchrl.objectives.value import GAE, TD1Estimator, TDLambdaEstimator, VTrace  # noqa: E402
 
-from rl_triton import estimators  # noqa: E402
+import rl_triton  # noqa: E402
 from rl_triton.integrations.torchrl import (RLTritonGAE, RLTritonTD1Estimator,  # noqa: E402
                                             RLTritonTDLambdaEstimator, RLTritonVTrace,
                                             revert_rl_triton, use_rl_triton)
@@ -64,12 +64,12 @@ def spy(monkeypatch):
     """Counts the rl_triton calls, to be sure the integration did not fall back to TorchRL."""
     calls = []
     for name in ("gae", "lambda_returns", "vtrace"):
-        fn = getattr(estimators, name)
+        fn = getattr(rl_triton, name)
 
         def wrapped(*a, _fn=fn, _name=name, **k):
             calls.append((_name, k.get("backend")))
             return _fn(*a, **k)
-        monkeypatch.setattr(estimators, name, wrapped)
+        monkeypatch.setattr(rl_triton, name, wrapped)
     return calls
 
 

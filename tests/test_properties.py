@@ -2,7 +2,7 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rl_triton._triton import config
+from rl_triton.scan import tiles
 from cases import ESTIMATORS, FLAG_DTYPES, assert_close, make_case
 
 SETTINGS = settings(max_examples=60, deadline=None,
@@ -32,7 +32,7 @@ def test_random_splits(name, T, n, block_t, window, depth, walk, time_major, sub
     part) or by a program walking its row, and time-major tiles in any number of sub-tiles, give
     the same result."""
     case = make_case(name, T, (n,), device=device, seed=seed)
-    with config.override(block_t=block_t, block_b=2, window=window, depth=depth, walk=walk,
+    with tiles.override(block_t=block_t, block_b=2, window=window, depth=depth, walk=walk,
                          sub=sub):
         out = case.call("time-major" if time_major else "batch-major", backend="triton")
     assert_close(out, case.reference())

@@ -1,5 +1,5 @@
 """A/B device times of variants of the tile rule, in one process, alternating (for checking
-rl_triton/_triton/config.py against measurements: docs/benchmarks.md, log):
+rl_triton/_triton/tiles.py against measurements: docs/benchmarks.md, log):
 
     python tools/ab.py [--rounds 5] retrace:1024x1024:bm vtrace:4x1048576:bm:bf16:notrunc \\
         -- base 'walk|rule:WALK_PROGRAMS_PER_SM_ACTIONS=1' 'w2|tiles:num_warps=2,max_registers=0'
@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 import rl_triton  # noqa: E402
 from rl_triton import bench, estimators  # noqa: E402
-from rl_triton._triton import config  # noqa: E402
+from rl_triton.scan import tiles  # noqa: E402
 
 PLAN_FIELDS = ("BLOCK_T", "BLOCK_B", "num_warps", "maxnreg", "WALK", "LOOKBACK", "WINDOW",
                "DEPTH", "SUB", "EVEN")
@@ -59,10 +59,10 @@ def parse_variant(s):
 @contextlib.contextmanager
 def variant(rule, tiles):
     """The rule's constants and tile fields of a variant, with no plan built before it."""
-    estimators._PLANS.clear()
-    with config.rule(**rule), config.override(**tiles):
+    _plans._PLANS.clear()
+    with tiles.rule(**rule), tiles.override(**tiles):
         yield
-    estimators._PLANS.clear()
+    _plans._PLANS.clear()
 
 
 def main(argv=None):
@@ -90,7 +90,7 @@ def main(argv=None):
         for label, rule, tiles in variants:
             with variant(rule, tiles):
                 err = bench.rel_err(fn(), refs, kw["time_dim"])
-                (plan,) = estimators._PLANS.values()
+                (plan,) = _plans._PLANS.values()
             meta = " ".join(f"{k}={plan.meta[k]}" for k in PLAN_FIELDS if k in plan.meta)
             print(f"  {spec} {label}: relative error {err:.1e}, grid {plan.grid[0]}, {meta}",
                   flush=True)

@@ -29,7 +29,7 @@ import triton  # noqa: E402
 
 import compile_sm90  # noqa: E402
 from cases import make_case  # noqa: E402
-from rl_triton._triton import config, ops  # noqa: E402
+from rl_triton.scan import launch, tiles  # noqa: E402
 
 MULTIPROCESSORS = 132  # H200
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
@@ -39,10 +39,10 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 def as_on_the_gpu():
     """Make `config` choose as on an H200: its multiprocessor count and the look-back windows of
     a GPU (the interpreter's differ)."""
-    window, depth, cuda = config.window, config.depth, torch.device("cuda")
-    config._multiprocessors = lambda device: MULTIPROCESSORS
-    config.window = lambda least, block_b, warps, device: window(least, block_b, warps, cuda)
-    config.depth = lambda win, block_b, device: depth(win, block_b, cuda)
+    window, depth, cuda = tiles.window, tiles.depth, torch.device("cuda")
+    tiles._multiprocessors = lambda device: MULTIPROCESSORS
+    tiles.window = lambda least, block_b, warps, device: window(least, block_b, warps, cuda)
+    tiles.depth = lambda win, block_b, device: depth(win, block_b, cuda)
 
 
 def compiled(plan, tensors, scalars, meta):
@@ -100,7 +100,7 @@ def report(spec: str) -> str:
                      dtype=torch.bfloat16 if "bf16" in rest else torch.float32)
     if name == "retrace":  # targets only, as `python -m rl_triton.bench` times it
         case.extra["return_advantages"] = "adv" in rest
-    with config.override(**tiles):
+    with tiles.override(**tiles):
         plan, (tensors, scalars) = compile_sm90.plan_of(
             case, "time-major" if layout == "tm" else "batch-major")
     built = {}  # kernels by EVEN: the choice below compiles both
@@ -111,10 +111,10 @@ def report(spec: str) -> str:
 
     m = dict(plan.meta)
     if m["EVEN"]:  # as the plan's first launch on the GPU chooses (ops)
-        m["EVEN"] = ops.even_keeps_occupancy(None, None, m, compile=build)
+        m["EVEN"] = launch.even_keeps_occupancy(None, None, m, compile=build)
     kernel = built.get(m["EVEN"]) or build(m)
     registers, shared = kernel.n_regs, kernel.metadata.shared
-    programs, fraction = config.occupancy(registers, m["num_warps"], shared)
+    programs, fraction = tiles.occupancy(registers, m["num_warps"], shared)
     warps = f"{m['num_warps']} warp" + ("s" if m["num_warps"] > 1 else "")
     masks = "no masks" if m["EVEN"] else "masks"
     return (f"{spec}: tile {m['BLOCK_T']}x{m['BLOCK_B']}, {warps}, "

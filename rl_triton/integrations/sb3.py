@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from stable_baselines3.common.buffers import DictRolloutBuffer, RolloutBuffer
 
-from .. import estimators
+import rl_triton
 from .._args import check_backend
 
 __all__ = ["RLTritonGAEMixin", "RLTritonRolloutBuffer", "RLTritonDictRolloutBuffer",
@@ -52,7 +52,7 @@ class RLTritonGAEMixin:
                                     device=device)
         terminated = torch.cat([torch.from_numpy(self.episode_starts[1:]).to(device), last_done])
         last_value = last_values.detach().reshape(-1).to(device=device, dtype=torch.float32)
-        advantages, returns = estimators.gae(rewards, values, terminated, last_value=last_value,
+        advantages, returns = rl_triton.gae(rewards, values, terminated, last_value=last_value,
                                              gamma=self.gamma, lam=self.gae_lambda,
                                              backend=self.backend)
         self.advantages = advantages.cpu().numpy()
@@ -103,7 +103,7 @@ def use_rl_triton(model, *, backend: str = "auto"):
     if not isinstance(buffer, RolloutBuffer):
         raise TypeError(f"use_rl_triton needs an SB3 on-policy model with a RolloutBuffer (PPO, "
                         f"A2C); {type(model).__name__} has {type(buffer).__name__}")
-    check_backend(backend, torch.device("cpu"))  # reject a bad name before touching the model
+    check_backend(backend)  # reject a bad name before touching the model
     kwargs = {k: v for k, v in model.rollout_buffer_kwargs.items() if k != "backend"}
     cls = type(buffer)
     if isinstance(buffer, RLTritonGAEMixin):

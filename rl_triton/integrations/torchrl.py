@@ -43,7 +43,7 @@ from torchrl.objectives.value import advantages as _advantages
 from torchrl.objectives.value.advantages import (GAE, TD1Estimator, TDLambdaEstimator,
                                                  ValueEstimatorBase, VTrace)
 
-from .. import estimators
+import rl_triton
 from .._args import check_backend
 
 __all__ = ["RLTritonGAE", "RLTritonTDLambdaEstimator", "RLTritonTD1Estimator", "RLTritonVTrace",
@@ -80,7 +80,7 @@ def _gae(torchrl_fn):
             return torchrl_fn(gamma, lmbda, state_value, next_state_value, reward, done=done,
                               terminated=terminated, time_dim=time_dim)
         terminated = done if terminated is None else terminated
-        return estimators.gae(reward, state_value, terminated, done, next_values=next_state_value,
+        return rl_triton.gae(reward, state_value, terminated, done, next_values=next_state_value,
                               gamma=g, lam=lam, time_dim=time_dim, backend=_backend.get(),
                               out_dtype=state_value.dtype)
     return gae
@@ -96,7 +96,7 @@ def _lambda_returns(torchrl_fn):
                               terminated=terminated, rolling_gamma=rolling_gamma,
                               time_dim=time_dim)
         terminated = done if terminated is None else terminated
-        return estimators.lambda_returns(reward, None, terminated, done,
+        return rl_triton.lambda_returns(reward, None, terminated, done,
                                          next_values=next_state_value, gamma=g, lam=lam,
                                          time_dim=time_dim, backend=_backend.get(),
                                          out_dtype=next_state_value.dtype)
@@ -111,7 +111,7 @@ def _td1_returns(torchrl_fn):
             return torchrl_fn(gamma, next_state_value, reward, done=done, terminated=terminated,
                               rolling_gamma=rolling_gamma, time_dim=time_dim)
         terminated = done if terminated is None else terminated
-        return estimators.lambda_returns(reward, None, terminated, done,
+        return rl_triton.lambda_returns(reward, None, terminated, done,
                                          next_values=next_state_value, gamma=g, lam=1.0,
                                          time_dim=time_dim, backend=_backend.get(),
                                          out_dtype=next_state_value.dtype)
@@ -129,7 +129,7 @@ def _vtrace(torchrl_fn):
                               time_dim=time_dim)
         terminated = done if terminated is None else terminated
         # TorchRL's V-trace: lambda 1, the policy-gradient weight clipped like rho
-        vs, pg_adv = estimators.vtrace(reward, state_value, terminated, log_pi, log_mu, done,
+        vs, pg_adv = rl_triton.vtrace(reward, state_value, terminated, log_pi, log_mu, done,
                                        next_values=next_state_value, gamma=g, lam=1.0,
                                        rho_clip=rho, c_clip=c, pg_rho_clip=rho,
                                        time_dim=time_dim, backend=_backend.get(),
@@ -209,7 +209,7 @@ class _Backend:
 
     def __init__(self, *args, backend: str = "auto", **kwargs):
         super().__init__(*args, **kwargs)
-        check_backend(backend, torch.device("cpu"))
+        check_backend(backend)
         self.backend = backend
 
 
@@ -262,7 +262,7 @@ def use_rl_triton(loss_or_estimator, *, backend: str = "auto"):
     in rl_triton, in place: TorchRL's `GAE`, `TDLambdaEstimator`, `TD1Estimator` and `VTrace`
     become their rl_triton twins, with every setting kept. Returns the estimator.
     `revert_rl_triton` undoes it."""
-    check_backend(backend, torch.device("cpu"))
+    check_backend(backend)
     estimator = _estimator_of(loss_or_estimator)
     cls = type(estimator)
     if cls not in _UNSWAP:

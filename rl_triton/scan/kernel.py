@@ -39,8 +39,7 @@ Every tensor is addressed as `ptr + t * st + b1 * s1 + b2 * s2`, where the flatt
 splits as (b // B2, b % B2): two strides describe any layout whose batch axes fall into two
 contiguous groups (time-major, batch-major, slices, broadcast flags over feature axes).
 """
-import triton
-import triton.language as tl
+from .jit import tl, triton
 
 
 @triton.jit
@@ -525,3 +524,10 @@ def scan_kernel(
 def store_out(outs, ost, os1, os2, SLOT: tl.constexpr, t, b1, b2, mask, value):
     ptr = outs[SLOT] + offsets(t, b1, b2, ost[SLOT], os1[SLOT], os2[SLOT])
     tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def single_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
+                 VARIANT: tl.constexpr):
+    """The writer of ops whose one output is the scan's value."""
+    store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)

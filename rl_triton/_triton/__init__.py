@@ -1,1 +1,0 @@
-"""Triton kernels: one scan machinery (scan.py), coefficient builders, launcher and ops."""

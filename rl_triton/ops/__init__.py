@@ -1,0 +1,2 @@
+"""One file per op: its input order, kernel coefficient builders, torch implementation,
+custom op and public function (see `rl_triton._plans.Op`)."""

@@ -1,0 +1,139 @@
+"""The forward estimators: eligibility traces and episodic prefix sums, one kernel."""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .. import reference
+from .._args import FLAG, Call, check_scalar
+from .._plans import Op
+from ..reference import _prep
+from ..scan import torch_scan
+from ..scan.jit import slots, tl, triton
+from ..scan.kernel import load_flag, load_step, offsets, single_store
+from ..scan.launch import Kernel
+from ._common import scan_plan
+
+Tensor = torch.Tensor
+
+
+class Inputs(NamedTuple):
+    x: Tensor  # [*S, *features]
+    dones: Tensor  # [*S], broadcast over the feature axes
+    initial: Optional[Tensor]  # [*batch, *features]
+
+
+class TraceScalars(NamedTuple):
+    gamma: float
+    lam: float
+
+
+class NoScalars(NamedTuple):
+    pass
+
+
+X, DONES, INITIAL = slots(Inputs)
+
+
+@triton.jit
+def coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+         HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+         VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+         ACT_VEC: tl.constexpr, after):
+    """A[t] = x[t] + keep * (1 - done[t-1]) * A[t-1]; keep = gamma * lam, or 1."""
+    keep = params[0]
+    x = load_step(ins, st, s1, s2, X, t, b1, b2, mask)
+    done_before = load_flag(ins[DONES], offsets(t - 1, b1, b2, st[DONES], s1[DONES], s2[DONES]),
+                            mask & (t >= 1))
+    return x, tl.where(done_before, 0.0, keep), 0.0
+
+
+KERNEL = Kernel(coef, single_store, reverse=False)
+
+
+def _keep(x, dones, scale):
+    """scale * (1 - done[t-1]) with done[-1] = 0, shaped to broadcast over x's feature axes."""
+    d = dones.reshape(dones.shape + (1,) * (x.ndim - dones.ndim))
+    return scale * (1 - torch.cat([torch.zeros_like(d[:1]), d[:-1]]))
+
+
+def _check(x: Inputs, time_dim, extra):
+    call = Call("dones", x.dones, time_dim, kind=FLAG)
+    trailing = max(0, x.x.ndim - x.dones.ndim) if isinstance(x.x, Tensor) else 0
+    xs = call.step("x", x.x, trailing=trailing)
+    d = call.step("dones", x.dones, FLAG)
+    init = call.bootstrap("initial", x.initial, trailing_shape=tuple(xs.shape[xs.ndim - trailing:]))
+    return Inputs(xs, d, init), call
+
+
+def _plan(x, call, out_dtype, extra):
+    return scan_plan(KERNEL, x, call, 1, out_dtype,
+                     carried="initial" if x.initial is not None else None, expand_flags="dones")
+
+
+def _copy(x: Inputs):
+    """The flags materialized over the feature axes, so that one stride group describes them."""
+    d = x.dones[(...,) + (None,) * (x.x.ndim - x.dones.ndim)].expand(x.x.shape)
+    return Inputs(x.x.contiguous(), d.contiguous(),
+                  None if x.initial is None else x.initial.contiguous())
+
+
+def _traces_torch(x: Inputs, s: TraceScalars, extra=(), dtype=torch.float32):
+    xs, d, init = _prep(dtype, *x)
+    return torch_scan.scan(xs, _keep(xs, d, s.gamma * s.lam), reverse=False, initial=init)
+
+
+def _cumsum_torch(x: Inputs, s: NoScalars, extra=(), dtype=torch.float32):
+    xs, d, init = _prep(dtype, *x)
+    return torch_scan.scan(xs, _keep(xs, d, 1.0), reverse=False, initial=init)
+
+
+TRACES = Op("eligibility_traces", Inputs, TraceScalars, check=_check, plan=_plan, copy=_copy,
+            kernel_scalars=lambda s: (s.gamma * s.lam,), torch=_traces_torch,
+            loop=lambda x, s, extra, dtype: reference.eligibility_traces(
+                *x[:2], initial=x.initial, **s._asdict(), dtype=dtype))
+CUMSUM = Op("episodic_cumsum", Inputs, NoScalars, check=_check, plan=_plan, copy=_copy,
+            kernel_scalars=lambda s: (1.0,), torch=_cumsum_torch,
+            loop=lambda x, s, extra, dtype: reference.episodic_cumsum(
+                *x[:2], initial=x.initial, dtype=dtype))
+
+
+def eligibility_traces(x, dones, *, gamma, lam, initial=None, time_dim=0, backend="auto",
+                       out_dtype=torch.float32):
+    """Accumulating eligibility traces (forward in time). Returns `z`, shaped like `x`.
+
+    ::
+
+        z[t] = x[t] + gamma * lam * (1 - done[t-1]) * z[t-1],   z[-1] = initial (default 0),
+                                                                done[-1] = 0
+
+    `x` has the shape of `dones` followed by any trailing feature axes (traces of vectors, e.g.
+    gradients); the flags broadcast over them. `done[t]` marks the last step of an episode, so
+    the trace restarts at t+1. `time_dim` refers to `dones` (negative counts from its end).
+
+    Example::
+
+        >>> z = rl_triton.eligibility_traces(grads, dones, gamma=0.99, lam=0.9)  # grads [T, N, D]
+    """
+    return TRACES(Inputs(x, dones, initial),
+                  TraceScalars(check_scalar("gamma", gamma), check_scalar("lam", lam)),
+                  time_dim, backend, out_dtype)
+
+
+def episodic_cumsum(x, dones, *, initial=None, time_dim=0, backend="auto",
+                    out_dtype=torch.float32):
+    """Prefix sums that restart after every episode end (forward in time). Returns `C`.
+
+    ::
+
+        C[t] = x[t] + (1 - done[t-1]) * C[t-1],   C[-1] = initial (default 0),   done[-1] = 0
+
+    `done[t]` marks the last step of an episode (as everywhere in rl_triton), so the sum restarts
+    at t+1. `x` may carry trailing feature axes; `time_dim` refers to `dones`.
+
+    Example::
+
+        >>> episode_return_so_far = rl_triton.episodic_cumsum(rewards, dones)
+    """
+    return CUMSUM(Inputs(x, dones, initial), NoScalars(), time_dim, backend, out_dtype)

@@ -1,0 +1,284 @@
+"""Retrace(lambda) Q targets for discrete actions."""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .. import reference
+from .._args import FLAG, INDEX, VALUE, Call, check_actions, check_bool, check_scalar
+from .._plans import Op
+from ..reference import _prep
+from ..scan import torch_scan
+from ..scan.jit import slots, tl, triton
+from ..scan.kernel import cut_flags, load_step, load_value, offsets, store_out
+from ..scan.launch import Kernel
+from ._common import scan_plan
+
+Tensor = torch.Tensor
+
+
+class Inputs(NamedTuple):
+    rewards: Tensor
+    q_values: Tensor  # [*S, A]
+    actions: Tensor
+    target_probs: Tensor  # [*S, A]
+    behavior_probs: Tensor
+    terminated: Tensor
+    truncated: Optional[Tensor]
+    last_q_values: Tensor  # [*batch, A]
+    last_target_probs: Tensor  # [*batch, A]
+
+
+class Scalars(NamedTuple):
+    gamma: float
+    lam: float
+    c_clip: float
+
+
+class Extras(NamedTuple):
+    return_advantages: bool
+    check_actions: bool
+
+
+R, Q, ACT, PI, MU, TERM, TRUNC, LAST_Q, LAST_PI = slots(Inputs)
+
+
+@triton.jit
+def coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+                 HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+                 VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+                 ACT_VEC: tl.constexpr, after):
+    return terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+                         HAS_TRUNC, VARIANT, BLOCK_A, ACT_BLOCKS, ACT_VEC, False)
+
+
+@triton.jit
+def coef_whole(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+                       HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+                       VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+                       ACT_VEC: tl.constexpr, after):
+    """`coef` for tiles that span their rows' whole window (each holds step T-1)."""
+    return terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+                         HAS_TRUNC, VARIANT, BLOCK_A, ACT_BLOCKS, ACT_VEC, True)
+
+
+@triton.jit
+def terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+                  HAS_TRUNC: tl.constexpr, VARIANT: tl.constexpr, BLOCK_A: tl.constexpr,
+                  ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr, WHOLE: tl.constexpr):
+    gamma = params[0]
+    lam = params[1]
+    c_clip = params[2]
+    inside = mask & (t + 1 < T)  # slot t+1 is in the window
+    # The gathers of a_{t+1}'s entries of Q and pi come before E[t]'s blocks, so that their
+    # round trip overlaps the blocks' loads (16384x1024 batch-major 787 -> 737 µs on the H200).
+    # The blocks are unrolled (as a loop, 2.2x the registers). The loads run on the transposed
+    # tile, whose lanes then cover neighbouring rows of actions (time-major 16384x1024 906 ->
+    # 703 µs). One-row tiles that span the window load a_{t+1}, r, the flags and mu first
+    # (EARLY: 3 load rounds instead of 5; 4096x128 0.85 of the time).
+    EARLY: tl.constexpr = WHOLE and mask.shape[0] == 1
+    if EARLY:
+        a_next = load_action(ins, st, s1, s2, t + 1, b1, b2, inside, n_act)
+    r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
+    term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
+    if EARLY:
+        mu_next = tl.where(inside, load_step(ins, st, s1, s2, MU, t + 1, b1, b2, inside),
+                           1.0)
+    q_row = tl.trans(offsets(t + 1, b1, b2, st[Q], s1[Q], s2[Q]))
+    pi_row = tl.trans(offsets(t + 1, b1, b2, st[PI], s1[PI], s2[PI]))
+    inside_tr = tl.trans(inside)
+    # rows that start at a multiple of ACT_VEC actions load ACT_VEC at a time (`action_vector`)
+    if ACT_VEC > 1:
+        q_row = q_row // ACT_VEC * ACT_VEC
+        pi_row = pi_row // ACT_VEC * ACT_VEC
+    if not EARLY:
+        a_next = load_action(ins, st, s1, s2, t + 1, b1, b2, inside, n_act)
+    a_next = tl.trans(a_next)
+    q_a_next = tl.trans(load_value(ins[Q], q_row + a_next * sa[Q], inside_tr))
+    pi_a_next = tl.trans(load_value(ins[PI], pi_row + a_next * sa[PI], inside_tr))
+    # Tiles that span their rows' whole window hold step T-1: their blocks read E's bootstrap
+    # state there too (FOLD: 16384x16 0.92-0.96 of the time); other tiles keep a pass of their
+    # own, as such loads in every tile cost 1.09-1.42x.
+    FOLD: tl.constexpr = (WHOLE and ins[Q].dtype == ins[LAST_Q].dtype
+                          and ins[PI].dtype == ins[LAST_PI].dtype)
+    state_tr = inside_tr
+    if FOLD:
+        at_end = tl.trans(mask & (t == T - 1))
+        state_tr = inside_tr | at_end
+        lq_row = tl.trans(offsets(0, b1, b2, st[LAST_Q], s1[LAST_Q], s2[LAST_Q]))
+        lpi_row = tl.trans(offsets(0, b1, b2, st[LAST_PI], s1[LAST_PI], s2[LAST_PI]))
+        if ACT_VEC > 1:
+            lq_row = lq_row // ACT_VEC * ACT_VEC
+            lpi_row = lpi_row // ACT_VEC * ACT_VEC
+    if FOLD:
+        products = tl.zeros([inside_tr.shape[0], inside_tr.shape[1], BLOCK_A], tl.float32)
+    else:
+        expected = tl.zeros(inside_tr.shape, tl.float32)
+    for k in tl.static_range(ACT_BLOCKS):
+        a = k * BLOCK_A + tl.arange(0, BLOCK_A)[None, None, :]
+        in_a = tl.max_constancy(state_tr[:, :, None] & (a < n_act), [1, 1, ACT_VEC])
+        q_ptr = ins[Q] + (q_row[:, :, None] + a * sa[Q])
+        p_ptr = ins[PI] + (pi_row[:, :, None] + a * sa[PI])
+        if FOLD:
+            q_ptr = tl.where(at_end[:, :, None],
+                             ins[LAST_Q] + (lq_row[:, :, None] + a * sa[LAST_Q]), q_ptr)
+            p_ptr = tl.where(at_end[:, :, None],
+                             ins[LAST_PI] + (lpi_row[:, :, None] + a * sa[LAST_PI]), p_ptr)
+        q = tl.load(q_ptr, mask=in_a, other=0.0).to(tl.float32)
+        p = tl.load(p_ptr, mask=in_a, other=0.0).to(tl.float32)
+        if FOLD:
+            products += q * p
+        else:
+            expected += tl.sum(q * p, axis=2)
+    if FOLD:
+        expected = tl.sum(products, axis=2)
+    expected = tl.trans(expected)
+    if not EARLY:
+        mu_next = tl.where(inside, load_step(ins, st, s1, s2, MU, t + 1, b1, b2, inside),
+                           1.0)
+    c_next = lam * tl.minimum(pi_a_next / mu_next, c_clip)
+
+    # At t = T-1, E comes from the bootstrap state s_T: read by the tile that holds T-1 only.
+    if not FOLD:
+        if tl.max(end_rows.to(tl.int32)) != 0:
+            last = end_rows
+            lq_row = offsets(0, b1, b2, st[LAST_Q], s1[LAST_Q], s2[LAST_Q])[:, :, None]
+            lpi_row = offsets(0, b1, b2, st[LAST_PI], s1[LAST_PI],
+                              s2[LAST_PI])[:, :, None]
+            end = tl.zeros(last.shape, tl.float32)
+            for a0 in range(0, n_act, BLOCK_A):
+                a = a0 + tl.arange(0, BLOCK_A)[None, None, :]
+                end_a = last[:, :, None] & (a < n_act)
+                end += tl.sum(load_value(ins[LAST_Q], lq_row + a * sa[LAST_Q], end_a)
+                              * load_value(ins[LAST_PI], lpi_row + a * sa[LAST_PI], end_a),
+                              axis=2)
+            expected = tl.where(t == T - 1, end, expected)
+
+    alpha = r + tl.where(term, 0.0, gamma * (expected - tl.where(cut, 0.0, c_next * q_a_next)))
+    beta = tl.where(cut, 0.0, gamma * c_next)
+    q_a = 0.0
+    if VARIANT == 1:  # also return G - Q(s_t, a_t)
+        a_t = load_action(ins, st, s1, s2, t, b1, b2, mask, n_act)
+        q_a = tl.trans(load_value(ins[Q], tl.trans(offsets(t, b1, b2, st[Q], s1[Q],
+                                                               s2[Q]) + a_t * sa[Q]),
+                                  tl.trans(mask)))
+    return alpha, beta, q_a
+
+
+@triton.jit
+def load_action(ins, st, s1, s2, t, b1, b2, mask, n_act):
+    """The actions at steps t (0 where masked), clamped into [0, n_act): whatever they hold,
+    the gathers stay inside their rows (the host checks them unless told not to)."""
+    a = tl.load(ins[ACT] + offsets(t, b1, b2, st[ACT], s1[ACT], s2[ACT]), mask=mask, other=0)
+    return tl.minimum(tl.maximum(a, 0), n_act - 1)
+
+
+@triton.jit
+def store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
+                  VARIANT: tl.constexpr):
+    store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)
+    if VARIANT == 1:
+        store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, res - aux)
+
+
+KERNEL = Kernel(coef, store, reverse=True, trunc_slot_always=(TERM.value, TRUNC.value),
+                coef_whole=coef_whole, action_slots=(Q.value, PI.value, LAST_Q.value,
+                                                     LAST_PI.value))
+
+
+def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
+    r, q, pi, mu, term, trunc, lq, lpi = _prep(dtype, x.rewards, x.q_values, x.target_probs,
+                                               x.behavior_probs, x.terminated, x.truncated,
+                                               x.last_q_values, x.last_target_probs)
+    a = x.actions.long().clamp(0, q.shape[-1] - 1).unsqueeze(-1)  # as the kernel: in range
+    q_a = q.gather(-1, a).squeeze(-1)
+    pi_a = pi.gather(-1, a).squeeze(-1)
+    zero = torch.zeros_like(r[0])
+    expected = torch_scan.shift_up((pi * q).sum(-1), (lpi * lq).sum(-1))
+    c_next = torch_scan.shift_up(s.lam * torch.clamp(pi_a / mu, max=s.c_clip), zero)
+    q_a_next = torch_scan.shift_up(q_a, zero)
+    keep = (1 - torch_scan.cut(term, trunc)) * c_next
+    alpha = r + s.gamma * (1 - term) * (expected - keep * q_a_next)
+    beta = s.gamma * (1 - term) * keep
+    g = torch_scan.scan(alpha, beta, reverse=True)
+    return g, g - q_a
+
+
+def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
+    x = x._replace(actions=x.actions.clamp(0, x.q_values.shape[-1] - 1))  # as the kernel
+    return reference.retrace(**x._asdict(), **s._asdict(), dtype=dtype)
+
+
+def _check(x: Inputs, time_dim, extra):
+    call = Call("rewards", x.rewards, time_dim)
+    r = call.step("rewards", x.rewards)
+    q = call.step("q_values", x.q_values, trailing=1)
+    n_act = q.shape[-1]
+    if n_act == 0:
+        raise ValueError("q_values has an empty action axis")
+    checked = Inputs(
+        r, q, call.step("actions", x.actions, INDEX),
+        call.step("target_probs", x.target_probs, trailing_shape=(n_act,)),
+        call.step("behavior_probs", x.behavior_probs),
+        call.step("terminated", x.terminated, FLAG),
+        call.step("truncated", x.truncated, FLAG, optional=True),
+        call.bootstrap("last_q_values", x.last_q_values, VALUE, trailing_shape=(n_act,),
+                       optional=False),
+        call.bootstrap("last_target_probs", x.last_target_probs, VALUE,
+                       trailing_shape=(n_act,), optional=False))
+    return checked, call
+
+
+def _check_actions(x: Inputs, extra: Extras):
+    if extra.check_actions:
+        check_actions(x.actions, x.q_values.shape[-1])
+
+
+OP = Op("retrace", Inputs, Scalars, outputs=2, extras=Extras, check=_check,
+        plan=lambda x, call, out_dtype, extra: scan_plan(
+            KERNEL, x, call, 1 + extra.return_advantages, out_dtype,
+            variant=int(extra.return_advantages)),
+        torch=torch_impl, loop=loop_impl, n_out=lambda extra: 1 + extra.return_advantages,
+        runtime_check=_check_actions)
+
+
+def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated, truncated=None,
+            *, last_q_values=None, last_target_probs=None, gamma=0.99, lam=1.0, c_clip=1.0,
+            return_advantages=False, check_actions=True, time_dim=0, backend="auto",
+            out_dtype=torch.float32):
+    """Retrace(lambda) Q targets for discrete actions. Returns `G`, or `(G, G - Q(s_t, a_t))`
+    with `return_advantages=True`.
+
+    Shapes, with S the step shape of `rewards` (time axis `time_dim`) and A actions:
+    `q_values[..., a] = Q(s_t, a)` and `target_probs[..., a] = pi(a | s_t)` are `[*S, A]`;
+    `actions` (integer) and `behavior_probs` (`mu(a_t | s_t)`, the behaviour probability of the
+    taken action, stored at acting time) are `[*S]`; the bootstrap state s_T is given by
+    `last_q_values` and `last_target_probs`, `[*batch, A]`. A negative `time_dim` counts from the
+    end of `rewards`' shape, not of `q_values`'.
+
+    With E[t] = sum_a pi(a | s_{t+1}) Q(s_{t+1}, a) (from slot t+1, or from the bootstrap state
+    at t = T-1) and c[t+1] = lam * min(c_clip, pi(a_{t+1} | s_{t+1}) / mu(a_{t+1} | s_{t+1}))::
+
+        G[t] = r[t] + gamma * (1 - terminated[t]) * (E[t] + (1 - cut[t]) * c[t+1] * (G[t+1] - Q(s_{t+1}, a_{t+1})))
+
+    Slot t+1 must hold the successor state of step t (next-step autoreset): at a truncation its
+    expectation is the bootstrap. The expectation over actions is formed inside the kernel.
+
+    Actions outside `[0, A)` raise `ValueError` (one reduction, and on CUDA one sync, per call);
+    `check_actions=False` skips that check (for CUDA-graph capture), and every backend then
+    clamps the actions into `[0, A)`: never a read outside the tensors.
+
+    Example::
+
+        >>> G = rl_triton.retrace(rewards, q, actions, pi, mu_taken, terminated,
+        ...                       last_q_values=q_last, last_target_probs=pi_last, lam=0.95)
+    """
+    clip = dict(high=None, low_open=True)
+    s = Scalars(check_scalar("gamma", gamma), check_scalar("lam", lam),
+                check_scalar("c_clip", c_clip, **clip))
+    extra = Extras(check_bool("return_advantages", return_advantages),
+                   check_bool("check_actions", check_actions))
+    return OP(Inputs(rewards, q_values, actions, target_probs, behavior_probs, terminated,
+                     truncated, last_q_values, last_target_probs), s, time_dim, backend,
+              out_dtype, extra)

@@ -1,0 +1,90 @@
+"""Random inputs for every op, shared by the tests and the benchmark, and the float64 results
+of the vectorized torch implementations (a fast check of shapes too large for the loops)."""
+from __future__ import annotations
+
+import torch
+
+from . import _plans
+
+# the public functions, and the test's names for linear_scan's two directions
+NAMES = ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
+         "eligibility_traces", "episodic_cumsum", "linear_scan_reverse", "linear_scan_forward"]
+VALUE_ESTIMATORS = ("gae", "lambda_returns", "discounted_returns", "vtrace")
+
+
+def make_inputs(name, T, batch=(5,), *, dtype=torch.float32, flag_dtype=torch.bool, trunc=True,
+                device="cpu", seed=0, n_act=5, features=(), p_term=0.08, p_trunc=0.08,
+                bootstrap="last_value", params=None):
+    """Inputs of `rl_triton.<name>` (`name` as in NAMES), time-major: `(steps, extra)`, the
+    per-step tensors `[T, *batch, ...]` and the other keyword arguments (bootstraps, scalars).
+    `bootstrap`: "last_value" (or `initial` for the forward scans), "next_values", or None;
+    `params` replaces the default scalars."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (scale * torch.randn(shape, generator=gen, device=device)).to(dtype)
+
+    def flags(p):
+        return (torch.rand(shape, generator=gen, device=device) < p).to(flag_dtype)
+
+    def probs(*shape):
+        return torch.softmax(torch.randn(shape, generator=gen, device=device), -1).to(dtype)
+
+    shape = (T, *batch)
+    term = flags(p_term)
+    truncated = flags(p_trunc) if trunc else None
+    if name in VALUE_ESTIMATORS:
+        steps = dict(rewards=rnd(*shape), values=rnd(*shape), terminated=term,
+                     truncated=truncated)
+        extra = {}
+        if bootstrap == "last_value":
+            extra["last_value"] = rnd(*batch)
+        elif bootstrap == "next_values":
+            steps["next_values"] = rnd(*shape)
+        p = dict(gamma=0.97, lam=0.9)
+        if name == "discounted_returns":
+            del steps["values"]
+            p = dict(gamma=0.97)
+        if name == "vtrace":
+            blp = rnd(*shape, scale=0.5) - 1.0
+            steps.update(target_log_probs=(blp.float() + 0.4 * torch.randn(
+                shape, generator=gen, device=device)).to(dtype), behavior_log_probs=blp)
+            p = dict(gamma=0.97, lam=0.9, rho_clip=1.2, c_clip=0.9, pg_rho_clip=1.1)
+        extra.update(params or p)
+    elif name == "retrace":
+        steps = dict(rewards=rnd(*shape), q_values=rnd(*shape, n_act),
+                     actions=torch.randint(0, n_act, shape, generator=gen, device=device),
+                     target_probs=probs(*shape, n_act),
+                     behavior_probs=(0.2 + 0.8 * torch.rand(shape, generator=gen,
+                                                            device=device)).to(dtype),
+                     terminated=term, truncated=truncated)
+        extra = dict(last_q_values=rnd(*batch, n_act), last_target_probs=probs(*batch, n_act),
+                     return_advantages=True, **(params or dict(gamma=0.97, lam=0.9, c_clip=1.0)))
+    elif name in ("eligibility_traces", "episodic_cumsum"):
+        steps = dict(x=rnd(*shape, *features), dones=flags(p_term + p_trunc))
+        extra = dict(initial=rnd(*batch, *features)) if bootstrap == "last_value" else {}
+        if name == "eligibility_traces":
+            extra.update(params or dict(gamma=0.97, lam=0.9))
+    elif name.startswith("linear_scan"):
+        beta = torch.rand(shape, generator=gen, device=device) * 1.2 - 0.1
+        steps = dict(alpha=rnd(*shape), beta=beta.to(dtype))
+        extra = dict(reverse=name.endswith("reverse"))
+        if bootstrap == "last_value":
+            extra["initial"] = rnd(*batch)
+    else:
+        raise ValueError(name)
+    return steps, extra
+
+
+def public_name(name: str) -> str:
+    return "linear_scan" if name.startswith("linear_scan") else name
+
+
+def vectorized(name, *, dtype=torch.float64, **kwargs):
+    """The op's torch implementation on time-major keyword arguments (those of the public
+    function, without time_dim), computing in `dtype`: a tuple of its outputs."""
+    op = _plans.OPS[public_name(name)]
+    pick = (lambda t: {f: kwargs.get(f) for f in t._fields})
+    extra = op.extras(**pick(op.extras)) if op.extras is not None else ()
+    out = op.torch(op.inputs(**pick(op.inputs)), op.scalars(**pick(op.scalars)), extra, dtype)
+    return out if isinstance(out, tuple) else (out,)
