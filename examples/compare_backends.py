@@ -93,14 +93,20 @@ def main():
                   f"{m['perf/credit_ms']:>10.3f} {m['perf/update_ms']:>10.2f} {m['perf/credit_share']:>9.1%} "
                   f"{share_it:>8.1%} {predicted:>6.2f}x {1 / (1 - p):>5.2f}x {measured:>7.2f}x")
             rows.append(dict(group=f"{env_id}\n{exp_name}", backend=name, m=m, predicted=predicted,
-                             measured=measured))
+                             measured=measured, baseline=base_name))
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['group']}\n{r['backend']}" for r in rows]
+    # the baseline each group was measured against: --baseline, or its first backend where the
+    # group has no run of --baseline
+    baselines = list(dict.fromkeys(r["baseline"] for r in rows))
+    if len(baselines) == 1:
+        labels = [f"{r['group']}\n{r['backend']}" for r in rows]
+    else:
+        labels = [f"{r['group']}\n{r['backend']} (vs {r['baseline']})" for r in rows]
     x = np.arange(len(rows))
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6, 0.9 * len(rows) + 2), 6.5), sharex=True)
     rollout = np.array([r["m"]["perf/rollout_ms"] for r in rows])
@@ -114,7 +120,8 @@ def main():
     ax2.bar(x - 0.2, [r["predicted"] for r in rows], width=0.4, label="Amdahl's prediction")
     ax2.bar(x + 0.2, [r["measured"] for r in rows], width=0.4, label="measured (SPS ratio)")
     ax2.axhline(1.0, color="k", lw=0.8)
-    ax2.set_ylabel(f"speedup over {args.baseline}")
+    ax2.set_ylabel(f"speedup over {baselines[0]}" if len(baselines) == 1
+                   else "speedup over the group's baseline")
     ax2.legend(fontsize=8)
     ax2.set_xticks(x, labels, fontsize=7)
     fig.tight_layout()

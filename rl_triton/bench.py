@@ -246,17 +246,30 @@ def parse_shape(s):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m rl_triton.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m rl_triton.bench",
+                                description=__doc__ + "\nTiming needs a CUDA GPU (it exits "
+                                "without one); --report alone runs anywhere.\n",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--estimators", default=",".join(ESTIMATORS))
-    p.add_argument("--shapes", default=",".join(SHAPES), help="N x T, e.g. 4096x128")
-    p.add_argument("--layouts", default=",".join(LAYOUTS))
-    p.add_argument("--dtypes", default=",".join(DTYPES))
-    p.add_argument("--truncation", default="both", choices=["both", "yes", "no"])
+    p.add_argument("--estimators", default=",".join(ESTIMATORS),
+                   help="comma list of the estimators to time (default: all seven)")
+    p.add_argument("--shapes", default=",".join(SHAPES),
+                   help="comma list of N envs x T steps, e.g. 4096x128,16x131072 (default: "
+                        "the nine shapes of the performance targets)")
+    p.add_argument("--layouts", default=",".join(LAYOUTS),
+                   help="comma list of time-major ([T, N], time_dim=0) and batch-major "
+                        "([N, T], time_dim=1); the first one is the baselines' layout")
+    p.add_argument("--dtypes", default=",".join(DTYPES),
+                   help="comma list of input dtypes, float32 and bfloat16 (outputs are float32);"
+                        " the first one is the baselines' dtype")
+    p.add_argument("--truncation", default="both", choices=["both", "yes", "no"],
+                   help="time each configuration with truncation flags (yes), without (no) "
+                        "or both")
     p.add_argument("--baselines", default="torch,compile,loop",
                    help="comma list of torch, compile, loop, or 'none'; baselines are timed "
-                        "on float32 inputs in the first layout only")
-    p.add_argument("--out", default="bench_out")
+                        "on the first dtype (float32) in the first layout only, the loop only "
+                        "up to T = %d" % LOOP_MAX_T)
+    p.add_argument("--out", default="bench_out",
+                   help="folder for bench.json, bench.md and bench.png (created if missing)")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="stop starting new configurations after this long; the reports cover "
                         "what was measured")
