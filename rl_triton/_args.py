@@ -14,6 +14,9 @@ import torch
 
 Tensor = torch.Tensor
 VALUE_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
+FLAG_DTYPES = frozenset((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
+                         torch.int64, torch.float32, torch.float64, torch.bfloat16,
+                         torch.float16))  # the common ones; `_check_dtype` decides the rest
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 BACKENDS = ("auto", "triton", "torch", "loop")
 
@@ -87,8 +90,8 @@ class Call:
     shape without its time axis) followed by theirs. `key` is the calls's signature so far.
     """
 
-    __slots__ = ("ref_name", "time_dim", "step_shape", "T", "batch_shape", "device", "key",
-                 "grad")
+    __slots__ = ("ref_name", "time_dim", "step_shape", "T", "batch_shape", "device", "index",
+                 "key", "grad")
 
     def __init__(self, ref_name: str, ref, time_dim, kind: str = VALUE):
         if not isinstance(ref, Tensor):
@@ -108,21 +111,29 @@ class Call:
         self.T = ref.shape[self.time_dim]
         self.batch_shape = self.step_shape[:self.time_dim] + self.step_shape[self.time_dim + 1:]
         self.device = ref.device
-        self.key = [self.time_dim, ref.device]
+        self.index = ref.get_device() if ref.is_cuda else -1
+        self.key = None if torch.compiler.is_compiling() else [self.time_dim, ref.device]
         self.grad = torch.is_grad_enabled()
 
     def _check(self, name: str, x, kind: str) -> Tensor:
         if not isinstance(x, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.device != self.device:
+        # a CUDA device's index is enough to tell it (an int, cheaper than a torch.device)
+        if (x.get_device() != self.index if self.index >= 0 else x.device != self.device):
             raise ValueError(f"{name} is on {x.device} but {self.ref_name} is on {self.device}; "
                              "all tensors must be on one device")
-        _check_dtype(name, x.dtype, kind)
+        dt = x.dtype
+        if not (dt in VALUE_DTYPES if kind == VALUE else dt in FLAG_DTYPES if kind == FLAG
+                else False):
+            _check_dtype(name, dt, kind)
         if x.requires_grad and self.grad:
             raise _grad_error(name)
-        if x.is_neg() or x.is_conj():  # kernels read memory: the view's values, not its bits
-            x = x.resolve_conj().resolve_neg()
-        self.key.append((x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0))
+        # kernels read memory: a lazily negated view's values, not its bits (the dtypes above
+        # are real, so no conjugate bit)
+        if x.is_neg():
+            x = x.resolve_neg()
+        if self.key is not None:  # None while torch.compile traces: fake tensors have no data
+            self.key.append((x.shape, x.stride(), dt, x.data_ptr() % 16 == 0))
         return x
 
     def step(self, name: str, x, kind: str = VALUE, *, trailing: int = 0,
@@ -130,15 +141,19 @@ class Call:
         """A per-step tensor `[*step_shape, *trailing]` (or None), checked."""
         if x is None:
             if optional:
-                self.key.append(None)
+                if self.key is not None:
+                    self.key.append(None)
                 return None
             raise ValueError(f"{name} is required")
         x = self._check(name, x, kind)
-        shape, n = x.shape, len(self.step_shape)
-        if trailing_shape is not None:
+        shape = x.shape
+        if trailing_shape is None and not trailing:
+            ok = shape == self.step_shape
+        elif trailing_shape is not None:
             ok = shape == self.step_shape + tuple(trailing_shape)
         else:
-            ok = x.ndim == n + trailing and shape[:n] == self.step_shape
+            n = len(self.step_shape)
+            ok = len(shape) == n + trailing and shape[:n] == self.step_shape
         if not ok:
             want = tuple(self.step_shape) + (tuple(trailing_shape) if trailing_shape is not None
                                              else ("...",) * trailing)
@@ -152,11 +167,12 @@ class Call:
         """A tensor without time axis, shape `[*batch, *trailing_shape]` (or None), checked."""
         if x is None:
             if optional:
-                self.key.append(None)
+                if self.key is not None:
+                    self.key.append(None)
                 return None
             raise ValueError(f"{name} is required")
         x = self._check(name, x, kind)
-        want = self.batch_shape + tuple(trailing_shape)
+        want = self.batch_shape + tuple(trailing_shape) if trailing_shape else self.batch_shape
         if x.shape != want:
             raise ValueError(f"{name} has shape {tuple(x.shape)} but {self.ref_name} has shape "
                              f"{tuple(self.step_shape)} with time_dim={self.time_dim}; {name} "

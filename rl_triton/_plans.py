@@ -23,6 +23,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from ._args import Call, check_backend, check_out_dtype
+from .scan.jit import HAS_TRITON
 
 Tensor = torch.Tensor
 _PLANS: dict = {}
@@ -41,7 +42,6 @@ def backend_for(backend: str, device: torch.device) -> str:
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
     if backend == "triton":
-        from .scan.jit import HAS_TRITON
         if not HAS_TRITON:
             raise RuntimeError("backend='triton' needs Triton, which is not installed here; use "
                                "backend='torch'")
@@ -93,12 +93,12 @@ class Op:
             return _result([torch.empty(x[0].shape, dtype=out_dtype, device=call.device)
                             for _ in range(n)])
         backend = backend_for(backend, call.device)
+        if backend == "triton" and _COMPILING():  # the custom op checks the data itself
+            outs = self.custom_op(*x, *s, call.time_dim, out_dtype, *extra)
+            return _result(list(outs[:n]) if self.outputs > 1 else [outs])
+        if self.runtime_check is not None:
+            self.runtime_check(x, extra)
         if backend == "triton":
-            if _COMPILING():
-                outs = self.custom_op(*x, *s, call.time_dim, out_dtype, *extra)
-                return _result(list(outs[:n]) if self.outputs > 1 else [outs])
-            if self.runtime_check is not None:
-                self.runtime_check(x, extra)
             return _result(self._launch(x, s, call, out_dtype, extra)[:n])
         tx = self.inputs(*(call.tm(t) if step else t for t, step in zip(x, self._steps)))
         res = (self.torch if backend == "torch" else self.loop)(tx, s, extra, _DTYPE)

@@ -69,7 +69,7 @@ def make_inputs(name, N, T, layout, dtype, truncation, device, seed=0):
     if name == "retrace":
         extra["return_advantages"] = False
     tm = layout == "time-major"
-    kw = {k: v if tm else v.movedim(0, 1).contiguous() for k, v in steps.items()}
+    kw = {k: v if tm or v is None else v.movedim(0, 1).contiguous() for k, v in steps.items()}
     kw.update(extra, time_dim=0 if tm else 1)
     n_out = 2 if name in ("gae", "vtrace") else 1
     tensors = [v for v in kw.values() if isinstance(v, torch.Tensor)]
@@ -174,8 +174,8 @@ _COPY_WARPS = 8
 def copies(src, dst) -> dict:
     """Two device-to-device copies of src into dst, by name: torch's `copy_`, and a plain Triton
     copy, which on the H200 took a median of 0.85 of `copy_`'s time at 4-32 MB and 0.88 at
-    32-64 MB (0.61-1.02 over the benchmark's sizes), the same from 128 MB (docs/benchmarks.md,
-    log, twenty-fifth session)."""
+    32-64 MB (0.61-1.02 over the benchmark's sizes), the same from 128 MB
+    (docs/bench_h200_copy_floors.json)."""
     n = src.numel()
     grid = (triton.cdiv(n, _COPY_BLOCK),)
     return {"torch": lambda: dst.copy_(src),

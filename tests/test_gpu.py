@@ -184,7 +184,7 @@ def test_one_signature_on_two_streams():
 def test_look_back_on_cold_launches(T, n, layout, rows):
     """Fresh plans, first launches: with look-back windows that replicated words across threads,
     replicas read at different moments gave relative errors of 1e-3 to 2e-2 on exactly these
-    launches (docs/benchmarks.md, log). Every launch is checked, for tiles of one to 32 rows (the
+    launches (docs/dev/tuning-log.md). Every launch is checked, for tiles of one to 32 rows (the
     rule's window for each: one warp's worth for several rows, one word per thread for one)."""
     from rl_triton import _plans
     from rl_triton.scan import tiles

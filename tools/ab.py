@@ -1,5 +1,5 @@
 """A/B device times of variants of the tile rule, in one process, alternating (for checking
-rl_triton/_triton/tiles.py against measurements: docs/benchmarks.md, log):
+rl_triton/scan/tiles.py against measurements: docs/dev/tile-rule.md):
 
     python tools/ab.py [--rounds 5] retrace:1024x1024:bm vtrace:4x1048576:bm:bf16:notrunc \\
         -- base 'walk|rule:WALK_PROGRAMS_PER_SM_ACTIONS=1' 'w2|tiles:num_warps=2,max_registers=0'
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 import rl_triton  # noqa: E402
-from rl_triton import bench, estimators  # noqa: E402
+from rl_triton import _plans, bench  # noqa: E402
 from rl_triton.scan import tiles  # noqa: E402
 
 PLAN_FIELDS = ("BLOCK_T", "BLOCK_B", "num_warps", "maxnreg", "WALK", "LOOKBACK", "WINDOW",
@@ -44,23 +44,23 @@ def parse_problem(s):
 
 def parse_variant(s):
     label, *parts = s.split("|")
-    rule, tiles = {}, {}
+    rule, forced = {}, {}
     for part in parts:
         kind, _, body = part.partition(":")
         if kind == "rule":
             rule.update(bench.parse_rule(body))
         elif kind == "tiles":
-            tiles.update(bench.parse_tiles(body))
+            forced.update(bench.parse_tiles(body))
         else:
             raise argparse.ArgumentTypeError(f"{part!r} is not rule:... or tiles:...")
-    return label, rule, tiles
+    return label, rule, forced
 
 
 @contextlib.contextmanager
-def variant(rule, tiles):
+def variant(rule, forced):
     """The rule's constants and tile fields of a variant, with no plan built before it."""
     _plans._PLANS.clear()
-    with tiles.rule(**rule), tiles.override(**tiles):
+    with tiles.rule(**rule), tiles.override(**forced):
         yield
     _plans._PLANS.clear()
 
@@ -87,8 +87,8 @@ def main(argv=None):
         refs = bench.float64_result(prob["name"], kw)
         fn = functools.partial(getattr(rl_triton, prob["name"]), **kw,
                                **({} if gpu else {"backend": "triton"}))
-        for label, rule, tiles in variants:
-            with variant(rule, tiles):
+        for label, rule, forced in variants:
+            with variant(rule, forced):
                 err = bench.rel_err(fn(), refs, kw["time_dim"])
                 (plan,) = _plans._PLANS.values()
             meta = " ".join(f"{k}={plan.meta[k]}" for k in PLAN_FIELDS if k in plan.meta)
@@ -100,8 +100,8 @@ def main(argv=None):
             continue
         times = {label: [] for label, _, _ in variants}
         for _ in range(args.rounds):
-            for label, rule, tiles in variants:
-                with variant(rule, tiles):
+            for label, rule, forced in variants:
+                with variant(rule, forced):
                     fn()
                     times[label].append(bench.device_time_us(fn))
         ref = statistics.median(times[variants[0][0]])

@@ -9,11 +9,10 @@ with the cuobjdump that Triton ships.
 An argument is estimator:NxT:tm|bm, then optionally :bf16, :notrunc (no truncation flags),
 :adv (Retrace's advantages too; the benchmark times its targets only) and :field=value,...
 (tile fields forced as with `python -m rl_triton.bench --tiles`). Registers match ncu's on the
-H200 when the installed Triton is the GPU machine's (docs/benchmarks.md, log:
-eleventh session; the CI's `.ci/triton-oldest/bin/python` runs Triton 3.6, the GPU machine's).
+H200 when the installed Triton is the GPU machine's (docs/dev/tuning-log.md; the CI's `.ci/triton-oldest/bin/python` runs Triton 3.6, the GPU machine's).
 Load rounds: the global loads of the SASS in the order an in-order warp issues them, a new round
 opening at each instruction that consumes a load not yet back; loads issued in several rounds
-wait on memory one round after another (docs/benchmarks.md, log: nineteenth session). Run
+wait on memory one round after another (docs/dev/tuning-log.md). Run
 without TRITON_INTERPRET."""
 import os
 import re
@@ -37,7 +36,7 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 
 
 def as_on_the_gpu():
-    """Make `config` choose as on an H200: its multiprocessor count and the look-back windows of
+    """Make `tiles` choose as on an H200: its multiprocessor count and the look-back windows of
     a GPU (the interpreter's differ)."""
     window, depth, cuda = tiles.window, tiles.depth, torch.device("cuda")
     tiles._multiprocessors = lambda device: MULTIPROCESSORS
@@ -91,16 +90,16 @@ def load_rounds(sass: str) -> list:
 
 def report(spec: str) -> str:
     name, shape, layout, *rest = spec.split(":")
-    tiles = {}
+    forced = {}
     for part in rest:
         if "=" in part:
-            tiles.update({k: int(v) for k, v in (kv.split("=") for kv in part.split(","))})
+            forced.update({k: int(v) for k, v in (kv.split("=") for kv in part.split(","))})
     n, t = map(int, shape.split("x"))
     case = make_case(name, t, (n,), n_act=18, trunc="notrunc" not in rest,
                      dtype=torch.bfloat16 if "bf16" in rest else torch.float32)
     if name == "retrace":  # targets only, as `python -m rl_triton.bench` times it
         case.extra["return_advantages"] = "adv" in rest
-    with tiles.override(**tiles):
+    with tiles.override(**forced):
         plan, (tensors, scalars) = compile_sm90.plan_of(
             case, "time-major" if layout == "tm" else "batch-major")
     built = {}  # kernels by EVEN: the choice below compiles both

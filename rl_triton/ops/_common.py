@@ -17,20 +17,21 @@ def value_args(x, time_dim, *, values_optional: bool = False, bootstrap: bool = 
     `*_log_probs`): the per-step values, the flags, `next_values` and `last_value`. Returns the
     checked inputs (same NamedTuple) and the `Call`."""
     call = Call("rewards", x.rewards, time_dim)
-    checked = {}
-    for name, t in zip(x._fields, x):
-        if name == "last_value":
-            checked[name] = call.bootstrap(name, t)
-        elif name in ("terminated", "truncated"):
-            checked[name] = call.step(name, t, FLAG, optional=name == "truncated")
-        else:
-            optional = name == "next_values" or (name == "values" and values_optional)
-            checked[name] = call.step(name, t, VALUE, optional=optional)
+    step, optional = call.step, _OPTIONAL[values_optional]
+    checked = type(x)(*[
+        call.bootstrap(name, t) if name == "last_value" else
+        step(name, t, _KIND.get(name, VALUE), optional=name in optional)
+        for name, t in zip(x._fields, x)])
     if bootstrap:
         require_bootstrap(x.next_values, x.last_value)
     elif x.next_values is not None and x.last_value is not None:
         require_bootstrap(x.next_values, x.last_value)  # raises: not both
-    return type(x)(**checked), call
+    return checked, call
+
+
+_KIND = {"terminated": FLAG, "truncated": FLAG}
+_OPTIONAL = {False: frozenset(("truncated", "next_values")),
+             True: frozenset(("truncated", "next_values", "values"))}
 
 
 def scan_plan(kernel: Kernel, x, call: Call, n_out: int, out_dtype: torch.dtype, *,

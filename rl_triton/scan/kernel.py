@@ -7,7 +7,7 @@ scan order: later steps for reverse scans) is applied, and the estimator's `STOR
 outputs. Inputs are read once and nothing but the outputs goes to memory, whatever the length.
 
 Reverse scans run as forward scans over steps laid in decreasing t: Triton's `reverse=True`
-reverses the whole tile, across lanes, around the scan (docs/benchmarks.md, log). Time-major
+reverses the whole tile, across lanes, around the scan (docs/dev/tuning-log.md). Time-major
 tiles (`DESC`) simply hold their steps in decreasing order (their loads are along rows). A
 batch-major tile (`FLIP`) holds its groups of 8 steps in decreasing order, each group still 8
 consecutive steps (one thread's vector load); each group is reversed in registers, the tile is
@@ -149,7 +149,7 @@ def step_after(v, ins, st, s1, s2, V: tl.constexpr, t, b1, b2, mask, T):
     by one step within groups of 8 steps (split and join, which stay in registers where a
     thread holds 8 consecutive steps), plus one load per group for the step after it; 0 past
     the end. Loading values[t+1] directly is 8 unaligned scalar loads per thread, 10% slower
-    (docs/benchmarks.md, log)."""
+    (docs/dev/tuning-log.md)."""
     BB: tl.constexpr = v.shape[0]
     BT: tl.constexpr = v.shape[1]
     G: tl.constexpr = BT // 8
@@ -232,7 +232,7 @@ def look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry_i
     moment, and threads that saw different words leave this loop at different passes (the GPU
     tests of long rows caught wrong results that way). A window of one word per thread reads
     only its nearest word per pass (`config.depth`): reading all its words cost more, and the
-    nearest one almost always decides (docs/benchmarks.md, log).
+    nearest one almost always decides (docs/dev/tuning-log.md).
     """
     acc_a = tl.zeros(carry_in.shape, tl.float32)
     acc_b = tl.full(carry_in.shape, 1.0, tl.float32)
@@ -463,7 +463,7 @@ def scan_kernel(
         # would override what it infers, wrong for strided rows). Every load of the tile is then
         # at most 4 wide, and all share one layout; else the 1-byte flags' 16-wide loads set the
         # layout of every input, one step per thread and 16 steps of the scan across lanes
-        # (docs/benchmarks.md, log).
+        # (docs/dev/tuning-log.md).
         rows = tl.arange(0, BLOCK_B)
         r = spread(rows // 4 * 4 + rows % 4, 1)
     else:
@@ -472,7 +472,7 @@ def scan_kernel(
     if EVEN:
         # T and B are multiples of the tile: no mask to compute, no predicate on any load or
         # store, no select of padding (fewer registers: time-major GAE 64 -> 56 at 16384x1024,
-        # V-trace 110 -> 96; docs/benchmarks.md, log)
+        # V-trace 110 -> 96; docs/dev/tuning-log.md)
         mask_b = tl.full(r.shape, 1, tl.int1)
     else:
         mask_b = b < B

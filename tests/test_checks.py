@@ -1,0 +1,103 @@
+"""Checks on every call, never a silent detach, views read as their values, Retrace's actions."""
+import pytest
+import torch
+
+import rl_triton
+from cases import BACKENDS, make_case
+
+
+def _gae_args(T=7, N=3):
+    g = torch.Generator().manual_seed(0)
+    return dict(rewards=torch.randn(T, N, generator=g), values=torch.randn(T, N, generator=g),
+                terminated=torch.rand(T, N, generator=g) < 0.2,
+                last_value=torch.randn(N, generator=g))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", [1.0, True, "1"])
+def test_checks_run_on_every_call(backend, bad):
+    """A cached launch plan never skips a check: a call with time_dim=1 first, then the same
+    tensors with time_dim 1.0 / True / "1", which hash like 1 or name it."""
+    a = _gae_args()
+    for _ in range(3):
+        rl_triton.gae(**a, time_dim=0, backend=backend)
+    with pytest.raises(TypeError, match="time_dim"):
+        rl_triton.gae(**a, time_dim=bad, backend=backend)
+    for name, value in [("gamma", "0.9"), ("lam", 1.5), ("backend", "cuda"),
+                        ("out_dtype", torch.int32)]:
+        kw = {"backend": backend, name: value}
+        with pytest.raises((TypeError, ValueError), match=name):
+            rl_triton.gae(**a, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shape_checks_after_a_cached_call(backend):
+    a = _gae_args()
+    rl_triton.gae(**a, backend=backend)
+    rl_triton.gae(**a, backend=backend)
+    with pytest.raises(ValueError, match="last_value"):
+        rl_triton.gae(**dict(a, last_value=torch.randn(4)), backend=backend)
+    with pytest.raises(TypeError, match="terminated"):
+        rl_triton.gae(**dict(a, terminated=a["terminated"].to(torch.complex64)),
+                      backend=backend)
+
+
+NAMES = ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
+         "eligibility_traces", "episodic_cumsum", "linear_scan_reverse"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", NAMES)
+def test_requires_grad_is_refused_not_detached(name, backend):
+    """Until gradients land, an input that requires grad raises (naming it) rather than giving
+    outputs silently cut from the graph; under torch.no_grad() the call runs."""
+    case = make_case(name, 9, (3,))
+    key = next(k for k, v in case.steps.items() if v is not None and v.is_floating_point())
+    steps = dict(case.steps, **{key: case.steps[key].clone().requires_grad_()})
+    with pytest.raises(RuntimeError, match=f"{key} requires grad.*gradients"):
+        case.fn(**steps, **case.extra, backend=backend)
+    with torch.no_grad():
+        case.fn(**steps, **case.extra, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_negated_view_is_read_as_its_values(backend):
+    a = _gae_args()
+    neg = torch._neg_view(-a["rewards"])
+    assert neg.is_neg()
+    want = rl_triton.gae(**a, backend=backend)
+    got = rl_triton.gae(**dict(a, rewards=neg), backend=backend)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w)
+
+
+def _retrace(actions, backend, **kw):
+    case = make_case("retrace", 11, (4,), n_act=5)
+    steps = dict(case.steps, actions=actions)
+    return case, case.fn(**steps, **case.extra, backend=backend, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("value", [-1, 5, 1000, -(2**40)])
+def test_retrace_actions_out_of_range(backend, value):
+    """An action outside [0, num_actions) is a ValueError naming `actions` on every backend;
+    with check_actions=False every backend clamps it (the kernel never reads outside its
+    tensors): the same result as the clamped actions."""
+    case = make_case("retrace", 11, (4,), n_act=5)
+    actions = case.steps["actions"].clone()
+    actions[6, 2] = value
+    steps = dict(case.steps, actions=actions)
+    with pytest.raises(ValueError, match="actions"):
+        case.fn(**steps, **case.extra, backend=backend)
+    got = case.fn(**steps, **case.extra, backend=backend, check_actions=False)
+    clamped = dict(case.steps, actions=actions.clamp(0, 4))
+    want = case.fn(**clamped, **case.extra, backend="loop")
+    for w, g in zip(want, got):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_check_actions_must_be_bool():
+    case = make_case("retrace", 5, (2,))
+    with pytest.raises(TypeError, match="check_actions"):
+        case.fn(**case.steps, **case.extra, check_actions=1)

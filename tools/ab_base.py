@@ -1,0 +1,200 @@
+"""A/B of this checkout against an earlier revision of rl_triton, in one process, alternating:
+the device time of every forward cell of the benchmark's grid (`rl_triton.bench`) at or above
+a size, each result of both checked against float64 first.
+
+    python tools/ab_base.py prepare 551440a          # here: the revision as .ab/rl_triton_base
+    python tools/ab_base.py warm --shard 3/16        # compile one shard's kernels (both sides)
+    python tools/ab_base.py time --out ab.json       # on the GPU: time them, A/B alternating
+    python tools/ab_base.py full-call                # full-call µs of GAE at 4096x128
+
+`prepare` copies the revision's package (`git archive`) to .ab/rl_triton_base/ as the package
+`rl_triton_base` (its custom ops in the namespace rl_triton_base), so that both import in one
+process; .ab/ is ignored by git (add `/.ab/` to .git/info/exclude), and the device tool carries
+it. `warm` runs every cell of one shard once, so that shards in parallel processes fill
+Triton's on-disk cache before `time` runs. The ratios are this checkout's time over the base's.
+"""
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / ".ab"))
+
+BASE_DIR = ROOT / ".ab" / "rl_triton_base"
+
+
+def prepare(rev: str) -> None:
+    import re
+    import shutil
+    import tarfile
+    import tempfile
+    if BASE_DIR.exists():
+        shutil.rmtree(BASE_DIR)
+    with tempfile.TemporaryDirectory() as tmp:
+        tar = Path(tmp) / "base.tar"
+        subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(tar), rev, "rl_triton"],
+                       check=True)
+        with tarfile.open(tar) as t:
+            t.extractall(tmp)
+        shutil.move(str(Path(tmp) / "rl_triton"), str(BASE_DIR))
+    for path in BASE_DIR.rglob("*.py"):
+        s = path.read_text()
+        s = s.replace("rl_triton::", "rl_triton_base::")
+        s = re.sub(r"\b(import|from) rl_triton\b", r"\1 rl_triton_base", s)
+        path.write_text(s)
+    (BASE_DIR / "REVISION").write_text(subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", rev], capture_output=True, text=True,
+        check=True).stdout)
+    print(f"{rev} -> {BASE_DIR}")
+
+
+def cells(min_mb: float):
+    import torch
+    from rl_triton import bench
+    out = []
+    for name in bench.ESTIMATORS:
+        for shape in bench.SHAPES:
+            N, T = bench.parse_shape(shape)
+            for layout in bench.LAYOUTS:
+                for dt in bench.DTYPES:
+                    for trunc in (True, False):
+                        if not trunc and name in ("eligibility_traces", "episodic_cumsum"):
+                            continue  # their flags are the dones either way
+                        # bytes are linear in the steps and the rows: from 1x1 and 1x2
+                        one, two = (bench.make_inputs(name, 1, t, layout, bench.DTYPES[dt],
+                                                      trunc, "cpu")[1] for t in (1, 2))
+                        nbytes = N * T * (two - one) + N * (2 * one - two)
+                        if nbytes >= min_mb * 1e6:
+                            out.append((name, N, T, layout, dt, trunc, nbytes))
+    return out
+
+
+def _label(c):
+    name, N, T, layout, dt, trunc, _ = c
+    return f"{name}:{N}x{T}:{'tm' if layout == 'time-major' else 'bm'}:{dt}" + (
+        "" if trunc else ":notrunc")
+
+
+def _fns(c, device):
+    import torch
+    import rl_triton
+    import rl_triton_base
+    from rl_triton import bench
+    name, N, T, layout, dt, trunc, nbytes = c
+    kw, _ = bench.make_inputs(name, N, T, layout, bench.DTYPES[dt], trunc, device, seed=1)
+    new = functools.partial(getattr(rl_triton, name), **kw)
+    base = functools.partial(getattr(rl_triton_base, name), **kw)
+    return kw, new, base
+
+
+def warm(shard: str, min_mb: float) -> None:
+    import torch
+    k, n = map(int, shard.split("/"))
+    for i, c in enumerate(cells(min_mb)):
+        if i % n == k:
+            _, new, base = _fns(c, "cuda")
+            new(), base()
+    torch.cuda.synchronize()
+
+
+def time_cells(min_mb: float, rounds: int, rep_ms: float, out: str) -> None:
+    import torch
+    from rl_triton import bench
+    rows = []
+    for c in cells(min_mb):
+        kw, new, base = _fns(c, "cuda")
+        refs = bench.float64_result(c[0], kw)
+        errs = [bench.rel_err(f(), refs, kw["time_dim"]) for f in (new, base)]
+        if not max(errs) < 1e-5:
+            sys.exit(f"{_label(c)}: relative errors {errs}; not timing a wrong result")
+        t_new, t_base = [], []
+        for _ in range(rounds):
+            t_new.append(bench.device_time_us(new, rep_ms=rep_ms))
+            t_base.append(bench.device_time_us(base, rep_ms=rep_ms))
+        row = dict(cell=_label(c), mb=c[-1] / 1e6, new_us=statistics.median(t_new),
+                   base_us=statistics.median(t_base))
+        row["ratio"] = row["new_us"] / row["base_us"]
+        rows.append(row)
+        print(f"{row['cell']}: {row['mb']:.1f} MB new {row['new_us']:.2f} base "
+              f"{row['base_us']:.2f} us ratio {row['ratio']:.3f}", flush=True)
+        del kw, new, base, refs
+        torch.cuda.empty_cache()
+    ratios = [r["ratio"] for r in rows]
+    summary = dict(cells=len(rows), median=statistics.median(ratios), worst=max(ratios),
+                   best=min(ratios), over_1_05=sum(r > 1.05 for r in ratios),
+                   over_1_10=sum(r > 1.10 for r in ratios),
+                   base=(BASE_DIR / "REVISION").read_text().strip(),
+                   torch=torch.__version__, gpu=torch.cuda.get_device_name())
+    print(json.dumps(summary))
+    if out:
+        Path(out).write_text(json.dumps(dict(summary=summary, rows=rows), indent=1))
+
+
+def full_call(package: str, calls: int) -> None:
+    """Full-call µs (sync, call, sync; median) of GAE at 4096x128, float32, both layouts, with
+    `package` ("rl_triton", "rl_triton_base", or "paper": rl-triton 0.1.3's compute_gae,
+    batch-major only, importable as rl_triton from PAPER_PATH)."""
+    import torch
+    from rl_triton import bench
+    if package == "paper":  # its package is named rl_triton too: ours leaves sys.modules
+        for name in [m for m in sys.modules if m.split(".")[0] == "rl_triton"]:
+            del sys.modules[name]
+        sys.path.insert(0, os.environ["PAPER_PATH"])
+    N, T = 4096, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for layout in ("batch-major", "time-major"):
+        shape = (N, T) if layout == "batch-major" else (T, N)
+        r, v = (torch.randn(shape, generator=g, device="cuda") for _ in range(2))
+        term = torch.rand(shape, generator=g, device="cuda") < 0.01
+        lv = torch.randn(N, generator=g, device="cuda")
+        if package == "paper":
+            if layout != "batch-major":
+                continue
+            import rl_triton as paper
+            fn = functools.partial(paper.compute_gae, r, v, term.float(), gamma=0.99,
+                                   lambda_=0.95, last_value=lv)
+        else:
+            mod = __import__(package)
+            fn = functools.partial(mod.gae, r, v, term, last_value=lv,
+                                   time_dim=1 if layout == "batch-major" else 0)
+        us = bench.full_call_us(fn, calls=calls, warmup=50)
+        floor = bench.full_call_us(lambda: torch.zeros(1, device="cuda").add_(1), calls=calls)
+        print(json.dumps(dict(package=package, host=os.environ.get("RL_TRITON_HOST", ""),
+                              layout=layout, full_call_us=us, launch_floor_us=floor)),
+              flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(prog="tools/ab_base.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("prepare").add_argument("rev")
+    for name in ("warm", "time"):
+        s = sub.add_parser(name)
+        s.add_argument("--min-mb", type=float, default=4.0)
+    sub.choices["warm"].add_argument("--shard", default="0/1")
+    sub.choices["time"].add_argument("--rounds", type=int, default=2)
+    sub.choices["time"].add_argument("--rep-ms", type=float, default=40.0)
+    sub.choices["time"].add_argument("--out", default="")
+    f = sub.add_parser("full-call")
+    f.add_argument("--package", default="rl_triton")
+    f.add_argument("--calls", type=int, default=300)
+    a = p.parse_args()
+    if a.cmd == "prepare":
+        prepare(a.rev)
+    elif a.cmd == "warm":
+        warm(a.shard, a.min_mb)
+    elif a.cmd == "time":
+        time_cells(a.min_mb, a.rounds, a.rep_ms, a.out)
+    else:
+        full_call(a.package, a.calls)
+
+
+if __name__ == "__main__":
+    main()
