@@ -1,4 +1,4 @@
-"""The tile rule (`config.choose`): the invariants every tile it emits must keep, over shapes,
+"""The tile rule (`tiles.choose`): the invariants every tile it emits must keep, over shapes,
 layouts and every estimator's kernel flags, and a handful of decisions whose reason is short.
 (That a rewrite of the rule changes no decision is `tools/tile_rule_diff.py`'s to check.)"""
 from types import SimpleNamespace
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl_triton.scan import tiles as config
+from rl_triton.scan import tiles
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # device objects only: nothing runs
 SMS = 132  # the H200's multiprocessors
@@ -28,10 +28,10 @@ KERNELS = {
 def h200():
     """Choose as for an H200 on a CUDA device; the interpreter (CPU) runs one program at a
     time."""
-    real = config._multiprocessors
-    config._multiprocessors = lambda device: SMS if device.type == "cuda" else 1
+    real = tiles._multiprocessors
+    tiles._multiprocessors = lambda device: SMS if device.type == "cuda" else 1
     yield
-    config._multiprocessors = real
+    tiles._multiprocessors = real
 
 
 def dim(bits):
@@ -51,7 +51,7 @@ def calls(draw, T=dim(24), B=dim(20)):
 
 
 def choose(T, B, time_contiguous, device=CUDA, **flags):
-    return config.choose(T, B, time_contiguous=time_contiguous, device=device, **flags)
+    return tiles.choose(T, B, time_contiguous=time_contiguous, device=device, **flags)
 
 
 def programs(cfg, T, B):
@@ -65,10 +65,10 @@ def pow2(n):
 
 
 def check(call):
-    cfg = config.choose(**call)
+    cfg = tiles.choose(**call)
     T, B, tc, device = call["T"], call["B"], call["time_contiguous"], call["device"]
     n_act = call.get("n_act", 0)
-    block_a = config.action_block(n_act, call["itemsize"]) if n_act else 1
+    block_a = tiles.action_block(n_act, call["itemsize"]) if n_act else 1
     # bounds
     assert all(pow2(v) for v in (cfg.block_t, cfg.block_b, cfg.num_warps, cfg.window,
                                  cfg.depth, cfg.sub)), cfg
@@ -76,8 +76,8 @@ def check(call):
     assert cfg.max_registers == 0 or 32 <= cfg.max_registers <= 255
     # every program has work: no tile larger than the problem rounded up to a power of two
     # (the minimal 16 steps aside), so none starts past T or B
-    assert cfg.block_t <= max(16, config._pow2(T))
-    assert cfg.block_b <= config._pow2(B)
+    assert cfg.block_t <= max(16, tiles._pow2(T))
+    assert cfg.block_b <= tiles._pow2(B)
     assert (cfg.chunks(T) - 1) * cfg.block_t < T and (-(-B // cfg.block_b) - 1) * cfg.block_b < B
     # shared memory, conservatively: every value of the tile through the scan (the pair, the
     # exclusive pair, the held value) at 8 bytes, for each action of a block
@@ -90,20 +90,20 @@ def check(call):
     # Retrace, whose steps hold their actions), >= 2 rows or all of them time-major
     if tc:
         most = 32 if n_act else 256
-        assert cfg.block_t >= min(max(16, config._pow2(T)), most)
+        assert cfg.block_t >= min(max(16, tiles._pow2(T)), most)
     else:
-        assert cfg.block_b >= min(config._pow2(B), 2) and cfg.block_b <= 32
+        assert cfg.block_b >= min(tiles._pow2(B), 2) and cfg.block_b <= 32
     # walking: batch-major rows longer than a tile, when their row tiles alone fill the GPU
     if cfg.walk:
-        least = (config.WALK_PROGRAMS_PER_SM_ACTIONS if n_act else config.WALK_PROGRAMS_PER_SM)
+        least = (tiles.WALK_PROGRAMS_PER_SM_ACTIONS if n_act else tiles.WALK_PROGRAMS_PER_SM)
         assert tc and cfg.chunks(T) > 1
-        assert -(-B // cfg.block_b) >= least * config._multiprocessors(device)
+        assert -(-B // cfg.block_b) >= least * tiles._multiprocessors(device)
     # the GPU is kept busy: a program per multiprocessor once the problem has a tile's worth
     # of values for each
-    assert programs(cfg, T, B) >= min(config._multiprocessors(device), -(-T * B // 2048))
+    assert programs(cfg, T, B) >= min(tiles._multiprocessors(device), -(-T * B // 2048))
     # sub-tiles: time-major tiles of >= 4 rows only (not Retrace's), dividing the tile
     assert cfg.block_t % cfg.sub == 0
-    assert cfg.sub == 1 or config.vector_rows(B, tc, n_act > 0)
+    assert cfg.sub == 1 or tiles.vector_rows(B, tc, n_act > 0)
     # the look-back window (`window`'s constraints) and its depth
     if device.type == "cuda":
         words = cfg.window * cfg.block_b
@@ -111,9 +111,9 @@ def check(call):
             assert words == 32  # one warp's worth: one word per lane
         else:
             assert words >= 32 * cfg.num_warps  # one word per thread
-        assert cfg.depth in (config.DEPTH_WIDE, cfg.window)
+        assert cfg.depth in (tiles.DEPTH_WIDE, cfg.window)
     else:
-        assert cfg.window == cfg.depth == config.WINDOW  # the interpreter reads it whole
+        assert cfg.window == cfg.depth == tiles.WINDOW  # the interpreter reads it whole
     assert 1 <= cfg.depth <= cfg.window
     return cfg
 
@@ -135,9 +135,9 @@ def test_long_rows_are_split_across_the_gpu(call):
 @settings(max_examples=300, deadline=None)
 @given(calls(), calls())
 def test_the_rule_is_deterministic(call, other):
-    first = config.choose(**call)
-    config.choose(**other)
-    assert config.choose(**call) == first
+    first = tiles.choose(**call)
+    tiles.choose(**other)
+    assert tiles.choose(**call) == first
 
 
 def test_the_shared_memory_model_rejects_the_tile_that_failed():
@@ -170,7 +170,7 @@ def test_batch_major_rows_walk_when_their_tiles_fill_the_gpu():
     assert choose(4096, 512, True, **KERNELS["gae"]).walk
     c = choose(1 << 20, 4, True, **KERNELS["gae"])
     assert (c.block_t, c.block_b, c.num_warps, c.walk) == (512, 1, 1, False)
-    assert c.max_registers == config.MAX_REGISTERS_LONG_ROWS
+    assert c.max_registers == tiles.MAX_REGISTERS_LONG_ROWS
 
 
 def test_retrace_walks_from_five_row_tiles_per_multiprocessor():
@@ -200,8 +200,8 @@ def test_time_major_grids_of_few_programs_span_128_steps():
 
 
 def test_retrace_loads_its_actions_in_blocks():
-    assert config.action_block(18) == 8 and config.action_block(18, 2) == 2
-    assert config.action_block(1) == 1 and config.action_block(5) == 8
+    assert tiles.action_block(18) == 8 and tiles.action_block(18, 2) == 2
+    assert tiles.action_block(1) == 1 and tiles.action_block(5) == 8
 
 
 def test_look_back_window_on_a_gpu():
@@ -209,58 +209,58 @@ def test_look_back_window_on_a_gpu():
     in the loop); one-row tiles one word per thread (no word held by two threads)."""
     for block_b in (2, 4, 16, 32):
         for warps in (1, 2, 8):
-            assert block_b * config.window(16, block_b, warps, CUDA) == 32
+            assert block_b * tiles.window(16, block_b, warps, CUDA) == 32
     for block_b, warps in ((1, 8), (1, 2), (64, 8)):
-        assert block_b * config.window(16, block_b, warps, CUDA) == max(32 * warps, 16 * block_b)
-    assert config.window(3, 4, 2, CPU) == 3  # the interpreter: any window
+        assert block_b * tiles.window(16, block_b, warps, CUDA) == max(32 * warps, 16 * block_b)
+    assert tiles.window(3, 4, 2, CPU) == 3  # the interpreter: any window
 
 
 def test_look_back_depth():
     """A window of one word per thread reads its nearest word per pass, and so does one warp's
     worth at least 4 tiles deep; shallower windows and the interpreter's are read whole."""
-    assert config.depth(256, 1, CUDA) == config.depth(32, 1, CUDA) == config.DEPTH_WIDE == 1
-    assert config.depth(8, 64, CUDA) == 1
+    assert tiles.depth(256, 1, CUDA) == tiles.depth(32, 1, CUDA) == tiles.DEPTH_WIDE == 1
+    assert tiles.depth(8, 64, CUDA) == 1
     for block_b in (2, 4, 8):
-        assert config.depth(32 // block_b, block_b, CUDA) == 1
+        assert tiles.depth(32 // block_b, block_b, CUDA) == 1
     for block_b in (16, 32):
-        assert config.depth(32 // block_b, block_b, CUDA) == 32 // block_b
-    assert config.depth(16, 1, CPU) == 16
-    with config.override(window=16, depth=3):
+        assert tiles.depth(32 // block_b, block_b, CUDA) == 32 // block_b
+    assert tiles.depth(16, 1, CPU) == 16
+    with tiles.override(window=16, depth=3):
         assert choose(1 << 20, 4, True, CPU).depth == 3
-    with config.override(window=2, depth=3):
+    with tiles.override(window=2, depth=3):
         assert choose(1 << 20, 4, True, CPU).depth == 2  # never more than the window
 
 
 def test_rule_constants_can_be_changed_for_a_measurement():
     assert choose(4096, 512, True).walk
-    with config.rule(WALK_PROGRAMS_PER_SM=4, WINDOW=64):  # 512 row tiles < 4 x 132
+    with tiles.rule(WALK_PROGRAMS_PER_SM=4, WINDOW=64):  # 512 row tiles < 4 x 132
         assert not choose(4096, 512, True).walk
         assert choose(4096, 512, True, CPU).window == 64  # the interpreter's window
-    assert choose(4096, 512, True).walk and config.WINDOW == 16
+    assert choose(4096, 512, True).walk and tiles.WINDOW == 16
     with pytest.raises(KeyError, match="not constants"):
-        with config.rule(NO_SUCH_CONSTANT=1):
+        with tiles.rule(NO_SUCH_CONSTANT=1):
             pass
 
 
 def test_override_is_scoped():
-    with config.override(block_t=16, block_b=2, window=3):
+    with tiles.override(block_t=16, block_b=2, window=3):
         c = choose(1000, 5, True, CPU)
         assert (c.block_t, c.block_b, c.window) == (16, 2, 3)
     assert choose(1000, 5, True, CPU).block_t != 16
-    with config.override(sub=32):  # a forced sub-tiling, at most the tile's steps
+    with tiles.override(sub=32):  # a forced sub-tiling, at most the tile's steps
         assert choose(1024, 16384, False).sub == 32 and choose(1024, 16384, True).sub == 1
-    with config.override(block_t=16, block_b=32, num_warps=4):
+    with tiles.override(block_t=16, block_b=32, num_warps=4):
         assert choose(1024, 16384, False).sub == 1  # recomputed for the forced tile
 
 
 def test_occupancy():
     """Programs per multiprocessor from registers (per warp, in units of 256), warps, programs
     and shared memory (H200 limits), for register counts of the grid's kernels."""
-    assert config.occupancy(168, 2, 2048) == (6, 0.1875)  # V-trace's batch-major look-back tiles
-    assert config.occupancy(56, 4, 2048) == (9, 0.5625)  # GAE's time-major tiles without masks
-    assert config.occupancy(64, 4, 2048) == (8, 0.5)
-    assert config.occupancy(32, 1, 0) == (32, 0.5)  # at most 32 programs
-    assert config.occupancy(32, 4, 100 * 1024) == (2, 0.125)  # shared memory
+    assert tiles.occupancy(168, 2, 2048) == (6, 0.1875)  # V-trace's batch-major look-back tiles
+    assert tiles.occupancy(56, 4, 2048) == (9, 0.5625)  # GAE's time-major tiles without masks
+    assert tiles.occupancy(64, 4, 2048) == (8, 0.5)
+    assert tiles.occupancy(32, 1, 0) == (32, 0.5)  # at most 32 programs
+    assert tiles.occupancy(32, 4, 100 * 1024) == (2, 0.125)  # shared memory
 
 
 def test_full_tiles_keep_their_masks_where_dropping_them_costs_warps():
@@ -279,11 +279,11 @@ def test_full_tiles_keep_their_masks_where_dropping_them_costs_warps():
     assert keeps(165, 155, 2)  # more registers, the same 6 programs
     assert keeps(72, 72, 4)
     assert not keeps(182, 168, 2)  # 5 programs instead of 6
-    assert config.even(1024, 16384, config.TileConfig(32, 32, 4))
-    assert not config.even(1000, 16384, config.TileConfig(32, 32, 4))
-    assert not config.even(1024, 100, config.TileConfig(32, 32, 4))
-    with config.rule(EVEN_TILES=0):
-        assert not config.even(1024, 16384, config.TileConfig(32, 32, 4))
+    assert tiles.even(1024, 16384, tiles.TileConfig(32, 32, 4))
+    assert not tiles.even(1000, 16384, tiles.TileConfig(32, 32, 4))
+    assert not tiles.even(1024, 100, tiles.TileConfig(32, 32, 4))
+    with tiles.rule(EVEN_TILES=0):
+        assert not tiles.even(1024, 16384, tiles.TileConfig(32, 32, 4))
 
 
 def test_full_tiles_keep_their_masks_where_registers_cannot_be_read(monkeypatch):

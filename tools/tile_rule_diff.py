@@ -1,7 +1,7 @@
 """Compare the tile rule of the working tree with the rule at another commit: every field of
 every `config.choose` result, and the helpers around it, over the benchmark grid (every
 estimator's kernel flags, both layouts, 2- 4- and 8-byte inputs) and a random sweep of shapes.
-A rewrite of rl_triton/_triton/config.py must change no decision that measurements back.
+A rewrite of the tile rule (rl_triton/scan/tiles.py; rl_triton/_triton/config.py before) must change no decision that measurements back.
 
     python tools/tile_rule_diff.py [--rev 551440a] [--shapes 100000] [--seed 0] [--rules]
 
@@ -22,7 +22,8 @@ import tempfile
 import torch
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-PATH = "rl_triton/_triton/config.py"
+PATH = "rl_triton/scan/tiles.py"
+OLD_PATH = "rl_triton/_triton/config.py"  # where the rule lived at 551440a
 
 GRID = [(16384, 16), (4096, 128), (16384, 1024), (128, 128), (1024, 1024), (512, 4096),
         (64, 32768), (16, 131072), (4, 1048576)]
@@ -32,7 +33,7 @@ EXTRA = [(2, 2097152), (8, 524288), (1, 4194304), (8, 65536), (300, 4096), (768,
          (1024, 512), (16384, 512), (128, 16384), (200, 16384), (256, 8192), (12, 262144),
          (8, 4096), (4, 8192), (64, 16), (16, 1024), (32, 131072), (3, 4096), (2, 1025),
          (1, 1), (7, 100), (5, 1048576), (16, 2**17), (4096, 65536), (2, 2**21), (3, 2**21)]
-# (reverse, exclusive, aux, n_act) of every kernel (`ops.Kernel`): GAE, lambda-returns and
+# (reverse, exclusive, aux, n_act) of every kernel (`scan.launch.Kernel`): GAE, lambda-returns and
 # discounted returns and the reverse linear scan, V-trace, Retrace, the forward scans
 KERNELS = [(True, False, True, 0), (True, False, False, 0), (True, True, True, 0),
            (False, False, False, 0)] + [(True, False, False, a) for a in (1, 2, 5, 18, 64, 1000)]
@@ -55,7 +56,11 @@ def load(source, name):
 
 def rules(rev):
     old = subprocess.run(["git", "show", f"{rev}:{PATH}"], cwd=ROOT, capture_output=True,
-                         text=True, check=True).stdout
+                         text=True)
+    if old.returncode:
+        old = subprocess.run(["git", "show", f"{rev}:{OLD_PATH}"], cwd=ROOT,
+                             capture_output=True, text=True, check=True)
+    old = old.stdout
     with open(os.path.join(ROOT, PATH)) as f:
         new = f.read()
     return load(old, "tile_rule_old"), load(new, "tile_rule_new")

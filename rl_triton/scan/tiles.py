@@ -78,8 +78,8 @@ SUB_TILES_TIME_MAJOR = 8
 SUB_TILES_MIN_TIME_MAJOR = 4  # at least 4, 2 rows per thread: V-trace 150 -> 135 µs
 SUB_TILES_WIDE_ROWS, SUB_TILES_MIN_WIDE = 16, 8  # at 16 rows at least 8: 57.4 -> 53.3 µs
 # Switches, for measurements
-EVEN_TILES = 1  # full tiles drop their masks (`even`) where that keeps the occupancy (`ops`)
-TRUNCATION_SLOT_ALWAYS = 1  # time-major calls without truncations read terminations there (`ops`)
+EVEN_TILES = 1  # full tiles drop their masks (`even`) where that keeps the occupancy (`launch`)
+TRUNCATION_SLOT_ALWAYS = 1  # time-major calls without truncations read terminations there (`launch`)
 # A multiprocessor's limits (sm_80 and sm_90: the H200), for `occupancy`
 REGISTERS_PER_SM, MAX_WARPS_PER_SM, MAX_PROGRAMS_PER_SM = 65536, 64, 32
 SHARED_PER_SM, SHARED_RESERVED_PER_PROGRAM = 228 * 1024, 1024
@@ -240,7 +240,7 @@ def action_block(n_act: int, itemsize: int = 4) -> int:
 
 def vector_rows(B: int, time_contiguous: bool, actions: bool) -> bool:
     """Time-major tiles of at least 4 rows, but Retrace's: their rows load 4 (or 2) at a time
-    (`ops.row_vector`) and they run as sub-tiles (tiles of 2 rows: GAE 2x2097152 44 -> 67 µs)."""
+    (`launch.row_vector`) and they run as sub-tiles (tiles of 2 rows: GAE 2x2097152 44 -> 67 µs)."""
     return not time_contiguous and not actions and B >= 4
 
 
@@ -283,7 +283,7 @@ def depth(window: int, block_b: int, device: torch.device) -> int:
 
 def even(T: int, B: int, cfg: TileConfig) -> bool:
     """Whether every tile is full (T and B multiples of the tile's): the plan may then compile
-    without masks (`scan.scan_kernel`, `EVEN`), where that keeps the occupancy (`ops`)."""
+    without masks (`scan.scan_kernel`, `EVEN`), where that keeps the occupancy (`launch`)."""
     return bool(EVEN_TILES) and T % cfg.block_t == 0 and B % cfg.block_b == 0
 
 
