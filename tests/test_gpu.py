@@ -57,7 +57,7 @@ def test_full_tiles_drop_their_masks_where_that_keeps_the_warps(name, T, n, layo
     from rl_triton.scan import launch
     picked = []
     rule = launch.even_keeps_occupancy
-    monkeypatch.setattr(ops, "even_keeps_occupancy",
+    monkeypatch.setattr(launch, "even_keeps_occupancy",
                         lambda *a, **k: picked.append(rule(*a, **k)) or picked[-1])
     _plans._PLANS.clear()
     case = make_case(name, T, (n,), device=DEV, seed=3)

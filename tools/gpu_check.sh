@@ -1,15 +1,38 @@
 #!/usr/bin/env bash
 # On the GPU machine, in one command: versions, the test suite with compiled kernels, then
-# (BENCH=1) the benchmark, cut at BENCH_SECONDS. Logs and reports go to $OUT when set (the device
-# tool), else to ./gpu_out. Arguments: the test paths (default: tests).
+# (AB=1) the A/B of every forward cell of at least 4 MB against the base revision prepared in
+# .ab/ (tools/ab_base.py), (FULLCALL=1) GAE's full call at 4096x128 against the base and
+# rl-triton 0.1.3 (.ab/paper/src), and (BENCH=1) the benchmark, cut at BENCH_SECONDS. Logs and
+# reports go to $OUT when set (the device tool), else to ./gpu_out. Arguments: the test paths
+# (default: tests; SKIP_TESTS=1 runs none).
 set -uo pipefail
 out=${OUT:-gpu_out}; mkdir -p "$out"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
-timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -q -n "${WORKERS:-8}" -p no:cacheprovider "${@:-tests}" \
-  2>&1 | tee "$out/pytest.log" | tail -40
-echo "pytest exit: ${PIPESTATUS[0]}"
+if [ "${AB:-0}" = 1 ]; then  # compile both sides' kernels in parallel first (Triton's disk cache)
+  n=${WARM_PROCS:-16}
+  for k in $(seq 0 $((n - 1))); do RL_TRITON_HOST=python python3 tools/ab_base.py warm --shard "$k/$n" > "$out/warm_$k.log" 2>&1 & done
+fi
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -q -n "${WORKERS:-8}" -p no:cacheprovider "${@:-tests}" \
+    2>&1 | tee "$out/pytest.log" | tail -40
+  echo "pytest exit: ${PIPESTATUS[0]}"
+fi
+wait
+if [ "${AB:-0}" = 1 ]; then
+  tail -n 3 "$out"/warm_*.log | grep -i -B2 error | head -20
+  RL_TRITON_HOST=python timeout "${AB_TIMEOUT:-420}" python3 tools/ab_base.py time --out "$out/ab.json" > "$out/ab.log" 2>&1
+  echo "ab exit: $?"; tail -n 2 "$out/ab.log"
+fi
+if [ "${FULLCALL:-0}" = 1 ]; then
+  for i in 1 2; do
+    python3 tools/ab_base.py full-call --package rl_triton
+    RL_TRITON_HOST=python python3 tools/ab_base.py full-call --package rl_triton_base
+    python3 tools/ab_base.py full-call --package rl_triton_base
+    PAPER_PATH=.ab/paper/src python3 tools/ab_base.py full-call --package paper
+  done 2>&1 | grep -v Warning | tee "$out/full_call.log"
+fi
 if [ "${BENCH:-0}" = 1 ]; then
   python3 -m rl_triton.bench --out "$out/bench" --max-seconds "${BENCH_SECONDS:-300}" ${BENCH_ARGS:-} \
     > "$out/bench.log" 2>&1
