@@ -265,14 +265,14 @@ def test_occupancy():
 
 def test_full_tiles_keep_their_masks_where_dropping_them_costs_warps():
     """A plan whose tiles divide the problem drops its masks unless the kernel without them fits
-    fewer warps on a multiprocessor (registers of the two compiled kernels, `ops`)."""
-    from rl_triton._triton import ops
+    fewer warps on a multiprocessor (registers of the two compiled kernels, `launch`)."""
+    from rl_triton.scan import launch
 
     def keeps(regs_even, regs_masked, warps):
         def compile(meta):
             regs = regs_even if meta["EVEN"] else regs_masked
             return SimpleNamespace(n_regs=regs, metadata=SimpleNamespace(shared=2048))
-        return ops.even_keeps_occupancy(None, None, {"EVEN": True, "num_warps": warps},
+        return launch.even_keeps_occupancy(None, None, {"EVEN": True, "num_warps": warps},
                                         compile=compile)
 
     assert keeps(56, 64, 4)  # fewer registers, more warps
@@ -287,18 +287,18 @@ def test_full_tiles_keep_their_masks_where_dropping_them_costs_warps():
 
 
 def test_full_tiles_keep_their_masks_where_registers_cannot_be_read(monkeypatch):
-    """Registers come from a private attribute of Triton's compiled kernels (`ops.registers`):
+    """Registers come from a private attribute of Triton's compiled kernels (`launch.registers`):
     where a Triton does not have it, the masks are kept, with one warning per process."""
-    from rl_triton._triton import ops
+    from rl_triton.scan import launch
 
-    monkeypatch.setattr(ops, "_UNREADABLE", [])
+    monkeypatch.setattr(launch, "_UNREADABLE", [])
     kernels = {"no n_regs": SimpleNamespace(metadata=SimpleNamespace(shared=2048)),
                "n_regs None": SimpleNamespace(n_regs=None, metadata=SimpleNamespace(shared=0)),
                "no metadata": SimpleNamespace(n_regs=56)}
     with pytest.warns(RuntimeWarning, match="keep their masks") as warned:
         for kernel in kernels.values():
-            assert not ops.even_keeps_occupancy(None, None, {"EVEN": True, "num_warps": 4},
+            assert not launch.even_keeps_occupancy(None, None, {"EVEN": True, "num_warps": 4},
                                                 compile=lambda meta: kernel)
     assert len(warned) == 1
-    assert ops.registers(SimpleNamespace(n_regs=56, metadata=SimpleNamespace(shared=0))) \
+    assert launch.registers(SimpleNamespace(n_regs=56, metadata=SimpleNamespace(shared=0))) \
         == (56, 0)
