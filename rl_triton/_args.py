@@ -128,11 +128,11 @@ class Call:
             _check_dtype(name, dt, kind)
         if x.requires_grad and self.grad:
             raise _grad_error(name)
-        # kernels read memory: a lazily negated view's values, not its bits (the dtypes above
-        # are real, so no conjugate bit)
-        if x.is_neg():
-            x = x.resolve_neg()
-        if self.key is not None:  # None while torch.compile traces: fake tensors have no data
+        if self.key is not None:  # None while torch.compile traces (the custom op checks)
+            # kernels read memory: a lazily negated view's values, not its bits (the dtypes
+            # above are real, so no conjugate bit)
+            if x.is_neg():
+                x = x.resolve_neg()
             self.key.append((x.shape, x.stride(), dt, x.data_ptr() % 16 == 0))
         return x
 

@@ -147,7 +147,7 @@ def _register(op: Op):
         x = op.inputs(*args[:n_in])
         s = op.scalars(*args[n_in:n_in + n_s])
         time_dim, out_dtype = args[n_in + n_s:n_in + n_s + 2]
-        extra = tuple(args[n_in + n_s + 2:])
+        extra = op.extras(*args[n_in + n_s + 2:]) if op.extras is not None else ()
         return x, s, time_dim, out_dtype, extra
 
     def pad(outs, ref, out_dtype):

@@ -29,7 +29,7 @@ def test_fullgraph_compile_matches_eager(name, device):
 
 def test_ops_are_registered():
     for name in ("gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
-                 "forward_scan", "linear_scan"):
+                 "eligibility_traces", "episodic_cumsum", "linear_scan"):
         assert hasattr(torch.ops.rl_triton, name)
 
 
