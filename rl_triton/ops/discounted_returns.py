@@ -8,7 +8,7 @@ import torch
 from .. import reference
 from .._args import check_scalar
 from .._plans import Op
-from ..reference import _prep
+from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
 from ..scan.kernel import cut_flags, load_step, load_step_flag, single_store, successor
@@ -60,11 +60,12 @@ KERNEL = Kernel(coef, single_store, reverse=True, carries_last=True)
 
 
 def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
-    r, term, trunc, lv, nv = _prep(dtype, *x)
+    r, lv, nv = _prep(dtype, x.rewards, x.last_value, x.next_values)
+    term, trunc = _flags(x.terminated, x.truncated)
     v_succ = torch_scan.successor(None, nv, lv, r)
     cut = torch_scan.cut(term, trunc)
-    alpha = r + s.gamma * (1 - term) * cut * v_succ
-    beta = s.gamma * (1 - term) * (1 - cut)
+    alpha = r + torch.where(cut & ~term, s.gamma * v_succ, 0.0)
+    beta = torch_scan.keep(cut, s.gamma, dtype)
     return torch_scan.scan(alpha, beta, reverse=True)
 
 

@@ -8,7 +8,7 @@ import torch
 from .. import reference
 from .._args import FLAG, Call, check_scalar
 from .._plans import Op
-from ..reference import _prep
+from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
 from ..scan.kernel import load_flag, load_step, offsets, single_store
@@ -55,7 +55,7 @@ KERNEL = Kernel(coef, single_store, reverse=False)
 def _keep(x, dones, scale):
     """scale * (1 - done[t-1]) with done[-1] = 0, shaped to broadcast over x's feature axes."""
     d = dones.reshape(dones.shape + (1,) * (x.ndim - dones.ndim))
-    return scale * (1 - torch.cat([torch.zeros_like(d[:1]), d[:-1]]))
+    return torch_scan.keep(torch.cat([torch.zeros_like(d[:1]), d[:-1]]), scale, x.dtype)
 
 
 def _check(x: Inputs, time_dim, extra):
@@ -80,12 +80,14 @@ def _copy(x: Inputs):
 
 
 def _traces_torch(x: Inputs, s: TraceScalars, extra=(), dtype=torch.float32):
-    xs, d, init = _prep(dtype, *x)
+    xs, init = _prep(dtype, x.x, x.initial)
+    (d,) = _flags(x.dones)
     return torch_scan.scan(xs, _keep(xs, d, s.gamma * s.lam), reverse=False, initial=init)
 
 
 def _cumsum_torch(x: Inputs, s: NoScalars, extra=(), dtype=torch.float32):
-    xs, d, init = _prep(dtype, *x)
+    xs, init = _prep(dtype, x.x, x.initial)
+    (d,) = _flags(x.dones)
     return torch_scan.scan(xs, _keep(xs, d, 1.0), reverse=False, initial=init)
 
 

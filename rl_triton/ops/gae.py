@@ -8,7 +8,7 @@ import torch
 from .. import reference
 from .._args import check_scalar
 from .._plans import Op
-from ..reference import _prep
+from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
 from ..scan.kernel import cut_flags, load_step, store_out, successor
@@ -64,10 +64,11 @@ KERNEL = Kernel(coef, store, reverse=True, aux=True)
 
 
 def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
-    r, v, term, trunc, lv, nv = _prep(dtype, *x)
+    r, v, lv, nv = _prep(dtype, x.rewards, x.values, x.last_value, x.next_values)
+    term, trunc = _flags(x.terminated, x.truncated)
     v_succ = torch_scan.successor(v, nv, lv, r)
-    alpha = r + s.gamma * (1 - term) * v_succ - v
-    beta = s.gamma * s.lam * (1 - torch_scan.cut(term, trunc))
+    alpha = r + torch.where(term, 0.0, s.gamma * v_succ) - v
+    beta = torch_scan.keep(torch_scan.cut(term, trunc), s.gamma * s.lam, dtype)
     adv = torch_scan.scan(alpha, beta, reverse=True)
     return adv, adv + v
 

@@ -8,10 +8,10 @@ import torch
 from .. import reference
 from .._args import FLAG, INDEX, VALUE, Call, check_actions, check_bool, check_scalar
 from .._plans import Op
-from ..reference import _prep
+from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import cut_flags, load_step, load_value, offsets, store_out
+from ..scan.kernel import clip, cut_flags, load_step, load_value, offsets, store_out
 from ..scan.launch import Kernel
 from ._common import scan_plan
 
@@ -137,7 +137,7 @@ def terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
     if not EARLY:
         mu_next = tl.where(inside, load_step(ins, st, s1, s2, MU, t + 1, b1, b2, inside),
                            1.0)
-    c_next = lam * tl.minimum(pi_a_next / mu_next, c_clip)
+    c_next = lam * clip(pi_a_next / mu_next, c_clip)
 
     # At t = T-1, E comes from the bootstrap state s_T: read by the tile that holds T-1 only.
     if not FOLD:
@@ -188,9 +188,9 @@ KERNEL = Kernel(coef, store, reverse=True, trunc_slot_always=(TERM.value, TRUNC.
 
 
 def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
-    r, q, pi, mu, term, trunc, lq, lpi = _prep(dtype, x.rewards, x.q_values, x.target_probs,
-                                               x.behavior_probs, x.terminated, x.truncated,
-                                               x.last_q_values, x.last_target_probs)
+    r, q, pi, mu, lq, lpi = _prep(dtype, x.rewards, x.q_values, x.target_probs,
+                                  x.behavior_probs, x.last_q_values, x.last_target_probs)
+    term, trunc = _flags(x.terminated, x.truncated)
     a = x.actions.long().clamp(0, q.shape[-1] - 1).unsqueeze(-1)  # as the kernel: in range
     q_a = q.gather(-1, a).squeeze(-1)
     pi_a = pi.gather(-1, a).squeeze(-1)
@@ -198,9 +198,10 @@ def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
     expected = torch_scan.shift_up((pi * q).sum(-1), (lpi * lq).sum(-1))
     c_next = torch_scan.shift_up(s.lam * torch.clamp(pi_a / mu, max=s.c_clip), zero)
     q_a_next = torch_scan.shift_up(q_a, zero)
-    keep = (1 - torch_scan.cut(term, trunc)) * c_next
-    alpha = r + s.gamma * (1 - term) * (expected - keep * q_a_next)
-    beta = s.gamma * (1 - term) * keep
+    cut = torch_scan.cut(term, trunc)
+    boot = expected - torch.where(cut, 0.0, c_next * q_a_next)
+    alpha = r + torch.where(term, 0.0, s.gamma * boot)
+    beta = torch.where(cut, 0.0, s.gamma * c_next)
     g = torch_scan.scan(alpha, beta, reverse=True)
     return g, g - q_a
 

@@ -8,10 +8,10 @@ import torch
 from .. import reference
 from .._args import check_scalar
 from .._plans import Op
-from ..reference import _prep
+from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import cut_flags, load_step, store_out, successor
+from ..scan.kernel import clip, cut_flags, load_step, store_out, successor
 from ..scan.launch import Kernel
 from ._common import scan_plan, value_args
 
@@ -58,8 +58,8 @@ def coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
     ratio = tl.exp(load_step(ins, st, s1, s2, TARGET_LP, t, b1, b2, mask)
                    - load_step(ins, st, s1, s2, BEHAVIOR_LP, t, b1, b2, mask))
     target = r + tl.where(term, 0.0, gamma * v_succ)
-    alpha = tl.minimum(ratio, rho_clip) * (target - v)
-    beta = tl.where(cut, 0.0, gamma * lam * tl.minimum(ratio, c_clip))
+    alpha = clip(ratio, rho_clip) * (target - v)
+    beta = tl.where(cut, 0.0, gamma * lam * clip(ratio, c_clip))
     return alpha, beta, (r, v, term, cut, ratio, v_succ, v_slot_next)
 
 
@@ -73,7 +73,7 @@ def store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
     store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, v + res)  # vs
     # vs'[t] = vs[t+1] = V[t+1] + D[t+1] inside an episode and the window, v'[t] at a cut.
     vs_succ = tl.where(cut, v_succ, v_slot_next + res_prev)
-    pg = tl.minimum(ratio, pg_rho_clip) * (
+    pg = clip(ratio, pg_rho_clip) * (
         r + tl.where(term, 0.0, gamma * (lam * vs_succ + (1.0 - lam) * v_succ)) - v)
     store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, pg)
 
@@ -82,18 +82,20 @@ KERNEL = Kernel(coef, store, reverse=True, exclusive=True, aux=True)
 
 
 def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
-    r, v, term, tlp, blp, trunc, lv, nv = _prep(dtype, *x)
+    r, v, tlp, blp, lv, nv = _prep(dtype, x.rewards, x.values, x.target_log_probs,
+                                   x.behavior_log_probs, x.last_value, x.next_values)
+    term, trunc = _flags(x.terminated, x.truncated)
     v_succ = torch_scan.successor(v, nv, lv, r)
     cut = torch_scan.cut(term, trunc)
-    ratio = torch.exp(tlp - blp)
-    target = r + s.gamma * (1 - term) * v_succ
+    ratio = torch.exp(tlp - blp)  # torch.clamp keeps a NaN ratio NaN
+    target = r + torch.where(term, 0.0, s.gamma * v_succ)
     alpha = torch.clamp(ratio, max=s.rho_clip) * (target - v)
-    beta = s.gamma * s.lam * torch.clamp(ratio, max=s.c_clip) * (1 - cut)
+    beta = torch.where(cut, 0.0, s.gamma * s.lam * torch.clamp(ratio, max=s.c_clip))
     d = torch_scan.scan(alpha, beta, reverse=True)
     vs = v + d
-    vs_succ = cut * v_succ + (1 - cut) * torch_scan.shift_up(vs, torch.zeros_like(r[0]))
-    pg = torch.clamp(ratio, max=s.pg_rho_clip) * (
-        r + s.gamma * (1 - term) * (s.lam * vs_succ + (1 - s.lam) * v_succ) - v)
+    vs_succ = torch.where(cut, v_succ, torch_scan.shift_up(vs, torch.zeros_like(r[0])))
+    boot = s.lam * vs_succ + (1 - s.lam) * v_succ
+    pg = torch.clamp(ratio, max=s.pg_rho_clip) * (r + torch.where(term, 0.0, s.gamma * boot) - v)
     return vs, pg
 
 

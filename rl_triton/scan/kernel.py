@@ -43,15 +43,25 @@ from .jit import tl, triton
 
 
 @triton.jit
+def apply_map(a, b, x):
+    """The map A -> a + b * A applied to x: exactly a where b = 0, whatever x holds (a cut is a
+    select, not a multiplication by zero: 0 * inf is NaN, and nothing after a cut may reach the
+    steps before it)."""
+    return tl.where(b == 0, a, a + b * x)
+
+
+@triton.jit
 def combine(a1, b1, a2, b2):
-    """(a1, b1) then (a2, b2): the later element in scan order applied to the earlier's result."""
-    return a2 + b2 * a1, b1 * b2
+    """(a1, b1) then (a2, b2): the later element in scan order applied to the earlier's result.
+    Where b2 = 0 the result is (a2, 0) exactly (`apply_map`)."""
+    return apply_map(a2, b2, a1), tl.where(b2 == 0, 0.0, b1 * b2)
 
 
 @triton.jit
 def combine_with_exclusive(a1, b1, ea1, eb1, a2, b2, ea2, eb2):
     """`combine`, plus (ea, eb): the composition of all elements but the last one in scan order."""
-    return a2 + b2 * a1, b1 * b2, ea2 + eb2 * a1, b1 * eb2
+    return (apply_map(a2, b2, a1), tl.where(b2 == 0, 0.0, b1 * b2), apply_map(ea2, eb2, a1),
+            tl.where(eb2 == 0, 0.0, b1 * eb2))
 
 
 @triton.jit
@@ -225,6 +235,8 @@ def look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry_i
     places are identity maps and read nothing), each an aggregate map (tag + 1) or an outgoing
     value (tag + 2, a constant map), and composes them until every live row's map is constant.
     Position -1 is the initial carry. `r`, `live` and `carry_in` are laid along the row axis.
+    The loop also ends once it has read the initial carry: a map holding NaN (a NaN ratio) never
+    becomes constant (NaN * 0 is NaN), and its composition is NaN whatever comes before.
 
     The window's size is `config.window`'s: exactly one warp's worth of words (every warp runs
     this loop on its own, nothing crosses warps inside it), or one word per thread (no word is
@@ -256,10 +268,10 @@ def look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry_i
             mb = tl.where(real, tl.where(constant, 0.0, word_value(tb)), tl.where(start, 0.0, 1.0))
             ca, cb = tl.associative_scan((ma, mb), TIME_AXIS, combine)
             # the tiles read so far (acc) come after this window in scan order
-            acc_a = acc_a + acc_b * edge(ca, TIME_AXIS, WINDOW, WINDOW - 1)
-            acc_b = acc_b * edge(cb, TIME_AXIS, WINDOW, WINDOW - 1)
+            acc_a, acc_b = combine(edge(ca, TIME_AXIS, WINDOW, WINDOW - 1),
+                                   edge(cb, TIME_AXIS, WINDOW, WINDOW - 1), acc_a, acc_b)
             hi -= DEPTH
-            busy = tl.max(tl.where(live, acc_b != 0.0, False).to(tl.int32)) != 0
+            busy = (tl.max(tl.where(live, acc_b != 0.0, False).to(tl.int32)) != 0) & (hi >= -1)
     return acc_a
 
 
@@ -387,8 +399,9 @@ def scan_chunk(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, s
             else:
                 ea_s = ea_s + (a_s[J - 1],)
                 eb_s = eb_s + (bb_s[J - 1],)
-            a_s = a_s + (As[J] + Bs[J] * pa,)
-            bb_s = bb_s + (Bs[J] * pb,)
+            a_J, bb_J = combine(pa, pb, As[J], Bs[J])
+            a_s = a_s + (a_J,)
+            bb_s = bb_s + (bb_J,)
         G: tl.constexpr = BLOCK_T // SUB
         agg_a = edge(a_s[SUB - 1], TIME_AXIS, G, G - 1)
         agg_b = edge(bb_s[SUB - 1], TIME_AXIS, G, G - 1)
@@ -400,8 +413,8 @@ def store_chunk(outs, ost, os1, os2, b1, b2, ts, masks, a_s, bb_s, ea_s, eb_s, a
                 scalars, STORE: tl.constexpr, VARIANT: tl.constexpr, SUB: tl.constexpr):
     """The outputs of a tile scanned by `scan_chunk`, whose carry is now known."""
     for J in tl.static_range(SUB):
-        STORE(outs, ost, os1, os2, ts[J], b1, b2, masks[J], a_s[J] + bb_s[J] * carry,
-              ea_s[J] + eb_s[J] * carry, auxs[J], scalars, VARIANT)
+        STORE(outs, ost, os1, os2, ts[J], b1, b2, masks[J], apply_map(a_s[J], bb_s[J], carry),
+              apply_map(ea_s[J], eb_s[J], carry), auxs[J], scalars, VARIANT)
 
 
 # n_row_tiles is never specialized: as the stride between a look-back window's words it must not
@@ -493,7 +506,7 @@ def scan_kernel(
             store_chunk(outs, ost, os1, os2, b1, b2, ts, masks, a_s, bb_s, ea_s, eb_s, auxs,
                         carry, scalars, STORE, VARIANT, SUB)
             # the tile's outgoing value: the carry into the next tile in scan order
-            carry = agg_a + agg_b * carry
+            carry = apply_map(agg_a, agg_b, carry)
     else:
         chunk = n_chunks - 1 - order if REVERSE else order
         ts, masks, a_s, bb_s, ea_s, eb_s, auxs, agg_a, agg_b = scan_chunk(
@@ -514,7 +527,7 @@ def scan_kernel(
                 carry = look_back(words_a, words_b, pid_b, order, n_row_tiles, r, mask_b, tag,
                                   carry, TIME_AXIS, WINDOW, DEPTH, BLOCK_B)
             if order < n_chunks - 1:
-                tl.atomic_xchg(words_a + slot, pack(agg_a + agg_b * carry, tag + 2),
+                tl.atomic_xchg(words_a + slot, pack(apply_map(agg_a, agg_b, carry), tag + 2),
                                sem="relaxed")
         store_chunk(outs, ost, os1, os2, b1, b2, ts, masks, a_s, bb_s, ea_s, eb_s, auxs, carry,
                     scalars, STORE, VARIANT, SUB)
@@ -531,3 +544,10 @@ def single_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, param
                  VARIANT: tl.constexpr):
     """The writer of ops whose one output is the scan's value."""
     store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)
+
+
+@triton.jit
+def clip(x, high):
+    """min(x, high), NaN where x is NaN: a NaN ratio is never clipped into a finite number (plain
+    `tl.minimum` returns the operand that is not NaN)."""
+    return tl.minimum(x, high, propagate_nan=tl.PropagateNan.ALL)

@@ -1,0 +1,345 @@
+"""Float flags and non-finite inputs (SPEC section 1, "Flags" and "Non-finite inputs"), on every
+backend, in both layouts, at small odd shapes, through the public functions.
+
+A flag is set wherever it is nonzero, whatever its dtype. A NaN or inf reaches only the outputs
+that depend on it through the formula and never crosses an episode boundary: a cut is a select,
+not a multiplication by zero (0 * inf is NaN), so the outputs of the steps before a boundary are
+those of the same call with the bad value replaced by a finite one, bit for bit. A NaN ratio or
+probability gives NaN (it is never clipped into a finite number), and every backend gives the same
+NaN pattern.
+"""
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rl_triton import _plans
+from rl_triton.scan import tiles as tiles_rule
+from cases import BACKENDS, Case, make_case
+
+# numpy's warnings on inf - inf and 0 * inf in Triton's interpreter
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+LAYOUTS = ["time-major", "batch-major"]
+SHAPES = [(1, 1), (1, 5), (7, 1), (7, 5), (37, 1), (37, 5)]
+FLAGGED = ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
+           "eligibility_traces", "episodic_cumsum"]
+FLAG_NAMES = ("terminated", "truncated", "dones")
+
+
+def clone(case: Case) -> Case:
+    copy = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.steps.items()}
+    extra = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.extra.items()}
+    return Case(case.name, case.fn, case.ref, copy, extra)
+
+
+# --- 1. Float flags are set wherever they are nonzero -------------------------------------------
+
+@pytest.mark.parametrize("name", FLAGGED)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("T,N", SHAPES)
+def test_float_flags_are_set_where_nonzero(name, backend, layout, T, N, device):
+    """Flags given as float 0.5, 2.0 or -1.0 behave exactly as True (and 0.0 as False): the same
+    outputs, bit for bit, as the call with bool flags."""
+    case = make_case(name, T, (N,), device=device, seed=T * 10 + N)
+    t = torch.arange(T)[:, None]
+    n = torch.arange(N)[None, :]
+    patterns = {"terminated": (3 * t + n) % 4 == 0, "truncated": (t + 2 * n) % 3 == 1,
+                "dones": (t + n) % 3 == 0}
+    dtype = (torch.float32, torch.float16, torch.float64)[SHAPES.index((T, N)) % 3]
+    weights = torch.tensor([0.5, 2.0, -1.0], dtype=dtype)[(t + n) % 3]
+    floats = clone(case)
+    for key in FLAG_NAMES:
+        if case.steps.get(key) is not None:
+            case.steps[key] = patterns[key].to(device)
+            floats.steps[key] = torch.where(patterns[key], weights, 0.0).to(dtype).to(device)
+    assert any(floats.steps[k].abs().max() > 0 for k in FLAG_NAMES if k in floats.steps
+               and floats.steps[k] is not None)
+    want = case.call(layout, backend=backend)
+    got = floats.call(layout, backend=backend)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), (i, g, w)
+
+
+# --- 2. Non-finite inputs stay in their episode; every backend gives the same pattern ----------
+
+# Where a bad value in slot j of an input is read, besides the trace through the recurrence:
+#   own:   by step j only;
+#   succ:  by step j - 1 too, as a successor (v'[j-1], E[j-1], Q(s_j, a_j)): dropped at a
+#          termination at j - 1, used at a truncation there;
+#   trace: by step j - 1 too, through its trace only (c[j], vs[j]): dropped at any cut at j - 1;
+#   boot:  a bootstrap (slot T), read by step T - 1 as its successor;
+#   init:  a forward scan's initial value (slot -1).
+# (estimator, bootstrap of the case, [(input, role), ...])
+GROUPS = [
+    ("gae", "last_value", [("rewards", "own"), ("values", "succ"), ("last_value", "boot")]),
+    ("gae", "next_values", [("next_values", "own"), ("values", "own")]),
+    ("lambda_returns", "last_value",
+     [("rewards", "own"), ("values", "succ"), ("last_value", "boot")]),
+    ("lambda_returns", "next_values", [("next_values", "own")]),
+    ("discounted_returns", "last_value", [("rewards", "own"), ("last_value", "boot")]),
+    ("discounted_returns", "next_values", [("next_values", "own")]),
+    ("vtrace", "last_value", [("rewards", "own"), ("values", "succ"), ("last_value", "boot"),
+                              ("target_log_probs", "own"), ("behavior_log_probs", "own")]),
+    ("vtrace", "next_values", [("next_values", "own"), ("values", "trace")]),
+    ("retrace", "last_value", [("rewards", "own"), ("q_values", "succ"),
+                               ("target_probs", "succ"), ("behavior_probs", "trace"),
+                               ("last_q_values", "boot"), ("last_target_probs", "boot")]),
+    ("linear_scan_reverse", "last_value", [("alpha", "own"), ("beta", "own"), ("initial", "boot")]),
+    ("eligibility_traces", "last_value", [("x", "own"), ("initial", "init")]),
+    ("episodic_cumsum", "last_value", [("x", "own"), ("initial", "init")]),
+    ("linear_scan_forward", "last_value", [("alpha", "own"), ("beta", "own"), ("initial", "init")]),
+]
+GROUP_IDS = [f"{name}-{boot}" for name, boot, _ in GROUPS]
+VALUES = (math.inf, math.nan, -math.inf)
+KINDS = ("terminated", "truncated")
+
+
+def spoil(case: Case, name: str, rows, T: int):
+    """The case with one bad value in each row n: rows[n] = (input, role, combo), the combo
+    choosing the value (inf, NaN, -inf) and the boundary (termination or truncation), which is
+    set in the same place in the clean case. Returns (clean, bad, safe), safe[t, n] marking the
+    steps that must not see the bad value."""
+    clean, bad = clone(case), clone(case)
+    safe = torch.zeros(T, len(rows), dtype=torch.bool)
+    forward = name in ("eligibility_traces", "episodic_cumsum", "linear_scan_forward")
+    for n, (inp, role, c) in enumerate(rows):
+        kind = KINDS[(c // 3) % 2]
+        value = math.nan if inp == "beta" else VALUES[c % 3]  # inf betas: see the report
+        if not forward:
+            if role == "boot":
+                j, k = T, T - 1 - (kind == "truncated")
+            else:
+                k = T // 3 + n % 2
+                j = k + (2 if role == "succ" and kind == "truncated" else 1)
+                if j > T - 1:
+                    j, k = T - 1, -1
+            if k >= 0:
+                for x in (clean, bad):
+                    boundary(x, name, kind, k, n)
+                safe[:k + 1, n] = True
+        else:
+            j = -1 if role == "init" else min(T - 1, T // 3 + n % 2)
+            m = j + 1 + (kind == "truncated")  # the first step that must not see it
+            if name != "linear_scan_forward":
+                m = max(m, 1)
+            if m <= T - 1:
+                for x in (clean, bad):
+                    boundary(x, name, kind, m, n)
+                safe[m:, n] = True
+        put(bad, inp, j, n, value)
+    return clean, bad, safe
+
+
+def boundary(case: Case, name: str, kind: str, k: int, n: int):
+    """A boundary in row n: a termination or truncation at step k (reverse estimators), a done at
+    step k - 1 (forward ones: step k starts afresh), or beta = 0 at step k (linear scans)."""
+    s = case.steps
+    if name.startswith("linear_scan"):
+        s["beta"][k, n] = 0.0
+    elif "dones" in s:
+        s["dones"][k - 1, n] = True
+    elif kind == "terminated":
+        s["terminated"][k, n] = True
+    else:
+        s["terminated"][k, n] = False
+        s["truncated"][k, n] = True
+
+
+def put(case: Case, inp: str, j: int, n: int, value: float):
+    x = case.steps.get(inp)
+    if x is not None:
+        if x.ndim == 3:  # [T, N, A]: the entry of the action taken at step j
+            x[j, n, case.steps["actions"][j, n]] = value
+        else:
+            x[j, n] = value
+    else:
+        x = case.extra[inp]
+        if x.ndim == 2:  # [N, A]
+            x[n, 0] = value
+        else:
+            x[n] = value
+
+
+def check(clean: Case, bad: Case, safe, layout, backends=BACKENDS, tiles=None):
+    """Each backend: the safe steps finite and equal to the clean call's; then the same NaN and inf
+    pattern on every backend. `tiles`: tile overrides for the Triton backend."""
+    patterns = {}
+    for backend in backends:
+        if backend == "triton" and tiles is not None:
+            _plans._PLANS.clear()
+            with tiles_rule.override(**tiles):
+                got, want = bad.call(layout, backend=backend), clean.call(layout, backend=backend)
+            _plans._PLANS.clear()
+        else:
+            got, want = bad.call(layout, backend=backend), clean.call(layout, backend=backend)
+        for i, (g, w) in enumerate(zip(got, want)):
+            g, w = g.cpu(), w.cpu()
+            assert torch.isfinite(g[safe]).all(), (backend, i, g, safe)
+            assert torch.equal(g[safe], w[safe]), (backend, i, g, w, safe)
+        patterns[backend] = [(torch.isnan(g.cpu()), torch.isposinf(g.cpu()),
+                              torch.isneginf(g.cpu())) for g in got]
+    first = backends[0]
+    for backend in backends[1:]:
+        for i, (p, q) in enumerate(zip(patterns[first], patterns[backend])):
+            for what, a, b in zip(("NaN", "+inf", "-inf"), p, q):
+                assert torch.equal(a, b), f"output {i}: {what} on {first}\n{a}\non {backend}\n{b}"
+
+
+MAIN_SHAPES = [(1, 5), (7, 1), (7, 5), (37, 5)]
+
+
+@pytest.mark.parametrize("name,bootstrap,inputs", GROUPS, ids=GROUP_IDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("T,N", MAIN_SHAPES)
+def test_non_finite_inputs_stay_in_their_episode(name, bootstrap, inputs, layout, T, N, device):
+    """inf, NaN or -inf in one input of one step (or a bootstrap) per row, the inputs taking the
+    rows in turn, after a termination or truncation (reverse scans: GAE, TD(lambda), returns,
+    V-trace, Retrace, linear_scan with beta = 0) or before a done (forward scans): the steps on
+    the other side are finite and unchanged, and every backend gives the same NaN / inf pattern
+    everywhere."""
+    case = make_case(name, T, (N,), device=device, seed=T + N, bootstrap=bootstrap)
+    i0 = MAIN_SHAPES.index((T, N)) + LAYOUTS.index(layout)
+    rows = [(*inputs[(n + i0) % len(inputs)], n + 2 * i0) for n in range(N)]
+    clean, bad, safe = spoil(case, name, rows, T)
+    check(clean, bad, safe, layout)
+
+
+SPLITS = [("look-back, sub-tiles", "time-major",
+           dict(block_t=16, block_b=2, walk=False, window=2, sub=4)),
+          ("look-back", "batch-major", dict(block_t=16, block_b=2, walk=False, window=1)),
+          ("walk", "batch-major", dict(block_t=16, block_b=2, walk=True))]
+
+
+@pytest.mark.parametrize("name,bootstrap,inputs", GROUPS, ids=GROUP_IDS)
+@pytest.mark.parametrize("split,layout,tiles", SPLITS, ids=[f"{s}-{l}" for s, l, _ in SPLITS])
+def test_non_finite_inputs_across_tiles(name, bootstrap, inputs, split, layout, tiles, device):
+    """Rows of 47 steps in tiles of 16, the boundaries at steps 15-16 and the bad values just
+    past them, in the next tile: carried by look-back (time-major tiles in 4 sub-tiles), or by
+    walking the rows, the Triton kernels keep the boundaries as the loop does."""
+    T, N = 47, len(inputs)
+    case = make_case(name, T, (N,), device=device, seed=3, bootstrap=bootstrap)
+    i0 = [s for s, _, _ in SPLITS].index(split)
+    rows = [(*inputs[n], 2 * n + i0) for n in range(N)]
+    clean, bad, safe = spoil(case, name, rows, T)
+    check(clean, bad, safe, layout, backends=["loop", "triton"], tiles=tiles)
+
+
+# --- 3. NaN ratios and probabilities give NaN -----------------------------------------------------
+
+def quiet(case: Case):
+    """No flags: every step is in one episode."""
+    for key in FLAG_NAMES:
+        if case.steps.get(key) is not None:
+            case.steps[key] = torch.zeros_like(case.steps[key])
+
+
+@pytest.mark.parametrize("which", ["target_log_probs", "behavior_log_probs"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("T,N", SHAPES)
+def test_vtrace_nan_log_prob_gives_nan(which, backend, layout, T, N, device):
+    """A NaN log-probability at step j makes ratio[j] NaN: rho[j], c[j] and the pg clip of step j
+    use it, so vs and pg_advantages are NaN at j and at every step before it in the episode
+    (through D and vs'), and finite after it. It is never clipped into a finite ratio."""
+    case = make_case("vtrace", T, (N,), device=device, seed=T + N)
+    quiet(case)
+    j = T // 2
+    case.steps[which][j, N - 1] = math.nan
+    vs, pg = case.call(layout, backend=backend)
+    want = torch.zeros(T, N, dtype=torch.bool)
+    want[:j + 1, N - 1] = True
+    assert torch.equal(torch.isnan(vs.cpu()), want), vs
+    assert torch.equal(torch.isnan(pg.cpu()), want), pg
+    assert torch.isfinite(vs.cpu()[~want]).all() and torch.isfinite(pg.cpu()[~want]).all()
+
+
+@pytest.mark.parametrize("which", ["taken target prob", "other target prob", "behavior prob"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("T,N", SHAPES)
+def test_retrace_nan_probability_gives_nan(which, backend, layout, T, N, device):
+    """A NaN pi(a | s_j) or mu(a_j | s_j) at step j: the trace coefficient c[j] (pi / mu of the
+    action taken) or the expectation E[j-1] (any action) is NaN, so G and G - Q are NaN at every
+    step before j in the episode, and finite from j on (slot 0 is read by no step)."""
+    case = make_case("retrace", T, (N,), device=device, seed=T + N)
+    quiet(case)
+    j = T // 2
+    a = int(case.steps["actions"][j, N - 1])
+    if which == "behavior prob":
+        case.steps["behavior_probs"][j, N - 1] = math.nan
+    else:
+        n_act = case.steps["target_probs"].shape[-1]
+        case.steps["target_probs"][j, N - 1, a if which.startswith("taken") else (a + 1) % n_act] \
+            = math.nan
+    outs = case.call(layout, backend=backend)
+    want = torch.zeros(T, N, dtype=torch.bool)
+    want[:j, N - 1] = True
+    for out in outs:
+        assert torch.equal(torch.isnan(out.cpu()), want), out
+        assert torch.isfinite(out.cpu()[~want]).all()
+
+
+# --- 4. The look-back ends, and selects, whatever the maps it reads hold --------------------------
+
+LOOK_BACK = r'''
+import os, struct, sys
+os.environ["TRITON_INTERPRET"] = "1"
+import torch, triton, triton.language as tl
+from rl_triton.scan import kernel as scan
+
+@triton.jit
+def probe(words, out, order, tag, n_chunks, WINDOW: tl.constexpr, DEPTH: tl.constexpr):
+    r = tl.arange(0, 2)[:, None]
+    carry_in = tl.zeros(r.shape, tl.float32)
+    acc = scan.look_back(words, words + n_chunks * 2, 0, order, 1, r, r < 2, tag, carry_in, 1,
+                         WINDOW, DEPTH, 2)
+    tl.store(out + r, acc)
+
+def word(value, tag):
+    return struct.unpack("<I", struct.pack("<f", value))[0] | (tag << 32)
+
+tag = 4
+# tiles 0..2 in scan order, as tile 3 finds them: tile 0 published its outgoing value (a constant
+# map), tiles 1 and 2 their maps a + b * A; one row per column
+cases = {"nan map": [(5.0, None), (float("nan"), float("nan")), (2.0, 3.0)],
+         "cut": [(float("nan"), None), (2.0, 0.0), (1.0, 2.0)],
+         "inf before a cut": [(float("inf"), None), (7.0, 0.0), (0.5, 0.5)]}
+for window, depth in ((1, 1), (4, 4), (4, 1)):
+    for label, tiles in cases.items():
+        a = [word(v, tag + (2 if b is None else 1)) for v, b in tiles for _ in range(2)]
+        b = [word(0.0 if bb is None else bb, tag + 1) for _, bb in tiles for _ in range(2)]
+        words = torch.tensor(a + [0, 0] + b + [0, 0], dtype=torch.int64)
+        out = torch.zeros(2)
+        probe[(1,)](words, out, 3, tag, 4, window, depth)
+        print(window, depth, label, out.tolist(), flush=True)
+'''
+
+
+def test_look_back_ends_and_selects():
+    """The look-back composes the maps its predecessors published until the composition no longer
+    depends on anything earlier. A map holding NaN (a NaN ratio in the tile) never becomes
+    constant by multiplication (NaN * 0 is NaN): the look-back still ends at the initial carry,
+    at the latest (it used to loop forever on a GPU, where it can find such a map). A map with
+    b = 0 (a cut) selects its own value, whatever the tiles before it hold (inf or NaN). Run in
+    a subprocess, so that a look-back that never ends fails the test instead of hanging it."""
+    done = subprocess.run([sys.executable, "-c", LOOK_BACK], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parent.parent,
+                          env={**os.environ,
+                               "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    lines = done.stdout.strip().split("\n")
+    assert len(lines) == 9, lines
+    for line in lines:
+        window, depth, rest = line.split(" ", 2)
+        label, values = rest.rsplit(" [", 1)
+        values = [float(v) for v in values.rstrip("]").split(",")]
+        # tile 2's map over tile 1's over tile 0's value
+        want = {"nan map": math.nan, "cut": 1.0 + 2.0 * 2.0, "inf before a cut": 0.5 + 0.5 * 7.0}
+        for v in values:
+            assert (math.isnan(v) and math.isnan(want[label])) or v == want[label], line
