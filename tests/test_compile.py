@@ -1,7 +1,8 @@
 """Every kernel variant compiles for the GPU (sm_90) with the installed Triton, also on a machine
 without one: the interpreter that runs the other tests on the CPU never runs the compiler. CI
-(.ci/run) also installs the oldest supported Triton into .ci/triton-oldest, a virtual
-environment over this one, and the build runs with that too."""
+(.ci/run) also installs the oldest supported Triton into the folder .ci/triton-oldest (`pip
+install --target`), and the build runs with that too: this interpreter with that folder first on
+its path, so that it works from a virtual environment as from a system Python."""
 import os
 import re
 import subprocess
@@ -11,23 +12,29 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-OLDEST = HERE.parent / ".ci" / "triton-oldest" / "bin" / "python"
+OLDEST = HERE.parent / ".ci" / "triton-oldest"
+OLDEST_VERSION = "3.6.0"
 
 
-def compiler_env():
+def compiler_env(*first):
     """The environment of a compiling subprocess: without the interpreter, with this checkout
-    importable."""
+    (and `first` before it) importable."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, first), str(HERE.parent),
+                                         env.get("PYTHONPATH", "")])
     return env
 
 
 @pytest.mark.parametrize("python", ["installed", "oldest"])
 def test_every_variant_compiles_for_sm90(python):
-    if python == "oldest" and not OLDEST.exists():
+    if python == "oldest" and not (OLDEST / "triton").exists():
         pytest.skip("no .ci/triton-oldest here (made by .ci/run)")
-    exe = sys.executable if python == "installed" else str(OLDEST)
-    done = subprocess.run([exe, str(HERE / "compile_sm90.py")], env=compiler_env(),
+    env = compiler_env(*([OLDEST] if python == "oldest" else []))
+    if python == "oldest":  # that folder's Triton, not the installed one
+        version = subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__)"],
+                                 env=env, capture_output=True, text=True).stdout.strip()
+        assert version == OLDEST_VERSION, version
+    done = subprocess.run([sys.executable, str(HERE / "compile_sm90.py")], env=env,
                           capture_output=True, text=True, timeout=900)
     report = done.stdout + done.stderr[-3000:]
     assert done.returncode == 0, report

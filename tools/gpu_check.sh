@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine, in one command: versions, the test suite with compiled kernels, then
-# (AB=1) the A/B of every forward cell of at least 4 MB against the base revision prepared in
+# (AB=1, or AB_WARM=1 then AB_TIME=1 in two calls) the A/B of every forward cell of at least 4 MB against the base revision prepared in
 # .ab/ (tools/ab_base.py), (FULLCALL=1) GAE's full call at 4096x128 against the base and
 # rl-triton 0.1.3 (.ab/paper/src), and (BENCH=1) the benchmark, cut at BENCH_SECONDS. Logs and
 # reports go to $OUT when set (the device tool), else to ./gpu_out. Arguments: the test paths
@@ -10,7 +10,7 @@ out=${OUT:-gpu_out}; mkdir -p "$out"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
-if [ "${AB:-0}" = 1 ]; then  # compile both sides' kernels in parallel first (Triton's disk cache)
+if [ "${AB:-0}" = 1 ] || [ "${AB_WARM:-0}" = 1 ]; then  # compile both sides' kernels in parallel first (Triton's disk cache)
   n=${WARM_PROCS:-16}
   for k in $(seq 0 $((n - 1))); do RL_TRITON_HOST=python python3 tools/ab_base.py warm --shard "$k/$n" > "$out/warm_$k.log" 2>&1 & done
 fi
@@ -20,7 +20,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   echo "pytest exit: ${PIPESTATUS[0]}"
 fi
 wait
-if [ "${AB:-0}" = 1 ]; then
+if [ "${AB:-0}" = 1 ] || [ "${AB_TIME:-0}" = 1 ]; then
   tail -n 3 "$out"/warm_*.log | grep -i -B2 error | head -20
   RL_TRITON_HOST=python timeout "${AB_TIMEOUT:-420}" python3 tools/ab_base.py time --out "$out/ab.json" > "$out/ab.log" 2>&1
   echo "ab exit: $?"; tail -n 2 "$out/ab.log"
