@@ -206,8 +206,7 @@ def check_actions(actions: Tensor, n_act: int) -> None:
     """Every action in [0, n_act): one reduction (and, on CUDA, one sync)."""
     if actions.numel() == 0:
         return
-    lo, hi = torch.aminmax(actions)
-    lo, hi = int(lo), int(hi)
+    lo, hi = torch.stack(torch.aminmax(actions)).tolist()  # one sync
     if lo < 0 or hi >= n_act:
         bad = lo if lo < 0 else hi
         raise ValueError(f"actions holds {bad}, outside [0, {n_act}) (q_values has {n_act} "

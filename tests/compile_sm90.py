@@ -19,7 +19,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from cases import make_case  # noqa: E402
 from rl_triton import _plans  # noqa: E402
-from rl_triton.ops import linear_scan as linear_scan_op, retrace as retrace_op  # noqa: E402
+from rl_triton.ops import linear_scan as linear_scan_op  # noqa: E402
 from rl_triton.scan import kernel, launch, tiles  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)

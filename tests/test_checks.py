@@ -4,13 +4,14 @@ import torch
 
 import rl_triton
 from cases import BACKENDS, make_case
+from conftest import DEVICE
 
 
 def _gae_args(T=7, N=3):
     g = torch.Generator().manual_seed(0)
-    return dict(rewards=torch.randn(T, N, generator=g), values=torch.randn(T, N, generator=g),
-                terminated=torch.rand(T, N, generator=g) < 0.2,
-                last_value=torch.randn(N, generator=g))
+    a = dict(rewards=torch.randn(T, N, generator=g), values=torch.randn(T, N, generator=g),
+             terminated=torch.rand(T, N, generator=g) < 0.2, last_value=torch.randn(N, generator=g))
+    return {k: v.to(DEVICE) for k, v in a.items()}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -36,7 +37,7 @@ def test_shape_checks_after_a_cached_call(backend):
     rl_triton.gae(**a, backend=backend)
     rl_triton.gae(**a, backend=backend)
     with pytest.raises(ValueError, match="last_value"):
-        rl_triton.gae(**dict(a, last_value=torch.randn(4)), backend=backend)
+        rl_triton.gae(**dict(a, last_value=torch.randn(4, device=DEVICE)), backend=backend)
     with pytest.raises(TypeError, match="terminated"):
         rl_triton.gae(**dict(a, terminated=a["terminated"].to(torch.complex64)),
                       backend=backend)
@@ -51,7 +52,7 @@ NAMES = ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
 def test_requires_grad_is_refused_not_detached(name, backend):
     """Until gradients land, an input that requires grad raises (naming it) rather than giving
     outputs silently cut from the graph; under torch.no_grad() the call runs."""
-    case = make_case(name, 9, (3,))
+    case = make_case(name, 9, (3,), device=DEVICE)
     key = next(k for k, v in case.steps.items() if v is not None and v.is_floating_point())
     steps = dict(case.steps, **{key: case.steps[key].clone().requires_grad_()})
     with pytest.raises(RuntimeError, match=f"{key} requires grad.*gradients"):
@@ -71,19 +72,13 @@ def test_negated_view_is_read_as_its_values(backend):
         torch.testing.assert_close(g, w)
 
 
-def _retrace(actions, backend, **kw):
-    case = make_case("retrace", 11, (4,), n_act=5)
-    steps = dict(case.steps, actions=actions)
-    return case, case.fn(**steps, **case.extra, backend=backend, **kw)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("value", [-1, 5, 1000, -(2**40)])
 def test_retrace_actions_out_of_range(backend, value):
     """An action outside [0, num_actions) is a ValueError naming `actions` on every backend;
     with check_actions=False every backend clamps it (the kernel never reads outside its
     tensors): the same result as the clamped actions."""
-    case = make_case("retrace", 11, (4,), n_act=5)
+    case = make_case("retrace", 11, (4,), n_act=5, device=DEVICE)
     actions = case.steps["actions"].clone()
     actions[6, 2] = value
     steps = dict(case.steps, actions=actions)
@@ -98,6 +93,6 @@ def test_retrace_actions_out_of_range(backend, value):
 
 
 def test_check_actions_must_be_bool():
-    case = make_case("retrace", 5, (2,))
+    case = make_case("retrace", 5, (2,), device=DEVICE)
     with pytest.raises(TypeError, match="check_actions"):
         case.fn(**case.steps, **case.extra, check_actions=1)

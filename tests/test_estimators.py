@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rl_triton import _plans
-from rl_triton.ops import linear_scan as linear_scan_op, retrace as retrace_op
+from rl_triton.ops import retrace as retrace_op
 from rl_triton.scan import tiles
 from cases import (BACKENDS, ESTIMATORS, FLAG_DTYPES, assert_close, make_case, rel_err,
                    to_layout)
@@ -261,7 +261,7 @@ def test_look_back_tags_name_the_launch(device):
         for launch in range(3):
             assert_close(case.call("time-major", backend="triton"), ref)
             (plan,) = _plans._PLANS.values()
-            (state,) = plan.states.values()
+            ((state, _),) = plan.states.values()
             tags = (state.cpu() >> 32)[: state.numel() // 2]  # the words_a of every tile row
             assert set(tags.tolist()) == {2 * launch + 1, 2 * launch + 2}, (launch, tags)
 

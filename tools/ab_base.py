@@ -55,7 +55,6 @@ def prepare(rev: str) -> None:
 
 
 def cells(min_mb: float):
-    import torch
     from rl_triton import bench
     out = []
     for name in bench.ESTIMATORS:
@@ -82,13 +81,15 @@ def _label(c):
 
 
 def _fns(c, device):
-    import torch
     import rl_triton
     import rl_triton_base
     from rl_triton import bench
     name, N, T, layout, dt, trunc, nbytes = c
     kw, _ = bench.make_inputs(name, N, T, layout, bench.DTYPES[dt], trunc, device, seed=1)
-    new = functools.partial(getattr(rl_triton, name), **kw)
+    # Retrace's action check (a reduction and a sync, which the base did not have) is timed
+    # apart (`full-call`): kernel against kernel here
+    extra = {"check_actions": False} if name == "retrace" else {}
+    new = functools.partial(getattr(rl_triton, name), **kw, **extra)
     base = functools.partial(getattr(rl_triton_base, name), **kw)
     return kw, new, base
 
@@ -164,10 +165,18 @@ def full_call(package: str, calls: int) -> None:
             fn = functools.partial(mod.gae, r, v, term, last_value=lv,
                                    time_dim=1 if layout == "batch-major" else 0)
         us = bench.full_call_us(fn, calls=calls, warmup=50)
-        floor = bench.full_call_us(lambda: torch.zeros(1, device="cuda").add_(1), calls=calls)
+        one = torch.zeros(1, device="cuda")
+        floor = bench.full_call_us(lambda: one.add_(1), calls=calls)
         print(json.dumps(dict(package=package, host=os.environ.get("RL_TRITON_HOST", ""),
                               layout=layout, full_call_us=us, launch_floor_us=floor)),
               flush=True)
+    if package == "rl_triton":  # the cost of Retrace's action check, full call and device time
+        kw, _ = bench.make_inputs("retrace", N, T, "batch-major", torch.float32, True, "cuda")
+        for check in (True, False):
+            fn = functools.partial(mod.retrace, **kw, check_actions=check)
+            print(json.dumps(dict(retrace_4096x128_check_actions=check,
+                                  full_call_us=bench.full_call_us(fn, calls=calls, warmup=50),
+                                  device_us=bench.device_time_us(fn))), flush=True)
 
 
 def main():

@@ -40,8 +40,12 @@ def coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
          HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
          VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
          ACT_VEC: tl.constexpr, after):
-    return (load_step(ins, st, s1, s2, ALPHA, t, b1, b2, mask),
-            load_step(ins, st, s1, s2, BETA, t, b1, b2, mask), 0.0)
+    alpha = load_step(ins, st, s1, s2, ALPHA, t, b1, b2, mask)
+    beta = load_step(ins, st, s1, s2, BETA, t, b1, b2, mask)
+    # A[t] is NaN where beta[t] is: as alpha NaN with beta 0, so that betas stay finite (the
+    # scan's combine relies on it) and a cut before that step still holds
+    nan = beta != beta
+    return tl.where(nan, float("nan"), alpha), tl.where(nan, 0.0, beta), 0.0
 
 
 REVERSE = Kernel(coef, single_store, reverse=True)

@@ -156,7 +156,8 @@ def terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
             expected = tl.where(t == T - 1, end, expected)
 
     alpha = r + tl.where(term, 0.0, gamma * (expected - tl.where(cut, 0.0, c_next * q_a_next)))
-    beta = tl.where(cut, 0.0, gamma * c_next)
+    # a NaN trace coefficient makes alpha NaN; beta stays finite (the scan's combine relies on it)
+    beta = tl.where(cut | (c_next != c_next), 0.0, gamma * c_next)
     q_a = 0.0
     if VARIANT == 1:  # also return G - Q(s_t, a_t)
         a_t = load_action(ins, st, s1, s2, t, b1, b2, mask, n_act)

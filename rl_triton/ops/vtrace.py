@@ -59,7 +59,8 @@ def coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
                    - load_step(ins, st, s1, s2, BEHAVIOR_LP, t, b1, b2, mask))
     target = r + tl.where(term, 0.0, gamma * v_succ)
     alpha = clip(ratio, rho_clip) * (target - v)
-    beta = tl.where(cut, 0.0, gamma * lam * clip(ratio, c_clip))
+    # a NaN ratio makes alpha NaN; beta stays finite (the scan's combine relies on it)
+    beta = tl.where(cut | (ratio != ratio), 0.0, gamma * lam * clip(ratio, c_clip))
     return alpha, beta, (r, v, term, cut, ratio, v_succ, v_slot_next)
 
 

@@ -53,15 +53,15 @@ def apply_map(a, b, x):
 @triton.jit
 def combine(a1, b1, a2, b2):
     """(a1, b1) then (a2, b2): the later element in scan order applied to the earlier's result.
-    Where b2 = 0 the result is (a2, 0) exactly (`apply_map`)."""
-    return apply_map(a2, b2, a1), tl.where(b2 == 0, 0.0, b1 * b2)
+    Where b2 = 0 the result is (a2, 0) exactly (`apply_map`; b1 * 0 is 0, since every builder
+    gives finite betas: a NaN coefficient goes into alpha, with beta 0)."""
+    return apply_map(a2, b2, a1), b1 * b2
 
 
 @triton.jit
 def combine_with_exclusive(a1, b1, ea1, eb1, a2, b2, ea2, eb2):
     """`combine`, plus (ea, eb): the composition of all elements but the last one in scan order."""
-    return (apply_map(a2, b2, a1), tl.where(b2 == 0, 0.0, b1 * b2), apply_map(ea2, eb2, a1),
-            tl.where(eb2 == 0, 0.0, b1 * eb2))
+    return apply_map(a2, b2, a1), b1 * b2, apply_map(ea2, eb2, a1), b1 * eb2
 
 
 @triton.jit

@@ -196,6 +196,7 @@ class Launch:
         if cfg.max_registers:
             self.meta["maxnreg"] = cfg.max_registers
         self.device_index = device.index
+        self.cuda = device.type == "cuda"
         self.states = {}  # look-back scratch by stream: launches on one stream never overlap
         self.compiled, self.tail = None, ()
 
@@ -203,39 +204,43 @@ class Launch:
         """Allocate the outputs and launch on the call's inputs `x` (the op's input tuple)."""
         # One allocation each: outputs that are views of one buffer would alias, which custom
         # ops (torch.compile) forbid.
-        outs = [torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
-                for _ in range(self.n_out)]
-        if self.device.type == "cuda" and self.device_index != torch.cuda.current_device():
-            with torch.cuda.device(self.device):
+        shape, dtype, device = self.out_shape, self.out_dtype, self.device
+        outs = [torch.empty(shape, dtype=dtype, device=device) for _ in range(self.n_out)]
+        if self.cuda and self.device_index != _current_device():
+            with torch.cuda.device(device):
                 self._launch(x, outs, scalars)
         else:
             self._launch(x, outs, scalars)
         return outs
 
-    def _launch(self, x, outs, scalars):
-        stream = _stream(self.device_index) if self.device.type == "cuda" else None
+    def _state(self, stream):
+        """The look-back scratch of `stream` and its address: zeroed once; the kernel tags what
+        it writes with its launch (kernel.py)."""
         state = self.states.get(stream)
         if state is None:
-            # Zeroed once; the kernel tags what it writes with its launch (kernel.py).
-            state = self.states[stream] = torch.zeros(self.state_size, dtype=torch.int64,
-                                                      device=self.device)
+            t = torch.zeros(self.state_size, dtype=torch.int64, device=self.device)
+            state = self.states[stream] = (t, t.data_ptr())
+        return state
+
+    def _launch(self, x, outs, scalars):
+        stream = _stream(self.device_index) if self.cuda else None
+        state, state_ptr = self._state(stream)
         kernel = self.compiled
         src, init_src = self.src, self.init_src
         if kernel is None:  # the first launch: through Triton's JIT, which compiles
             out0 = outs[0]  # unused slots get a valid pointer; the kernel never reads them
             args = self._args(tuple(out0 if i is None else x[i] for i in src), tuple(outs),
                               out0 if init_src is None else x[init_src], state, scalars)
-            if self.meta["EVEN"] and self.device.type == "cuda":
+            if self.meta["EVEN"] and self.cuda:
                 self.meta["EVEN"] = even_keeps_occupancy(args, self.grid, self.meta)
             compiled = scan_kernel[self.grid](*args, **self.meta)
             if hasattr(compiled, "packed_metadata"):  # compiled (not the interpreter)
                 self.compiled = compiled
                 self.tail = tuple(self.meta[name] for name in _ARG_NAMES[len(args):])
             return
-        args = self._args(tuple(0 if i is None else x[i].data_ptr() for i in src),
-                          tuple(o.data_ptr() for o in outs),
-                          0 if init_src is None else x[init_src].data_ptr(), state.data_ptr(),
-                          scalars)
+        args = self._args(tuple([0 if i is None else x[i].data_ptr() for i in src]),
+                          tuple([o.data_ptr() for o in outs]),
+                          0 if init_src is None else x[init_src].data_ptr(), state_ptr, scalars)
         # What JITFunction.run does once it has found the kernel in its cache, minus
         # re-deriving the specialization key (the plan's signature fixes it, pointer alignment
         # included). Launch hooks (profilers) are honoured as JITFunction.run honours them.
@@ -309,6 +314,11 @@ def _hook(h):
 
 def _stream(device_index: int):
     return triton.runtime.driver.active.get_current_stream(device_index)
+
+
+# torch.cuda.current_device() without its Python layers (lazy init and argument handling),
+# where torch has it
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 _ARG_NAMES = scan_kernel.arg_names if HAS_TRITON else ()
