@@ -27,9 +27,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / ".ab"))
 
 BASE_DIR = ROOT / ".ab" / "rl_triton_base"
+NEW = "rl_triton"  # the package timed against the base (`--new`: another prepared revision)
 
 
-def prepare(rev: str) -> None:
+def prepare(rev: str, name: str = "rl_triton_base") -> None:
+    global BASE_DIR
+    BASE_DIR = ROOT / ".ab" / name
     import re
     import shutil
     import tarfile
@@ -45,8 +48,8 @@ def prepare(rev: str) -> None:
         shutil.move(str(Path(tmp) / "rl_triton"), str(BASE_DIR))
     for path in BASE_DIR.rglob("*.py"):
         s = path.read_text()
-        s = s.replace("rl_triton::", "rl_triton_base::")
-        s = re.sub(r"\b(import|from) rl_triton\b", r"\1 rl_triton_base", s)
+        s = s.replace("rl_triton::", f"{name}::")
+        s = re.sub(r"\b(import|from) rl_triton\b", rf"\1 {name}", s)
         path.write_text(s)
     (BASE_DIR / "REVISION").write_text(subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", rev], capture_output=True, text=True,
@@ -81,9 +84,9 @@ def _label(c):
 
 
 def _fns(c, device):
-    import rl_triton
     import rl_triton_base
     from rl_triton import bench
+    rl_triton = __import__(NEW)
     name, N, T, layout, dt, trunc, nbytes = c
     kw, _ = bench.make_inputs(name, N, T, layout, bench.DTYPES[dt], trunc, device, seed=1)
     # Retrace's action check (a reduction and a sync, which the base did not have) is timed
@@ -183,10 +186,15 @@ def main():
     p = argparse.ArgumentParser(prog="tools/ab_base.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("prepare").add_argument("rev")
+    pr = sub.add_parser("prepare")
+    pr.add_argument("rev")
+    pr.add_argument("--as", dest="name", default="rl_triton_base",
+                    help="the package's name under .ab/ (rl_triton_base: the base)")
     for name in ("warm", "time"):
         s = sub.add_parser(name)
         s.add_argument("--min-mb", type=float, default=4.0)
+        s.add_argument("--new", default="rl_triton",
+                       help="the package timed against the base (one prepared with --as)")
     sub.choices["warm"].add_argument("--shard", default="0/1")
     sub.choices["time"].add_argument("--rounds", type=int, default=2)
     sub.choices["time"].add_argument("--rep-ms", type=float, default=40.0)
@@ -195,8 +203,10 @@ def main():
     f.add_argument("--package", default="rl_triton")
     f.add_argument("--calls", type=int, default=300)
     a = p.parse_args()
+    global NEW
+    NEW = getattr(a, "new", NEW)
     if a.cmd == "prepare":
-        prepare(a.rev)
+        prepare(a.rev, a.name)
     elif a.cmd == "warm":
         warm(a.shard, a.min_mb)
     elif a.cmd == "time":
