@@ -238,12 +238,12 @@ def look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry_i
     The loop also ends once it has read the initial carry: a map holding NaN (a NaN ratio) never
     becomes constant (NaN * 0 is NaN), and its composition is NaN whatever comes before.
 
-    The window's size is `config.window`'s: exactly one warp's worth of words (every warp runs
+    The window's size is `tiles.window`'s: exactly one warp's worth of words (every warp runs
     this loop on its own, nothing crosses warps inside it), or one word per thread (no word is
     held by two threads). Other sizes replicate words across threads, each replica read at its own
     moment, and threads that saw different words leave this loop at different passes (the GPU
     tests of long rows caught wrong results that way). A window of one word per thread reads
-    only its nearest word per pass (`config.depth`): reading all its words cost more, and the
+    only its nearest word per pass (`tiles.depth`): reading all its words cost more, and the
     nearest one almost always decides (docs/dev/tuning-log.md).
     """
     acc_a = tl.zeros(carry_in.shape, tl.float32)
@@ -289,7 +289,7 @@ def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n
     the whole tile). Position p holds step p of the chunk; with `FLIP`, step
     (G - 1 - p // 8) * 8 + p % 8 of its G groups of 8; with `DESC`, step BLOCK_T - 1 - p.
     With `EVEN` every tile is full (T and B multiples of the tile) and the mask is a constant.
-    `after`: the builder's aux at steps t + 1 (`coefficients`), or None."""
+    `after`: the builder's aux at steps t + 1 (the op's builder, `rl_triton.ops`), or None."""
     j = tl.arange(0, BLOCK_T // SUB) * SUB + J
     if FLIP:
         j = (BLOCK_T // 8 - 1 - j // 8) * 8 + j % 8
@@ -418,7 +418,7 @@ def store_chunk(outs, ost, os1, os2, b1, b2, ts, masks, a_s, bb_s, ea_s, eb_s, a
 
 
 # n_row_tiles is never specialized: as the stride between a look-back window's words it must not
-# look contiguous to the compiler, or the window's loads are vectorized (see `config.window`).
+# look contiguous to the compiler, or the window's loads are vectorized (see `tiles.window`).
 @triton.jit(do_not_specialize=["n_row_tiles"])
 def scan_kernel(
     ins, st, s1, s2, sa,  # input slots: pointers, time / batch-1 / batch-2 / action strides
@@ -456,7 +456,7 @@ def scan_kernel(
     else:
         WHOLE: tl.constexpr = BLOCK_T - 1
     if ROW_VEC > 1:
-        # every time stride and the row count are multiples of ROW_VEC (`ops.row_vector`):
+        # every time stride and the row count are multiples of ROW_VEC (`launch.row_vector`):
         # no-ops on the values that let the compiler see it, so that time-major rows load
         # ROW_VEC values at a time
         st = multiples(st, ROW_VEC)

@@ -233,7 +233,7 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def action_block(n_act: int, itemsize: int = 4) -> int:
-    """Actions loaded at once along Retrace's action axis (`coefficients.retrace_coef`)."""
+    """Actions loaded at once along Retrace's action axis (`rl_triton.ops.retrace.coef`)."""
     most = MAX_ACTION_BLOCK_HALF_PRECISION if itemsize <= 2 else MAX_ACTION_BLOCK
     return min(_pow2(n_act), most)
 
