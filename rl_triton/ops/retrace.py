@@ -46,27 +46,27 @@ R, Q, ACT, PI, MU, TERM, TRUNC, LAST_Q, LAST_PI = slots(Inputs)
 
 @triton.jit
 def coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-                 HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-                 VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-                 ACT_VEC: tl.constexpr, after):
-    return terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-                         HAS_TRUNC, VARIANT, BLOCK_A, ACT_BLOCKS, ACT_VEC, False)
+         HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+         VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+         ACT_VEC: tl.constexpr, after):
+    return terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params, HAS_TRUNC,
+                 VARIANT, BLOCK_A, ACT_BLOCKS, ACT_VEC, False)
 
 
 @triton.jit
 def coef_whole(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-                       HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-                       VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-                       ACT_VEC: tl.constexpr, after):
+               HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+               VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+               ACT_VEC: tl.constexpr, after):
     """`coef` for tiles that span their rows' whole window (each holds step T-1)."""
-    return terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-                         HAS_TRUNC, VARIANT, BLOCK_A, ACT_BLOCKS, ACT_VEC, True)
+    return terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params, HAS_TRUNC,
+                 VARIANT, BLOCK_A, ACT_BLOCKS, ACT_VEC, True)
 
 
 @triton.jit
 def terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-                  HAS_TRUNC: tl.constexpr, VARIANT: tl.constexpr, BLOCK_A: tl.constexpr,
-                  ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr, WHOLE: tl.constexpr):
+          HAS_TRUNC: tl.constexpr, VARIANT: tl.constexpr, BLOCK_A: tl.constexpr,
+          ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr, WHOLE: tl.constexpr):
     gamma = params[0]
     lam = params[1]
     c_clip = params[2]
@@ -177,7 +177,7 @@ def load_action(ins, st, s1, s2, t, b1, b2, mask, n_act):
 
 @triton.jit
 def store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
-                  VARIANT: tl.constexpr):
+          VARIANT: tl.constexpr):
     store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)
     if VARIANT == 1:
         store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, res - aux)
