@@ -9,7 +9,7 @@ with the cuobjdump that Triton ships.
 An argument is estimator:NxT:tm|bm, then optionally :bf16, :notrunc (no truncation flags),
 :adv (Retrace's advantages too; the benchmark times its targets only) and :field=value,...
 (tile fields forced as with `python -m rl_triton.bench --tiles`). Registers match ncu's on the
-H200 when the installed Triton is the GPU machine's (docs/dev/tuning-log.md; the CI's `.ci/triton-oldest/bin/python` runs Triton 3.6, the GPU machine's).
+H200 when the installed Triton is the GPU machine's (docs/dev/tuning-log.md; `PYTHONPATH=.ci/triton-oldest python tools/registers.py ...` runs Triton 3.6, the GPU machine's).
 Load rounds: the global loads of the SASS in the order an in-order warp issues them, a new round
 opening at each instruction that consumes a load not yet back; loads issued in several rounds
 wait on memory one round after another (docs/dev/tuning-log.md). Run
