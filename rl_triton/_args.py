@@ -13,14 +13,16 @@ import numbers
 import torch
 
 Tensor = torch.Tensor
-VALUE_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
+# float64 too: gradcheck runs the torch and loop backends in float64 (the kernels compute in
+# float32 whatever they read)
+VALUE_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16, torch.float64))
 FLAG_DTYPES = frozenset((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
                          torch.int64, torch.float32, torch.float64, torch.bfloat16,
                          torch.float16))  # the common ones; `_check_dtype` decides the rest
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 BACKENDS = ("auto", "triton", "torch", "loop")
 
-VALUE = "value"  # float32 / bfloat16 / float16
+VALUE = "value"  # float32 / bfloat16 / float16 / float64
 FLAG = "flag"  # bool, any integer dtype, or any float dtype (set where nonzero)
 INDEX = "index"  # any integer dtype (action indices)
 
@@ -29,7 +31,7 @@ def _check_dtype(name: str, dt: torch.dtype, kind: str) -> None:
     if kind == VALUE:
         if dt in VALUE_DTYPES:
             return
-        want = "float32, bfloat16 or float16"
+        want = "float32, bfloat16, float16 or float64"
     elif kind == FLAG:
         if not dt.is_complex:
             return
@@ -75,10 +77,21 @@ def check_out_dtype(out_dtype) -> torch.dtype:
     return out_dtype
 
 
-def _grad_error(name: str) -> RuntimeError:
+def check_discount(name: str, value):
+    """gamma or lam: a Python number in [0, 1], or a floating tensor (one per row, SPEC 6),
+    returned as it is; its shape and device are checked against the call (`Call.discount`)."""
+    if isinstance(value, Tensor):
+        if not value.is_floating_point():
+            raise TypeError(f"{name} is a tensor of dtype {value.dtype}; a per-row {name} must "
+                            "be a floating tensor")
+        return value
+    return check_scalar(name, value)
+
+
+def _flag_grad_error(name: str) -> RuntimeError:
     return RuntimeError(
-        f"{name} requires grad, and rl_triton does not compute gradients yet: its outputs would "
-        f"be silently detached. Pass {name}.detach(), or call it under torch.no_grad().")
+        f"{name} requires grad, but flags and actions are not differentiable (rl_triton never "
+        f"detaches an input silently); pass {name}.detach()")
 
 
 class Call:
@@ -91,7 +104,7 @@ class Call:
     """
 
     __slots__ = ("ref_name", "time_dim", "step_shape", "T", "batch_shape", "device", "index",
-                 "key", "grad")
+                 "key", "grad", "needs_grad", "float64")
 
     def __init__(self, ref_name: str, ref, time_dim, kind: str = VALUE):
         if not isinstance(ref, Tensor):
@@ -114,6 +127,8 @@ class Call:
         self.index = ref.get_device() if ref.is_cuda else -1
         self.key = None if torch.compiler.is_compiling() else [self.time_dim, ref.device]
         self.grad = torch.is_grad_enabled()
+        self.needs_grad = False  # an input of a differentiable kind requires grad
+        self.float64 = False  # a value input is float64 (the torch and loop backends follow it)
 
     def _check(self, name: str, x, kind: str) -> Tensor:
         if not isinstance(x, Tensor):
@@ -127,7 +142,11 @@ class Call:
                 else False):
             _check_dtype(name, dt, kind)
         if x.requires_grad and self.grad:
-            raise _grad_error(name)
+            if kind != VALUE:
+                raise _flag_grad_error(name)
+            self.needs_grad = True
+        if dt is torch.float64 and kind == VALUE:
+            self.float64 = True
         if self.key is not None:  # None while torch.compile traces (the custom op checks)
             # kernels read memory: a lazily negated view's values, not its bits (the dtypes
             # above are real, so no conjugate bit)
@@ -179,6 +198,30 @@ class Call:
                              f"must have shape {_fmt_shape(tuple(want))} ({self.ref_name}'s "
                              "shape without its time axis)")
         return x
+
+    def discount(self, name: str, value):
+        """A per-row gamma or lam (`check_discount`): on the call's device, broadcastable to
+        the batch shape, as a float32 / float64 tensor of exactly the batch shape."""
+        if not isinstance(value, Tensor):
+            return value
+        if value.device != self.device:
+            raise ValueError(f"{name} is on {value.device} but {self.ref_name} is on "
+                             f"{self.device}; all tensors must be on one device")
+        try:
+            ok = torch.broadcast_shapes(value.shape, self.batch_shape) == self.batch_shape
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{name} has shape {tuple(value.shape)}, which does not broadcast "
+                             f"to the batch shape {_fmt_shape(tuple(self.batch_shape))} "
+                             f"({self.ref_name}'s shape {tuple(self.step_shape)} without its "
+                             f"time axis {self.time_dim})")
+        if value.requires_grad and self.grad:
+            self.needs_grad = True
+        if value.dtype is torch.float64:
+            self.float64 = True
+        dtype = torch.float64 if value.dtype is torch.float64 else torch.float32
+        return value.to(dtype).expand(self.batch_shape)
 
     def empty(self) -> bool:
         return self.T == 0 or 0 in self.step_shape

@@ -11,6 +11,12 @@ picks the backend and runs it:
   implementation is the eager path above and whose fake gives the outputs' shapes;
 - torch and loop: the implementation on time-major views, copied into outputs in the caller's
   layout.
+Gradients (SPEC 6): where an input requires grad, the Triton path runs the custom op, whose
+autograd calls the op's backward (Triton kernels, through a second custom op,
+`torch.ops.rl_triton.<name>_backward`); the torch and loop backends are differentiated by
+autograd. Every backend refuses second-order gradients with one clear error. A tensor gamma or
+lam (one per row) reaches the kernels as a `[k, *batch]` tensor of the op's first k kernel
+scalars (`row_params`), built here from the tensors: autograd carries its gradient back.
 Nothing under `rl_triton.scan` imports this module.
 """
 from __future__ import annotations
@@ -29,7 +35,9 @@ Tensor = torch.Tensor
 _PLANS: dict = {}
 OPS: dict = {}  # every Op, by name
 _MAX_PLANS = 4096
-_DTYPE = torch.float32  # the torch and loop backends compute in float32
+DISCOUNTS = ("gamma", "lam")  # the scalars that may be tensors (one per row)
+SECOND_ORDER = ("rl_triton computes first-order gradients only: a backward pass with "
+                "create_graph=True (second-order gradients) through it is not supported")
 
 
 def clear_plans() -> None:
@@ -62,14 +70,20 @@ class Op:
         time-major views `x` (fields named `last_*` or `initial` are bootstraps: no time axis);
     n_out(extra): outputs of a call (the custom op returns `outputs`, the unused ones empty).
     Every output has the shape of input 0.
+    backward(x, outs, grads, s, rows, call, extra, needs): the Triton backward: the gradient
+        of every input (None where `needs` says no) and of `rows`, from the outputs' gradients
+        (None: zero); `row_params`: the kernel scalars (leading) that per-row discounts set.
     """
 
     def __init__(self, name: str, inputs: type, scalars: type, *, check: Callable,
                  plan: Callable, torch: Callable, loop: Callable, outputs: int = 1,
                  extras: Optional[type] = None, n_out: Optional[Callable] = None,
                  copy: Optional[Callable] = None, runtime_check: Optional[Callable] = None,
-                 kernel_scalars: Callable = tuple):
+                 kernel_scalars: Callable = tuple, backward: Optional[Callable] = None,
+                 row_params: int = 0):
         self.name, self.inputs, self.scalars, self.extras = name, inputs, scalars, extras
+        self.backward, self.row_params = backward, row_params
+        self.discounts = tuple(f for f in scalars._fields if f in DISCOUNTS)
         self.check, self.plan, self.torch, self.loop = check, plan, torch, loop
         self.outputs = outputs
         self.n_out = n_out or (lambda extra: outputs)
@@ -81,73 +95,131 @@ class Op:
         self.kernel_scalars = kernel_scalars  # the kernel's float arguments from the scalars
         self._steps = tuple(not f.startswith(("last_", "initial")) for f in inputs._fields)
         self.custom_op = _register(self)
+        self.grad_op = _register_backward(self)
         OPS[name] = self
 
     def __call__(self, x: tuple, s: tuple, time_dim, backend, out_dtype, extra: tuple = ()):
         backend = check_backend(backend)
         out_dtype = check_out_dtype(out_dtype)
         x, call = self.check(x, time_dim, extra)
+        rows = None
+        if self.discounts:
+            s = s._replace(**{f: call.discount(f, getattr(s, f)) for f in self.discounts})
+            if any(isinstance(getattr(s, f), Tensor) for f in self.discounts):
+                rows = self._rows(s, x[0], call)
         n = self.n_out(extra)
         if call.empty():
             return _result([torch.empty(x[0].shape, dtype=out_dtype, device=call.device)
                             for _ in range(n)])
         backend = backend_for(backend, call.device)
-        if backend == "triton" and call.key is None:  # compiling: the custom op checks data
-            outs = self.custom_op(*x, *s, call.time_dim, out_dtype, *extra)
-            return _result(list(outs[:n]) if self.outputs > 1 else [outs])
+        if backend == "triton":
+            floats = self._floats(s)
+            if call.key is None or call.needs_grad:
+                # compiling (the custom op checks data) or differentiating (its autograd)
+                outs = self.custom_op(*x, *floats, call.time_dim, out_dtype, *extra, rows)
+                return _result(list(outs[:n]) if self.outputs > 1 else [outs])
+            if self.runtime_check is not None:
+                self.runtime_check(x, extra)
+            return _result(self._launch(x, floats, call, out_dtype, extra, rows)[:n])
         if self.runtime_check is not None:
             self.runtime_check(x, extra)
-        if backend == "triton":
-            return _result(self._launch(x, s, call, out_dtype, extra)[:n])
         tx = self.inputs(*(call.tm(t) if step else t for t, step in zip(x, self._steps)))
-        res = (self.torch if backend == "torch" else self.loop)(tx, s, extra, _DTYPE)
+        if rows is not None:  # per-row discounts over the time-major [T, *batch, *trailing]
+            tail = (1,) * (x[0].ndim - len(call.step_shape))
+            s = s._replace(**{f: getattr(s, f).reshape(call.batch_shape + tail)
+                              for f in self.discounts if isinstance(getattr(s, f), Tensor)})
+        dtype = torch.float64 if call.float64 else torch.float32
+        res = (self.torch if backend == "torch" else self.loop)(tx, s, extra, dtype)
         res = res if isinstance(res, tuple) else (res,)
         outs = []
         for r in res[:n]:
             out = torch.empty(x[0].shape, dtype=out_dtype, device=call.device)
             out.movedim(call.time_dim, 0).copy_(r)
             outs.append(out)
+        if call.needs_grad:
+            outs = list(_FirstOrder.apply(*outs))
         return _result(outs)
 
-    def _launch(self, x, s, call: Call, out_dtype, extra) -> list:
+    def _floats(self, s: tuple) -> tuple:
+        """The scalars with per-row discounts as 0.0 (the kernel reads `rows` there)."""
+        if any(isinstance(v, Tensor) for v in s):
+            return s._replace(**{f: 0.0 for f in self.discounts
+                                 if isinstance(getattr(s, f), Tensor)})
+        return s
+
+    def _rows(self, s: tuple, x0: Tensor, call: Call) -> Tensor:
+        """The kernel's first `row_params` scalars, per row: `[k, *rows]` float32 contiguous,
+        rows being input 0's shape without its time axis (trailing feature axes included)."""
+        shape = tuple(x0.shape[:call.time_dim]) + tuple(x0.shape[call.time_dim + 1:])
+        tail = (1,) * (x0.ndim - len(call.step_shape))
+        params = []
+        for p in self.kernel_scalars(s)[:self.row_params]:
+            if isinstance(p, Tensor):
+                p = p.float().reshape(call.batch_shape + tail).expand(shape)
+            else:
+                p = torch.full(shape, p, dtype=torch.float32, device=call.device)
+            params.append(p)
+        return torch.stack(params)
+
+    def _launch(self, x, s, call: Call, out_dtype, extra, rows=None) -> list:
         """The eager Triton path: the cached plan of this signature, or a new one."""
-        key = (self.name, out_dtype, extra, *call.key)
-        plan = _PLANS.get(key)
+        k = self.row_params if rows is not None else 0
+        plan, x = cached_plan((self.name, out_dtype, extra, k, *call.key),
+                              lambda y: self.plan(y, call, out_dtype, extra), x, self.copy, k)
+        return plan.run(x, self.kernel_scalars(s), rows)
+
+
+def cached_plan(key: tuple, build: Callable, x: tuple, copy: Callable, row_params: int = 0):
+    """(plan, inputs): the plan cached under `key`, else `build(x)`'s; where that cannot read
+    `x` in place (batch axes no two strides describe), the plan of contiguous copies, uncached."""
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = build(x)
         if plan is None:
-            plan = self.plan(x, call, out_dtype, extra)
-            if plan is None:  # batch axes no two strides describe: contiguous copies
-                y = self.copy(x)
-                return self.plan(y, call, out_dtype, extra).run(y, self.kernel_scalars(s))
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = plan
-        return plan.run(x, self.kernel_scalars(s))
+            x = copy(x)
+            return build(x).per_row(row_params), x
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan.per_row(row_params)
+    return plan, x
 
 
 def _result(outs: list):
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 
-# ---- custom ops --------------------------------------------------------------------------------
+# ---- custom ops ----------------------------------------------------------------------------------
 
-def _register(op: Op):
-    """`torch.ops.rl_triton.<name>`: the op's inputs, scalars, time_dim, out_dtype and extras as
-    its arguments, in that order (the input NamedTuple's order), and `outputs` tensors."""
+def _hints(op: Op) -> list:
+    """The custom op's arguments: the op's inputs, scalars, time_dim, out_dtype and extras, in
+    that order (the input NamedTuple's order), then the per-row scalars."""
     hints = [typing.get_type_hints(t) for t in (op.inputs, op.scalars)]
     hints.append({"time_dim": int, "out_dtype": torch.dtype})
     if op.extras is not None:
         hints.append(typing.get_type_hints(op.extras))
-    params = [inspect.Parameter(k, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=v)
-              for h in hints for k, v in h.items()]
+    hints.append({"row_params": Optional[Tensor]})
+    return hints
+
+
+def _parameters(hints: list) -> list:
+    return [inspect.Parameter(k, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=v)
+            for h in hints for k, v in h.items()]
+
+
+def _register(op: Op):
+    """`torch.ops.rl_triton.<name>` (`_hints` its arguments), returning `outputs` tensors,
+    with its autograd: `op.backward` through `torch.ops.rl_triton.<name>_backward`."""
+    hints = _hints(op)
     n_in, n_s = len(hints[0]), len(hints[1])
+    n_args = sum(map(len, hints))
     returns = Tensor if op.outputs == 1 else tuple[(Tensor,) * op.outputs]
 
     def unpack(args):
         x = op.inputs(*args[:n_in])
         s = op.scalars(*args[n_in:n_in + n_s])
         time_dim, out_dtype = args[n_in + n_s:n_in + n_s + 2]
-        extra = op.extras(*args[n_in + n_s + 2:]) if op.extras is not None else ()
-        return x, s, time_dim, out_dtype, extra
+        extra = op.extras(*args[n_in + n_s + 2:-1]) if op.extras is not None else ()
+        return x, s, time_dim, out_dtype, extra, args[-1]
 
     def pad(outs, ref, out_dtype):
         outs = list(outs) + [ref.new_empty(0, dtype=out_dtype)
@@ -155,7 +227,7 @@ def _register(op: Op):
         return outs[0] if op.outputs == 1 else tuple(outs)
 
     def impl(*args):
-        x, s, time_dim, out_dtype, extra = unpack(args)
+        x, s, time_dim, out_dtype, extra, rows = unpack(args)
         x, call = op.check(x, time_dim, extra)
         if op.runtime_check is not None:
             op.runtime_check(x, extra)
@@ -163,16 +235,97 @@ def _register(op: Op):
             outs = [torch.empty(x[0].shape, dtype=out_dtype, device=call.device)
                     for _ in range(op.n_out(extra))]
         else:
-            outs = op._launch(x, s, call, out_dtype, extra)[:op.n_out(extra)]
+            outs = op._launch(x, s, call, out_dtype, extra, rows)[:op.n_out(extra)]
         return pad(outs, x[0], out_dtype)
 
     def fake(*args):
-        x, s, time_dim, out_dtype, extra = unpack(args)
+        x, s, time_dim, out_dtype, extra, rows = unpack(args)
         return pad([torch.empty(x[0].shape, dtype=out_dtype, device=x[0].device)
                     for _ in range(op.n_out(extra))], x[0], out_dtype)
 
-    impl.__signature__ = inspect.Signature(params, return_annotation=returns)
+    def setup_context(ctx, inputs, output):
+        outs = output if isinstance(output, tuple) else (output,)
+        ctx.save_for_backward(*inputs[:n_in], inputs[-1], *outs)
+        ctx.rest = inputs[n_in:-1]  # scalars, time_dim, out_dtype, extras
+
+    def backward(ctx, *grads):
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            raise RuntimeError(SECOND_ORDER)
+        saved = ctx.saved_tensors
+        needs = list(ctx.needs_input_grad[:n_in]) + [ctx.needs_input_grad[-1]]
+        rest = list(ctx.rest)
+        del rest[n_s + 1]  # out_dtype: the backward's are the inputs'
+        res = op.grad_op(*saved[:n_in], *saved[n_in + 1:], *grads, *rest, saved[n_in], needs)
+        res = [r if need else None for r, need in zip(res, needs)]
+        return (*res[:n_in], *(None,) * (n_args - n_in - 1), res[n_in])
+
+    impl.__signature__ = inspect.Signature(_parameters(hints), return_annotation=returns)
     impl.__name__ = op.name
     custom = torch.library.custom_op(f"rl_triton::{op.name}", impl, mutates_args=())
     custom.register_fake(fake)
+    if op.backward is not None:
+        custom.register_autograd(backward, setup_context=setup_context)
     return custom
+
+
+def _register_backward(op: Op):
+    """`torch.ops.rl_triton.<name>_backward`: the op's inputs, its outputs, their gradients
+    (None: zero), its scalars, time_dim, extras, the per-row scalars and which gradients to
+    form; returns one per input and one for the per-row scalars (empty where not formed)."""
+    if op.backward is None:
+        return None
+    hints = _hints(op)
+    n_in, n_s = len(hints[0]), len(hints[1])
+    outs = {f"out{i}": Tensor for i in range(op.outputs)}
+    grads = {f"grad{i}": Optional[Tensor] for i in range(op.outputs)}
+    del hints[2]["out_dtype"]
+    hints = [hints[0], outs, grads, *hints[1:], {"needs": list[bool]}]
+    n = op.outputs
+
+    def unpack(args):
+        x = op.inputs(*args[:n_in])
+        outs, grads = args[n_in:n_in + n], args[n_in + n:n_in + 2 * n]
+        k = n_in + 2 * n
+        s = op.scalars(*args[k:k + n_s])
+        time_dim = args[k + n_s]
+        extra = op.extras(*args[k + n_s + 1:-2]) if op.extras is not None else ()
+        return x, outs, grads, s, time_dim, extra, args[-2], args[-1]
+
+    def impl(*args):
+        x, outs, grads, s, time_dim, extra, rows, needs = unpack(args)
+        x, call = op.check(x, time_dim, extra)
+        m = op.n_out(extra)
+        res = op.backward(x, outs[:m], grads[:m], s, rows, call, extra, needs)
+        ref = outs[0]
+        return [ref.new_empty(0) if r is None else r for r in res]
+
+    def fake(*args):
+        x, outs, grads, s, time_dim, extra, rows, needs = unpack(args)
+        ref = outs[0]
+        return [torch.empty_like(t) if need else ref.new_empty(0)
+                for t, need in zip((*x, rows), needs)]
+
+    def refuse(ctx, *grads):
+        raise RuntimeError(SECOND_ORDER)
+
+    impl.__signature__ = inspect.Signature(_parameters(hints), return_annotation=list[Tensor])
+    impl.__name__ = op.name + "_backward"
+    custom = torch.library.custom_op(f"rl_triton::{op.name}_backward", impl, mutates_args=())
+    custom.register_fake(fake)
+    custom.register_autograd(refuse, setup_context=lambda ctx, inputs, output: None)
+    return custom
+
+
+class _FirstOrder(torch.autograd.Function):
+    """The torch and loop backends' outputs, as they are: autograd differentiates those
+    backends, and this refuses second-order gradients as the Triton backward does."""
+
+    @staticmethod
+    def forward(ctx, *outs):
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(SECOND_ORDER)
+        return grads

@@ -78,7 +78,7 @@ def lambda_returns(rewards, values, terminated, truncated=None, *, last_value=No
         v_succ = _successor(v, nv, lv, t, T, r[0])
         cut = _cut(term, trunc, t, T)
         # G[t] = r + g (1 - term) (1 - l (1 - cut)) v' + g l (1 - cut) G[t+1]  (cut includes term)
-        keep = torch.where(cut, 0.0, torch.full_like(r[t], lam))
+        keep = torch.where(cut, 0.0, lam * torch.ones_like(r[t]))  # lam: a number or per row
         g_next = (r[t] + torch.where(term[t], 0.0, gamma * (1 - keep) * v_succ)
                   + _trace(cut, gamma * lam, g_next))
         ret[t] = g_next

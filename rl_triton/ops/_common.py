@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from .._args import FLAG, VALUE, Call, require_bootstrap
+from .._plans import cached_plan
 from ..scan.launch import Kernel, Launch, over_time, tm
 
 Tensor = torch.Tensor
@@ -36,12 +37,13 @@ _OPTIONAL = {False: frozenset(("truncated", "next_values")),
 
 def scan_plan(kernel: Kernel, x, call: Call, n_out: int, out_dtype: torch.dtype, *,
               variant: int = 0, carried: Optional[str] = None,
-              expand_flags: Optional[str] = None) -> Optional[Launch]:
+              expand_flags: Optional[str] = None, n_boot: int = 0) -> Optional[Launch]:
     """The launch plan of op inputs `x` (a NamedTuple in kernel slot order): per-step tensors
     time-major, bootstraps (`last_*`) over time with stride 0; `carried` names the bootstrap that
     enters as the scan's initial carry instead of a slot (`initial`, or `last_value` for
     discounted returns); `expand_flags` names a flag tensor broadcast over input 0's trailing
-    feature axes. None when the strides cannot describe the batch axes."""
+    feature axes; `n_boot` outputs without time axis follow the `n_out` per-step ones. None
+    when the strides cannot describe the batch axes."""
     fields = x._fields
     T = call.T
     ins = []
@@ -63,5 +65,38 @@ def scan_plan(kernel: Kernel, x, call: Call, n_out: int, out_dtype: torch.dtype,
                has_trunc=getattr(x, "truncated", None) is not None,
                has_next=getattr(x, "next_values", None) is not None,
                has_last=carried != "last_value" and getattr(x, "last_value", None) is not None,
-               variant=variant)
+               variant=variant, n_boot=n_boot)
     return p if p.ok else None
+
+
+def run_backward(name: str, kernel: Kernel, x, call: Call, n_out: int, n_boot: int,
+                 variant: int, scalars: tuple, rows: Optional[Tensor], row_params: int, *,
+                 expand_flags: Optional[str] = None, copy=None) -> list:
+    """An op's backward kernel on `x` (its NamedTuple of slots: inputs, saved outputs and the
+    outputs' gradients; slot 0 a per-step tensor of the full shape in the caller's layout):
+    `n_out` per-step float32 gradients (those `variant` says are written), then `n_boot`
+    without time axis. Plans are cached under the slots' signature, as the forward's."""
+    k = row_params if rows is not None else 0
+    sig = tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0)
+                for t in x)
+    key = (name + "_backward", variant, k, call.time_dim, call.device, *sig)
+
+    def build(y):
+        return scan_plan(kernel, y, call, n_out, torch.float32, variant=variant,
+                         expand_flags=expand_flags, n_boot=n_boot)
+
+    def contiguous(y):
+        return type(y)(*(None if t is None else t.contiguous() for t in y))
+
+    plan, x = cached_plan(key, build, x, copy or contiguous, k)
+    return plan.run(x, scalars, rows)
+
+
+def like(g: Optional[Tensor], x: Optional[Tensor]) -> Optional[Tensor]:
+    """A float32 gradient in its input's dtype (None stays None)."""
+    return g if g is None or g.dtype == x.dtype else g.to(x.dtype)
+
+
+def bits(*flags) -> int:
+    """flags[i] as bit i of a VARIANT."""
+    return sum(1 << i for i, f in enumerate(flags) if f)

@@ -6,14 +6,15 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import reference
-from .._args import check_scalar
+from .._args import check_discount
 from .._plans import Op
 from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import cut_flags, load_step, load_step_flag, single_store, successor
+from ..scan.kernel import (cut_flags, load_step, load_step_flag, single_store, store_out,
+                           successor)
 from ..scan.launch import Kernel
-from ._common import scan_plan, value_args
+from ._common import bits, like, run_backward, scan_plan, value_args
 
 Tensor = torch.Tensor
 
@@ -59,6 +60,79 @@ def coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
 KERNEL = Kernel(coef, single_store, reverse=True, carries_last=True)
 
 
+# ---- backward: H[t] = dG[t] + gamma * (1 - cut[t-1]) * H[t-1], a forward scan ----------------
+
+class GradInputs(NamedTuple):
+    terminated: Tensor  # slot 0: the full shape in the caller's layout
+    truncated: Optional[Tensor]
+    last_value: Optional[Tensor]  # for v' (d gamma)
+    next_values: Optional[Tensor]
+    returns: Optional[Tensor]  # G[t+1] (d gamma)
+    grad_returns: Tensor
+
+
+G_TERM, G_TRUNC, G_LAST_V, G_NEXT_V, G_RET, G_DRET = slots(GradInputs)
+D_R, D_NEXT, D_ROWS, D_LAST = (tl.constexpr(1 << i) for i in range(4))  # VARIANT bits
+
+
+@triton.jit
+def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+              HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+              VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+              ACT_VEC: tl.constexpr, after):
+    gamma = params[0]
+    d_ret = load_step(ins, st, s1, s2, G_DRET, t, b1, b2, mask)
+    _, cut_b = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t - 1, b1, b2, mask & (t >= 1), T,
+                         HAS_TRUNC)
+    beta = tl.where(cut_b | (t == 0), 0.0, gamma)
+    term, cut = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
+    boot = cut & (term == 0)  # the steps that bootstrap from v'
+    v_succ = tl.zeros(mask.shape, tl.float32)
+    g_after = tl.zeros(mask.shape, tl.float32)
+    if D_ROWS & VARIANT:
+        v_succ, _ = successor(ins, st, s1, s2, 0, G_NEXT_V, G_LAST_V, t, b1, b2, mask,
+                              end_rows, T, None, False, HAS_NEXT, HAS_LAST, False, None)
+        g_after = load_step(ins, st, s1, s2, G_RET, t + 1, b1, b2, mask & (t + 1 < T))
+    return d_ret, beta, (boot, cut, v_succ, g_after, t == T - 1)
+
+
+@triton.jit
+def grad_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
+               VARIANT: tl.constexpr):
+    """res = H[t]: the inputs' gradients at t."""
+    gamma = params[0]
+    boot, cut, v_succ, g_after, at_end = aux
+    if D_R & VARIANT:
+        store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)
+    d_succ = tl.where(boot, gamma * res, 0.0)
+    if D_NEXT & VARIANT:
+        store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, d_succ)
+    if D_ROWS & VARIANT:
+        store_out(outs, ost, os1, os2, 2, t, b1, b2, mask,
+                  res * (tl.where(boot, v_succ, 0.0) + tl.where(cut, 0.0, g_after)))
+    if D_LAST & VARIANT:
+        store_out(outs, ost, os1, os2, 3, t, b1, b2, mask & at_end, d_succ)
+
+
+GRAD_KERNEL = Kernel(grad_coef, grad_store, reverse=False, exclusive=True, aux=True)
+
+
+def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra, needs):
+    nr, _, _, nlast, nnext, nrows = needs
+    (d_ret,) = grads
+    if d_ret is None:
+        d_ret = torch.zeros_like(outs[0])
+    gx = GradInputs(x.terminated, x.truncated, x.last_value, x.next_values,
+                    outs[0] if nrows else None, d_ret)
+    variant = bits(nr, nnext, nrows, nlast)
+    dr, dnext, dg, dlast = run_backward(OP.name, GRAD_KERNEL, gx, call, 3, 1, variant, s,
+                                        rows, OP.row_params)
+    return [like(dr, x.rewards) if nr else None, None, None,
+            like(dlast, x.last_value) if nlast else None,
+            like(dnext, x.next_values) if nnext else None,
+            dg.sum(call.time_dim)[None] if nrows else None]
+
+
 def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
     r, lv, nv = _prep(dtype, x.rewards, x.last_value, x.next_values)
     term, trunc = _flags(x.terminated, x.truncated)
@@ -81,7 +155,7 @@ def _plan(x, call, out_dtype, extra):
 
 OP = Op("discounted_returns", Inputs, Scalars,
         check=lambda x, td, extra: value_args(x, td, bootstrap=False), plan=_plan,
-        torch=torch_impl, loop=loop_impl)
+        torch=torch_impl, loop=loop_impl, row_params=1, backward=backward)
 
 
 def discounted_returns(rewards, terminated, truncated=None, *, last_value=None, next_values=None,
@@ -101,4 +175,4 @@ def discounted_returns(rewards, terminated, truncated=None, *, last_value=None, 
         >>> G = rl_triton.discounted_returns(rewards, terminated, gamma=0.99)
     """
     return OP(Inputs(rewards, terminated, truncated, last_value, next_values),
-              Scalars(check_scalar("gamma", gamma)), time_dim, backend, out_dtype)
+              Scalars(check_discount("gamma", gamma)), time_dim, backend, out_dtype)

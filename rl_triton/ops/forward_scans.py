@@ -6,7 +6,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import reference
-from .._args import FLAG, Call, check_scalar
+from .._args import FLAG, Call, check_discount
 from .._plans import Op
 from ..reference import _flags, _prep
 from ..scan import torch_scan
@@ -92,7 +92,7 @@ def _cumsum_torch(x: Inputs, s: NoScalars, extra=(), dtype=torch.float32):
 
 
 TRACES = Op("eligibility_traces", Inputs, TraceScalars, check=_check, plan=_plan, copy=_copy,
-            kernel_scalars=lambda s: (s.gamma * s.lam,), torch=_traces_torch,
+            kernel_scalars=lambda s: (s.gamma * s.lam,), torch=_traces_torch, row_params=1,
             loop=lambda x, s, extra, dtype: reference.eligibility_traces(
                 *x[:2], initial=x.initial, **s._asdict(), dtype=dtype))
 CUMSUM = Op("episodic_cumsum", Inputs, NoScalars, check=_check, plan=_plan, copy=_copy,
@@ -119,7 +119,7 @@ def eligibility_traces(x, dones, *, gamma, lam, initial=None, time_dim=0, backen
         >>> z = rl_triton.eligibility_traces(grads, dones, gamma=0.99, lam=0.9)  # grads [T, N, D]
     """
     return TRACES(Inputs(x, dones, initial),
-                  TraceScalars(check_scalar("gamma", gamma), check_scalar("lam", lam)),
+                  TraceScalars(check_discount("gamma", gamma), check_discount("lam", lam)),
                   time_dim, backend, out_dtype)
 
 

@@ -6,14 +6,14 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import reference
-from .._args import check_scalar
+from .._args import check_discount
 from .._plans import Op
 from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
 from ..scan.kernel import cut_flags, load_step, store_out, successor
 from ..scan.launch import Kernel
-from ._common import scan_plan, value_args
+from ._common import bits, like, run_backward, scan_plan, value_args
 
 Tensor = torch.Tensor
 
@@ -63,6 +63,99 @@ def store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
 KERNEL = Kernel(coef, store, reverse=True, aux=True)
 
 
+# ---- backward: H[t] = dA[t] + gamma * lam * (1 - cut[t-1]) * H[t-1], a forward scan ----------
+
+class GradInputs(NamedTuple):
+    terminated: Tensor  # slot 0: the full shape in the caller's layout
+    truncated: Optional[Tensor]
+    values: Optional[Tensor]  # for v' (d gamma)
+    last_value: Optional[Tensor]
+    next_values: Optional[Tensor]
+    advantages: Optional[Tensor]  # A[t+1] (d gamma, d lam)
+    grad_advantages: Optional[Tensor]
+    grad_returns: Optional[Tensor]
+
+
+G_TERM, G_TRUNC, G_V, G_LAST_V, G_NEXT_V, G_ADV, G_DADV, G_DRET = slots(GradInputs)
+# VARIANT bits: gradients written, and the outputs' gradients given
+D_R, D_V, D_NEXT, D_ROWS, D_LAST, HAS_DADV, HAS_DRET, SLOT_SUCC = (
+    tl.constexpr(1 << i) for i in range(8))
+
+
+@triton.jit
+def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+              HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+              VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+              ACT_VEC: tl.constexpr, after):
+    """alpha = dA[t] = d advantages[t] + d returns[t]; beta = gamma * lam where the trace from
+    t-1 went on (0 at t = 0)."""
+    gamma = params[0]
+    lam = params[1]
+    d_ret = tl.zeros(mask.shape, tl.float32)
+    d_a = tl.zeros(mask.shape, tl.float32)
+    if HAS_DRET & VARIANT:
+        d_ret = load_step(ins, st, s1, s2, G_DRET, t, b1, b2, mask)
+    if HAS_DADV & VARIANT:
+        d_a = load_step(ins, st, s1, s2, G_DADV, t, b1, b2, mask)
+    before = mask & (t >= 1)
+    term_b, cut_b = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t - 1, b1, b2, before, T,
+                              HAS_TRUNC)
+    beta = tl.where(cut_b | (t == 0), 0.0, gamma * lam)
+    term, cut = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
+    v_succ = tl.zeros(mask.shape, tl.float32)
+    a_after = tl.zeros(mask.shape, tl.float32)
+    if D_ROWS & VARIANT:
+        v_succ, _ = successor(ins, st, s1, s2, G_V, G_NEXT_V, G_LAST_V, t, b1, b2, mask,
+                              end_rows, T, None, True, HAS_NEXT, HAS_LAST, False, None)
+        a_after = load_step(ins, st, s1, s2, G_ADV, t + 1, b1, b2, mask & (t + 1 < T))
+    return d_a + d_ret, beta, (d_ret, term_b | (t == 0), term, cut, v_succ, a_after,
+                               t == T - 1)
+
+
+@triton.jit
+def grad_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
+               VARIANT: tl.constexpr):
+    """res = H[t] = d delta[t], res_prev = H[t-1]: the inputs' gradients at t."""
+    gamma = params[0]
+    lam = params[1]
+    d_ret, term_b, term, cut, v_succ, a_after, at_end = aux
+    if D_R & VARIANT:
+        store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)
+    if D_V & VARIANT:  # returns = A + V; delta[t] has -V[t]; delta[t-1] has gamma v'[t-1]
+        dv = d_ret - res
+        if SLOT_SUCC & VARIANT:  # v'[t-1] = V[t] (no next_values)
+            dv += tl.where(term_b, 0.0, gamma * res_prev)
+        store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, dv)
+    d_succ = tl.where(term, 0.0, gamma * res)
+    if D_NEXT & VARIANT:
+        store_out(outs, ost, os1, os2, 2, t, b1, b2, mask, d_succ)
+    if D_ROWS & VARIANT:
+        store_out(outs, ost, os1, os2, 3, t, b1, b2, mask,
+                  res * (tl.where(term, 0.0, v_succ) + tl.where(cut, 0.0, lam * a_after)))
+        store_out(outs, ost, os1, os2, 4, t, b1, b2, mask,
+                  res * tl.where(cut, 0.0, gamma * a_after))
+    if D_LAST & VARIANT:
+        store_out(outs, ost, os1, os2, 5, t, b1, b2, mask & at_end, d_succ)
+
+
+GRAD_KERNEL = Kernel(grad_coef, grad_store, reverse=False, exclusive=True, aux=True)
+
+
+def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra, needs):
+    nr, nv, _, _, nlast, nnext, nrows = needs
+    d_adv, d_ret = grads
+    gx = GradInputs(x.terminated, x.truncated, x.values, x.last_value, x.next_values,
+                    outs[0] if nrows else None, d_adv, d_ret)
+    variant = bits(nr, nv, nnext, nrows, nlast, d_adv is not None, d_ret is not None,
+                   x.next_values is None)
+    dr, dv, dnext, dg, dl, dlast = run_backward(OP.name, GRAD_KERNEL, gx, call, 5, 1, variant,
+                                                s, rows, OP.row_params)
+    drows = torch.stack([dg.sum(call.time_dim), dl.sum(call.time_dim)]) if nrows else None
+    return [like(dr, x.rewards) if nr else None, like(dv, x.values) if nv else None, None, None,
+            like(dlast, x.last_value) if nlast else None,
+            like(dnext, x.next_values) if nnext else None, drows]
+
+
 def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
     r, v, lv, nv = _prep(dtype, x.rewards, x.values, x.last_value, x.next_values)
     term, trunc = _flags(x.terminated, x.truncated)
@@ -79,7 +172,8 @@ def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
 
 OP = Op("gae", Inputs, Scalars, outputs=2, check=lambda x, td, extra: value_args(x, td),
         plan=lambda x, call, out_dtype, extra: scan_plan(KERNEL, x, call, 2, out_dtype),
-        torch=torch_impl, loop=loop_impl)
+        torch=torch_impl, loop=loop_impl, row_params=2,
+        backward=backward)
 
 
 def gae(rewards, values, terminated, truncated=None, *, last_value=None, next_values=None,
@@ -105,5 +199,5 @@ def gae(rewards, values, terminated, truncated=None, *, last_value=None, next_va
         >>> adv, ret = rl_triton.gae(rewards, values, terminated, last_value=torch.randn(N))
     """
     return OP(Inputs(rewards, values, terminated, truncated, last_value, next_values),
-              Scalars(check_scalar("gamma", gamma), check_scalar("lam", lam)),
+              Scalars(check_discount("gamma", gamma), check_discount("lam", lam)),
               time_dim, backend, out_dtype)

@@ -6,14 +6,14 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import reference
-from .._args import check_scalar
+from .._args import check_discount
 from .._plans import Op
 from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import cut_flags, load_step, single_store, successor
+from ..scan.kernel import cut_flags, load_step, single_store, store_out, successor
 from ..scan.launch import Kernel
-from ._common import scan_plan, value_args
+from ._common import bits, like, run_backward, scan_plan, value_args
 
 Tensor = torch.Tensor
 
@@ -55,6 +55,92 @@ def coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
 KERNEL = Kernel(coef, single_store, reverse=True, trunc_slot_always=(TERM.value, TRUNC.value))
 
 
+# ---- backward: H[t] = dG[t] + gamma * keep[t-1] * H[t-1], a forward scan ---------------------
+
+class GradInputs(NamedTuple):
+    terminated: Tensor  # slot 0: the full shape in the caller's layout
+    truncated: Optional[Tensor]
+    values: Optional[Tensor]  # for v' (d gamma, d lam)
+    last_value: Optional[Tensor]
+    next_values: Optional[Tensor]
+    returns: Optional[Tensor]  # G[t+1] (d gamma, d lam)
+    grad_returns: Tensor
+
+
+G_TERM, G_TRUNC, G_V, G_LAST_V, G_NEXT_V, G_RET, G_DRET = slots(GradInputs)
+D_R, D_V, D_NEXT, D_ROWS, D_LAST = (tl.constexpr(1 << i) for i in range(5))  # VARIANT bits
+
+
+@triton.jit
+def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+              HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+              VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+              ACT_VEC: tl.constexpr, after):
+    gamma = params[0]
+    lam = params[1]
+    d_ret = load_step(ins, st, s1, s2, G_DRET, t, b1, b2, mask)
+    term_b, cut_b = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t - 1, b1, b2, mask & (t >= 1),
+                              T, HAS_TRUNC)
+    first = t == 0
+    beta = tl.where(cut_b | first, 0.0, gamma * lam)
+    term, cut = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
+    v_succ = tl.zeros(mask.shape, tl.float32)
+    g_after = tl.zeros(mask.shape, tl.float32)
+    if D_ROWS & VARIANT:
+        v_succ, _ = successor(ins, st, s1, s2, G_V, G_NEXT_V, G_LAST_V, t, b1, b2, mask,
+                              end_rows, T, None, True, HAS_NEXT, HAS_LAST, False, None)
+        g_after = load_step(ins, st, s1, s2, G_RET, t + 1, b1, b2, mask & (t + 1 < T))
+    # the weight of v'[t-1] = V[t] in G[t-1]: gamma (1 - term) (1 - keep), keep = lam (1 - cut)
+    w_b = tl.where(term_b | first, 0.0, gamma * (1.0 - tl.where(cut_b, 0.0, lam)))
+    return d_ret, beta, (w_b, term, cut, v_succ, g_after, t == T - 1)
+
+
+@triton.jit
+def grad_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
+               VARIANT: tl.constexpr):
+    """res = H[t], res_prev = H[t-1]: the inputs' gradients at t."""
+    gamma = params[0]
+    lam = params[1]
+    w_b, term, cut, v_succ, g_after, at_end = aux
+    if D_R & VARIANT:
+        store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)
+    if D_V & VARIANT:  # values as successors of the steps before
+        store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, w_b * res_prev)
+    keep = tl.where(cut, 0.0, lam)
+    d_succ = tl.where(term, 0.0, gamma * (1.0 - keep) * res)
+    if D_NEXT & VARIANT:
+        store_out(outs, ost, os1, os2, 2, t, b1, b2, mask, d_succ)
+    if D_ROWS & VARIANT:
+        store_out(outs, ost, os1, os2, 3, t, b1, b2, mask,
+                  res * (tl.where(term, 0.0, (1.0 - keep) * v_succ) + keep * g_after))
+        store_out(outs, ost, os1, os2, 4, t, b1, b2, mask,
+                  res * tl.where(cut, 0.0, gamma * (g_after - v_succ)))
+    if D_LAST & VARIANT:
+        store_out(outs, ost, os1, os2, 5, t, b1, b2, mask & at_end, d_succ)
+
+
+GRAD_KERNEL = Kernel(grad_coef, grad_store, reverse=False, exclusive=True, aux=True)
+
+
+def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra, needs):
+    nr, nv, _, _, nlast, nnext, nrows = needs
+    (d_ret,) = grads
+    if d_ret is None:
+        d_ret = torch.zeros_like(outs[0])
+    gx = GradInputs(x.terminated, x.truncated, x.values, x.last_value, x.next_values,
+                    outs[0] if nrows else None, d_ret)
+    # values[t] are successors only where next_values are not given
+    nv = nv and x.next_values is None
+    variant = bits(nr, nv, nnext, nrows, nlast)
+    dr, dv, dnext, dg, dl, dlast = run_backward(OP.name, GRAD_KERNEL, gx, call, 5, 1, variant,
+                                                s, rows, OP.row_params)
+    drows = torch.stack([dg.sum(call.time_dim), dl.sum(call.time_dim)]) if nrows else None
+    dv = like(dv, x.values) if nv else (torch.zeros_like(x.values) if needs[1] else None)
+    return [like(dr, x.rewards) if nr else None, dv, None, None,
+            like(dlast, x.last_value) if nlast else None,
+            like(dnext, x.next_values) if nnext else None, drows]
+
+
 def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
     r, v, lv, nv = _prep(dtype, x.rewards, x.values, x.last_value, x.next_values)
     term, trunc = _flags(x.terminated, x.truncated)
@@ -72,7 +158,7 @@ def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
 OP = Op("lambda_returns", Inputs, Scalars,
         check=lambda x, td, extra: value_args(x, td, values_optional=x.next_values is not None),
         plan=lambda x, call, out_dtype, extra: scan_plan(KERNEL, x, call, 1, out_dtype),
-        torch=torch_impl, loop=loop_impl)
+        torch=torch_impl, loop=loop_impl, row_params=2, backward=backward)
 
 
 def lambda_returns(rewards, values, terminated, truncated=None, *, last_value=None,
@@ -93,5 +179,5 @@ def lambda_returns(rewards, values, terminated, truncated=None, *, last_value=No
         >>> G = rl_triton.lambda_returns(rewards, values, terminated, last_value=v_last, lam=0.9)
     """
     return OP(Inputs(rewards, values, terminated, truncated, last_value, next_values),
-              Scalars(check_scalar("gamma", gamma), check_scalar("lam", lam)),
+              Scalars(check_discount("gamma", gamma), check_discount("lam", lam)),
               time_dim, backend, out_dtype)

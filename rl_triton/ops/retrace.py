@@ -6,7 +6,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import reference
-from .._args import FLAG, INDEX, VALUE, Call, check_actions, check_bool, check_scalar
+from .._args import (FLAG, INDEX, VALUE, Call, check_actions, check_bool, check_discount,
+                     check_scalar)
 from .._plans import Op
 from ..reference import _flags, _prep
 from ..scan import torch_scan
@@ -242,7 +243,7 @@ OP = Op("retrace", Inputs, Scalars, outputs=2, extras=Extras, check=_check,
             KERNEL, x, call, 1 + extra.return_advantages, out_dtype,
             variant=int(extra.return_advantages)),
         torch=torch_impl, loop=loop_impl, n_out=lambda extra: 1 + extra.return_advantages,
-        runtime_check=_check_actions)
+        runtime_check=_check_actions, row_params=2)
 
 
 def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated, truncated=None,
@@ -277,7 +278,7 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
         ...                       last_q_values=q_last, last_target_probs=pi_last, lam=0.95)
     """
     clip = dict(high=None, low_open=True)
-    s = Scalars(check_scalar("gamma", gamma), check_scalar("lam", lam),
+    s = Scalars(check_discount("gamma", gamma), check_discount("lam", lam),
                 check_scalar("c_clip", c_clip, **clip))
     extra = Extras(check_bool("return_advantages", return_advantages),
                    check_bool("check_actions", check_actions))

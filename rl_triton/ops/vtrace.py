@@ -6,7 +6,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import reference
-from .._args import check_scalar
+from .._args import check_discount, check_scalar
 from .._plans import Op
 from ..reference import _flags, _prep
 from ..scan import torch_scan
@@ -106,7 +106,7 @@ def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
 
 OP = Op("vtrace", Inputs, Scalars, outputs=2, check=lambda x, td, extra: value_args(x, td),
         plan=lambda x, call, out_dtype, extra: scan_plan(KERNEL, x, call, 2, out_dtype),
-        torch=torch_impl, loop=loop_impl)
+        torch=torch_impl, loop=loop_impl, row_params=2)
 
 
 def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, truncated=None, *,
@@ -131,7 +131,7 @@ def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, tr
         ...                               last_value=v_last)
     """
     clip = dict(high=None, low_open=True)
-    s = Scalars(check_scalar("gamma", gamma), check_scalar("lam", lam),
+    s = Scalars(check_discount("gamma", gamma), check_discount("lam", lam),
                 check_scalar("rho_clip", rho_clip, **clip), check_scalar("c_clip", c_clip, **clip),
                 check_scalar("pg_rho_clip", pg_rho_clip, **clip))
     return OP(Inputs(rewards, values, terminated, target_log_probs, behavior_log_probs, truncated,

@@ -426,6 +426,7 @@ def scan_kernel(
     init, init_s1, init_s2,  # the initial carry A[T] (reverse) or A[-1] (forward)
     state,  # int64 look-back scratch: [words_a..., words_b...], one of each per tile row
     scalars,  # the estimator's float scalars (gamma, lambda, clips): runtime values
+    row_ptr, row_sk, row_s1, row_s2,  # per-row values of the first ROW_PARAMS scalars
     T, B, B2, n_act, n_row_tiles, n_chunks,
     COEF: tl.constexpr, STORE: tl.constexpr, REVERSE: tl.constexpr, EXCLUSIVE: tl.constexpr,
     HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
@@ -433,7 +434,7 @@ def scan_kernel(
     WINDOW: tl.constexpr, DEPTH: tl.constexpr, TIME_AXIS: tl.constexpr, INT64: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_A: tl.constexpr,
     ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr, SUB: tl.constexpr, ROW_VEC: tl.constexpr,
-    EVEN: tl.constexpr,
+    EVEN: tl.constexpr, ROW_PARAMS: tl.constexpr,
 ):
     """One program per tile of `BLOCK_B` rows x `BLOCK_T` steps (`n_chunks` tiles along time),
     scanned once and kept in registers; with `LOOKBACK`, the tiles of a row run in parallel and
@@ -493,6 +494,11 @@ def scan_kernel(
         b = b.to(tl.int64)
     b1 = b // B2
     b2 = b % B2
+    if ROW_PARAMS > 0:
+        # per-row gamma / lambda (SPEC 6): vectors along the tile's rows, which broadcast over
+        # its steps wherever the builders use the scalars
+        scalars = row_scalars(row_ptr, row_sk, row_s1, row_s2, b1, b2, mask_b, scalars,
+                              ROW_PARAMS)
     carry = tl.zeros(r.shape, tl.float32)
     if WALK:
         if HAS_INIT:
@@ -531,6 +537,18 @@ def scan_kernel(
                                sem="relaxed")
         store_chunk(outs, ost, os1, os2, b1, b2, ts, masks, a_s, bb_s, ea_s, eb_s, auxs, carry,
                     scalars, STORE, VARIANT, SUB)
+
+
+@triton.jit
+def row_scalars(rows, sk, s1, s2, b1, b2, mask_b, scalars, N: tl.constexpr):
+    """`scalars` with its first N replaced by their values at rows (b1, b2)."""
+    out = ()
+    for i in tl.static_range(len(scalars)):
+        if i < N:
+            out = out + (load_value(rows, i * sk + b1 * s1 + b2 * s2, mask_b),)
+        else:
+            out = out + (scalars[i],)
+    return out
 
 
 @triton.jit

@@ -122,7 +122,7 @@ class Launch:
                  time_dim: int, n_out: int, out_dtype: torch.dtype, *,
                  init: Optional[Tensor] = None, init_src: Optional[int] = None,
                  has_trunc: bool = False, has_next: bool = False, has_last: bool = False,
-                 variant: int = 0):
+                 variant: int = 0, n_boot: int = 0):
         src = [None if x is None else i for i, x in enumerate(ins)]
         action_slots = kernel.action_slots
         # batch-major tiles where the steps are contiguous (slot 0), else time-major
@@ -134,13 +134,19 @@ class Launch:
             ins[trunc], src[trunc], has_trunc = ins[term], src[term], True
         self.T, self.B = T, math.prod(bshape)  # never 0: empty calls return before a plan
         self.out_shape, self.out_dtype, self.n_out = out_shape, out_dtype, n_out
+        # `n_boot` outputs after the per-step ones have no time axis (gradients of bootstraps:
+        # written at one step)
+        self.n_boot = n_boot
+        self.boot_shape = tuple(out_shape[:time_dim]) + tuple(out_shape[time_dim + 1:])
         self.src, self.init_src = tuple(src), init_src
         self.device = device = next(x for x in ins if x is not None).device
         out_view = torch.empty(out_shape, device="meta").movedim(time_dim, 0)
         flat = [x[..., 0] if (i in action_slots and x is not None) else x
                 for i, x in enumerate(ins)]
         init_view = over_time(init, T)
-        present = [x for x in flat if x is not None] + [out_view] + (
+        # bootstrap outputs and per-row scalars: contiguous [*batch], seen over time
+        row_view = over_time(torch.empty(bshape, device="meta"), T)
+        present = [x for x in flat if x is not None] + [out_view, row_view] + (
             [init_view] if init_view is not None else [])
         groups = _batch_groups(present, bshape)
         self.ok = groups is not None
@@ -171,7 +177,9 @@ class Launch:
         # look-back scratch: two words per (tile, row)
         self.state_size = 2 * self.grid[0] * cfg.block_b if self.lookback else 1
         in_strides = strides(flat) + (sa,)
-        out_strides = tuple(s * n_out for s in strides([out_view]))  # n_out alike
+        out_strides = tuple(s * n_out + r * n_boot  # n_out alike, then n_boot alike
+                            for s, r in zip(strides([out_view]), strides([row_view])))
+        self.row_strides = (math.prod(bshape), stride1[id(row_view)], stride2[id(row_view)])
         init_strides = ((stride1[id(init_view)], stride2[id(init_view)])
                         if init_view is not None else (0, 0))
         ints = (T, self.B, B2, n_act, n_row_tiles, n_chunks)
@@ -191,7 +199,7 @@ class Launch:
                                                             n_act)),
                          ROW_VEC=(row_vector(present, self.B, B2) if tiles.vector_rows(
                              self.B, time_contiguous, bool(action_slots)) else 1),
-                         SUB=cfg.sub, EVEN=tiles.even(T, self.B, cfg),
+                         SUB=cfg.sub, EVEN=tiles.even(T, self.B, cfg), ROW_PARAMS=0,
                          num_warps=cfg.num_warps)
         if cfg.max_registers:
             self.meta["maxnreg"] = cfg.max_registers
@@ -200,17 +208,25 @@ class Launch:
         self.states = {}  # look-back scratch by stream: launches on one stream never overlap
         self.compiled, self.tail = None, ()
 
-    def run(self, x: tuple, scalars: tuple) -> list:
-        """Allocate the outputs and launch on the call's inputs `x` (the op's input tuple)."""
+    def per_row(self, k: int) -> "Launch":
+        """The plan with its first k scalars per row (before its first launch)."""
+        self.meta["ROW_PARAMS"] = k
+        return self
+
+    def run(self, x: tuple, scalars: tuple, rows: Optional[Tensor] = None) -> list:
+        """Allocate the outputs and launch on the call's inputs `x` (the op's input tuple);
+        `rows`: the per-row scalars, contiguous `[row_params, *batch]` float32."""
         # One allocation each: outputs that are views of one buffer would alias, which custom
         # ops (torch.compile) forbid.
         shape, dtype, device = self.out_shape, self.out_dtype, self.device
         outs = [torch.empty(shape, dtype=dtype, device=device) for _ in range(self.n_out)]
+        outs += [torch.empty(self.boot_shape, dtype=dtype, device=device)
+                 for _ in range(self.n_boot)]
         if self.cuda and self.device_index != _current_device():
             with torch.cuda.device(device):
-                self._launch(x, outs, scalars)
+                self._launch(x, outs, scalars, rows)
         else:
-            self._launch(x, outs, scalars)
+            self._launch(x, outs, scalars, rows)
         return outs
 
     def _state(self, stream):
@@ -222,7 +238,7 @@ class Launch:
             state = self.states[stream] = (t, t.data_ptr())
         return state
 
-    def _launch(self, x, outs, scalars):
+    def _launch(self, x, outs, scalars, rows):
         stream = _stream(self.device_index) if self.cuda else None
         state, state_ptr = self._state(stream)
         kernel = self.compiled
@@ -230,7 +246,8 @@ class Launch:
         if kernel is None:  # the first launch: through Triton's JIT, which compiles
             out0 = outs[0]  # unused slots get a valid pointer; the kernel never reads them
             args = self._args(tuple(out0 if i is None else x[i] for i in src), tuple(outs),
-                              out0 if init_src is None else x[init_src], state, scalars)
+                              out0 if init_src is None else x[init_src], state, scalars,
+                              out0 if rows is None else rows)
             if self.meta["EVEN"] and self.cuda:
                 self.meta["EVEN"] = even_keeps_occupancy(args, self.grid, self.meta)
             compiled = scan_kernel[self.grid](*args, **self.meta)
@@ -240,7 +257,8 @@ class Launch:
             return
         args = self._args(tuple([0 if i is None else x[i].data_ptr() for i in src]),
                           tuple([o.data_ptr() for o in outs]),
-                          0 if init_src is None else x[init_src].data_ptr(), state_ptr, scalars)
+                          0 if init_src is None else x[init_src].data_ptr(), state_ptr, scalars,
+                          0 if rows is None else rows.data_ptr())
         # What JITFunction.run does once it has found the kernel in its cache, minus
         # re-deriving the specialization key (the plan's signature fixes it, pointer alignment
         # included). Launch hooks (profilers) are honoured as JITFunction.run honours them.
@@ -250,11 +268,11 @@ class Launch:
         kernel.run(self.grid[0], self.grid[1], 1, stream, kernel.function, kernel.packed_metadata,
                    meta, enter, leave, *args, *self.tail)
 
-    def _args(self, ptrs, outs, init, state, scalars) -> tuple:
+    def _args(self, ptrs, outs, init, state, scalars, rows) -> tuple:
         """`scan_kernel`'s positional arguments, in its order."""
         in_strides, out_strides, init_strides, ints = self.strides
         return (ptrs, *in_strides, outs, *out_strides, init, *init_strides, state, scalars,
-                *ints)
+                rows, *self.row_strides, *ints)
 
 
 def even_keeps_occupancy(args: tuple, grid: tuple, meta: dict, compile=None) -> bool:
