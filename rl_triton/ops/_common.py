@@ -50,7 +50,7 @@ def scan_plan(kernel: Kernel, x, call: Call, n_out: int, out_dtype: torch.dtype,
     for name, t in zip(fields, x):
         if t is None or name == carried:
             ins.append(None)
-        elif name.startswith("last_"):
+        elif name.startswith("last_") or name == "initial":
             ins.append(over_time(t, T))
         else:
             ins.append(tm(t, call.time_dim))

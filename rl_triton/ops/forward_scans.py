@@ -7,13 +7,13 @@ import torch
 
 from .. import reference
 from .._args import FLAG, Call, check_discount
-from .._plans import Op
+from .._plans import OPS, Op
 from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import load_flag, load_step, offsets, single_store
+from ..scan.kernel import load_flag, load_step, offsets, single_store, store_out
 from ..scan.launch import Kernel
-from ._common import scan_plan
+from ._common import bits, like, run_backward, scan_plan
 
 Tensor = torch.Tensor
 
@@ -50,6 +50,81 @@ def coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
 
 
 KERNEL = Kernel(coef, single_store, reverse=False)
+
+
+# ---- backward: H[t] = dA[t] + keep * (1 - done[t]) * H[t+1], a reverse scan ------------------
+
+class GradInputs(NamedTuple):
+    out: Tensor  # A (d keep); slot 0: the full shape in the caller's layout
+    dones: Tensor
+    initial: Optional[Tensor]
+    grad: Tensor
+
+
+G_OUT, G_DONES, G_INIT, G_DOUT = slots(GradInputs)
+D_X, D_INIT, D_ROWS, HAS_INITIAL = (tl.constexpr(1 << i) for i in range(4))  # VARIANT bits
+
+
+@triton.jit
+def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+              HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+              VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+              ACT_VEC: tl.constexpr, after):
+    keep = params[0]
+    d_out = load_step(ins, st, s1, s2, G_DOUT, t, b1, b2, mask)
+    done = load_flag(ins[G_DONES], offsets(t, b1, b2, st[G_DONES], s1[G_DONES], s2[G_DONES]),
+                     mask)
+    beta = tl.where(done | (t == T - 1), 0.0, keep)
+    a_before = tl.zeros(mask.shape, tl.float32)
+    first = t == 0
+    if D_ROWS & VARIANT:  # (1 - done[t-1]) A[t-1], the initial value at t = 0
+        before = mask & (t >= 1)
+        done_b = load_flag(ins[G_DONES], offsets(t - 1, b1, b2, st[G_DONES], s1[G_DONES],
+                                                 s2[G_DONES]), before)
+        a_before = tl.where(done_b, 0.0, load_step(ins, st, s1, s2, G_OUT, t - 1, b1, b2,
+                                                   before))
+        if HAS_INITIAL & VARIANT:
+            init = load_step(ins, st, s1, s2, G_INIT, 0, b1, b2, mask & first)
+            a_before = tl.where(first, init, a_before)
+    return d_out, beta, (a_before, first)
+
+
+@triton.jit
+def grad_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
+               VARIANT: tl.constexpr):
+    keep = params[0]
+    a_before, first = aux
+    if D_X & VARIANT:
+        store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)
+    if D_ROWS & VARIANT:
+        store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, res * a_before)
+    if D_INIT & VARIANT:
+        store_out(outs, ost, os1, os2, 2, t, b1, b2, mask & first, keep * res)
+
+
+GRAD_KERNEL = Kernel(grad_coef, grad_store, reverse=True, aux=True)
+
+
+def _backward(op_name: str, row_params: int):
+    def backward(x: Inputs, outs, grads, s, rows, call, extra, needs):
+        n_x, _, n_init, n_rows = needs
+        (d_out,) = grads
+        if d_out is None:
+            d_out = torch.zeros_like(outs[0])
+        gx = GradInputs(outs[0], x.dones, x.initial if n_rows else None, d_out)
+        variant = bits(n_x, n_init, n_rows, gx.initial is not None)
+        dx, dk, dinit = run_backward(op_name, GRAD_KERNEL, gx, call, 2, 1, variant,
+                                     OPS[op_name].kernel_scalars(s), rows, row_params,
+                                     expand_flags="dones", copy=_grad_copy)
+        return [like(dx, x.x) if n_x else None, None, like(dinit, x.initial) if n_init else None,
+                dk.sum(call.time_dim)[None] if n_rows else None]
+    return backward
+
+
+def _grad_copy(x: GradInputs):
+    d = x.dones[(...,) + (None,) * (x.out.ndim - x.dones.ndim)].expand(x.out.shape)
+    return GradInputs(*(None if t is None else t.contiguous() for t in (x.out, d, x.initial,
+                                                                         x.grad)))
 
 
 def _keep(x, dones, scale):
@@ -94,11 +169,13 @@ def _cumsum_torch(x: Inputs, s: NoScalars, extra=(), dtype=torch.float32):
 TRACES = Op("eligibility_traces", Inputs, TraceScalars, check=_check, plan=_plan, copy=_copy,
             kernel_scalars=lambda s: (s.gamma * s.lam,), torch=_traces_torch, row_params=1,
             loop=lambda x, s, extra, dtype: reference.eligibility_traces(
-                *x[:2], initial=x.initial, **s._asdict(), dtype=dtype))
+                *x[:2], initial=x.initial, **s._asdict(), dtype=dtype),
+            backward=_backward("eligibility_traces", 1))
 CUMSUM = Op("episodic_cumsum", Inputs, NoScalars, check=_check, plan=_plan, copy=_copy,
             kernel_scalars=lambda s: (1.0,), torch=_cumsum_torch,
             loop=lambda x, s, extra, dtype: reference.episodic_cumsum(
-                *x[:2], initial=x.initial, dtype=dtype))
+                *x[:2], initial=x.initial, dtype=dtype),
+            backward=_backward("episodic_cumsum", 0))
 
 
 def eligibility_traces(x, dones, *, gamma, lam, initial=None, time_dim=0, backend="auto",

@@ -11,9 +11,9 @@ from .._plans import Op
 from ..reference import _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import load_step, single_store
+from ..scan.kernel import load_step, single_store, store_out
 from ..scan.launch import Kernel
-from ._common import scan_plan
+from ._common import bits, like, run_backward, scan_plan
 
 Tensor = torch.Tensor
 
@@ -52,6 +52,83 @@ REVERSE = Kernel(coef, single_store, reverse=True)
 FORWARD = Kernel(coef, single_store, reverse=False)
 
 
+# ---- backward: the adjoint scan runs the other way -------------------------------------------
+# reverse: H[t] = dA[t] + beta[t-1] H[t-1], d beta[t] = H[t] A[t+1] (A[T] = initial),
+#          d initial = beta[T-1] H[T-1];
+# forward: H[t] = dA[t] + beta[t+1] H[t+1], d beta[t] = H[t] A[t-1] (A[-1] = initial),
+#          d initial = beta[0] H[0].
+
+class GradInputs(NamedTuple):
+    beta: Tensor  # slot 0: the full shape in the caller's layout
+    out: Optional[Tensor]  # A (d beta)
+    initial: Optional[Tensor]
+    grad: Tensor
+
+
+G_BETA, G_OUT, G_INIT, G_DOUT = slots(GradInputs)
+# VARIANT bits
+D_ALPHA, D_BETA, D_INIT, FORWARD_OP, HAS_INITIAL = (tl.constexpr(1 << i) for i in range(5))
+
+
+@triton.jit
+def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+              HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+              VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+              ACT_VEC: tl.constexpr, after):
+    d_out = load_step(ins, st, s1, s2, G_DOUT, t, b1, b2, mask)
+    if FORWARD_OP & VARIANT:
+        before = t + 1  # the step before t in the adjoint's order
+        edge = t == 0  # the step that reads the initial value
+    else:
+        before = t - 1
+        edge = t == T - 1
+    inside = mask & (before >= 0) & (before < T)
+    beta_b = load_step(ins, st, s1, s2, G_BETA, before, b1, b2, inside)
+    beta_b = tl.where(inside & (beta_b == beta_b), beta_b, 0.0)  # NaN betas: as the forward
+    a_other = tl.zeros(mask.shape, tl.float32)
+    beta = tl.zeros(mask.shape, tl.float32)
+    if (D_BETA | D_INIT) & VARIANT:
+        beta = load_step(ins, st, s1, s2, G_BETA, t, b1, b2, mask)
+    if D_BETA & VARIANT:
+        other = 2 * t - before  # A[t+1] (reverse) or A[t-1] (forward)
+        a_other = load_step(ins, st, s1, s2, G_OUT, other, b1, b2,
+                            mask & (other >= 0) & (other < T))
+        if HAS_INITIAL & VARIANT:  # the initial value, where `other` is outside the window
+            init = load_step(ins, st, s1, s2, G_INIT, 0, b1, b2, mask & edge)
+            a_other = tl.where(edge, init, a_other)
+    return d_out, beta_b, (a_other, beta, edge)
+
+
+@triton.jit
+def grad_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
+               VARIANT: tl.constexpr):
+    a_other, beta, edge = aux
+    if D_ALPHA & VARIANT:
+        store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)
+    if D_BETA & VARIANT:
+        store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, res * a_other)
+    if D_INIT & VARIANT:
+        store_out(outs, ost, os1, os2, 2, t, b1, b2, mask & edge, res * beta)
+
+
+GRAD_REVERSE = Kernel(grad_coef, grad_store, reverse=False, aux=True)
+GRAD_FORWARD = Kernel(grad_coef, grad_store, reverse=True, aux=True)
+
+
+def backward(x: Inputs, outs, grads, s, rows, call, extra: Extras, needs):
+    n_alpha, n_beta, n_init, _ = needs
+    (d_out,) = grads
+    if d_out is None:
+        d_out = torch.zeros_like(outs[0])
+    gx = GradInputs(x.beta, outs[0] if n_beta else None,
+                    x.initial if n_beta else None, d_out)
+    variant = bits(n_alpha, n_beta, n_init, not extra.reverse, gx.initial is not None)
+    kernel = GRAD_REVERSE if extra.reverse else GRAD_FORWARD
+    da, db, dinit = run_backward(OP.name, kernel, gx, call, 2, 1, variant, (0.0,), None, 0)
+    return [like(da, x.alpha) if n_alpha else None, like(db, x.beta) if n_beta else None,
+            like(dinit, x.initial) if n_init else None, None]
+
+
 def _check(x: Inputs, time_dim, extra):
     call = Call("alpha", x.alpha, time_dim)
     return Inputs(call.step("alpha", x.alpha), call.step("beta", x.beta),
@@ -69,7 +146,8 @@ OP = Op("linear_scan", Inputs, NoScalars, extras=Extras, check=_check,
             carried="initial" if x.initial is not None else None),
         kernel_scalars=lambda s: (0.0,), torch=_torch,
         loop=lambda x, s, extra, dtype: reference.linear_scan(
-            x.alpha, x.beta, reverse=extra.reverse, initial=x.initial, dtype=dtype))
+            x.alpha, x.beta, reverse=extra.reverse, initial=x.initial, dtype=dtype),
+        backward=backward)
 
 
 def linear_scan(alpha, beta, *, reverse=True, initial=None, time_dim=0, backend="auto",
