@@ -13,7 +13,7 @@ from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
 from ..scan.kernel import clip, cut_flags, load_step, store_out, successor
 from ..scan.launch import Kernel
-from ._common import scan_plan, value_args
+from ._common import bits, like, run_backward, scan_plan, value_args
 
 Tensor = torch.Tensor
 
@@ -82,6 +82,146 @@ def store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
 KERNEL = Kernel(coef, store, reverse=True, exclusive=True, aux=True)
 
 
+# ---- backward: H[t] = dD[t] + gamma * c[t-1] * (1 - cut[t-1]) * H[t-1], a forward scan ------
+# dD[t] = d vs[t] plus, inside an episode, pg[t-1]'s dependence on vs'[t-1] = vs[t].
+
+class GradInputs(NamedTuple):
+    terminated: Tensor  # slot 0: the full shape in the caller's layout
+    truncated: Optional[Tensor]
+    rewards: Tensor
+    values: Tensor
+    target_log_probs: Tensor
+    behavior_log_probs: Tensor
+    last_value: Optional[Tensor]
+    next_values: Optional[Tensor]
+    vs: Tensor  # D[t+1] = vs[t+1] - V[t+1]
+    grad_vs: Optional[Tensor]
+    grad_pg: Optional[Tensor]
+
+
+(G_TERM, G_TRUNC, G_R, G_V, G_TLP, G_BLP, G_LAST_V, G_NEXT_V, G_VS, G_DVS,
+ G_DPG) = slots(GradInputs)
+# VARIANT bits
+(D_R, D_V, D_TLP, D_BLP, D_NEXT, D_ROWS, D_LAST, HAS_DVS, HAS_DPG,
+ SLOT_SUCC) = (tl.constexpr(1 << i) for i in range(10))
+
+
+@triton.jit
+def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+              HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+              VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+              ACT_VEC: tl.constexpr, after):
+    gamma = params[0]
+    lam = params[1]
+    c_clip = params[3]
+    pg_rho_clip = params[4]
+    zero = tl.zeros(mask.shape, tl.float32)
+    first = t == 0
+    before = mask & (t >= 1)
+    # step t-1: its trace coefficient and pg[t-1]'s weight on vs[t]
+    term_b, cut_b = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t - 1, b1, b2, before, T,
+                              HAS_TRUNC)
+    ratio_b = tl.exp(load_step(ins, st, s1, s2, G_TLP, t - 1, b1, b2, before)
+                     - load_step(ins, st, s1, s2, G_BLP, t - 1, b1, b2, before))
+    stop_b = cut_b | first
+    beta = tl.where(stop_b | (ratio_b != ratio_b), 0.0, gamma * lam * clip(ratio_b, c_clip))
+    p_b = zero
+    if HAS_DPG & VARIANT:
+        p_b = load_step(ins, st, s1, s2, G_DPG, t - 1, b1, b2, before) * clip(ratio_b,
+                                                                              pg_rho_clip)
+    d_vs = zero
+    if HAS_DVS & VARIANT:
+        d_vs = load_step(ins, st, s1, s2, G_DVS, t, b1, b2, mask)
+    alpha = d_vs + tl.where(stop_b, 0.0, gamma * lam * p_b)
+    # step t
+    r = load_step(ins, st, s1, s2, G_R, t, b1, b2, mask)
+    v = load_step(ins, st, s1, s2, G_V, t, b1, b2, mask)
+    term, cut = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
+    v_succ, v_after = successor(ins, st, s1, s2, G_V, G_NEXT_V, G_LAST_V, t, b1, b2, mask,
+                                end_rows, T, v, True, HAS_NEXT, HAS_LAST, True, None)
+    ratio = tl.exp(load_step(ins, st, s1, s2, G_TLP, t, b1, b2, mask)
+                   - load_step(ins, st, s1, s2, G_BLP, t, b1, b2, mask))
+    vs_after = load_step(ins, st, s1, s2, G_VS, t + 1, b1, b2, mask & (t + 1 < T))
+    d_after = tl.where(cut, 0.0, vs_after - v_after)  # D[t+1] inside the episode
+    vs_succ = tl.where(cut, v_succ, vs_after)
+    d_pg = zero
+    if HAS_DPG & VARIANT:
+        d_pg = load_step(ins, st, s1, s2, G_DPG, t, b1, b2, mask)
+    rho_b = clip(ratio_b, params[2])
+    return alpha, beta, (d_vs, d_pg, p_b, rho_b, term_b | first, stop_b, r, v, term, cut,
+                         v_succ, vs_succ, ratio, d_after, t == T - 1)
+
+
+@triton.jit
+def grad_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
+               VARIANT: tl.constexpr):
+    """res = H[t], res_prev = H[t-1]: the inputs' gradients at t."""
+    gamma = params[0]
+    lam = params[1]
+    rho_clip = params[2]
+    c_clip = params[3]
+    pg_rho_clip = params[4]
+    (d_vs, d_pg, p_b, rho_b, term_b, stop_b, r, v, term, cut, v_succ, vs_succ, ratio, d_after,
+     at_end) = aux
+    rho = clip(ratio, rho_clip)
+    p = d_pg * clip(ratio, pg_rho_clip)  # d pg[t] / d (its bracket)
+    h_rho = res * rho
+    if D_R & VARIANT:
+        store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, h_rho + p)
+    if D_V & VARIANT:
+        dv = d_vs - h_rho - p
+        if SLOT_SUCC & VARIANT:  # V[t] = v'[t-1], and vs[t] = V[t] + D[t] = vs'[t-1]
+            dv += tl.where(term_b, 0.0, gamma * (res_prev * rho_b + p_b))
+        else:  # vs'[t-1] only
+            dv += tl.where(stop_b, 0.0, gamma * lam * p_b)
+        store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, dv)
+    if (D_TLP | D_BLP) & VARIANT:
+        # ties count as below the clip, as torch.clamp's gradient does
+        bracket = r + tl.where(term, 0.0, gamma * (lam * vs_succ + (1.0 - lam) * v_succ)) - v
+        target = r + tl.where(term, 0.0, gamma * v_succ)
+        d_ratio = (tl.where(ratio <= rho_clip, res * (target - v), 0.0)
+                   + tl.where(ratio <= c_clip, res * gamma * lam * d_after, 0.0)
+                   + tl.where(ratio <= pg_rho_clip, d_pg * bracket, 0.0))
+        d_log = d_ratio * ratio
+        if D_TLP & VARIANT:
+            store_out(outs, ost, os1, os2, 2, t, b1, b2, mask, d_log)
+        if D_BLP & VARIANT:
+            store_out(outs, ost, os1, os2, 3, t, b1, b2, mask, -d_log)
+    d_succ = tl.where(term, 0.0, gamma * (h_rho + p * tl.where(cut, 1.0, 1.0 - lam)))
+    if D_NEXT & VARIANT:
+        store_out(outs, ost, os1, os2, 4, t, b1, b2, mask, d_succ)
+    if D_ROWS & VARIANT:
+        c = clip(ratio, c_clip)
+        boot = tl.where(term, 0.0, lam * vs_succ + (1.0 - lam) * v_succ)
+        store_out(outs, ost, os1, os2, 5, t, b1, b2, mask,
+                  h_rho * tl.where(term, 0.0, v_succ) + res * lam * c * d_after + p * boot)
+        store_out(outs, ost, os1, os2, 6, t, b1, b2, mask,
+                  res * gamma * c * d_after
+                  + p * tl.where(term, 0.0, gamma * (vs_succ - v_succ)))
+    if D_LAST & VARIANT:
+        store_out(outs, ost, os1, os2, 7, t, b1, b2, mask & at_end, d_succ)
+
+
+GRAD_KERNEL = Kernel(grad_coef, grad_store, reverse=False, exclusive=True, aux=True)
+
+
+def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra, needs):
+    nr, nv, _, ntlp, nblp, _, nlast, nnext, nrows = needs
+    d_vs, d_pg = grads
+    gx = GradInputs(x.terminated, x.truncated, x.rewards, x.values, x.target_log_probs,
+                    x.behavior_log_probs, x.last_value, x.next_values, outs[0], d_vs, d_pg)
+    variant = bits(nr, nv, ntlp, nblp, nnext, nrows, nlast, d_vs is not None,
+                   d_pg is not None, x.next_values is None)
+    dr, dv, dtlp, dblp, dnext, dg, dl, dlast = run_backward(
+        OP.name, GRAD_KERNEL, gx, call, 7, 1, variant, s, rows, OP.row_params)
+    return [like(dr, x.rewards) if nr else None, like(dv, x.values) if nv else None, None,
+            like(dtlp, x.target_log_probs) if ntlp else None,
+            like(dblp, x.behavior_log_probs) if nblp else None, None,
+            like(dlast, x.last_value) if nlast else None,
+            like(dnext, x.next_values) if nnext else None,
+            torch.stack([dg.sum(call.time_dim), dl.sum(call.time_dim)]) if nrows else None]
+
+
 def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
     r, v, tlp, blp, lv, nv = _prep(dtype, x.rewards, x.values, x.target_log_probs,
                                    x.behavior_log_probs, x.last_value, x.next_values)
@@ -106,7 +246,7 @@ def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
 
 OP = Op("vtrace", Inputs, Scalars, outputs=2, check=lambda x, td, extra: value_args(x, td),
         plan=lambda x, call, out_dtype, extra: scan_plan(KERNEL, x, call, 2, out_dtype),
-        torch=torch_impl, loop=loop_impl, row_params=2)
+        torch=torch_impl, loop=loop_impl, row_params=2, backward=backward)
 
 
 def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, truncated=None, *,
