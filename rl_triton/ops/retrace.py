@@ -14,7 +14,7 @@ from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
 from ..scan.kernel import clip, cut_flags, load_step, load_value, offsets, store_out
 from ..scan.launch import Kernel
-from ._common import scan_plan
+from ._common import bits, like, run_backward, scan_plan
 
 Tensor = torch.Tensor
 
@@ -189,6 +189,130 @@ KERNEL = Kernel(coef, store, reverse=True, trunc_slot_always=(TERM.value, TRUNC.
                                                      LAST_PI.value))
 
 
+# ---- backward: H[t] = dA[t] + gamma * c[t] * (1 - cut[t-1]) * H[t-1], a forward scan --------
+# At step t the kernel forms what step t-1's coefficients owe to slot t: c[t], Q(s_t, a_t) and
+# E[t-1] = sum_a pi(a | s_t) Q(s_t, a). Its per-step results are reduced over the action axis
+# afterwards, by torch (`backward`): d Q(s_t, .) = gamma * he[t] * pi(. | s_t) plus dqa[t] at
+# a_t, and d pi alike.
+
+class GradInputs(NamedTuple):
+    terminated: Tensor  # slot 0: the full shape in the caller's layout
+    truncated: Optional[Tensor]
+    q_taken: Tensor  # Q(s_t, a_t)
+    pi_taken: Tensor  # pi(a_t | s_t)
+    behavior_probs: Tensor
+    returns: Tensor  # G
+    grad_returns: Optional[Tensor]
+    grad_advantages: Optional[Tensor]
+
+
+G_TERM, G_TRUNC, G_QA, G_PIA, G_MU, G_RET, G_DRET, G_DADV = slots(GradInputs)
+# VARIANT bits
+D_R, D_HE, D_QA, D_PIA, D_MU, D_ROWS, D_LAST, HAS_DRET, HAS_DADV = (
+    tl.constexpr(1 << i) for i in range(9))
+
+
+@triton.jit
+def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+              HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+              VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+              ACT_VEC: tl.constexpr, after):
+    gamma = params[0]
+    lam = params[1]
+    c_clip = params[2]
+    first = t == 0
+    term_b, cut_b = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t - 1, b1, b2, mask & (t >= 1),
+                              T, HAS_TRUNC)
+    pi_a = load_step(ins, st, s1, s2, G_PIA, t, b1, b2, mask)
+    mu = tl.where(mask, load_step(ins, st, s1, s2, G_MU, t, b1, b2, mask), 1.0)
+    ratio = pi_a / mu
+    c = lam * clip(ratio, c_clip)
+    stop_b = cut_b | first
+    beta = tl.where(stop_b | (c != c), 0.0, gamma * c)
+    d_a = tl.zeros(mask.shape, tl.float32)
+    d_adv = tl.zeros(mask.shape, tl.float32)
+    if HAS_DRET & VARIANT:
+        d_a += load_step(ins, st, s1, s2, G_DRET, t, b1, b2, mask)
+    if HAS_DADV & VARIANT:
+        d_adv = load_step(ins, st, s1, s2, G_DADV, t, b1, b2, mask)
+    # G[t] - Q(s_t, a_t): what c[t] multiplies in G[t-1]
+    ahead = (load_step(ins, st, s1, s2, G_RET, t, b1, b2, mask)
+             - load_step(ins, st, s1, s2, G_QA, t, b1, b2, mask))
+    term, _ = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
+    return d_a + d_adv, beta, (d_adv, term_b | first, stop_b, pi_a, mu, ratio, c, ahead, term,
+                               t == T - 1)
+
+
+@triton.jit
+def grad_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
+               VARIANT: tl.constexpr):
+    """res = H[t], res_prev = H[t-1]."""
+    gamma = params[0]
+    lam = params[1]
+    c_clip = params[2]
+    d_adv, term_b, stop_b, pi_a, mu, ratio, c, ahead, term, at_end = aux
+    if D_R & VARIANT:
+        store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)
+    if D_HE & VARIANT:  # the weight of E[t-1] in the loss, over gamma
+        store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, tl.where(term_b, 0.0, res_prev))
+    y = tl.where(stop_b, 0.0, gamma * res_prev)  # d G[t-1] / d (c[t] (G[t] - Q(s_t, a_t)))
+    if D_QA & VARIANT:
+        store_out(outs, ost, os1, os2, 2, t, b1, b2, mask, -y * c - d_adv)
+    d_ratio = tl.where(ratio <= c_clip, lam * y * ahead, 0.0)  # ties below the clip (torch)
+    if D_PIA & VARIANT:  # d pi(a_t | s_t) = d ratio / mu
+        store_out(outs, ost, os1, os2, 3, t, b1, b2, mask, d_ratio / mu)
+    if D_MU & VARIANT:  # d mu = -d ratio * ratio / mu
+        store_out(outs, ost, os1, os2, 4, t, b1, b2, mask, -d_ratio * pi_a / (mu * mu))
+    if D_ROWS & VARIANT:
+        store_out(outs, ost, os1, os2, 5, t, b1, b2, mask,
+                  tl.where(stop_b, 0.0, res_prev * c * ahead))
+        store_out(outs, ost, os1, os2, 6, t, b1, b2, mask, y * clip(ratio, c_clip) * ahead)
+    if D_LAST & VARIANT:  # the weight of E[T-1] (the bootstrap state's), over gamma
+        store_out(outs, ost, os1, os2, 7, t, b1, b2, mask & at_end,
+                  tl.where(term, 0.0, res))
+
+
+GRAD_KERNEL = Kernel(grad_coef, grad_store, reverse=False, exclusive=True, aux=True)
+
+
+def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra: Extras, needs):
+    nr, nq, _, npi, nmu, _, _, nlq, nlpi, nrows = needs
+    d_ret, d_adv = grads
+    n_act = x.q_values.shape[-1]
+    a = x.actions.long().clamp(0, n_act - 1).unsqueeze(-1)  # as the kernel: in range
+    q_a = x.q_values.gather(-1, a).squeeze(-1)
+    pi_a = x.target_probs.gather(-1, a).squeeze(-1)
+    need_he = nq or npi or nrows
+    need_last = nlq or nlpi or nrows
+    gx = GradInputs(x.terminated, x.truncated, q_a, pi_a, x.behavior_probs, outs[0], d_ret,
+                    d_adv if extra.return_advantages else None)
+    variant = bits(nr, need_he, nq, npi, nmu, nrows, need_last, d_ret is not None,
+                   gx.grad_advantages is not None)
+    dr, he, dqa, dpia, dmu, dgc, dlc, hl = run_backward(
+        OP.name, GRAD_KERNEL, gx, call, 7, 1, variant, s, rows, OP.row_params)
+    gamma = rows[0] if rows is not None else s.gamma  # per row: [*batch]
+    td = call.time_dim
+    g_step = gamma.unsqueeze(td) if rows is not None else gamma
+    res = [like(dr, x.rewards) if nr else None, None, None, None,
+           like(dmu, x.behavior_probs) if nmu else None, None, None, None, None, None]
+    if nq:  # d Q(s_t, .) = gamma he[t] pi(. | s_t), plus dqa[t] at a_t
+        dq = (g_step * he).unsqueeze(-1) * x.target_probs.float()
+        res[1] = like(dq.scatter_add_(-1, a, dqa.unsqueeze(-1)), x.q_values)
+    if npi:
+        dpi = (g_step * he).unsqueeze(-1) * x.q_values.float()
+        res[3] = like(dpi.scatter_add_(-1, a, dpia.unsqueeze(-1)), x.target_probs)
+    lq, lpi = x.last_q_values.float(), x.last_target_probs.float()
+    if nlq:
+        res[7] = like((gamma * hl).unsqueeze(-1) * lpi, x.last_q_values)
+    if nlpi:
+        res[8] = like((gamma * hl).unsqueeze(-1) * lq, x.last_target_probs)
+    if nrows:  # E[t-1] from slot t, E[T-1] from the bootstrap state
+        e_slot = (x.target_probs.float() * x.q_values.float()).sum(-1)
+        dg = (he * e_slot + dgc).sum(td) + hl * (lpi * lq).sum(-1)
+        res[9] = torch.stack([dg, dlc.sum(td)])
+    return res
+
+
 def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
     r, q, pi, mu, lq, lpi = _prep(dtype, x.rewards, x.q_values, x.target_probs,
                                   x.behavior_probs, x.last_q_values, x.last_target_probs)
@@ -243,7 +367,7 @@ OP = Op("retrace", Inputs, Scalars, outputs=2, extras=Extras, check=_check,
             KERNEL, x, call, 1 + extra.return_advantages, out_dtype,
             variant=int(extra.return_advantages)),
         torch=torch_impl, loop=loop_impl, n_out=lambda extra: 1 + extra.return_advantages,
-        runtime_check=_check_actions, row_params=2)
+        runtime_check=_check_actions, row_params=2, backward=backward)
 
 
 def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated, truncated=None,
