@@ -25,35 +25,60 @@ from rl_triton.scan import kernel, launch, tiles  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def plan_of(case, layout):
-    """The launch plan the call would run, built on CPU tensors (the launch intercepted)."""
-    seen = {}
+def plans_of(case, layout, grad=False, per_row=False):
+    """The launch plans the call would run (with `grad`, its forward's, then its backward's),
+    built on CPU tensors (the launches intercepted): [(plan, (tensors, scalars, rows))]."""
+    seen = []
 
-    def intercept(plan, tensors, scalars):
-        seen["plan"], seen["args"] = plan, (tensors, scalars)
-        return [torch.empty(plan.out_shape, dtype=plan.out_dtype) for _ in range(plan.n_out)]
+    def intercept(plan, tensors, scalars, rows=None):
+        seen.append((plan, (tensors, scalars, rows)))
+        return ([torch.empty(plan.out_shape, dtype=plan.out_dtype) for _ in range(plan.n_out)]
+                + [torch.empty(plan.boot_shape, dtype=plan.out_dtype)
+                   for _ in range(plan.n_boot)])
 
     run, os.environ["TRITON_INTERPRET"] = launch.Launch.run, "1"  # lets backend="triton" take CPU
     launch.Launch.run = intercept
     try:
         _plans._PLANS.clear()
-        case.call(layout, backend="triton")
+        if grad or per_row:
+            case = differentiable(case, per_row)
+        out = case.call(layout, backend="triton")
+        if grad:
+            sum(o.float().sum() for o in out).backward()
     finally:
         launch.Launch.run = run
         del os.environ["TRITON_INTERPRET"]
-    return seen["plan"], seen["args"]
+    return seen
 
 
-def compile_plan(plan, tensors, scalars):
+def differentiable(case, per_row):
+    """The case with its value inputs requiring grad, and gamma / lam per row (`per_row`)."""
+    def leaf(t):
+        return t.detach().clone().requires_grad_() if t.dtype.is_floating_point else t
+
+    case.steps = {k: v if v is None or k in ("terminated", "truncated", "dones") else leaf(v)
+                  for k, v in case.steps.items()}
+    extra = {k: leaf(v) if isinstance(v, torch.Tensor) else v for k, v in case.extra.items()}
+    if per_row:
+        batch = case.steps["rewards" if "rewards" in case.steps else "dones"].shape[1:]
+        extra.update({k: torch.full(batch, extra[k]).requires_grad_()
+                      for k in ("gamma", "lam") if k in extra})
+    case.extra = extra
+    return case
+
+
+def compile_plan(plan, tensors, scalars, rows=None):
     """What JITFunction.run does before it launches, for TARGET instead of the current GPU."""
     fn = kernel.scan_kernel
     backend = make_backend(TARGET)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
-    outs = tuple(torch.empty(plan.out_shape, dtype=plan.out_dtype) for _ in range(plan.n_out))
+    outs = tuple([torch.empty(plan.out_shape, dtype=plan.out_dtype) for _ in range(plan.n_out)]
+                 + [torch.empty(plan.boot_shape, dtype=plan.out_dtype)
+                    for _ in range(plan.n_boot)])
     ptrs = tuple(outs[0] if i is None else tensors[i] for i in plan.src)
     init = outs[0] if plan.init_src is None else tensors[plan.init_src]
     state = torch.zeros(plan.state_size, dtype=torch.int64)
-    args = plan._args(ptrs, outs, init, state, scalars)
+    args = plan._args(ptrs, outs, init, state, scalars, outs[0] if rows is None else rows)
     kwargs = dict(plan.meta, debug=False)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization,
@@ -206,6 +231,24 @@ def variants():
     yield "vtrace T=512 N=16384 time-major", make_case("vtrace", 512, (16384,)), "time-major"
 
 
+def grad_variants():
+    """(label, case, layout, per_row): the backward kernels (and forward kernels with per-row
+    discounts) of every op, both layouts, one tile per row, look-back and walked rows."""
+    for name in ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
+                 "eligibility_traces", "episodic_cumsum", "linear_scan_reverse",
+                 "linear_scan_forward"]:
+        for T, n in [(4096, 4), (16, 64), (64, 8448)]:
+            for layout in ("time-major", "batch-major"):
+                yield (f"backward {name} T={T} N={n} {layout}", make_case(name, T, (n,)),
+                       layout, name not in ("episodic_cumsum", "linear_scan_reverse",
+                                            "linear_scan_forward"))
+    yield ("backward gae next_values bf16", make_case("gae", 4096, (4,), dtype=torch.bfloat16,
+                                                       bootstrap="next_values"), "batch-major",
+           False)
+    yield ("backward eligibility traces of vectors", make_case(
+        "eligibility_traces", 4096, (4,), features=(3,)), "time-major", True)
+
+
 def main():
     tiles._multiprocessors = lambda device: 132  # choose tiles as for an H200
     gpu_window, gpu_depth = tiles.window, tiles.depth  # look-back windows as on a GPU (CPU
@@ -216,12 +259,26 @@ def main():
     for label, case, layout in variants():
         t0 = time.time()
         try:
-            plan, (tensors, scalars) = plan_of(case, layout)
-            kernel = compile_plan(plan, tensors, scalars)
+            ((plan, args),) = plans_of(case, layout)
+            kernel = compile_plan(plan, *args)
             problem = (check_look_back(plan, kernel) or check_loads(plan, kernel)
                        or check_register_cap(plan, kernel) or check_reverse_scans(plan, kernel))
             if problem:
                 raise AssertionError(problem)
+            print(f"ok      {label} ({time.time() - t0:.1f} s)", flush=True)
+        except Exception as e:  # noqa: BLE001 - report every failure, then fail
+            failed += 1
+            print(f"FAILED  {label}: {type(e).__name__}: {str(e)[-400:]}", flush=True)
+    # backward kernels, and forward kernels with per-row discounts: they compile and keep the
+    # look-back's and the register cap's rules (their loads are not tuned yet)
+    for label, case, layout, per_row in grad_variants():
+        t0 = time.time()
+        try:
+            for i, (plan, args) in enumerate(plans_of(case, layout, grad=True, per_row=per_row)):
+                kernel = compile_plan(plan, *args)
+                problem = check_look_back(plan, kernel) or check_register_cap(plan, kernel)
+                if problem:
+                    raise AssertionError(f"plan {i}: {problem}")
             print(f"ok      {label} ({time.time() - t0:.1f} s)", flush=True)
         except Exception as e:  # noqa: BLE001 - report every failure, then fail
             failed += 1

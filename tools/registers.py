@@ -100,7 +100,7 @@ def report(spec: str) -> str:
     if name == "retrace":  # targets only, as `python -m rl_triton.bench` times it
         case.extra["return_advantages"] = "adv" in rest
     with tiles.override(**forced):
-        plan, (tensors, scalars) = compile_sm90.plan_of(
+        ((plan, (tensors, scalars, _)),) = compile_sm90.plans_of(
             case, "time-major" if layout == "tm" else "batch-major")
     built = {}  # kernels by EVEN: the choice below compiles both
 
