@@ -1,4 +1,5 @@
-"""Checks on every call, never a silent detach, views read as their values, Retrace's actions."""
+"""Checks on every call, views read as their values, Retrace's actions (gradients, and never a
+silent detach: test_gradients.py)."""
 import pytest
 import torch
 
@@ -41,24 +42,6 @@ def test_shape_checks_after_a_cached_call(backend):
     with pytest.raises(TypeError, match="terminated"):
         rl_triton.gae(**dict(a, terminated=a["terminated"].to(torch.complex64)),
                       backend=backend)
-
-
-NAMES = ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
-         "eligibility_traces", "episodic_cumsum", "linear_scan_reverse"]
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", NAMES)
-def test_requires_grad_is_refused_not_detached(name, backend):
-    """Until gradients land, an input that requires grad raises (naming it) rather than giving
-    outputs silently cut from the graph; under torch.no_grad() the call runs."""
-    case = make_case(name, 9, (3,), device=DEVICE)
-    key = next(k for k, v in case.steps.items() if v is not None and v.is_floating_point())
-    steps = dict(case.steps, **{key: case.steps[key].clone().requires_grad_()})
-    with pytest.raises(RuntimeError, match=f"{key} requires grad.*gradients"):
-        case.fn(**steps, **case.extra, backend=backend)
-    with torch.no_grad():
-        case.fn(**steps, **case.extra, backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
