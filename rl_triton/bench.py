@@ -11,6 +11,12 @@ For every estimator, shape (N envs x T steps), layout, input dtype and truncatio
    since fixed launch and ramp costs weigh on small copies too), and the speedup over the
    baselines: the sequential loop (`backend="loop"`, CleanRL-style), the torch backend eager,
    and the torch backend under `torch.compile`.
+With `--modes fwd,bwd,fwd+bwd` it also times gradients (SPEC 6), every floating input requiring
+grad: `bwd` the backward pass alone (`torch.autograd.grad` of the outputs against fixed random
+output gradients, the forward done once; its minimal bytes: the output gradients, the flags and
+the inputs its formula reads, the input gradients written) against the same-bytes copy of its own
+bytes, and `fwd+bwd` forward plus backward, against autograd through the torch backend and
+through TorchRL's estimators (where TorchRL has one and is installed).
 It writes `bench.json`, `bench.md` and `bench.png` into `--out`.
 """
 from __future__ import annotations
@@ -55,6 +61,7 @@ class Row:
     bandwidth_fraction: float
     rel_err: float
     copy_us: float = float("nan")  # device time of a copy moving the same bytes
+    mode: str = "fwd"  # "fwd", "bwd" (the backward pass alone) or "fwd+bwd"
 
 
 # ---- inputs ----------------------------------------------------------------------------------
@@ -102,6 +109,105 @@ def rel_err(outs, refs, td):
         o = o.movedim(td, 0).double()
         worst = max(worst, ((o - r).norm() / r.norm().clamp_min(1e-30)).item())
     return worst
+
+
+# ---- gradients ---------------------------------------------------------------------------------
+
+NOT_DIFFERENTIABLE = ("terminated", "truncated", "dones", "actions")
+# what each backward reads besides the output gradients and flags (SPEC 6's formulas): inputs,
+# and how many of the op's outputs it saves
+BWD_READS = {"vtrace": (("rewards", "values", "target_log_probs", "behavior_log_probs",
+                         "last_value"), 1),
+             "retrace": (("q_values", "target_probs", "behavior_probs", "last_q_values",
+                          "last_target_probs"), 1)}
+N_OUT = {"gae": 2, "vtrace": 2}
+
+
+def grad_inputs(kw):
+    """kw with every floating input a leaf that requires grad, and those leaves."""
+    kw = {k: v.detach().clone().requires_grad_() if isinstance(v, torch.Tensor)
+          and v.is_floating_point() and k not in NOT_DIFFERENTIABLE else v
+          for k, v in kw.items()}
+    return kw, [v for v in kw.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+
+
+def bwd_bytes(name, kw, leaves) -> int:
+    """The backward's minimal bytes: output gradients (float32) and flags read, the inputs its
+    formula reads (`BWD_READS`) and its saved outputs, every input gradient written."""
+    reads, saved = BWD_READS.get(name, ((), 0))
+    ref = next(v for k, v in kw.items() if k in ("rewards", "x"))
+    n = ref.numel()
+    total = (N_OUT.get(name, 1) + saved) * n * 4
+    for k, v in kw.items():
+        if isinstance(v, torch.Tensor) and (k in NOT_DIFFERENTIABLE or k in reads):
+            total += v.numel() * v.element_size()
+    return total + sum(t.numel() * t.element_size() for t in leaves)
+
+
+def backward_fn(outs, leaves, seed=0):
+    """The backward pass of `outs` alone, repeatable: `torch.autograd.grad` of fixed output
+    gradients, keeping the graph."""
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    g = torch.Generator(device=outs[0].device).manual_seed(seed)
+    grads = [torch.randn(o.shape, generator=g, device=o.device) for o in outs]
+    return lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True)
+
+
+def fwd_bwd_fn(forward, leaves):
+    """Forward and backward: the gradients of the outputs' sum."""
+    def run():
+        outs = forward()
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        return torch.autograd.grad(sum(o.sum() for o in outs), leaves)
+    return run
+
+
+def torchrl_fwd_bwd(name, kw):
+    """TorchRL's estimator of `name` (its vectorized one, time axis -2 of [N, T, 1] tensors,
+    from time-major inputs), forward and backward through autograd; None where TorchRL has
+    none or is not installed. Built outside the timed call: only the estimator is timed."""
+    try:
+        from torchrl.objectives.value import functional as F
+    except ImportError:
+        return None
+    if name not in ("gae", "lambda_returns", "vtrace", "discounted_returns"):
+        return None
+
+    def bm(x):  # [T, N] -> [N, T, 1]
+        return x.movedim(0, 1).unsqueeze(-1).contiguous()
+
+    term = bm(kw["terminated"])
+    done = term | bm(kw["truncated"]) if kw.get("truncated") is not None else term
+    leaves = {k: bm(kw[k]).detach().requires_grad_() for k in (
+        "rewards", "values", "target_log_probs", "behavior_log_probs") if k in kw}
+    last = kw.get("last_value")
+    last = None if last is None else last.detach().reshape(-1, 1, 1).requires_grad_()
+    r = leaves["rewards"]
+    ps = list(leaves.values()) + ([last] if last is not None else [])
+    gamma = kw.get("gamma", 0.99)
+
+    def next_values():
+        return torch.cat([leaves["values"][:, 1:], last], 1)
+
+    if name == "gae":
+        def forward():
+            return F.vec_generalized_advantage_estimate(
+                gamma, kw["lam"], leaves["values"], next_values(), r, done, term)
+    elif name == "lambda_returns":
+        def forward():
+            return F.vec_td_lambda_return_estimate(gamma, kw["lam"], next_values(), r, done,
+                                                   term)
+    elif name == "vtrace":
+        def forward():
+            return F.vtrace_advantage_estimate(
+                gamma, leaves["target_log_probs"], leaves["behavior_log_probs"],
+                leaves["values"], next_values(), r, done, term, kw["rho_clip"], kw["c_clip"])
+    else:
+        ps = [r]
+
+        def forward():
+            return F.reward2go(r, done, gamma)
+    return fwd_bwd_fn(forward, ps)
 
 
 # ---- timing ----------------------------------------------------------------------------------
@@ -268,6 +374,10 @@ def main(argv=None):
                    help="comma list of torch, compile, loop, or 'none'; baselines are timed "
                         "on the first dtype (float32) in the first layout only, the loop only "
                         "up to T = %d" % LOOP_MAX_T)
+    p.add_argument("--modes", default="fwd",
+                   help="comma list of fwd (the forward call), bwd (the backward pass alone) "
+                        "and fwd+bwd (forward and backward, against autograd through the "
+                        "torch backend and TorchRL; baselines on the first dtype and layout)")
     p.add_argument("--out", default="bench_out",
                    help="folder for bench.json, bench.md and bench.png (created if missing)")
     p.add_argument("--max-seconds", type=float, default=None,
@@ -298,6 +408,10 @@ def main(argv=None):
     dtypes = args.dtypes.split(",")
     truncs = {"both": [False, True], "yes": [True], "no": [False]}[args.truncation]
     baselines = [] if args.baselines == "none" else args.baselines.split(",")
+    modes = args.modes.split(",")
+    for m in modes:
+        if m not in ("fwd", "bwd", "fwd+bwd"):
+            p.error(f"--modes: {m!r} is not fwd, bwd or fwd+bwd")
 
     import triton
     env = dict(gpu=torch.cuda.get_device_name(device), torch=torch.__version__,
@@ -329,6 +443,14 @@ def main(argv=None):
         N, T = parse_shape(shape)
         kw, nbytes = make_inputs(name, N, T, layout, DTYPES[dt], tr, device, seed=i)
         fn = getattr(rl_triton, name)
+        if "bwd" in modes or "fwd+bwd" in modes:
+            rows += time_gradients(name, shape, layout, dt, tr, kw, modes,
+                                   dt == dtypes[0] and layout == layouts[0], bw, device,
+                                   f"[{i + 1}/{len(configs)} {time.time() - t_start:6.0f}s]")
+            (out / "bench.json").write_text(json.dumps(
+                dict(env=env, rows=[asdict(r) for r in rows]), indent=1))
+        if "fwd" not in modes:
+            continue
         refs = float64_result(name, kw)
         impls = [("rl_triton", _partial(fn, kw))]
         if dt == dtypes[0] and layout == layouts[0]:
@@ -363,6 +485,64 @@ def main(argv=None):
     write_reports(json.loads((out / "bench.json").read_text()), out)
 
 
+def time_gradients(name, shape, layout, dt, tr, kw, modes, baselines, bw, device, tag):
+    """The gradient rows of one configuration (`--modes bwd` and `fwd+bwd`), after a check of
+    rl_triton's gradients against those of the torch backend in float64."""
+    fn = getattr(rl_triton, name)
+    kw_g, leaves = grad_inputs(kw)
+    check_gradients(fn, kw_g, leaves, name, shape)
+    rows = []
+    timed = []
+    if "bwd" in modes:
+        nbytes = bwd_bytes(name, kw_g, leaves)
+        timed.append(("bwd", "rl_triton", backward_fn(fn(**kw_g), leaves), nbytes))
+    if "fwd+bwd" in modes:
+        timed.append(("fwd+bwd", "rl_triton", fwd_bwd_fn(lambda: fn(**kw_g), leaves), 0))
+        if baselines:
+            timed.append(("fwd+bwd", "torch",
+                          fwd_bwd_fn(lambda: fn(**kw_g, backend="torch"), leaves), 0))
+            if layout == "time-major":
+                f = torchrl_fwd_bwd(name, kw_g)
+                if f is not None:
+                    timed.append(("fwd+bwd", "torchrl", f, 0))
+    for mode, impl, f, nbytes in timed:
+        dev = device_time_us(f)
+        full = full_call_us(f, calls=200 if dev < 5000 else 25)
+        copy = same_bytes_copy_us(nbytes, device) if nbytes else float("nan")
+        frac = nbytes / (dev * 1e-6) / bw if nbytes else float("nan")
+        rows.append(Row(name, shape, layout, dt, tr, impl, nbytes, dev, full, frac, 0.0, copy,
+                        mode))
+        ratio = f"{copy / dev:4.2f} of a same-bytes copy" if nbytes else ""
+        print(f"{tag} {name:18s} {shape:>10s} {layout:11s} {dt:8s} trunc={int(tr)} {mode:7s} "
+              f"{impl:9s} {dev:9.1f} us dev {full:9.1f} us full  {ratio}", flush=True)
+    return rows
+
+
+def check_gradients(fn, kw_g, leaves, name, shape):
+    """rl_triton's gradients against autograd through the torch backend in float64 (the same
+    inputs); refuses to time wrong ones."""
+    outs = fn(**kw_g)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    g = torch.Generator(device=outs[0].device).manual_seed(1)
+    ws = [torch.randn(o.shape, generator=g, device=o.device) for o in outs]
+    got = torch.autograd.grad(sum((o * w).sum() for o, w in zip(outs, ws)), leaves,
+                              allow_unused=True)
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    swap = dict(zip(map(id, leaves), leaves64))
+    kw64 = {k: swap.get(id(v), v) for k, v in kw_g.items()}
+    ref = fn(**kw64, backend="torch", out_dtype=torch.float64)
+    ref = ref if isinstance(ref, tuple) else (ref,)
+    want = torch.autograd.grad(sum((o * w.double()).sum() for o, w in zip(ref, ws)), leaves64,
+                               allow_unused=True)
+    for i, (a, b) in enumerate(zip(got, want)):
+        a = torch.zeros_like(b) if a is None else a.double()
+        b = torch.zeros_like(a) if b is None else b
+        err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+        if not err < 1e-4:
+            raise SystemExit(f"{name} {shape}: gradient {i} relative error {err:.3g} >= 1e-4; "
+                             "not timing a wrong gradient")
+
+
 def write_reports(result, out: Path):
     """bench.md and bench.png from a bench.json result (also: `--report bench.json`)."""
     (out / "bench.md").write_text(markdown(result))
@@ -391,8 +571,10 @@ def _compiled(name, kw):
 # ---- reports ---------------------------------------------------------------------------------
 
 def markdown(result) -> str:
-    env, rows = result["env"], result["rows"]
-    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    env = result["env"]
+    rows = [r for r in result["rows"] if r.get("mode", "fwd") == "fwd"]
+    grads = [r for r in result["rows"] if r.get("mode", "fwd") != "fwd"]
+    shapes = list(dict.fromkeys(r["shape"] for r in result["rows"]))
     lines = [f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, triton {env['triton']}, "
              f"{env['date']}. Copy bandwidth {env['copy_bandwidth_gbs']:.0f} GB/s; launch floor "
              f"{env['launch_floor_device_us']:.1f} us device, {env['launch_floor_full_us']:.1f} us "
@@ -444,7 +626,47 @@ def markdown(result) -> str:
                              f"{b['full_us'] / m['full_us']:.1f}x ({b['device_us'] / m['device_us']:.1f}x)")
             lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {'yes' if k[4] else 'no'} | "
                          + " | ".join(cells) + " |")
+    if grads:
+        lines += gradient_tables(grads, shapes)
     return "\n".join(lines) + "\n"
+
+
+def gradient_tables(rows, shapes) -> list:
+    """`--modes bwd` and `fwd+bwd`: the backward pass against the same-bytes copy of its own
+    bytes, and forward plus backward against the baselines."""
+    lines = []
+    cell = {(r["mode"], r["impl"], r["estimator"], r["layout"], r["dtype"], r["truncation"],
+             r["shape"]): r for r in rows}
+    keys = list(dict.fromkeys((r["estimator"], r["layout"], r["dtype"], r["truncation"])
+                              for r in rows if r["impl"] == "rl_triton"))
+
+    def table(title, mode, impl, fmt):
+        found = [k for k in keys if any((mode, impl) + k + (s,) in cell for s in shapes)]
+        if not found:
+            return
+        lines.extend(["", title, "", "| estimator | layout | dtype | trunc | "
+                      + " | ".join(shapes) + " |", "|---" * (4 + len(shapes)) + "|"])
+        for k in found:
+            cells = [fmt(cell[(mode, impl) + k + (s,)], k, s)
+                     if (mode, impl) + k + (s,) in cell else "" for s in shapes]
+            lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {'yes' if k[3] else 'no'} | "
+                         + " | ".join(cells) + " |")
+
+    table("Backward pass alone (every floating input requires grad), device / full-call µs "
+          "(device time of a copy of its minimal bytes / its device time):", "bwd", "rl_triton",
+          lambda r, k, s: f"{r['device_us']:.0f} / {r['full_us']:.0f} "
+                          f"({r['copy_us'] / r['device_us']:.2f})")
+    table("Forward plus backward, rl_triton, device / full-call µs:", "fwd+bwd", "rl_triton",
+          lambda r, k, s: f"{r['device_us']:.0f} / {r['full_us']:.0f}")
+    for impl, name in (("torch", "autograd through the torch backend"),
+                       ("torchrl", "autograd through TorchRL's estimator")):
+        def speedup(r, k, s, impl=impl):
+            m = cell.get(("fwd+bwd", "rl_triton") + k + (s,))
+            return "" if m is None else (f"{r['full_us'] / m['full_us']:.1f}x "
+                                         f"({r['device_us'] / m['device_us']:.1f}x)")
+        table(f"Forward plus backward: speedup of rl_triton over {name}, full call (device "
+              "time in brackets):", "fwd+bwd", impl, speedup)
+    return lines
 
 
 def plot(result, path):
@@ -455,8 +677,11 @@ def plot(result, path):
     except ImportError:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return
-    rows = [r for r in result["rows"] if r["impl"] == "rl_triton"]
+    rows = [r for r in result["rows"] if r["impl"] == "rl_triton"
+            and r.get("mode", "fwd") == "fwd"]
     names = list(dict.fromkeys(r["estimator"] for r in rows))
+    if not names:
+        return
     fig, axes = plt.subplots(2, len(names), figsize=(3.2 * len(names), 6), squeeze=False)
     for j, name in enumerate(names):
         for (layout, dt, tr), marker in zip(

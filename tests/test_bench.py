@@ -107,3 +107,55 @@ def test_ab_tool_checks_every_variant_and_names_its_plan():
     bad = subprocess.run([sys.executable, str(tool), "gae:3x40:xm", "--", "base"], env=env,
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "estimator:NxT:tm|bm" in bad.stderr
+
+
+@pytest.mark.parametrize("name", bench.ESTIMATORS)
+def test_gradient_helpers(name):
+    """`--modes bwd,fwd+bwd`: every floating input a leaf, the backward's minimal bytes, the
+    gradient check (which can fail), and TorchRL's estimator giving our gradients."""
+    kw, _ = bench.make_inputs(name, 3, 17, "time-major", torch.float32, True, "cpu")
+    kw_g, leaves = bench.grad_inputs(kw)
+    assert leaves and all(t.requires_grad for t in leaves)
+    assert not any(kw_g[k].requires_grad for k in bench.NOT_DIFFERENTIABLE
+                   if isinstance(kw_g.get(k), torch.Tensor))
+    n = kw["rewards" if "rewards" in kw else "x"].numel()
+    grads_and_flags = bench.N_OUT.get(name, 1) * n * 4 + n  # output gradients, one flag
+    assert bench.bwd_bytes(name, kw_g, leaves) > grads_and_flags
+    fn = getattr(rl_triton, name)
+    bench.check_gradients(fn, kw_g, leaves, name, "3x17")
+    with pytest.raises(SystemExit, match="not timing a wrong gradient"):
+        bench.check_gradients(lambda **k: fn(**k) if k.get("backend") else tuple(
+            2 * o for o in (fn(**k) if isinstance(fn(**k), tuple) else (fn(**k),))),
+            kw_g, leaves, name, "3x17")
+    assert len(bench.backward_fn(fn(**kw_g), leaves)()) == len(leaves)
+    f = bench.torchrl_fwd_bwd(name, kw_g)
+    if name in ("gae", "lambda_returns", "vtrace", "discounted_returns"):
+        assert f is not None and all(g is not None for g in f())
+    else:
+        assert f is None
+
+
+def test_torchrl_baseline_computes_our_gradients():
+    """The fwd+bwd baseline times the same gradients: TorchRL's GAE against ours."""
+    kw, _ = bench.make_inputs("gae", 3, 17, "time-major", torch.float32, True, "cpu")
+    kw_g, leaves = bench.grad_inputs(kw)
+    ours = bench.fwd_bwd_fn(lambda: rl_triton.gae(**kw_g), leaves)()
+    theirs = bench.torchrl_fwd_bwd("gae", kw_g)()  # d rewards, d values, d last_value
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(b.reshape(a.shape[::-1]).T if a.ndim == 2 else
+                                   b.reshape(a.shape), a, rtol=1e-5, atol=1e-5)
+
+
+def test_gradient_reports(tmp_path):
+    env = dict(gpu="GPU", driver="1", torch="t", triton="tr", date="2026-12-02",
+               copy_bandwidth_gbs=4000.0, launch_floor_device_us=4.0, launch_floor_full_us=13.0)
+    rows = [bench.Row("gae", "4096x128", "time-major", "float32", True, "rl_triton", 10**6,
+                      10.0, 30.0, 0.5, 0.0, 8.0, "bwd"),
+            bench.Row("gae", "4096x128", "time-major", "float32", True, "rl_triton", 0,
+                      20.0, 60.0, 0.0, 0.0, float("nan"), "fwd+bwd"),
+            bench.Row("gae", "4096x128", "time-major", "float32", True, "torch", 0,
+                      400.0, 1200.0, 0.0, 0.0, float("nan"), "fwd+bwd")]
+    md = bench.markdown(dict(env=env, rows=[asdict(r) for r in rows]))
+    assert "| gae | time-major | float32 | yes | 10 / 30 (0.80) |" in md
+    assert "| gae | time-major | float32 | yes | 20 / 60 |" in md
+    assert "| gae | time-major | float32 | yes | 20.0x (20.0x) |" in md

@@ -20,7 +20,7 @@ PATTERNS = [("last_value", True, True), ("next_values", False, False)]
 def differentiable(name, T, batch, *, dtype=torch.float64, per_row=False, **kw):
     """A case whose floating inputs (flags aside) are leaves that require grad, with gamma and
     lam per row where asked: (case, {name: leaf})."""
-    case = make_case(name, T, batch, dtype=dtype, p_term=0.2, p_trunc=0.2, **kw)
+    case = make_case(name, T, batch, dtype=dtype, **{"p_term": 0.2, "p_trunc": 0.2, **kw})
 
     def leaf(t):
         return t.detach().to(dtype).requires_grad_()
