@@ -200,13 +200,11 @@ class Call:
         return x
 
     def discount(self, name: str, value):
-        """A per-row gamma or lam (`check_discount`): on the call's device, broadcastable to
-        the batch shape, as a float32 / float64 tensor of exactly the batch shape."""
+        """A per-row gamma or lam (`check_discount`): broadcastable to the batch shape, on the
+        call's device (a 0-d CPU tensor is moved there), as a float32 / float64 tensor of
+        exactly the batch shape."""
         if not isinstance(value, Tensor):
             return value
-        if value.device != self.device:
-            raise ValueError(f"{name} is on {value.device} but {self.ref_name} is on "
-                             f"{self.device}; all tensors must be on one device")
         try:
             ok = torch.broadcast_shapes(value.shape, self.batch_shape) == self.batch_shape
         except RuntimeError:
@@ -216,12 +214,15 @@ class Call:
                              f"to the batch shape {_fmt_shape(tuple(self.batch_shape))} "
                              f"({self.ref_name}'s shape {tuple(self.step_shape)} without its "
                              f"time axis {self.time_dim})")
+        if value.device != self.device and not (value.ndim == 0 and value.device.type == "cpu"):
+            raise ValueError(f"{name} is on {value.device} but {self.ref_name} is on "
+                             f"{self.device}; all tensors must be on one device")
         if value.requires_grad and self.grad:
             self.needs_grad = True
         if value.dtype is torch.float64:
             self.float64 = True
         dtype = torch.float64 if value.dtype is torch.float64 else torch.float32
-        return value.to(dtype).expand(self.batch_shape)
+        return value.to(self.device, dtype).expand(self.batch_shape)  # a 0-d CPU one: moved
 
     def empty(self) -> bool:
         return self.T == 0 or 0 in self.step_shape

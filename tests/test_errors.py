@@ -72,7 +72,7 @@ def test_forward_shapes(backend):
 
 
 def test_dtypes(backend):
-    for name, dt, msg in [("rewards", torch.float64, "rewards has dtype torch.float64"),
+    for name, dt, msg in [("rewards", torch.complex64, "rewards has dtype torch.complex64"),
                           ("values", torch.int32, "values has dtype torch.int32"),
                           ("terminated", torch.complex64, "terminated has dtype")]:
         a = gae_args()
@@ -110,8 +110,12 @@ def test_options_and_scalars(backend):
            gamma=1.5, backend=backend)
     raises(ValueError, "lam=-0.1 is outside", rl_triton.gae, **gae_args(), lam=-0.1,
            backend=backend)
+    raises(TypeError, "gamma is a tensor of dtype torch.int64", rl_triton.gae, **gae_args(),
+           gamma=torch.tensor([1, 1, 1]), backend=backend)
+    raises(ValueError, r"lam has shape \(2,\), which does not broadcast to the batch shape",
+           rl_triton.gae, **gae_args(), lam=torch.full((2,), 0.9), backend=backend)
     raises(TypeError, "gamma must be a real number", rl_triton.gae, **gae_args(),
-           gamma=torch.tensor(0.9), backend=backend)
+           gamma="0.9", backend=backend)
     raises(ValueError, "gamma=nan", rl_triton.gae, **gae_args(), gamma=float("nan"),
            backend=backend)
     c = make_case("vtrace", 5, (2,))

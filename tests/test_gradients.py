@@ -33,7 +33,8 @@ def differentiable(name, T, batch, *, dtype=torch.float64, per_row=False, **kw):
         g = torch.Generator().manual_seed(5)
         for k in ("gamma", "lam"):
             if k in case.extra:  # one per row, around the scalar
-                case.extra[k] = leaf(case.extra[k] - 0.1 * torch.rand(batch, generator=g))
+                per = case.extra[k] - 0.1 * torch.rand(batch, generator=g, dtype=torch.float64)
+                case.extra[k] = leaf(per.to(kw.get("device", "cpu")))
     leaves = {k: v for k, v in {**case.steps, **case.extra}.items()
               if isinstance(v, torch.Tensor) and v.requires_grad}
     return case, leaves
@@ -155,8 +156,8 @@ def test_triton_backward_trailing_features(name, layout, device):
 
 @pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
 @pytest.mark.parametrize("name", ESTIMATORS)
-def test_second_order_raises(name, backend):
-    case, leaves = differentiable(name, 6, (2,), dtype=torch.float32)
+def test_second_order_raises(name, backend, device):
+    case, leaves = differentiable(name, 6, (2,), dtype=torch.float32, device=device)
     out = call(case, leaves, list(leaves.values()), "time-major", backend=backend)
     first = next(iter(leaves.values()))
     with pytest.raises(RuntimeError, match="first-order gradients only"):
@@ -165,10 +166,10 @@ def test_second_order_raises(name, backend):
 
 @pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
 @pytest.mark.parametrize("name", ESTIMATORS)
-def test_never_detached(name, backend):
+def test_never_detached(name, backend, device):
     """An input that requires grad gives outputs in the graph; a flag that requires grad is
     refused (flags are not differentiable); without grad nothing is recorded."""
-    case, leaves = differentiable(name, 6, (2,), dtype=torch.float32)
+    case, leaves = differentiable(name, 6, (2,), dtype=torch.float32, device=device)
     for k in leaves:
         values = [v if j == k else v.detach() for j, v in leaves.items()]
         out = call(case, leaves, values, "time-major", backend=backend)
