@@ -214,9 +214,12 @@ def torchrl_fwd_bwd(name, kw):
 
 _FLUSH_BYTES = 256 * 2**20  # what triton.testing.do_bench writes to flush the L2 cache
 _HOLD_CYCLES = 200_000  # about 100 µs of GPU clock: longer than the host's part of any call
+# ... of any forward call; a backward pass through torch's autograd engine takes 150-300 µs
+# of host time on the H200 machine (the engine's device thread, its checks)
+_HOLD_CYCLES_GRAD = 2_000_000
 
 
-def device_time_us(fn, warmup_ms=25.0, rep_ms=100.0) -> float:
+def device_time_us(fn, warmup_ms=25.0, rep_ms=100.0, hold_cycles=_HOLD_CYCLES) -> float:
     """Median device time of fn() in µs: `triton.testing.do_bench`'s protocol (the L2 cache
     flushed before every call, warm-up, ~100 ms of timed calls), with one change: after the flush
     the GPU is held busy for ~100 µs, so that the host has queued the call before the GPU
@@ -228,7 +231,7 @@ def device_time_us(fn, warmup_ms=25.0, rep_ms=100.0) -> float:
 
     def flush_and_hold():
         flush.zero_()
-        torch.cuda._sleep(_HOLD_CYCLES)
+        torch.cuda._sleep(hold_cycles)
 
     fn()
     torch.cuda.synchronize()
@@ -506,7 +509,7 @@ def time_gradients(name, shape, layout, dt, tr, kw, modes, baselines, bw, device
                 if f is not None:
                     timed.append(("fwd+bwd", "torchrl", f, 0))
     for mode, impl, f, nbytes in timed:
-        dev = device_time_us(f)
+        dev = device_time_us(f, hold_cycles=_HOLD_CYCLES_GRAD)
         full = full_call_us(f, calls=200 if dev < 5000 else 25)
         copy = same_bytes_copy_us(nbytes, device) if nbytes else float("nan")
         frac = nbytes / (dev * 1e-6) / bw if nbytes else float("nan")
@@ -534,12 +537,15 @@ def check_gradients(fn, kw_g, leaves, name, shape):
     ref = ref if isinstance(ref, tuple) else (ref,)
     want = torch.autograd.grad(sum((o * w.double()).sum() for o, w in zip(ref, ws)), leaves64,
                                allow_unused=True)
+    # V-trace and Retrace clip ratios: where a float32 ratio and its float64 twin fall on two
+    # sides of a clip, that step's gradient jumps, so their tolerance is looser
+    tol = 1e-3 if name in ("vtrace", "retrace") else 1e-4
     for i, (a, b) in enumerate(zip(got, want)):
         a = torch.zeros_like(b) if a is None else a.double()
         b = torch.zeros_like(a) if b is None else b
         err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-        if not err < 1e-4:
-            raise SystemExit(f"{name} {shape}: gradient {i} relative error {err:.3g} >= 1e-4; "
+        if not err < tol:
+            raise SystemExit(f"{name} {shape}: gradient {i} relative error {err:.3g} >= {tol}; "
                              "not timing a wrong gradient")
 
 

@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / ".ab"))
 
 BASE_DIR = ROOT / ".ab" / "rl_triton_base"
 NEW = "rl_triton"  # the package timed against the base (`--new`: another prepared revision)
+ONLY = []  # label prefixes of the cells to time (`--only`; all when empty)
 
 
 def prepare(rev: str, name: str = "rl_triton_base") -> None:
@@ -112,6 +113,8 @@ def time_cells(min_mb: float, rounds: int, rep_ms: float, out: str) -> None:
     from rl_triton import bench
     rows = []
     for c in cells(min_mb):
+        if ONLY and not any(_label(c).startswith(o) for o in ONLY):
+            continue
         kw, new, base = _fns(c, "cuda")
         refs = bench.float64_result(c[0], kw)
         errs = [bench.rel_err(f(), refs, kw["time_dim"]) for f in (new, base)]
@@ -199,12 +202,16 @@ def main():
     sub.choices["time"].add_argument("--rounds", type=int, default=2)
     sub.choices["time"].add_argument("--rep-ms", type=float, default=40.0)
     sub.choices["time"].add_argument("--out", default="")
+    sub.choices["time"].add_argument("--only", default="",
+                                     help="comma list of cell label prefixes to time, e.g. "
+                                          "vtrace:4x1048576")
     f = sub.add_parser("full-call")
     f.add_argument("--package", default="rl_triton")
     f.add_argument("--calls", type=int, default=300)
     a = p.parse_args()
-    global NEW
+    global NEW, ONLY
     NEW = getattr(a, "new", NEW)
+    ONLY = [o for o in getattr(a, "only", "").split(",") if o]
     if a.cmd == "prepare":
         prepare(a.rev, a.name)
     elif a.cmd == "warm":

@@ -7,7 +7,8 @@ with the cuobjdump that Triton ships.
         gae:16384x1024:tm:block_t=64,num_warps=4 lambda_returns:4096x128:tm:notrunc
 
 An argument is estimator:NxT:tm|bm, then optionally :bf16, :notrunc (no truncation flags),
-:adv (Retrace's advantages too; the benchmark times its targets only) and :field=value,...
+:adv (Retrace's advantages too; the benchmark times its targets only), :bwd (the backward
+kernel, every floating input requiring grad) and :field=value,...
 (tile fields forced as with `python -m rl_triton.bench --tiles`). Registers match ncu's on the
 H200 when the installed Triton is the GPU machine's (docs/dev/tuning-log.md; `PYTHONPATH=.ci/triton-oldest python tools/registers.py ...` runs Triton 3.6, the GPU machine's).
 Load rounds: the global loads of the SASS in the order an in-order warp issues them, a new round
@@ -44,12 +45,12 @@ def as_on_the_gpu():
     tiles.depth = lambda win, block_b, device: depth(win, block_b, cuda)
 
 
-def compiled(plan, tensors, scalars, meta):
+def compiled(plan, tensors, scalars, meta, rows=None):
     """The plan's kernel for sm_90 with `meta` (now the plan's), with its registers per thread
     as `n_regs` (as a kernel loaded on a GPU has them) and its stack bytes per thread as
     `stack` (values spilled from registers: a register cap too low spills)."""
     plan.meta = meta
-    kernel = compile_sm90.compile_plan(plan, tensors, scalars)
+    kernel = compile_sm90.compile_plan(plan, tensors, scalars, rows)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -100,12 +101,13 @@ def report(spec: str) -> str:
     if name == "retrace":  # targets only, as `python -m rl_triton.bench` times it
         case.extra["return_advantages"] = "adv" in rest
     with tiles.override(**forced):
-        ((plan, (tensors, scalars, _)),) = compile_sm90.plans_of(
-            case, "time-major" if layout == "tm" else "batch-major")
+        plans = compile_sm90.plans_of(case, "time-major" if layout == "tm" else "batch-major",
+                                      grad="bwd" in rest)
+    plan, (tensors, scalars, rows) = plans[-1]  # :bwd: the backward's (after the forward's)
     built = {}  # kernels by EVEN: the choice below compiles both
 
     def build(meta):
-        built[meta["EVEN"]] = compiled(plan, tensors, scalars, meta)
+        built[meta["EVEN"]] = compiled(plan, tensors, scalars, meta, rows)
         return built[meta["EVEN"]]
 
     m = dict(plan.meta)

@@ -11,8 +11,8 @@ from .._plans import Op
 from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import (cut_flags, load_step, load_step_flag, single_store, store_out,
-                           successor)
+from ..scan.kernel import (cut_flags, flags_before, load_step, load_step_flag, single_store,
+                           store_out, successor)
 from ..scan.launch import Kernel
 from ._common import bits, like, run_backward, scan_plan, value_args
 
@@ -82,10 +82,10 @@ def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
               ACT_VEC: tl.constexpr, after):
     gamma = params[0]
     d_ret = load_step(ins, st, s1, s2, G_DRET, t, b1, b2, mask)
-    _, cut_b = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t - 1, b1, b2, mask & (t >= 1), T,
-                         HAS_TRUNC)
-    beta = tl.where(cut_b | (t == 0), 0.0, gamma)
     term, cut = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
+    _, cut_b = flags_before(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T, HAS_TRUNC,
+                            term, cut)
+    beta = tl.where(cut_b | (t == 0), 0.0, gamma)
     boot = cut & (term == 0)  # the steps that bootstrap from v'
     v_succ = tl.zeros(mask.shape, tl.float32)
     g_after = tl.zeros(mask.shape, tl.float32)

@@ -11,7 +11,7 @@ from .._plans import Op
 from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import cut_flags, load_step, store_out, successor
+from ..scan.kernel import cut_flags, flags_before, load_step, store_out, successor
 from ..scan.launch import Kernel
 from ._common import bits, like, run_backward, scan_plan, value_args
 
@@ -97,11 +97,10 @@ def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
         d_ret = load_step(ins, st, s1, s2, G_DRET, t, b1, b2, mask)
     if HAS_DADV & VARIANT:
         d_a = load_step(ins, st, s1, s2, G_DADV, t, b1, b2, mask)
-    before = mask & (t >= 1)
-    term_b, cut_b = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t - 1, b1, b2, before, T,
-                              HAS_TRUNC)
-    beta = tl.where(cut_b | (t == 0), 0.0, gamma * lam)
     term, cut = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
+    term_b, cut_b = flags_before(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T,
+                                 HAS_TRUNC, term, cut)
+    beta = tl.where(cut_b | (t == 0), 0.0, gamma * lam)
     v_succ = tl.zeros(mask.shape, tl.float32)
     a_after = tl.zeros(mask.shape, tl.float32)
     if D_ROWS & VARIANT:

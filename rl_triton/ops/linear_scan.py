@@ -11,7 +11,7 @@ from .._plans import Op
 from ..reference import _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import load_step, single_store, store_out
+from ..scan.kernel import load_step, single_store, store_out, value_before
 from ..scan.launch import Kernel
 from ._common import bits, like, run_backward, scan_plan
 
@@ -76,19 +76,19 @@ def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
               VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
               ACT_VEC: tl.constexpr, after):
     d_out = load_step(ins, st, s1, s2, G_DOUT, t, b1, b2, mask)
+    beta = load_step(ins, st, s1, s2, G_BETA, t, b1, b2, mask)
     if FORWARD_OP & VARIANT:
         before = t + 1  # the step before t in the adjoint's order
         edge = t == 0  # the step that reads the initial value
+        inside = mask & (before < T)
+        beta_b = load_step(ins, st, s1, s2, G_BETA, before, b1, b2, inside)
     else:
         before = t - 1
         edge = t == T - 1
-    inside = mask & (before >= 0) & (before < T)
-    beta_b = load_step(ins, st, s1, s2, G_BETA, before, b1, b2, inside)
+        inside = mask & (before >= 0)
+        beta_b = value_before(ins, st, s1, s2, G_BETA, t, b1, b2, mask, beta)
     beta_b = tl.where(inside & (beta_b == beta_b), beta_b, 0.0)  # NaN betas: as the forward
     a_other = tl.zeros(mask.shape, tl.float32)
-    beta = tl.zeros(mask.shape, tl.float32)
-    if (D_BETA | D_INIT) & VARIANT:
-        beta = load_step(ins, st, s1, s2, G_BETA, t, b1, b2, mask)
     if D_BETA & VARIANT:
         other = 2 * t - before  # A[t+1] (reverse) or A[t-1] (forward)
         a_other = load_step(ins, st, s1, s2, G_OUT, other, b1, b2,

@@ -12,7 +12,8 @@ from .._plans import Op
 from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import clip, cut_flags, load_step, load_value, offsets, store_out
+from ..scan.kernel import (clip, cut_flags, flags_before, load_step, load_value, offsets,
+                           store_out)
 from ..scan.launch import Kernel
 from ._common import bits, like, run_backward, scan_plan
 
@@ -221,8 +222,9 @@ def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
     lam = params[1]
     c_clip = params[2]
     first = t == 0
-    term_b, cut_b = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t - 1, b1, b2, mask & (t >= 1),
-                              T, HAS_TRUNC)
+    term, cut = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
+    term_b, cut_b = flags_before(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T,
+                                 HAS_TRUNC, term, cut)
     pi_a = load_step(ins, st, s1, s2, G_PIA, t, b1, b2, mask)
     mu = tl.where(mask, load_step(ins, st, s1, s2, G_MU, t, b1, b2, mask), 1.0)
     ratio = pi_a / mu
@@ -238,7 +240,6 @@ def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
     # G[t] - Q(s_t, a_t): what c[t] multiplies in G[t-1]
     ahead = (load_step(ins, st, s1, s2, G_RET, t, b1, b2, mask)
              - load_step(ins, st, s1, s2, G_QA, t, b1, b2, mask))
-    term, _ = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
     return d_a + d_adv, beta, (d_adv, term_b | first, stop_b, pi_a, mu, ratio, c, ahead, term,
                                t == T - 1)
 

@@ -11,7 +11,8 @@ from .._plans import Op
 from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import clip, cut_flags, load_step, store_out, successor
+from ..scan.kernel import (clip, cut_flags, flags_before, load_step, store_out, successor,
+                           value_before)
 from ..scan.launch import Kernel
 from ._common import bits, like, run_backward, scan_plan, value_args
 
@@ -117,36 +118,36 @@ def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
     pg_rho_clip = params[4]
     zero = tl.zeros(mask.shape, tl.float32)
     first = t == 0
-    before = mask & (t >= 1)
-    # step t-1: its trace coefficient and pg[t-1]'s weight on vs[t]
-    term_b, cut_b = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t - 1, b1, b2, before, T,
-                              HAS_TRUNC)
-    ratio_b = tl.exp(load_step(ins, st, s1, s2, G_TLP, t - 1, b1, b2, before)
-                     - load_step(ins, st, s1, s2, G_BLP, t - 1, b1, b2, before))
-    stop_b = cut_b | first
-    beta = tl.where(stop_b | (ratio_b != ratio_b), 0.0, gamma * lam * clip(ratio_b, c_clip))
-    p_b = zero
-    if HAS_DPG & VARIANT:
-        p_b = load_step(ins, st, s1, s2, G_DPG, t - 1, b1, b2, before) * clip(ratio_b,
-                                                                              pg_rho_clip)
-    d_vs = zero
-    if HAS_DVS & VARIANT:
-        d_vs = load_step(ins, st, s1, s2, G_DVS, t, b1, b2, mask)
-    alpha = d_vs + tl.where(stop_b, 0.0, gamma * lam * p_b)
     # step t
     r = load_step(ins, st, s1, s2, G_R, t, b1, b2, mask)
     v = load_step(ins, st, s1, s2, G_V, t, b1, b2, mask)
     term, cut = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
     v_succ, v_after = successor(ins, st, s1, s2, G_V, G_NEXT_V, G_LAST_V, t, b1, b2, mask,
                                 end_rows, T, v, True, HAS_NEXT, HAS_LAST, True, None)
-    ratio = tl.exp(load_step(ins, st, s1, s2, G_TLP, t, b1, b2, mask)
-                   - load_step(ins, st, s1, s2, G_BLP, t, b1, b2, mask))
+    tlp = load_step(ins, st, s1, s2, G_TLP, t, b1, b2, mask)
+    blp = load_step(ins, st, s1, s2, G_BLP, t, b1, b2, mask)
+    ratio = tl.exp(tlp - blp)
     vs_after = load_step(ins, st, s1, s2, G_VS, t + 1, b1, b2, mask & (t + 1 < T))
     d_after = tl.where(cut, 0.0, vs_after - v_after)  # D[t+1] inside the episode
     vs_succ = tl.where(cut, v_succ, vs_after)
     d_pg = zero
     if HAS_DPG & VARIANT:
         d_pg = load_step(ins, st, s1, s2, G_DPG, t, b1, b2, mask)
+    d_vs = zero
+    if HAS_DVS & VARIANT:
+        d_vs = load_step(ins, st, s1, s2, G_DVS, t, b1, b2, mask)
+    # step t-1: its trace coefficient and pg[t-1]'s weight on vs[t]
+    term_b, cut_b = flags_before(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T,
+                                 HAS_TRUNC, term, cut)
+    ratio_b = tl.exp(value_before(ins, st, s1, s2, G_TLP, t, b1, b2, mask, tlp)
+                     - value_before(ins, st, s1, s2, G_BLP, t, b1, b2, mask, blp))
+    stop_b = cut_b | first
+    beta = tl.where(stop_b | (ratio_b != ratio_b), 0.0, gamma * lam * clip(ratio_b, c_clip))
+    p_b = zero
+    if HAS_DPG & VARIANT:
+        p_b = value_before(ins, st, s1, s2, G_DPG, t, b1, b2, mask, d_pg) * clip(ratio_b,
+                                                                                 pg_rho_clip)
+    alpha = d_vs + tl.where(stop_b, 0.0, gamma * lam * p_b)
     rho_b = clip(ratio_b, params[2])
     return alpha, beta, (d_vs, d_pg, p_b, rho_b, term_b | first, stop_b, r, v, term, cut,
                          v_succ, vs_succ, ratio, d_after, t == T - 1)

@@ -175,6 +175,65 @@ def step_after(v, ins, st, s1, s2, V: tl.constexpr, t, b1, b2, mask, T):
 
 
 @triton.jit
+def first_of_8(x, ROWS: tl.constexpr, G: tl.constexpr):
+    """[ROWS, G]: the first of each group of 8 steps of a [ROWS, 8 * G] tile."""
+    x, _ = tl.split(tl.reshape(x, (ROWS, G, 4, 2)))
+    x, _ = tl.split(tl.reshape(x, (ROWS, G, 2, 2)))
+    x, _ = tl.split(tl.reshape(x, (ROWS, G, 1, 2)))
+    return tl.reshape(x, (ROWS, G))
+
+
+@triton.jit
+def shift_in(x, first):
+    """A batch-major [BB, 8 * G] tile one step later within its groups of 8: per group
+    [first, x0, ..., x6], `first` [BB, G] the value of the step before each group (split and
+    join: in registers where a thread holds a group, as `step_after`)."""
+    BB: tl.constexpr = x.shape[0]
+    BT: tl.constexpr = x.shape[1]
+    G: tl.constexpr = BT // 8
+    e1, o1 = tl.split(tl.reshape(x, (BB, G, 4, 2)))  # steps 0 2 4 6 | 1 3 5 7
+    e2, o2 = tl.split(tl.reshape(o1, (BB, G, 2, 2)))  # 1 5 | 3 7
+    e3, _ = tl.split(tl.reshape(o2, (BB, G, 1, 2)))  # 3
+    n1 = tl.reshape(tl.join(first[:, :, None], e3), (BB, G, 2))  # before 3
+    n2 = tl.reshape(tl.join(n1, e2), (BB, G, 4))  # before 1 3 5
+    return tl.reshape(tl.join(n2, e1), (BB, BT))  # before 0 1 ... 6
+
+
+@triton.jit
+def flags_before(ins, st, s1, s2, TERM: tl.constexpr, TRUNC: tl.constexpr, t, b1, b2, mask, T,
+                 HAS_TRUNC: tl.constexpr, term, cut):
+    """(terminated[t-1], cut[t-1]), False at t = 0, from (term, cut) at t: on batch-major
+    tiles moved by one step in registers plus one load per group of 8 (a load at t - 1 is 8
+    unaligned scalar loads per thread and flag), else loaded at t - 1."""
+    if t.shape[0] == 1 and t.shape[1] >= 8:  # batch-major (constexpr, inline for Triton 3.6)
+        BB: tl.constexpr = mask.shape[0]
+        G: tl.constexpr = mask.shape[1] // 8
+        tb = first_of_8(t, 1, G) - 1
+        term_g, cut_g = cut_flags(ins, st, s1, s2, TERM, TRUNC, tb, b1, b2,
+                                  first_of_8(mask, BB, G) & (tb >= 0), T, HAS_TRUNC)
+        term_b = shift_in(term.to(tl.int8), term_g.to(tl.int8)) != 0
+        cut_b = shift_in(cut.to(tl.int8), cut_g.to(tl.int8)) != 0
+    else:
+        term_b, cut_b = cut_flags(ins, st, s1, s2, TERM, TRUNC, t - 1, b1, b2,
+                                  mask & (t >= 1), T, HAS_TRUNC)
+    return term_b, cut_b
+
+
+@triton.jit
+def value_before(ins, st, s1, s2, SLOT: tl.constexpr, t, b1, b2, mask, x):
+    """Input slot SLOT at steps t - 1 (0 at t = 0), from x = its values at t: as
+    `flags_before`."""
+    if t.shape[0] == 1 and t.shape[1] >= 8:  # batch-major (constexpr, inline for Triton 3.6)
+        BB: tl.constexpr = mask.shape[0]
+        G: tl.constexpr = mask.shape[1] // 8
+        tb = first_of_8(t, 1, G) - 1
+        return shift_in(x, load_step(ins, st, s1, s2, SLOT, tb, b1, b2,
+                                     first_of_8(mask, BB, G) & (tb >= 0)))
+    else:
+        return load_step(ins, st, s1, s2, SLOT, t - 1, b1, b2, mask & (t >= 1))
+
+
+@triton.jit
 def spread(x, AXIS: tl.constexpr):
     """A vector laid along axis AXIS of a 2-D tile."""
     if AXIS == 0:
