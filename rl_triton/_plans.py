@@ -94,6 +94,9 @@ class Op:
         self.runtime_check = runtime_check
         self.kernel_scalars = kernel_scalars  # the kernel's float arguments from the scalars
         self._steps = tuple(not f.startswith(("last_", "initial")) for f in inputs._fields)
+        # the mask (no gradient) is not among the inputs an op's backward sees
+        self._mask = inputs._fields.index("mask") if "mask" in inputs._fields else None
+        self.masked_kernels = False  # the op's Triton plan reads the mask
         self.custom_op = _register(self)
         self.grad_op = _register_backward(self)
         OPS[name] = self
@@ -112,6 +115,11 @@ class Op:
             return _result([torch.empty(x[0].shape, dtype=out_dtype, device=call.device)
                             for _ in range(n)])
         backend = backend_for(backend, call.device)
+        if backend == "triton" and getattr(x, "mask", None) is not None and (
+                call.needs_grad or not self.masked_kernels):
+            # masked backward kernels do not exist yet: autograd through the torch backend
+            # (exact; not the kernels' speed)
+            backend = "torch"
         if backend == "triton":
             floats = self._floats(s)
             if call.key is None:  # compiling: the custom op checks data, its autograd
@@ -141,6 +149,14 @@ class Op:
         if call.needs_grad:
             outs = list(_FirstOrder.apply(*outs))
         return _result(outs)
+
+    def run_backward(self, x, outs, grads, s, rows, call, extra, needs) -> list:
+        """`backward`'s gradients, one per input (None for the mask) and one for `rows`."""
+        k = self._mask
+        if k is None:
+            return self.backward(x, outs, grads, s, rows, call, extra, needs)
+        res = self.backward(x, outs, grads, s, rows, call, extra, needs[:k] + needs[k + 1:])
+        return res[:k] + [None] + res[k:]
 
     def _floats(self, s: tuple) -> tuple:
         """The scalars with per-row discounts as 0.0 (the kernel reads `rows` there)."""
@@ -297,7 +313,7 @@ def _register_backward(op: Op):
         x, outs, grads, s, time_dim, extra, rows, needs = unpack(args)
         x, call = op.check(x, time_dim, extra)
         m = op.n_out(extra)
-        res = op.backward(x, outs[:m], grads[:m], s, rows, call, extra, needs)
+        res = op.run_backward(x, outs[:m], grads[:m], s, rows, call, extra, list(needs))
         ref = outs[0]
         return [ref.new_empty(0) if r is None else r for r in res]
 
@@ -340,8 +356,8 @@ class _Eager(torch.autograd.Function):
         saved = ctx.saved_tensors
         n = len(op.inputs._fields)
         needs = list(ctx.needs_input_grad[3:]) + [ctx.needs_input_grad[2]]
-        res = op.backward(op.inputs(*saved[:n]), saved[n + 1:], grads, s, saved[n], call,
-                          extra, needs)
+        res = op.run_backward(op.inputs(*saved[:n]), saved[n + 1:], grads, s, saved[n], call,
+                              extra, needs)
         return (None, None, res[n], *res[:n])
 
 

@@ -10,6 +10,11 @@ the steps before a termination or truncation (`(1 - term) * v'` below is `where(
 
 Notation: g = gamma, l = lambda, v'[t] the successor value (`next_values[t]` if given, else
 `values[t+1]`, and `last_value` at t = T-1), cut[t] = done[t] or t == T-1.
+
+With a `mask` (SPEC 7) only the decision steps (mask set) count, as if the others were deleted:
+"t+1" reads "the next decision step", "t-1" the previous one, and the window end is each row's
+last decision step; outputs at masked steps are 0. Each loop below keeps, per row, what the next
+(or previous) decision step left: its value, its output, its flags.
 """
 from __future__ import annotations
 
@@ -26,11 +31,23 @@ def _flags(*xs):
     return [None if x is None else x != 0 for x in xs]
 
 
-def _cut(terminated, truncated, t, T):
-    """cut[t] = done[t] or t == T-1 (bool)."""
-    if t == T - 1:
-        return torch.ones_like(terminated[t])
-    return terminated[t] if truncated is None else terminated[t] | truncated[t]
+def _decisions(mask, like):
+    """(m, end) as bool tensors of `like`'s shape: m[t] the decision steps (every step without a
+    mask; a mask broadcasts over trailing feature axes), end[t] each row's window end: its last
+    decision step (t = T-1 without a mask)."""
+    if mask is None:
+        m = torch.ones(like.shape, dtype=torch.bool, device=like.device)
+    else:
+        m = mask != 0
+        m = m.reshape(m.shape + (1,) * (like.ndim - m.ndim)).expand(like.shape)
+    later = m.flip(0).cumsum(0).flip(0)  # decision steps at or after t
+    return m, m & (later == 1)
+
+
+def _cut(terminated, truncated, t, end):
+    """cut[t] = done[t] or t is the window end (bool)."""
+    done = terminated[t] if truncated is None else terminated[t] | truncated[t]
+    return done | end[t]
 
 
 def _trace(cut, coef, later):
@@ -43,144 +60,165 @@ def _trace(cut, coef, later):
     return torch.where(stop, 0.0, coef * later)
 
 
-def _successor(values, next_values, last_value, t, T, like):
-    """v'[t]; zero where nothing is given (only discounted_returns allows that)."""
+def _successor(next_values, last_value, t, end, v_next):
+    """v'[t]: next_values[t], else `v_next` (the value of the next decision step), and
+    last_value at the window end; zero where nothing is given (only discounted_returns allows
+    that)."""
     if next_values is not None:
         return next_values[t]
-    if t < T - 1:
-        return values[t + 1] if values is not None else torch.zeros_like(like)
-    return last_value if last_value is not None else torch.zeros_like(like)
+    last = last_value if last_value is not None else torch.zeros_like(v_next)
+    return torch.where(end[t], last, v_next)
+
+
+def _kept(m, new, old):
+    """The state after step t: `new` at decision steps, `old` carried through masked ones."""
+    return torch.where(m, new, old)
 
 
 def gae(rewards, values, terminated, truncated=None, *, last_value=None, next_values=None,
-        gamma=0.99, lam=0.95, dtype=torch.float64):
+        mask=None, gamma=0.99, lam=0.95, dtype=torch.float64):
     r, v, lv, nv = _prep(dtype, rewards, values, last_value, next_values)
     term, trunc = _flags(terminated, truncated)
-    T = r.shape[0]
+    m, end = _decisions(mask, r)
     adv = torch.zeros_like(r)
+    ret = torch.zeros_like(r)
     a_next = torch.zeros_like(r[0])
-    for t in reversed(range(T)):
-        v_succ = _successor(v, nv, lv, t, T, r[0])
+    v_next = torch.zeros_like(r[0])
+    for t in reversed(range(r.shape[0])):
+        v_succ = _successor(nv, lv, t, end, v_next)
         delta = r[t] + torch.where(term[t], 0.0, gamma * v_succ) - v[t]
-        a_next = delta + _trace(_cut(term, trunc, t, T), gamma * lam, a_next)
-        adv[t] = a_next
-    return adv, adv + v
+        a = delta + _trace(_cut(term, trunc, t, end), gamma * lam, a_next)
+        adv[t] = torch.where(m[t], a, 0.0)
+        ret[t] = torch.where(m[t], a + v[t], 0.0)
+        a_next, v_next = _kept(m[t], a, a_next), _kept(m[t], v[t], v_next)
+    return adv, ret
 
 
 def lambda_returns(rewards, values, terminated, truncated=None, *, last_value=None,
-                   next_values=None, gamma=0.99, lam=0.95, dtype=torch.float64):
+                   next_values=None, mask=None, gamma=0.99, lam=0.95, dtype=torch.float64):
     r, v, lv, nv = _prep(dtype, rewards, values, last_value, next_values)
     term, trunc = _flags(terminated, truncated)
-    T = r.shape[0]
+    m, end = _decisions(mask, r)
     ret = torch.zeros_like(r)
     g_next = torch.zeros_like(r[0])
-    for t in reversed(range(T)):
-        v_succ = _successor(v, nv, lv, t, T, r[0])
-        cut = _cut(term, trunc, t, T)
+    v_next = torch.zeros_like(r[0])
+    for t in reversed(range(r.shape[0])):
+        v_succ = _successor(nv, lv, t, end, v_next)
+        cut = _cut(term, trunc, t, end)
         # G[t] = r + g (1 - term) (1 - l (1 - cut)) v' + g l (1 - cut) G[t+1]  (cut includes term)
         keep = torch.where(cut, 0.0, lam * torch.ones_like(r[t]))  # lam: a number or per row
-        g_next = (r[t] + torch.where(term[t], 0.0, gamma * (1 - keep) * v_succ)
-                  + _trace(cut, gamma * lam, g_next))
-        ret[t] = g_next
+        g = (r[t] + torch.where(term[t], 0.0, gamma * (1 - keep) * v_succ)
+             + _trace(cut, gamma * lam, g_next))
+        ret[t] = torch.where(m[t], g, 0.0)
+        g_next = _kept(m[t], g, g_next)
+        if v is not None:
+            v_next = _kept(m[t], v[t], v_next)
     return ret
 
 
 def discounted_returns(rewards, terminated, truncated=None, *, last_value=None, next_values=None,
-                       gamma=0.99, dtype=torch.float64):
+                       mask=None, gamma=0.99, dtype=torch.float64):
     r, lv, nv = _prep(dtype, rewards, last_value, next_values)
     term, trunc = _flags(terminated, truncated)
-    T = r.shape[0]
+    m, end = _decisions(mask, r)
     ret = torch.zeros_like(r)
     g_next = torch.zeros_like(r[0])
-    for t in reversed(range(T)):
-        v_succ = _successor(None, nv, lv, t, T, r[0])
-        cut = _cut(term, trunc, t, T)
+    for t in reversed(range(r.shape[0])):
+        v_succ = _successor(nv, lv, t, end, torch.zeros_like(r[0]))  # no values: 0 inside
+        cut = _cut(term, trunc, t, end)
         # G[t] = r + g (1 - term) cut v' + g (1 - cut) G[t+1]  (cut includes term)
-        g_next = (r[t] + torch.where(cut & ~term[t], gamma * v_succ, 0.0)
-                  + _trace(cut, gamma, g_next))
-        ret[t] = g_next
+        g = r[t] + torch.where(cut & ~term[t], gamma * v_succ, 0.0) + _trace(cut, gamma, g_next)
+        ret[t] = torch.where(m[t], g, 0.0)
+        g_next = _kept(m[t], g, g_next)
     return ret
 
 
 def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, truncated=None, *,
-           last_value=None, next_values=None, gamma=0.99, lam=1.0, rho_clip=1.0, c_clip=1.0,
-           pg_rho_clip=1.0, dtype=torch.float64):
+           last_value=None, next_values=None, mask=None, gamma=0.99, lam=1.0, rho_clip=1.0,
+           c_clip=1.0, pg_rho_clip=1.0, dtype=torch.float64):
     r, v, tlp, blp, lv, nv = _prep(dtype, rewards, values, target_log_probs, behavior_log_probs,
                                    last_value, next_values)
     term, trunc = _flags(terminated, truncated)
-    T = r.shape[0]
+    m, end = _decisions(mask, r)
     vs = torch.zeros_like(r)
     pg = torch.zeros_like(r)
     d_next = torch.zeros_like(r[0])
-    for t in reversed(range(T)):
-        v_succ = _successor(v, nv, lv, t, T, r[0])
-        cut = _cut(term, trunc, t, T)
+    v_next = torch.zeros_like(r[0])
+    vs_next = torch.zeros_like(r[0])
+    for t in reversed(range(r.shape[0])):
+        v_succ = _successor(nv, lv, t, end, v_next)
+        cut = _cut(term, trunc, t, end)
         ratio = torch.exp(tlp[t] - blp[t])
         rho = torch.clamp(ratio, max=rho_clip)  # a NaN ratio stays NaN
         c = lam * torch.clamp(ratio, max=c_clip)
         # vs'[t]: vs[t+1] inside the episode and window, v'[t] at a cut.
-        vs_succ = v_succ if t == T - 1 else torch.where(cut, v_succ, vs[t + 1])
+        vs_succ = torch.where(cut, v_succ, vs_next)
         boot = lam * vs_succ + (1 - lam) * v_succ
-        pg[t] = torch.clamp(ratio, max=pg_rho_clip) * (
+        p = torch.clamp(ratio, max=pg_rho_clip) * (
             r[t] + torch.where(term[t], 0.0, gamma * boot) - v[t])
         delta = rho * (r[t] + torch.where(term[t], 0.0, gamma * v_succ) - v[t])
-        d_next = delta + _trace(cut, gamma * c, d_next)
-        vs[t] = v[t] + d_next
+        d = delta + _trace(cut, gamma * c, d_next)
+        vs[t] = torch.where(m[t], v[t] + d, 0.0)
+        pg[t] = torch.where(m[t], p, 0.0)
+        d_next, v_next = _kept(m[t], d, d_next), _kept(m[t], v[t], v_next)
+        vs_next = _kept(m[t], v[t] + d, vs_next)
     return vs, pg
 
 
 def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated, truncated=None,
-            *, last_q_values=None, last_target_probs=None, gamma=0.99, lam=1.0, c_clip=1.0,
-            dtype=torch.float64):
+            *, last_q_values=None, last_target_probs=None, mask=None, gamma=0.99, lam=1.0,
+            c_clip=1.0, dtype=torch.float64):
     """Returns (G, G - Q(s_t, a_t)). q_values / target_probs: [T, *batch, A]; actions: [T, *batch]."""
     r, q, pi, mu, lq, lpi = _prep(dtype, rewards, q_values, target_probs, behavior_probs,
                                   last_q_values, last_target_probs)
     term, trunc = _flags(terminated, truncated)
-    a = actions.long().unsqueeze(-1)
-    T = r.shape[0]
+    m, end = _decisions(mask, r)
+    a = torch.where(m, actions.long(), 0).unsqueeze(-1)  # masked steps' actions: ignored
     G = torch.zeros_like(r)
-    g_next = torch.zeros_like(r[0])
-    for t in reversed(range(T)):
-        if t == T - 1:
-            expected = (lpi * lq).sum(-1)  # E[t] from the bootstrap state s_T
-            c_next = q_next_a = torch.zeros_like(r[0])
-        else:
-            expected = (pi[t + 1] * q[t + 1]).sum(-1)  # E[t] from slot t+1
-            pi_next_a = pi[t + 1].gather(-1, a[t + 1]).squeeze(-1)
-            c_next = lam * torch.clamp(pi_next_a / mu[t + 1], max=c_clip)
-            q_next_a = q[t + 1].gather(-1, a[t + 1]).squeeze(-1)
-        cut = _cut(term, trunc, t, T)
+    diff = torch.zeros_like(r)
+    g_next = e_next = c_next = q_next_a = torch.zeros_like(r[0])  # of the next decision step
+    for t in reversed(range(r.shape[0])):
+        # E[t], c[t+1], Q(s_{t+1}, a_{t+1}) from the next decision step, or from the bootstrap
+        # state s_T at the window end (where the trace is cut: no c, no Q')
+        expected = torch.where(end[t], (lpi * lq).sum(-1), e_next)
+        cut = _cut(term, trunc, t, end)
         # G[t] = r + g (1 - term) (E - (1 - cut) c Q') + g (1 - cut) c G[t+1]  (cut includes term)
         boot = expected - torch.where(cut, 0.0, c_next * q_next_a)
-        g_next = r[t] + torch.where(term[t], 0.0, gamma * boot) + _trace(cut, gamma * c_next, g_next)
-        G[t] = g_next
-    return G, G - q.gather(-1, a).squeeze(-1)
+        g = r[t] + torch.where(term[t], 0.0, gamma * boot) + _trace(cut, gamma * c_next, g_next)
+        q_a = q[t].gather(-1, a[t]).squeeze(-1)
+        G[t] = torch.where(m[t], g, 0.0)
+        diff[t] = torch.where(m[t], g - q_a, 0.0)
+        c_own = lam * torch.clamp(pi[t].gather(-1, a[t]).squeeze(-1) / mu[t], max=c_clip)
+        g_next, q_next_a = _kept(m[t], g, g_next), _kept(m[t], q_a, q_next_a)
+        e_next = _kept(m[t], (pi[t] * q[t]).sum(-1), e_next)
+        c_next = _kept(m[t], c_own, c_next)
+    return G, diff
 
 
-def eligibility_traces(x, dones, *, gamma, lam, initial=None, dtype=torch.float64):
-    """x: [T, *batch, *features]; dones: [T, *batch], broadcast over the feature axes."""
+def eligibility_traces(x, dones, *, initial=None, mask=None, gamma, lam, dtype=torch.float64):
+    """x: [T, *batch, *features]; dones (and mask): [T, *batch], broadcast over the features."""
+    return _forward(x, dones, initial, mask, gamma * lam, dtype)
+
+
+def episodic_cumsum(x, dones, *, initial=None, mask=None, dtype=torch.float64):
+    """x: [T, *batch, *features]; dones (and mask): [T, *batch], broadcast over the features."""
+    return _forward(x, dones, initial, mask, 1.0, dtype)
+
+
+def _forward(x, dones, initial, mask, keep, dtype):
+    """z[t] = x[t] + keep * (1 - done[t-1]) * z[t-1], z[-1] = initial, done[-1] = 0."""
     xs, init = _prep(dtype, x, initial)
     (d,) = _flags(dones)
-    d = d.reshape(d.shape + (1,) * (xs.ndim - d.ndim))
+    d = d.reshape(d.shape + (1,) * (xs.ndim - d.ndim)).expand(xs.shape)
+    m, _ = _decisions(mask, xs)
     z = torch.zeros_like(xs)
     z_prev = init if init is not None else torch.zeros_like(xs[0])
+    d_prev = torch.zeros_like(d[0])  # done at the previous decision step
     for t in range(xs.shape[0]):
-        z_prev = xs[t] + _trace(d[t - 1] if t > 0 else False, gamma * lam, z_prev)
-        z[t] = z_prev
+        zt = xs[t] + _trace(d_prev, keep, z_prev)
+        z[t] = torch.where(m[t], zt, 0.0)
+        z_prev, d_prev = _kept(m[t], zt, z_prev), _kept(m[t], d[t], d_prev)
     return z
-
-
-def episodic_cumsum(x, dones, *, initial=None, dtype=torch.float64):
-    """x: [T, *batch, *features]; dones: [T, *batch], broadcast over the feature axes."""
-    xs, init = _prep(dtype, x, initial)
-    (d,) = _flags(dones)
-    d = d.reshape(d.shape + (1,) * (xs.ndim - d.ndim))
-    c = torch.zeros_like(xs)
-    c_prev = init if init is not None else torch.zeros_like(xs[0])
-    for t in range(xs.shape[0]):
-        c_prev = xs[t] + _trace(d[t - 1] if t > 0 else False, 1.0, c_prev)
-        c[t] = c_prev
-    return c
 
 
 def linear_scan(alpha, beta, *, reverse=True, initial=None, dtype=torch.float64):

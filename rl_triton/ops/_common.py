@@ -30,9 +30,9 @@ def value_args(x, time_dim, *, values_optional: bool = False, bootstrap: bool = 
     return checked, call
 
 
-_KIND = {"terminated": FLAG, "truncated": FLAG}
-_OPTIONAL = {False: frozenset(("truncated", "next_values")),
-             True: frozenset(("truncated", "next_values", "values"))}
+_KIND = {"terminated": FLAG, "truncated": FLAG, "mask": FLAG}
+_OPTIONAL = {False: frozenset(("truncated", "next_values", "mask")),
+             True: frozenset(("truncated", "next_values", "values", "mask"))}
 
 
 def scan_plan(kernel: Kernel, x, call: Call, n_out: int, out_dtype: torch.dtype, *,

@@ -25,13 +25,14 @@ class Inputs(NamedTuple):
     truncated: Optional[Tensor]
     last_value: Optional[Tensor]
     next_values: Optional[Tensor]
+    mask: Optional[Tensor]
 
 
 class Scalars(NamedTuple):
     gamma: float
 
 
-R, TERM, TRUNC, LAST_V, NEXT_V = slots(Inputs)
+R, TERM, TRUNC, LAST_V, NEXT_V, MASK = slots(Inputs)
 
 
 @triton.jit
@@ -136,11 +137,13 @@ def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra, needs):
 def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
     r, lv, nv = _prep(dtype, x.rewards, x.last_value, x.next_values)
     term, trunc = _flags(x.terminated, x.truncated)
-    v_succ = torch_scan.successor(None, nv, lv, r)
-    cut = torch_scan.cut(term, trunc)
+    m, end = torch_scan.decisions(x.mask, r)
+    v_succ = torch_scan.successor(None, nv, lv, r, m)
+    cut = torch_scan.cut(term, trunc, end)
     alpha = r + torch.where(cut & ~term, s.gamma * v_succ, 0.0)
     beta = torch_scan.keep(cut, s.gamma, dtype)
-    return torch_scan.scan(alpha, beta, reverse=True)
+    return torch_scan.zero_masked(
+        torch_scan.scan(*torch_scan.masked(alpha, beta, m), reverse=True), m)
 
 
 def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
@@ -159,7 +162,8 @@ OP = Op("discounted_returns", Inputs, Scalars,
 
 
 def discounted_returns(rewards, terminated, truncated=None, *, last_value=None, next_values=None,
-                       gamma=0.99, time_dim=0, backend="auto", out_dtype=torch.float32):
+                       mask=None, gamma=0.99, time_dim=0, backend="auto",
+                       out_dtype=torch.float32):
     """Discounted returns (reward-to-go). Returns `G`.
 
     Recurrence (reverse)::
@@ -170,9 +174,14 @@ def discounted_returns(rewards, terminated, truncated=None, *, last_value=None, 
     the returns (Monte-Carlo reward-to-go inside the window), and without `next_values` a
     truncation inside the window bootstraps with zero. The one estimator that allows it.
 
+    `mask` (SPEC 7; bool, integer or float, the shape of `rewards`): the decision steps. The
+    recurrence runs over them only, as if the other steps were deleted from each row: a step's
+    successor is the next decision step, each row's last decision step is its window end, and
+    outputs at masked steps are 0.
+
     Example::
 
         >>> G = rl_triton.discounted_returns(rewards, terminated, gamma=0.99)
     """
-    return OP(Inputs(rewards, terminated, truncated, last_value, next_values),
+    return OP(Inputs(rewards, terminated, truncated, last_value, next_values, mask),
               Scalars(check_discount("gamma", gamma)), time_dim, backend, out_dtype)

@@ -22,6 +22,7 @@ class Inputs(NamedTuple):
     x: Tensor  # [*S, *features]
     dones: Tensor  # [*S], broadcast over the feature axes
     initial: Optional[Tensor]  # [*batch, *features]
+    mask: Optional[Tensor]  # [*S], broadcast over the feature axes
 
 
 class TraceScalars(NamedTuple):
@@ -33,7 +34,7 @@ class NoScalars(NamedTuple):
     pass
 
 
-X, DONES, INITIAL = slots(Inputs)
+X, DONES, INITIAL, MASK = slots(Inputs)
 
 
 @triton.jit
@@ -127,10 +128,17 @@ def _grad_copy(x: GradInputs):
                                                                          x.grad)))
 
 
-def _keep(x, dones, scale):
-    """scale * (1 - done[t-1]) with done[-1] = 0, shaped to broadcast over x's feature axes."""
-    d = dones.reshape(dones.shape + (1,) * (x.ndim - dones.ndim))
-    return torch_scan.keep(torch.cat([torch.zeros_like(d[:1]), d[:-1]]), scale, x.dtype)
+def _scan_torch(xs, dones, mask, init, scale):
+    """z[t] = x[t] + scale * (1 - done[t-1]) * z[t-1], done[-1] = 0, the flags (and the mask)
+    broadcast over x's feature axes; with a mask, t-1 is the previous decision step."""
+    d = dones.reshape(dones.shape + (1,) * (xs.ndim - dones.ndim))
+    m, _ = torch_scan.decisions(mask, xs)
+    if m is not None:
+        d = d.expand(xs.shape)
+    before = torch_scan.shift_down(d, torch.zeros_like(d[0]), m)
+    z = torch_scan.scan(*torch_scan.masked(xs, torch_scan.keep(before, scale, xs.dtype), m),
+                        reverse=False, initial=init)
+    return torch_scan.zero_masked(z, m)
 
 
 def _check(x: Inputs, time_dim, extra):
@@ -139,7 +147,7 @@ def _check(x: Inputs, time_dim, extra):
     xs = call.step("x", x.x, trailing=trailing)
     d = call.step("dones", x.dones, FLAG)
     init = call.bootstrap("initial", x.initial, trailing_shape=tuple(xs.shape[xs.ndim - trailing:]))
-    return Inputs(xs, d, init), call
+    return Inputs(xs, d, init, call.step("mask", x.mask, FLAG, optional=True)), call
 
 
 def _plan(x, call, out_dtype, extra):
@@ -151,35 +159,36 @@ def _copy(x: Inputs):
     """The flags materialized over the feature axes, so that one stride group describes them."""
     d = x.dones[(...,) + (None,) * (x.x.ndim - x.dones.ndim)].expand(x.x.shape)
     return Inputs(x.x.contiguous(), d.contiguous(),
-                  None if x.initial is None else x.initial.contiguous())
+                  None if x.initial is None else x.initial.contiguous(),
+                  None if x.mask is None else x.mask.contiguous())
 
 
 def _traces_torch(x: Inputs, s: TraceScalars, extra=(), dtype=torch.float32):
     xs, init = _prep(dtype, x.x, x.initial)
     (d,) = _flags(x.dones)
-    return torch_scan.scan(xs, _keep(xs, d, s.gamma * s.lam), reverse=False, initial=init)
+    return _scan_torch(xs, d, x.mask, init, s.gamma * s.lam)
 
 
 def _cumsum_torch(x: Inputs, s: NoScalars, extra=(), dtype=torch.float32):
     xs, init = _prep(dtype, x.x, x.initial)
     (d,) = _flags(x.dones)
-    return torch_scan.scan(xs, _keep(xs, d, 1.0), reverse=False, initial=init)
+    return _scan_torch(xs, d, x.mask, init, 1.0)
 
 
 TRACES = Op("eligibility_traces", Inputs, TraceScalars, check=_check, plan=_plan, copy=_copy,
             kernel_scalars=lambda s: (s.gamma * s.lam,), torch=_traces_torch, row_params=1,
             loop=lambda x, s, extra, dtype: reference.eligibility_traces(
-                *x[:2], initial=x.initial, **s._asdict(), dtype=dtype),
+                *x[:2], initial=x.initial, mask=x.mask, **s._asdict(), dtype=dtype),
             backward=_backward("eligibility_traces", 1))
 CUMSUM = Op("episodic_cumsum", Inputs, NoScalars, check=_check, plan=_plan, copy=_copy,
             kernel_scalars=lambda s: (1.0,), torch=_cumsum_torch,
             loop=lambda x, s, extra, dtype: reference.episodic_cumsum(
-                *x[:2], initial=x.initial, dtype=dtype),
+                *x[:2], initial=x.initial, mask=x.mask, dtype=dtype),
             backward=_backward("episodic_cumsum", 0))
 
 
-def eligibility_traces(x, dones, *, gamma, lam, initial=None, time_dim=0, backend="auto",
-                       out_dtype=torch.float32):
+def eligibility_traces(x, dones, *, gamma, lam, initial=None, mask=None, time_dim=0,
+                       backend="auto", out_dtype=torch.float32):
     """Accumulating eligibility traces (forward in time). Returns `z`, shaped like `x`.
 
     ::
@@ -191,16 +200,20 @@ def eligibility_traces(x, dones, *, gamma, lam, initial=None, time_dim=0, backen
     gradients); the flags broadcast over them. `done[t]` marks the last step of an episode, so
     the trace restarts at t+1. `time_dim` refers to `dones` (negative counts from its end).
 
+    `mask` (SPEC 7; the shape of `dones`, broadcast over the feature axes): the decision steps.
+    The state passes masked steps unchanged, t-1 reads "the previous decision step", and
+    outputs at masked steps are 0.
+
     Example::
 
         >>> z = rl_triton.eligibility_traces(grads, dones, gamma=0.99, lam=0.9)  # grads [T, N, D]
     """
-    return TRACES(Inputs(x, dones, initial),
+    return TRACES(Inputs(x, dones, initial, mask),
                   TraceScalars(check_discount("gamma", gamma), check_discount("lam", lam)),
                   time_dim, backend, out_dtype)
 
 
-def episodic_cumsum(x, dones, *, initial=None, time_dim=0, backend="auto",
+def episodic_cumsum(x, dones, *, initial=None, mask=None, time_dim=0, backend="auto",
                     out_dtype=torch.float32):
     """Prefix sums that restart after every episode end (forward in time). Returns `C`.
 
@@ -211,8 +224,12 @@ def episodic_cumsum(x, dones, *, initial=None, time_dim=0, backend="auto",
     `done[t]` marks the last step of an episode (as everywhere in rl_triton), so the sum restarts
     at t+1. `x` may carry trailing feature axes; `time_dim` refers to `dones`.
 
+    `mask` (SPEC 7; the shape of `dones`, broadcast over the feature axes): the decision steps.
+    The state passes masked steps unchanged, t-1 reads "the previous decision step", and
+    outputs at masked steps are 0.
+
     Example::
 
         >>> episode_return_so_far = rl_triton.episodic_cumsum(rewards, dones)
     """
-    return CUMSUM(Inputs(x, dones, initial), NoScalars(), time_dim, backend, out_dtype)
+    return CUMSUM(Inputs(x, dones, initial, mask), NoScalars(), time_dim, backend, out_dtype)

@@ -25,6 +25,7 @@ class Inputs(NamedTuple):
     truncated: Optional[Tensor]
     last_value: Optional[Tensor]
     next_values: Optional[Tensor]
+    mask: Optional[Tensor]
 
 
 class Scalars(NamedTuple):
@@ -32,7 +33,7 @@ class Scalars(NamedTuple):
     lam: float
 
 
-R, V, TERM, TRUNC, LAST_V, NEXT_V = slots(Inputs)
+R, V, TERM, TRUNC, LAST_V, NEXT_V, MASK = slots(Inputs)
 
 
 @triton.jit
@@ -158,11 +159,12 @@ def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra, needs):
 def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
     r, v, lv, nv = _prep(dtype, x.rewards, x.values, x.last_value, x.next_values)
     term, trunc = _flags(x.terminated, x.truncated)
-    v_succ = torch_scan.successor(v, nv, lv, r)
+    m, end = torch_scan.decisions(x.mask, r)
+    v_succ = torch_scan.successor(v, nv, lv, r, m)
     alpha = r + torch.where(term, 0.0, s.gamma * v_succ) - v
-    beta = torch_scan.keep(torch_scan.cut(term, trunc), s.gamma * s.lam, dtype)
-    adv = torch_scan.scan(alpha, beta, reverse=True)
-    return adv, adv + v
+    beta = torch_scan.keep(torch_scan.cut(term, trunc, end), s.gamma * s.lam, dtype)
+    adv = torch_scan.scan(*torch_scan.masked(alpha, beta, m), reverse=True)
+    return torch_scan.zero_masked(adv, m), torch_scan.zero_masked(adv + v, m)
 
 
 def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
@@ -176,7 +178,7 @@ OP = Op("gae", Inputs, Scalars, outputs=2, check=lambda x, td, extra: value_args
 
 
 def gae(rewards, values, terminated, truncated=None, *, last_value=None, next_values=None,
-        gamma=0.99, lam=0.95, time_dim=0, backend="auto", out_dtype=torch.float32):
+        mask=None, gamma=0.99, lam=0.95, time_dim=0, backend="auto", out_dtype=torch.float32):
     """Generalized Advantage Estimation. Returns `(advantages, returns)`.
 
     Recurrence (reverse in time), with v'[t] the successor value and cut[t] = terminated[t] or
@@ -190,6 +192,11 @@ def gae(rewards, values, terminated, truncated=None, *, last_value=None, next_va
     episode was cut at) and stops the trace; the last step of the window bootstraps from
     `last_value` (or `next_values[T-1]`) and stops the trace.
 
+    `mask` (SPEC 7; bool, integer or float, the shape of `rewards`): the decision steps. The
+    recurrence runs over them only, as if the other steps were deleted from each row: a step's
+    successor is the next decision step, each row's last decision step is its window end, and
+    outputs at masked steps are 0.
+
     Example::
 
         >>> T, N = 128, 8
@@ -197,6 +204,6 @@ def gae(rewards, values, terminated, truncated=None, *, last_value=None, next_va
         >>> terminated = torch.rand(T, N) < 0.01
         >>> adv, ret = rl_triton.gae(rewards, values, terminated, last_value=torch.randn(N))
     """
-    return OP(Inputs(rewards, values, terminated, truncated, last_value, next_values),
+    return OP(Inputs(rewards, values, terminated, truncated, last_value, next_values, mask),
               Scalars(check_discount("gamma", gamma), check_discount("lam", lam)),
               time_dim, backend, out_dtype)

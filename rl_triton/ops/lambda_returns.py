@@ -26,6 +26,7 @@ class Inputs(NamedTuple):
     truncated: Optional[Tensor]
     last_value: Optional[Tensor]
     next_values: Optional[Tensor]
+    mask: Optional[Tensor]
 
 
 class Scalars(NamedTuple):
@@ -33,7 +34,7 @@ class Scalars(NamedTuple):
     lam: float
 
 
-R, V, TERM, TRUNC, LAST_V, NEXT_V = slots(Inputs)
+R, V, TERM, TRUNC, LAST_V, NEXT_V, MASK = slots(Inputs)
 
 
 @triton.jit
@@ -145,11 +146,13 @@ def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra, needs):
 def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
     r, v, lv, nv = _prep(dtype, x.rewards, x.values, x.last_value, x.next_values)
     term, trunc = _flags(x.terminated, x.truncated)
-    v_succ = torch_scan.successor(v, nv, lv, r)
-    keep = torch_scan.keep(torch_scan.cut(term, trunc), s.lam, dtype)  # 0 at terminations too
+    m, end = torch_scan.decisions(x.mask, r)
+    v_succ = torch_scan.successor(v, nv, lv, r, m)
+    keep = torch_scan.keep(torch_scan.cut(term, trunc, end), s.lam, dtype)  # 0 at terms too
     alpha = r + torch.where(term, 0.0, s.gamma * (1 - keep) * v_succ)
     beta = s.gamma * keep
-    return torch_scan.scan(alpha, beta, reverse=True)
+    return torch_scan.zero_masked(
+        torch_scan.scan(*torch_scan.masked(alpha, beta, m), reverse=True), m)
 
 
 def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
@@ -163,8 +166,8 @@ OP = Op("lambda_returns", Inputs, Scalars,
 
 
 def lambda_returns(rewards, values, terminated, truncated=None, *, last_value=None,
-                   next_values=None, gamma=0.99, lam=0.95, time_dim=0, backend="auto",
-                   out_dtype=torch.float32):
+                   next_values=None, mask=None, gamma=0.99, lam=0.95, time_dim=0,
+                   backend="auto", out_dtype=torch.float32):
     """TD(lambda) returns. Returns the tensor `G` of lambda-returns.
 
     Recurrence (reverse), with v'[t] the successor value and cut[t] as in `gae`::
@@ -175,10 +178,15 @@ def lambda_returns(rewards, values, terminated, truncated=None, *, last_value=No
     `values` are used only as successor values: with `next_values` given, `values` may be None.
     Equal to `gae(...)[1]` (the GAE returns) for the same inputs.
 
+    `mask` (SPEC 7; bool, integer or float, the shape of `rewards`): the decision steps. The
+    recurrence runs over them only, as if the other steps were deleted from each row: a step's
+    successor is the next decision step, each row's last decision step is its window end, and
+    outputs at masked steps are 0.
+
     Example::
 
         >>> G = rl_triton.lambda_returns(rewards, values, terminated, last_value=v_last, lam=0.9)
     """
-    return OP(Inputs(rewards, values, terminated, truncated, last_value, next_values),
+    return OP(Inputs(rewards, values, terminated, truncated, last_value, next_values, mask),
               Scalars(check_discount("gamma", gamma), check_discount("lam", lam)),
               time_dim, backend, out_dtype)

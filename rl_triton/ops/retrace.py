@@ -30,6 +30,7 @@ class Inputs(NamedTuple):
     truncated: Optional[Tensor]
     last_q_values: Tensor  # [*batch, A]
     last_target_probs: Tensor  # [*batch, A]
+    mask: Optional[Tensor]
 
 
 class Scalars(NamedTuple):
@@ -43,7 +44,7 @@ class Extras(NamedTuple):
     check_actions: bool
 
 
-R, Q, ACT, PI, MU, TERM, TRUNC, LAST_Q, LAST_PI = slots(Inputs)
+R, Q, ACT, PI, MU, TERM, TRUNC, LAST_Q, LAST_PI, MASK = slots(Inputs)
 
 
 @triton.jit
@@ -318,19 +319,20 @@ def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
     r, q, pi, mu, lq, lpi = _prep(dtype, x.rewards, x.q_values, x.target_probs,
                                   x.behavior_probs, x.last_q_values, x.last_target_probs)
     term, trunc = _flags(x.terminated, x.truncated)
+    m, end = torch_scan.decisions(x.mask, r)
     a = x.actions.long().clamp(0, q.shape[-1] - 1).unsqueeze(-1)  # as the kernel: in range
     q_a = q.gather(-1, a).squeeze(-1)
     pi_a = pi.gather(-1, a).squeeze(-1)
     zero = torch.zeros_like(r[0])
-    expected = torch_scan.shift_up((pi * q).sum(-1), (lpi * lq).sum(-1))
-    c_next = torch_scan.shift_up(s.lam * torch.clamp(pi_a / mu, max=s.c_clip), zero)
-    q_a_next = torch_scan.shift_up(q_a, zero)
-    cut = torch_scan.cut(term, trunc)
+    expected = torch_scan.shift_up((pi * q).sum(-1), (lpi * lq).sum(-1), m)
+    c_next = torch_scan.shift_up(s.lam * torch.clamp(pi_a / mu, max=s.c_clip), zero, m)
+    q_a_next = torch_scan.shift_up(q_a, zero, m)
+    cut = torch_scan.cut(term, trunc, end)
     boot = expected - torch.where(cut, 0.0, c_next * q_a_next)
     alpha = r + torch.where(term, 0.0, s.gamma * boot)
     beta = torch.where(cut, 0.0, s.gamma * c_next)
-    g = torch_scan.scan(alpha, beta, reverse=True)
-    return g, g - q_a
+    g = torch_scan.scan(*torch_scan.masked(alpha, beta, m), reverse=True)
+    return torch_scan.zero_masked(g, m), torch_scan.zero_masked(g - q_a, m)
 
 
 def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
@@ -354,13 +356,16 @@ def _check(x: Inputs, time_dim, extra):
         call.bootstrap("last_q_values", x.last_q_values, VALUE, trailing_shape=(n_act,),
                        optional=False),
         call.bootstrap("last_target_probs", x.last_target_probs, VALUE,
-                       trailing_shape=(n_act,), optional=False))
+                       trailing_shape=(n_act,), optional=False),
+        call.step("mask", x.mask, FLAG, optional=True))
     return checked, call
 
 
 def _check_actions(x: Inputs, extra: Extras):
     if extra.check_actions:
-        check_actions(x.actions, x.q_values.shape[-1])
+        # the actions of masked steps are ignored (SPEC 7), whatever they hold
+        acts = x.actions if x.mask is None else torch.where(x.mask != 0, x.actions, 0)
+        check_actions(acts, x.q_values.shape[-1])
 
 
 OP = Op("retrace", Inputs, Scalars, outputs=2, extras=Extras, check=_check,
@@ -372,8 +377,8 @@ OP = Op("retrace", Inputs, Scalars, outputs=2, extras=Extras, check=_check,
 
 
 def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated, truncated=None,
-            *, last_q_values=None, last_target_probs=None, gamma=0.99, lam=1.0, c_clip=1.0,
-            return_advantages=False, check_actions=True, time_dim=0, backend="auto",
+            *, last_q_values=None, last_target_probs=None, mask=None, gamma=0.99, lam=1.0,
+            c_clip=1.0, return_advantages=False, check_actions=True, time_dim=0, backend="auto",
             out_dtype=torch.float32):
     """Retrace(lambda) Q targets for discrete actions. Returns `G`, or `(G, G - Q(s_t, a_t))`
     with `return_advantages=True`.
@@ -397,6 +402,12 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
     `check_actions=False` skips that check (for CUDA-graph capture), and every backend then
     clamps the actions into `[0, A)`: never a read outside the tensors.
 
+    `mask` (SPEC 7; bool, integer or float, the shape of `rewards`): the decision steps. The
+    recurrence runs over them only, as if the other steps were deleted from each row: a step's
+    successor state is that of the next decision step, each row's last decision step is its window end, and
+    outputs at masked steps are 0
+    (their actions are ignored).
+
     Example::
 
         >>> G = rl_triton.retrace(rewards, q, actions, pi, mu_taken, terminated,
@@ -408,5 +419,5 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
     extra = Extras(check_bool("return_advantages", return_advantages),
                    check_bool("check_actions", check_actions))
     return OP(Inputs(rewards, q_values, actions, target_probs, behavior_probs, terminated,
-                     truncated, last_q_values, last_target_probs), s, time_dim, backend,
+                     truncated, last_q_values, last_target_probs, mask), s, time_dim, backend,
               out_dtype, extra)

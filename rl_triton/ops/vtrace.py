@@ -28,6 +28,7 @@ class Inputs(NamedTuple):
     truncated: Optional[Tensor]
     last_value: Optional[Tensor]
     next_values: Optional[Tensor]
+    mask: Optional[Tensor]
 
 
 class Scalars(NamedTuple):
@@ -38,7 +39,7 @@ class Scalars(NamedTuple):
     pg_rho_clip: float
 
 
-R, V, TERM, TARGET_LP, BEHAVIOR_LP, TRUNC, LAST_V, NEXT_V = slots(Inputs)
+R, V, TERM, TARGET_LP, BEHAVIOR_LP, TRUNC, LAST_V, NEXT_V, MASK = slots(Inputs)
 
 
 @triton.jit
@@ -227,18 +228,19 @@ def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
     r, v, tlp, blp, lv, nv = _prep(dtype, x.rewards, x.values, x.target_log_probs,
                                    x.behavior_log_probs, x.last_value, x.next_values)
     term, trunc = _flags(x.terminated, x.truncated)
-    v_succ = torch_scan.successor(v, nv, lv, r)
-    cut = torch_scan.cut(term, trunc)
+    m, end = torch_scan.decisions(x.mask, r)
+    v_succ = torch_scan.successor(v, nv, lv, r, m)
+    cut = torch_scan.cut(term, trunc, end)
     ratio = torch.exp(tlp - blp)  # torch.clamp keeps a NaN ratio NaN
     target = r + torch.where(term, 0.0, s.gamma * v_succ)
     alpha = torch.clamp(ratio, max=s.rho_clip) * (target - v)
     beta = torch.where(cut, 0.0, s.gamma * s.lam * torch.clamp(ratio, max=s.c_clip))
-    d = torch_scan.scan(alpha, beta, reverse=True)
+    d = torch_scan.scan(*torch_scan.masked(alpha, beta, m), reverse=True)
     vs = v + d
-    vs_succ = torch.where(cut, v_succ, torch_scan.shift_up(vs, torch.zeros_like(r[0])))
+    vs_succ = torch.where(cut, v_succ, torch_scan.shift_up(vs, torch.zeros_like(r[0]), m))
     boot = s.lam * vs_succ + (1 - s.lam) * v_succ
     pg = torch.clamp(ratio, max=s.pg_rho_clip) * (r + torch.where(term, 0.0, s.gamma * boot) - v)
-    return vs, pg
+    return torch_scan.zero_masked(vs, m), torch_scan.zero_masked(pg, m)
 
 
 def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
@@ -251,8 +253,8 @@ OP = Op("vtrace", Inputs, Scalars, outputs=2, check=lambda x, td, extra: value_a
 
 
 def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, truncated=None, *,
-           last_value=None, next_values=None, gamma=0.99, lam=1.0, rho_clip=1.0, c_clip=1.0,
-           pg_rho_clip=1.0, time_dim=0, backend="auto", out_dtype=torch.float32):
+           last_value=None, next_values=None, mask=None, gamma=0.99, lam=1.0, rho_clip=1.0,
+           c_clip=1.0, pg_rho_clip=1.0, time_dim=0, backend="auto", out_dtype=torch.float32):
     """V-trace targets (IMPALA). Returns `(vs, pg_advantages)`.
 
     With ratio[t] = exp(target_log_probs[t] - behavior_log_probs[t]) (log-probabilities of the
@@ -266,6 +268,11 @@ def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, tr
 
     On-policy (ratio 1) with lam = 1 and no clipping, vs equals the lambda-return with lambda 1.
 
+    `mask` (SPEC 7; bool, integer or float, the shape of `rewards`): the decision steps. The
+    recurrence runs over them only, as if the other steps were deleted from each row: a step's
+    successor is the next decision step, each row's last decision step is its window end, and
+    outputs at masked steps are 0.
+
     Example::
 
         >>> vs, pg_adv = rl_triton.vtrace(rewards, values, terminated, logp_target, logp_behavior,
@@ -276,4 +283,4 @@ def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, tr
                 check_scalar("rho_clip", rho_clip, **clip), check_scalar("c_clip", c_clip, **clip),
                 check_scalar("pg_rho_clip", pg_rho_clip, **clip))
     return OP(Inputs(rewards, values, terminated, target_log_probs, behavior_log_probs, truncated,
-                     last_value, next_values), s, time_dim, backend, out_dtype)
+                     last_value, next_values, mask), s, time_dim, backend, out_dtype)

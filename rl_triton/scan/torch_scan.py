@@ -46,22 +46,70 @@ def scan(alpha, beta, *, reverse: bool, initial=None):
     return a
 
 
-def shift_up(x, last):
-    """x[t+1] for t < T-1 and `last` at T-1."""
+def decisions(mask, like):
+    """(m, end) for a mask (SPEC 7): the decision steps, broadcast to `like`'s shape, and each
+    row's window end, its last decision step; (None, None) without a mask."""
+    if mask is None:
+        return None, None
+    m = mask != 0
+    m = m.reshape(m.shape + (1,) * (like.ndim - m.ndim)).expand(like.shape)
+    return m, m & (m.flip(0).cumsum(0).flip(0) == 1)
+
+
+def next_decision(x, m, last):
+    """x at each step's next decision step (strictly later), `last` where there is none: the
+    successor across masked steps, as a gather (differentiable in x and last)."""
+    T = x.shape[0]
+    pos = torch.arange(T, device=x.device).view((T,) + (1,) * (x.ndim - 1)).expand(x.shape)
+    at = torch.where(m, pos, T)
+    # the first decision step after t: a running minimum from the end, shifted by one
+    after = torch.cat([at[1:], torch.full_like(at[:1], T)]).flip(0).cummin(0).values.flip(0)
+    return torch.cat([x, last.unsqueeze(0).expand_as(x[:1])]).gather(0, after)
+
+
+def shift_down(x, first, m=None):
+    """x[t-1] for t > 0 and `first` at t = 0; with a mask `m`, x at the previous decision
+    step."""
+    if m is not None:
+        return next_decision(x.flip(0), m.flip(0), first).flip(0)
+    return torch.cat([first.unsqueeze(0), x[:-1]])
+
+
+def masked(alpha, beta, m):
+    """The identity map (alpha 0, beta 1) at masked steps: the scan carries its state through
+    them unchanged."""
+    if m is None:
+        return alpha, beta
+    return torch.where(m, alpha, 0.0), torch.where(m, beta, 1.0)
+
+
+def zero_masked(x, m):
+    """Outputs are 0 at masked steps."""
+    return x if m is None else torch.where(m, x, 0.0)
+
+
+def shift_up(x, last, m=None):
+    """x[t+1] for t < T-1 and `last` at T-1; with a mask `m`, x at the next decision step."""
+    if m is not None:
+        return next_decision(x, m, last)
     return torch.cat([x[1:], last.unsqueeze(0)])
 
 
-def successor(values, next_values, last_value, like):
+def successor(values, next_values, last_value, like, m=None):
+    """v'[t]: next_values, else values at the next step (the next decision step with a mask
+    `m`) and last_value past the last one; zeros for what is not given."""
     if next_values is not None:
         return next_values
     last = last_value if last_value is not None else torch.zeros_like(like[0])
     nxt = values if values is not None else torch.zeros_like(like)
-    return shift_up(nxt, last)
+    return shift_up(nxt, last, m)
 
 
-def cut(term, trunc):
-    """cut[t] = done[t] or t == T-1 (bool flags)."""
+def cut(term, trunc, end=None):
+    """cut[t] = done[t] or t is the window end: t == T-1, or `end` (bool flags)."""
     done = term if trunc is None else term | trunc
+    if end is not None:
+        return done | end
     return torch.cat([done[:-1], torch.ones_like(done[-1:])])
 
 

@@ -1,0 +1,176 @@
+"""Masks (SPEC 7): every estimator as if the masked steps were deleted from each row.
+
+The reference here literally deletes them: for each row it keeps the decision steps, runs the
+plain float64 reference (no mask) on that shorter row, and scatters the result back, zeros
+elsewhere. Every backend, both layouts, bf16, and masks in the middle, at the start, at the end,
+all masked and none masked.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rl_triton
+from cases import assert_close, make_case, to_layout
+
+NAMES = ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
+         "eligibility_traces", "episodic_cumsum"]
+BOOTS = ("last_value", "last_q_values", "last_target_probs", "initial")
+
+
+def mask_rows(T, N, seed=0):
+    """[T, N] masks: random spans, then rows masked at the start, at the end, in the middle
+    (one long span), all masked, none masked, and a single decision step."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.rand(T, N, generator=g) < 0.6
+    patterns = [lambda c: c.fill_(True), lambda c: c.fill_(False)]
+    if T > 3:
+        patterns += [lambda c: c[:T // 3].fill_(False), lambda c: c[-(T // 3):].fill_(False),
+                     lambda c: c[T // 3:2 * T // 3].fill_(False),
+                     lambda c: (c.fill_(False), c[T // 2].fill_(True))]
+    for n, p in zip(range(1, N), patterns):
+        col = m[:, n].clone()
+        p(col)
+        m[:, n] = col
+    return m
+
+
+def deleted(case, mask):
+    """The outputs of `case` by deleting the masked steps of every row (time-major [T, N])."""
+    T, N = mask.shape
+    extra = {k: v for k, v in case.extra.items() if k != "return_advantages"}
+    shape = case.steps[next(iter(case.steps))].shape
+    outs = [torch.zeros(shape, dtype=torch.float64) for _ in case.reference()]
+    for n in range(N):
+        keep = mask[:, n].nonzero().squeeze(1)
+        row_steps = {k: None if v is None else v[keep, n:n + 1]
+                     for k, v in case.steps.items()}
+        row_extra = {k: v[n:n + 1] if k in BOOTS or isinstance(v, torch.Tensor) else v
+                     for k, v in extra.items()}
+        if len(keep):
+            res = case.ref(**row_steps, **row_extra)
+            res = res if isinstance(res, tuple) else (res,)
+            for o, r in zip(outs, res):
+                o[keep, n] = r[:, 0]
+    return tuple(outs)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reference_mask_is_deletion(name):
+    """The float64 reference's own mask against the deletion of the masked steps."""
+    T, N = 37, 9
+    features = (3,) if name == "eligibility_traces" else ()
+    case = make_case(name, T, (N,), dtype=torch.float64, features=features)
+    mask = mask_rows(T, N)
+    extra = {k: v for k, v in case.extra.items() if k != "return_advantages"}
+    got = case.ref(**case.steps, **extra, mask=mask)
+    got = got if isinstance(got, tuple) else (got,)
+    assert_close(got, deleted(case, mask), tol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
+@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("T", [1, 37])
+def test_mask_matches_deletion(name, layout, backend, T):
+    N = 9
+    features = (3,) if name == "eligibility_traces" else ()
+    case = make_case(name, T, (N,), features=features)
+    mask = mask_rows(T, N, seed=T)
+    got = case.call(layout, mask=to_layout(mask, layout), backend=backend)
+    assert_close(got, deleted(case, mask))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_mask_bf16_and_next_values(name):
+    """bf16 inputs (float32 math) and `next_values` with a mask, on every backend."""
+    T, N = 33, 7
+    kw = {"bootstrap": "next_values"} if name in ("gae", "lambda_returns", "vtrace",
+                                                  "discounted_returns") else {}
+    case = make_case(name, T, (N,), dtype=torch.bfloat16, **kw)
+    mask = mask_rows(T, N, seed=3)
+    want = deleted(case, mask)
+    for backend in ("loop", "torch", "triton"):
+        assert_close(case.call("batch-major", mask=to_layout(mask, "batch-major"),
+                               backend=backend), want, tol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_mask_of_ones_is_no_mask(name):
+    T, N = 40, 6
+    case = make_case(name, T, (N,))
+    mask = torch.ones(T, N, dtype=torch.uint8)
+    for backend in ("torch", "triton"):
+        plain = case.call(backend=backend)
+        masked = case.call(mask=mask, backend=backend)
+        for a, b in zip(plain, masked):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int32, torch.float32])
+def test_mask_dtypes_and_masked_inputs_are_ignored(dtype):
+    """A mask is set wherever nonzero, whatever its dtype; NaN rewards, values and flags at
+    masked steps change nothing."""
+    T, N = 30, 5
+    case = make_case("gae", T, (N,))
+    mask = mask_rows(T, N, seed=1)
+    want = deleted(case, mask)
+    dirty = dict(case.steps)
+    off = ~mask
+    dirty["rewards"] = case.steps["rewards"].masked_fill(off, float("nan"))
+    dirty["values"] = case.steps["values"].masked_fill(off, float("inf"))
+    dirty["terminated"] = case.steps["terminated"] | off
+    m = (mask.to(dtype) * (3 if dtype != torch.bool else 1))
+    for backend in ("loop", "torch", "triton"):
+        got = rl_triton.gae(**dirty, **case.extra, mask=m, backend=backend)
+        assert_close(got, want)
+
+
+def test_masked_gae_by_hand():
+    """One row: decisions at t = 0, 2, 5 of 7; the successor of t = 0 is t = 2, and the trace
+    decays once per decision step."""
+    r = torch.tensor([[1.0], [9.0], [2.0], [9.0], [9.0], [3.0], [9.0]])
+    v = torch.tensor([[0.5], [9.0], [0.25], [9.0], [9.0], [0.125], [9.0]])
+    mask = torch.tensor([[1], [0], [1], [0], [0], [1], [0]], dtype=torch.bool)
+    term = torch.zeros(7, 1, dtype=torch.bool)
+    g, lam, last = 0.5, 0.5, torch.tensor([4.0])
+    d5 = 3.0 + g * 4.0 - 0.125
+    d2 = 2.0 + g * 0.125 - 0.25
+    d0 = 1.0 + g * 0.25 - 0.5
+    a5, a2 = d5, d2 + g * lam * d5
+    a0 = d0 + g * lam * a2
+    want = torch.tensor([[a0], [0], [a2], [0], [0], [a5], [0]])
+    for backend in ("loop", "torch", "triton"):
+        adv, ret = rl_triton.gae(r, v, term, last_value=last, mask=mask, gamma=g, lam=lam,
+                                 backend=backend)
+        torch.testing.assert_close(adv, want)
+        torch.testing.assert_close(ret, torch.where(mask, want + v, 0.0))
+
+
+def test_mask_shape_is_checked():
+    case = make_case("gae", 10, (4,))
+    with pytest.raises(ValueError, match="mask"):
+        case.call(mask=torch.ones(10, 3, dtype=torch.bool))
+    with pytest.raises(TypeError, match="mask"):
+        case.call(mask=[1, 0])
+
+
+def test_masked_gradients_match_deletion():
+    """Gradients through a masked call (every backend) equal those of the deletion."""
+    T, N = 21, 5
+    case = make_case("gae", T, (N,), dtype=torch.float64)
+    mask = mask_rows(T, N, seed=5)
+    leaves = {k: case.steps[k].clone().requires_grad_() for k in ("rewards", "values")}
+    lv = case.extra["last_value"].clone().requires_grad_()
+    w = torch.randn(T, N, dtype=torch.float64)
+    want = None
+    for backend in ("loop", "torch", "triton"):
+        steps = dict(case.steps, **leaves)
+        adv, _ = rl_triton.gae(**steps, last_value=lv, mask=mask, gamma=0.97, lam=0.9,
+                               backend=backend)
+        got = torch.autograd.grad((adv * w).sum(), [*leaves.values(), lv])
+        if want is None:
+            want = got
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+    assert torch.all(want[0][~mask] == 0)  # masked rewards do not matter
