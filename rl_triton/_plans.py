@@ -80,7 +80,7 @@ class Op:
                  extras: Optional[type] = None, n_out: Optional[Callable] = None,
                  copy: Optional[Callable] = None, runtime_check: Optional[Callable] = None,
                  kernel_scalars: Callable = tuple, backward: Optional[Callable] = None,
-                 row_params: int = 0):
+                 row_params: int = 0, masked_kernels: Callable = lambda x: False):
         self.name, self.inputs, self.scalars, self.extras = name, inputs, scalars, extras
         self.backward, self.row_params = backward, row_params
         self.discounts = tuple(f for f in scalars._fields if f in DISCOUNTS)
@@ -96,7 +96,9 @@ class Op:
         self._steps = tuple(not f.startswith(("last_", "initial")) for f in inputs._fields)
         # the mask (no gradient) is not among the inputs an op's backward sees
         self._mask = inputs._fields.index("mask") if "mask" in inputs._fields else None
-        self.masked_kernels = False  # the op's Triton plan reads the mask
+        # masked_kernels(x): whether the op's Triton plan reads the mask of inputs x (else
+        # masked calls run on the torch backend)
+        self.masked_kernels = masked_kernels
         self.custom_op = _register(self)
         self.grad_op = _register_backward(self)
         OPS[name] = self
@@ -116,7 +118,7 @@ class Op:
                             for _ in range(n)])
         backend = backend_for(backend, call.device)
         if backend == "triton" and getattr(x, "mask", None) is not None and (
-                call.needs_grad or not self.masked_kernels):
+                call.needs_grad or not self.masked_kernels(x)):
             # masked backward kernels do not exist yet: autograd through the torch backend
             # (exact; not the kernels' speed)
             backend = "torch"

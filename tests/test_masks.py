@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import rl_triton
+from rl_triton.scan import tiles
 from cases import assert_close, make_case, to_layout
 
 NAMES = ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
@@ -174,3 +175,37 @@ def test_masked_gradients_match_deletion():
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b)
     assert torch.all(want[0][~mask] == 0)  # masked rewards do not matter
+
+
+def long_masks(T, N, seed):
+    """Masks for rows split into tiles of 16: random, plus spans of masked steps that cover
+    whole tiles (a tile of no decision step passes both carries through) and a row whose
+    only decision step is its first."""
+    m = mask_rows(T, N, seed=seed)
+    m[20:70, 0] = False
+    m[:, 1] = False
+    m[0, 1] = True
+    m[-40:, 2] = False
+    return m
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
+def test_masked_rows_split_across_programs(name, layout):
+    """Six tiles per row: carries (and the successor's value across masked tiles) found by
+    look-back with windows of 1, 2 and 16 tiles, or by walking; time-major sub-tiles."""
+    T, N = 5 * 16 + 7, 5
+    features = (3,) if name == "eligibility_traces" else ()
+    case = make_case(name, T, (N,), seed=13, features=features)
+    mask = long_masks(T, N, seed=7)
+    want = deleted(case, mask)
+    runs = [dict(window=1, depth=0, walk=False), dict(window=2, depth=0, walk=False),
+            dict(window=16, depth=0, walk=False), dict(window=16, depth=3, walk=False),
+            dict(window=16, depth=0, walk=True)]
+    if layout == "time-major":
+        runs += [dict(sub=4, walk=False), dict(sub=8, walk=True)]
+    for run in runs:
+        with tiles.override(block_t=16, block_b=2, **run):
+            for _ in range(2):  # a second launch, on the same scratch
+                assert_close(case.call(layout, mask=to_layout(mask, layout), backend="triton"),
+                             want)

@@ -11,7 +11,8 @@ from .._plans import Op
 from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import cut_flags, flags_before, load_step, store_out, successor
+from ..scan.kernel import (cut_flags, finish_linear, flags_before, load_step, row_value,
+                           store_out, successor)
 from ..scan.launch import Kernel
 from ._common import bits, like, run_backward, scan_plan, value_args
 
@@ -62,6 +63,52 @@ def store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
 
 
 KERNEL = Kernel(coef, store, reverse=True, aux=True)
+
+
+# ---- with a mask (SPEC 7): the successor is the next decision step (the kernel's W scan) ----
+
+@triton.jit
+def coef_masked(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+                HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+                VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+                ACT_VEC: tl.constexpr, after):
+    """w = V[t] (what the decision step before bootstraps from); alpha = (r - V) + c * w' with
+    c = gamma (0 at a termination), or with next_values c = 0 and gamma v' in a."""
+    gamma = params[0]
+    lam = params[1]
+    r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
+    v = load_step(ins, st, s1, s2, V, t, b1, b2, mask)
+    term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
+    a = r - v
+    if HAS_NEXT:
+        a += tl.where(term, 0.0, gamma * load_step(ins, st, s1, s2, NEXT_V, t, b1, b2, mask))
+        c = tl.zeros(mask.shape, tl.float32)
+    else:
+        c = tl.where(term, 0.0, gamma + tl.zeros(mask.shape, tl.float32))
+    # the window end (the last decision step) needs no cut of its own: A past it is 0
+    return (v, (a, c)), tl.where(cut, 0.0, gamma * lam), v
+
+
+@triton.jit
+def boot_masked(ins, st, s1, s2, sa, b1, b2, rows, T, n_act, params, HAS_NEXT: tl.constexpr,
+                HAS_LAST: tl.constexpr, VARIANT: tl.constexpr):
+    """(A, w) past the window: 0, and last_value (the last decision step's successor)."""
+    w = tl.zeros(b1.shape, tl.float32)
+    if HAS_LAST:
+        w = row_value(ins, st, s1, s2, LAST_V, b1, b2, rows)
+    return tl.zeros(b1.shape, tl.float32), w
+
+
+@triton.jit
+def store_masked(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
+                 VARIANT: tl.constexpr):
+    v, keep, _ = aux
+    store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, tl.where(keep, res, 0.0))
+    store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, tl.where(keep, res + v, 0.0))
+
+
+KERNEL_MASKED = Kernel(coef_masked, store_masked, reverse=True, aux=True, mask_slot=MASK,
+                       boot=boot_masked, finish=finish_linear)
 
 
 # ---- backward: H[t] = dA[t] + gamma * lam * (1 - cut[t-1]) * H[t-1], a forward scan ----------
@@ -172,9 +219,10 @@ def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
 
 
 OP = Op("gae", Inputs, Scalars, outputs=2, check=lambda x, td, extra: value_args(x, td),
-        plan=lambda x, call, out_dtype, extra: scan_plan(KERNEL, x, call, 2, out_dtype),
+        plan=lambda x, call, out_dtype, extra: scan_plan(
+            KERNEL if x.mask is None else KERNEL_MASKED, x, call, 2, out_dtype),
         torch=torch_impl, loop=loop_impl, row_params=2,
-        backward=backward)
+        backward=backward, masked_kernels=lambda x: True)
 
 
 def gae(rewards, values, terminated, truncated=None, *, last_value=None, next_values=None,

@@ -341,10 +341,12 @@ def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n
                       INT64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr,
                       ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr, FLIP: tl.constexpr,
                       DESC: tl.constexpr, J: tl.constexpr, SUB: tl.constexpr,
-                      EVEN: tl.constexpr, after):
+                      EVEN: tl.constexpr, MASK: tl.constexpr, W_PHASE: tl.constexpr, after):
     """The steps `t` of sub-tile J of tile `chunk` (along the time axis), their mask, and the
     estimator's coefficients there; padding steps are the identity map (they pass the carry
-    through). Sub-tile J holds the tile positions p = g * SUB + J, g < BLOCK_T // SUB (SUB = 1:
+    through), and so are masked steps (input slot MASK >= 0: SPEC 7), whose aux is then
+    (the builder's aux, the decision steps); with `W_PHASE` alpha is the builder's
+    (w, pieces), finished once the successors' w is known (`finish_chunk`). Sub-tile J holds the tile positions p = g * SUB + J, g < BLOCK_T // SUB (SUB = 1:
     the whole tile). Position p holds step p of the chunk; with `FLIP`, step
     (G - 1 - p // 8) * 8 + p % 8 of its G groups of 8; with `DESC`, step BLOCK_T - 1 - p.
     With `EVEN` every tile is full (T and B multiples of the tile) and the mask is a constant.
@@ -366,6 +368,12 @@ def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n
     alpha, beta, aux = COEF(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, scalars,
                             HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A, ACT_BLOCKS,
                             ACT_VEC, after)
+    if MASK >= 0:
+        keep = load_step_flag(ins, st, s1, s2, MASK, t, b1, b2, mask)
+        if W_PHASE:
+            w, pieces = alpha
+            return t, mask, (tl.where(keep, w, 0.0), pieces), beta, (aux, keep)
+        return t, mask, tl.where(keep, alpha, 0.0), tl.where(keep, beta, 1.0), (aux, keep)
     return t, mask, tl.where(mask, alpha, 0.0), tl.where(mask, beta, 1.0), aux
 
 
@@ -403,7 +411,8 @@ def scan_chunk(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, s
                SCAN_REVERSE: tl.constexpr, TIME_AXIS: tl.constexpr, INT64: tl.constexpr,
                BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
                ACT_VEC: tl.constexpr, FLIP: tl.constexpr, DESC: tl.constexpr,
-               SUB: tl.constexpr, EVEN: tl.constexpr, WHOLE: tl.constexpr):
+               SUB: tl.constexpr, EVEN: tl.constexpr, WHOLE: tl.constexpr,
+               MASK: tl.constexpr):
     """Tile `chunk` scanned from a zero carry, as SUB sub-tiles (`tile_coefficients`): tuples
     of their (t, mask, a, bb, ea, eb, aux) as `scan_tile` returns them, and the tile's whole
     composition (agg_a, agg_b).
@@ -417,7 +426,7 @@ def scan_chunk(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, s
         t, mask, alpha, beta, aux = tile_coefficients(
             ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
             HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
-            ACT_BLOCKS, ACT_VEC, FLIP, DESC, 0, 1, EVEN, None)
+            ACT_BLOCKS, ACT_VEC, FLIP, DESC, 0, 1, EVEN, MASK, False, None)
         a, bb, ea, eb = scan_tile(alpha, beta, SCAN_REVERSE, EXCLUSIVE, TIME_AXIS, FLIP)
         agg_a = edge(a, TIME_AXIS, BLOCK_T, WHOLE)
         agg_b = edge(bb, TIME_AXIS, BLOCK_T, WHOLE)
@@ -434,7 +443,7 @@ def scan_chunk(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, s
             t, mask, alpha, beta, aux = tile_coefficients(
                 ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
                 HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
-                ACT_BLOCKS, ACT_VEC, FLIP, DESC, J, SUB, EVEN, after)
+                ACT_BLOCKS, ACT_VEC, FLIP, DESC, J, SUB, EVEN, MASK, False, after)
             if J > 0:
                 alpha, beta = combine(As[J - 1], Bs[J - 1], alpha, beta)
             ts = ts + (t,)
@@ -442,29 +451,127 @@ def scan_chunk(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, s
             As = As + (alpha,)
             Bs = Bs + (beta,)
             auxs = auxs + (aux,)
-        # the map into each group from the tile's carry: the groups before it, composed
-        _, _, pa, pb = tl.associative_scan(
-            (As[SUB - 1], Bs[SUB - 1], tl.zeros_like(As[SUB - 1]),
-             tl.full(As[SUB - 1].shape, 1.0, tl.float32)),
-            TIME_AXIS, combine_with_exclusive)
-        a_s = ()
-        bb_s = ()
-        ea_s = ()
-        eb_s = ()
-        for J in tl.static_range(SUB):
-            if J == 0:
-                ea_s = ea_s + (pa,)
-                eb_s = eb_s + (pb,)
-            else:
-                ea_s = ea_s + (a_s[J - 1],)
-                eb_s = eb_s + (bb_s[J - 1],)
-            a_J, bb_J = combine(pa, pb, As[J], Bs[J])
-            a_s = a_s + (a_J,)
-            bb_s = bb_s + (bb_J,)
-        G: tl.constexpr = BLOCK_T // SUB
-        agg_a = edge(a_s[SUB - 1], TIME_AXIS, G, G - 1)
-        agg_b = edge(bb_s[SUB - 1], TIME_AXIS, G, G - 1)
+        a_s, bb_s, ea_s, eb_s, agg_a, agg_b = compose_groups(As, Bs, SUB, TIME_AXIS, BLOCK_T)
         return ts, masks, a_s, bb_s, ea_s, eb_s, auxs, agg_a, agg_b
+
+
+@triton.jit
+def compose_groups(As, Bs, SUB: tl.constexpr, TIME_AXIS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """A time-major tile's scan from a zero carry, from its sub-tiles composed in registers
+    (As[J], Bs[J]: each group's first J + 1 steps in scan order): per sub-tile (a, bb) and the
+    exclusive (ea, eb), and the tile's whole composition (`scan_chunk`)."""
+    # the map into each group from the tile's carry: the groups before it, composed
+    _, _, pa, pb = tl.associative_scan(
+        (As[SUB - 1], Bs[SUB - 1], tl.zeros_like(As[SUB - 1]),
+         tl.full(As[SUB - 1].shape, 1.0, tl.float32)),
+        TIME_AXIS, combine_with_exclusive)
+    a_s = ()
+    bb_s = ()
+    ea_s = ()
+    eb_s = ()
+    for J in tl.static_range(SUB):
+        if J == 0:
+            ea_s = ea_s + (pa,)
+            eb_s = eb_s + (pb,)
+        else:
+            ea_s = ea_s + (a_s[J - 1],)
+            eb_s = eb_s + (bb_s[J - 1],)
+        a_J, bb_J = combine(pa, pb, As[J], Bs[J])
+        a_s = a_s + (a_J,)
+        bb_s = bb_s + (bb_J,)
+    G: tl.constexpr = BLOCK_T // SUB
+    agg_a = edge(a_s[SUB - 1], TIME_AXIS, G, G - 1)
+    agg_b = edge(bb_s[SUB - 1], TIME_AXIS, G, G - 1)
+    return a_s, bb_s, ea_s, eb_s, agg_a, agg_b
+
+
+@triton.jit
+def compose(alphas, betas, EXCLUSIVE: tl.constexpr, SCAN_REVERSE: tl.constexpr,
+            TIME_AXIS: tl.constexpr, FLIP: tl.constexpr, BLOCK_T: tl.constexpr,
+            SUB: tl.constexpr, WHOLE: tl.constexpr):
+    """`scan_chunk`'s scan of a tile whose coefficients are given (per sub-tile)."""
+    if SUB == 1:
+        a, bb, ea, eb = scan_tile(alphas[0], betas[0], SCAN_REVERSE, EXCLUSIVE, TIME_AXIS, FLIP)
+        return ((a,), (bb,), (ea,), (eb,), edge(a, TIME_AXIS, BLOCK_T, WHOLE),
+                edge(bb, TIME_AXIS, BLOCK_T, WHOLE))
+    else:
+        As = ()
+        Bs = ()
+        for J in tl.static_range(SUB):
+            alpha = alphas[J]
+            beta = betas[J]
+            if J > 0:
+                alpha, beta = combine(As[J - 1], Bs[J - 1], alpha, beta)
+            As = As + (alpha,)
+            Bs = Bs + (beta,)
+        return compose_groups(As, Bs, SUB, TIME_AXIS, BLOCK_T)
+
+
+@triton.jit
+def chunk_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
+                       COEF: tl.constexpr, HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr,
+                       HAS_LAST: tl.constexpr, VARIANT: tl.constexpr, TIME_AXIS: tl.constexpr,
+                       INT64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr,
+                       ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr, FLIP: tl.constexpr,
+                       DESC: tl.constexpr, SUB: tl.constexpr, EVEN: tl.constexpr,
+                       MASK: tl.constexpr):
+    """A masked tile's steps, masks, builder coefficients (w, pieces), betas and auxes, per
+    sub-tile (`tile_coefficients` with W_PHASE)."""
+    ts = ()
+    masks = ()
+    alphas = ()
+    betas = ()
+    auxs = ()
+    for J in tl.static_range(SUB):
+        t, mask, alpha, beta, aux = tile_coefficients(
+            ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
+            HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
+            ACT_BLOCKS, ACT_VEC, FLIP, DESC, J, SUB, EVEN, MASK, True, None)
+        ts = ts + (t,)
+        masks = masks + (mask,)
+        alphas = alphas + (alpha,)
+        betas = betas + (beta,)
+        auxs = auxs + (aux,)
+    return ts, masks, alphas, betas, auxs
+
+
+@triton.jit
+def successors(alphas, auxs, SCAN_REVERSE: tl.constexpr, TIME_AXIS: tl.constexpr,
+               FLIP: tl.constexpr, BLOCK_T: tl.constexpr, SUB: tl.constexpr,
+               WHOLE: tl.constexpr):
+    """The W scan of a masked tile (SPEC 7): W[t] = w[t] at decision steps, W[t+1] (in scan
+    order) at masked ones, as maps (w, 0) and (0, 1) of the same scan. Returns the exclusive
+    maps (each step's successor W as a map of the carry) and the tile's composition."""
+    ws = ()
+    ds = ()
+    for J in tl.static_range(SUB):
+        w, _ = alphas[J]
+        _, keep = auxs[J]
+        ws = ws + (w,)
+        ds = ds + (tl.where(keep, 0.0, 1.0),)
+    _, _, ew_s, ewd_s, agg_w, agg_wd = compose(ws, ds, True, SCAN_REVERSE, TIME_AXIS, FLIP,
+                                               BLOCK_T, SUB, WHOLE)
+    return ew_s, ewd_s, agg_w, agg_wd
+
+
+@triton.jit
+def finish_chunk(alphas, betas, auxs, ew_s, ewd_s, carry_w, scalars, FINISH: tl.constexpr,
+                 HAS_NEXT: tl.constexpr, VARIANT: tl.constexpr, SUB: tl.constexpr):
+    """A masked tile's coefficients once the W carry into it is known: the builder's pieces
+    finished with each step's successor W (`FINISH`), masked steps the identity; the auxes
+    become (the builder's aux, the decision steps, the successor W)."""
+    out_a = ()
+    out_b = ()
+    out_x = ()
+    for J in tl.static_range(SUB):
+        _, pieces = alphas[J]
+        aux, keep = auxs[J]
+        wn = apply_map(ew_s[J], ewd_s[J], carry_w)
+        alpha, beta = FINISH(pieces, betas[J], wn, scalars, HAS_NEXT, VARIANT)
+        out_a = out_a + (tl.where(keep, alpha, 0.0),)
+        out_b = out_b + (tl.where(keep, beta, 1.0),)
+        out_x = out_x + ((aux, keep, wn),)
+    return out_a, out_b, out_x
 
 
 @triton.jit
@@ -493,13 +600,20 @@ def scan_kernel(
     WINDOW: tl.constexpr, DEPTH: tl.constexpr, TIME_AXIS: tl.constexpr, INT64: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_A: tl.constexpr,
     ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr, SUB: tl.constexpr, ROW_VEC: tl.constexpr,
-    EVEN: tl.constexpr, ROW_PARAMS: tl.constexpr,
+    EVEN: tl.constexpr, ROW_PARAMS: tl.constexpr, MASK: tl.constexpr, W_PHASE: tl.constexpr,
+    BOOT: tl.constexpr, FINISH: tl.constexpr,
 ):
     """One program per tile of `BLOCK_B` rows x `BLOCK_T` steps (`n_chunks` tiles along time),
     scanned once and kept in registers; with `LOOKBACK`, the tiles of a row run in parallel and
     find their carries by look-back. With `WALK`, one program per `BLOCK_B` rows instead, which
     walks their `n_chunks` tiles in scan order, passing the carry from tile to tile: when there
-    are row tiles enough to fill the GPU, this beats the look-back."""
+    are row tiles enough to fill the GPU, this beats the look-back.
+
+    With a mask (input slot MASK >= 0, SPEC 7) masked steps are identity maps. A reverse
+    estimator's successor is then the next decision step, however far: with `W_PHASE` a second
+    scan (`successors`) carries the successor's own value w across masked steps, with a carry
+    and look-back of its own, before the main scan; `BOOT` gives both initial carries and
+    `FINISH` the coefficients from each step's successor w."""
     # Reverse scans run forward over steps laid in decreasing t (module docstring). Retrace's
     # 3-D tiles too: they load along the action axis, whatever the order of their steps.
     FLIP: tl.constexpr = REVERSE and TIME_AXIS == 1 and BLOCK_T >= 8
@@ -529,6 +643,9 @@ def scan_kernel(
         words_a = state
         words_b = state + n_row_tiles * n_chunks * BLOCK_B
         tag = launch_tag(tl.load(words_a + k * BLOCK_B, volatile=True))  # +1: a map, +2: a value
+        if W_PHASE:  # the W scan's words, after the main scan's
+            words_wa = state + 2 * n_row_tiles * n_chunks * BLOCK_B
+            words_wb = state + 3 * n_row_tiles * n_chunks * BLOCK_B
     # The tile is [BLOCK_T, BLOCK_B] (TIME_AXIS 0) or [BLOCK_B, BLOCK_T] (TIME_AXIS 1): its last
     # axis follows the contiguous axis of memory, as Triton's default layouts expect.
     if TIME_AXIS == 0:
@@ -562,22 +679,65 @@ def scan_kernel(
     if WALK:
         if HAS_INIT:
             carry = load_value(init, b1 * init_s1 + b2 * init_s2, mask_b)
+        if W_PHASE:
+            carry, carry_w = BOOT(ins, st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars,
+                                  HAS_NEXT, HAS_LAST, VARIANT)
         for i in range(n_chunks):
             chunk = n_chunks - 1 - i if REVERSE else i
-            ts, masks, a_s, bb_s, ea_s, eb_s, auxs, agg_a, agg_b = scan_chunk(
-                ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
-                HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, INT64,
-                BLOCK_T, BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, WHOLE)
+            if W_PHASE:
+                ts, masks, als, bes, auxs = chunk_coefficients(
+                    ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
+                    COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T,
+                    BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, MASK)
+                ew_s, ewd_s, agg_w, agg_wd = successors(als, auxs, SCAN_REVERSE, TIME_AXIS, FLIP,
+                                                        BLOCK_T, SUB, WHOLE)
+                als, bes, auxs = finish_chunk(als, bes, auxs, ew_s, ewd_s, carry_w, scalars,
+                                              FINISH, HAS_NEXT, VARIANT, SUB)
+                a_s, bb_s, ea_s, eb_s, agg_a, agg_b = compose(
+                    als, bes, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, FLIP, BLOCK_T, SUB, WHOLE)
+                carry_w = apply_map(agg_w, agg_wd, carry_w)
+            else:
+                ts, masks, a_s, bb_s, ea_s, eb_s, auxs, agg_a, agg_b = scan_chunk(
+                    ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
+                    COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, EXCLUSIVE, SCAN_REVERSE,
+                    TIME_AXIS, INT64, BLOCK_T, BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB,
+                    EVEN, WHOLE, MASK)
             store_chunk(outs, ost, os1, os2, b1, b2, ts, masks, a_s, bb_s, ea_s, eb_s, auxs,
                         carry, scalars, STORE, VARIANT, SUB)
             # the tile's outgoing value: the carry into the next tile in scan order
             carry = apply_map(agg_a, agg_b, carry)
     else:
         chunk = n_chunks - 1 - order if REVERSE else order
-        ts, masks, a_s, bb_s, ea_s, eb_s, auxs, agg_a, agg_b = scan_chunk(
-            ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
-            HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, INT64,
-            BLOCK_T, BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, WHOLE)
+        if W_PHASE:
+            ts, masks, als, bes, auxs = chunk_coefficients(
+                ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
+                HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
+                ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, MASK)
+            ew_s, ewd_s, agg_w, agg_wd = successors(als, auxs, SCAN_REVERSE, TIME_AXIS, FLIP,
+                                                    BLOCK_T, SUB, WHOLE)
+            # both initial carries: read by the first tile in scan order only (as HAS_INIT's)
+            carry, carry_w = BOOT(ins, st, s1, s2, sa, b1, b2, tl.where(order == 0, mask_b, False),
+                                  T, n_act, scalars, HAS_NEXT, HAS_LAST, VARIANT)
+            if LOOKBACK:
+                slot_w = k * BLOCK_B + r
+                if order > 0:
+                    tl.atomic_xchg(words_wa + slot_w, pack(agg_w, tag + 1), sem="relaxed")
+                    tl.atomic_xchg(words_wb + slot_w, pack(agg_wd, tag + 1), sem="relaxed")
+                    carry_w = look_back(words_wa, words_wb, pid_b, order, n_row_tiles, r, mask_b,
+                                        tag, carry_w, TIME_AXIS, WINDOW, DEPTH, BLOCK_B)
+                if order < n_chunks - 1:
+                    tl.atomic_xchg(words_wa + slot_w,
+                                   pack(apply_map(agg_w, agg_wd, carry_w), tag + 2),
+                                   sem="relaxed")
+            als, bes, auxs = finish_chunk(als, bes, auxs, ew_s, ewd_s, carry_w, scalars, FINISH,
+                                          HAS_NEXT, VARIANT, SUB)
+            a_s, bb_s, ea_s, eb_s, agg_a, agg_b = compose(
+                als, bes, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, FLIP, BLOCK_T, SUB, WHOLE)
+        else:
+            ts, masks, a_s, bb_s, ea_s, eb_s, auxs, agg_a, agg_b = scan_chunk(
+                ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
+                HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS,
+                INT64, BLOCK_T, BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, WHOLE, MASK)
         if HAS_INIT:
             # read by the first tile in scan order only, after its scan (not held through it):
             # a tile after it never reaches the initial carry in its look-back, since the first
@@ -608,6 +768,21 @@ def row_scalars(rows, sk, s1, s2, b1, b2, mask_b, scalars, N: tl.constexpr):
         else:
             out = out + (scalars[i],)
     return out
+
+
+@triton.jit
+def row_value(ins, st, s1, s2, SLOT: tl.constexpr, b1, b2, rows):
+    """A bootstrap slot's value at each row (its time stride is 0), zero outside `rows`."""
+    return load_value(ins[SLOT], offsets(0, b1, b2, st[SLOT], s1[SLOT], s2[SLOT]), rows)
+
+
+@triton.jit
+def finish_linear(pieces, beta, wn, params, HAS_NEXT: tl.constexpr, VARIANT: tl.constexpr):
+    """The masked builders' common `FINISH`: alpha = a + c * w', exactly a where c = 0 (a
+    select, whatever the successor's value w' holds: a termination keeps out the next episode's
+    NaN)."""
+    a, c = pieces
+    return tl.where(c == 0, a, a + c * wn), beta
 
 
 @triton.jit

@@ -41,6 +41,12 @@ class Kernel:
     # the builder for tiles that span their rows' whole window (each holds step T-1)
     coef_whole: object = None
     action_slots: tuple = ()  # slots with a trailing action axis (Retrace)
+    # masks (SPEC 7): the mask's input slot; for reverse estimators, whose successor is the next
+    # decision step, `boot` (both initial carries) and `finish` (the coefficients from the
+    # successor's value) turn on the kernel's W scan (`kernel.scan_kernel`)
+    mask_slot: int = -1
+    boot: object = None
+    finish: object = None
 
 
 def tm(x: Optional[Tensor], time_dim: int) -> Optional[Tensor]:
@@ -174,8 +180,9 @@ class Launch:
         n_row_tiles = triton.cdiv(self.B, cfg.block_b)
         self.lookback = n_chunks > 1 and not cfg.walk
         self.grid = (n_row_tiles * (n_chunks if self.lookback else 1), 1)
-        # look-back scratch: two words per (tile, row)
-        self.state_size = 2 * self.grid[0] * cfg.block_b if self.lookback else 1
+        # look-back scratch: two words per (tile, row), four with the W scan of masks
+        w_phase = kernel.boot is not None
+        self.state_size = (4 if w_phase else 2) * self.grid[0] * cfg.block_b if self.lookback else 1
         in_strides = strides(flat) + (sa,)
         out_strides = tuple(s * n_out + r * n_boot  # n_out alike, then n_boot alike
                             for s, r in zip(strides([out_view]), strides([row_view])))
@@ -200,7 +207,8 @@ class Launch:
                          ROW_VEC=(row_vector(present, self.B, B2) if tiles.vector_rows(
                              self.B, time_contiguous, bool(action_slots)) else 1),
                          SUB=cfg.sub, EVEN=tiles.even(T, self.B, cfg), ROW_PARAMS=0,
-                         num_warps=cfg.num_warps)
+                         MASK=kernel.mask_slot, W_PHASE=w_phase, BOOT=kernel.boot,
+                         FINISH=kernel.finish, num_warps=cfg.num_warps)
         if cfg.max_registers:
             self.meta["maxnreg"] = cfg.max_registers
         self.device_index = device.index
