@@ -231,6 +231,27 @@ def variants():
     yield "vtrace T=512 N=16384 time-major", make_case("vtrace", 512, (16384,)), "time-major"
 
 
+def mask_variants():
+    """(label, case, layout): every estimator whose kernel reads a mask (SPEC 7), both layouts,
+    one tile per row, look-back and walked rows, and next_values."""
+    def masked(case):
+        shape = case.steps["rewards" if "rewards" in case.steps else "dones"].shape
+        case.steps["mask"] = torch.rand(shape, generator=torch.Generator().manual_seed(0)) < 0.7
+        return case
+
+    for name in ["gae", "lambda_returns", "discounted_returns", "vtrace", "eligibility_traces",
+                 "episodic_cumsum"]:
+        for T, n in [(4096, 4), (16, 64), (64, 8448)]:
+            for layout in ("time-major", "batch-major"):
+                yield f"masked {name} T={T} N={n} {layout}", masked(make_case(name, T, (n,))), \
+                    layout
+    for name in ["gae", "lambda_returns", "discounted_returns"]:
+        yield f"masked {name} next_values bf16", masked(make_case(
+            name, 4096, (4,), dtype=torch.bfloat16, bootstrap="next_values")), "batch-major"
+    yield "masked eligibility traces of vectors", masked(make_case(
+        "eligibility_traces", 4096, (4,), features=(3,))), "time-major"
+
+
 def grad_variants():
     """(label, case, layout, per_row): the backward kernels (and forward kernels with per-row
     discounts) of every op, both layouts, one tile per row, look-back and walked rows."""
@@ -263,6 +284,19 @@ def main():
             kernel = compile_plan(plan, *args)
             problem = (check_look_back(plan, kernel) or check_loads(plan, kernel)
                        or check_register_cap(plan, kernel) or check_reverse_scans(plan, kernel))
+            if problem:
+                raise AssertionError(problem)
+            print(f"ok      {label} ({time.time() - t0:.1f} s)", flush=True)
+        except Exception as e:  # noqa: BLE001 - report every failure, then fail
+            failed += 1
+            print(f"FAILED  {label}: {type(e).__name__}: {str(e)[-400:]}", flush=True)
+    # masked kernels (SPEC 7): they compile and keep the look-back's and the register cap's rules
+    for label, case, layout in mask_variants():
+        t0 = time.time()
+        try:
+            ((plan, args),) = plans_of(case, layout)
+            kernel = compile_plan(plan, *args)
+            problem = check_look_back(plan, kernel) or check_register_cap(plan, kernel)
             if problem:
                 raise AssertionError(problem)
             print(f"ok      {label} ({time.time() - t0:.1f} s)", flush=True)

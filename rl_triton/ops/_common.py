@@ -42,8 +42,8 @@ def scan_plan(kernel: Kernel, x, call: Call, n_out: int, out_dtype: torch.dtype,
     time-major, bootstraps (`last_*`) over time with stride 0; `carried` names the bootstrap that
     enters as the scan's initial carry instead of a slot (`initial`, or `last_value` for
     discounted returns); `expand_flags` names a flag tensor broadcast over input 0's trailing
-    feature axes; `n_boot` outputs without time axis follow the `n_out` per-step ones. None
-    when the strides cannot describe the batch axes."""
+    feature axes (and so is the mask, where there is one); `n_boot` outputs without time axis
+    follow the `n_out` per-step ones. None when the strides cannot describe the batch axes."""
     fields = x._fields
     T = call.T
     ins = []
@@ -54,10 +54,12 @@ def scan_plan(kernel: Kernel, x, call: Call, n_out: int, out_dtype: torch.dtype,
             ins.append(over_time(t, T))
         else:
             ins.append(tm(t, call.time_dim))
-    if expand_flags is not None:
-        i = fields.index(expand_flags)
-        d, x0 = ins[i], ins[0]
-        ins[i] = d[(...,) + (None,) * (x0.ndim - d.ndim)].expand(x0.shape)
+    for name in (expand_flags,) if expand_flags is not None else ():
+        for name in (name, "mask"):  # a mask broadcasts as the flags do
+            i = fields.index(name) if name in fields else None
+            if i is not None and ins[i] is not None:
+                d, x0 = ins[i], ins[0]
+                ins[i] = d[(...,) + (None,) * (x0.ndim - d.ndim)].expand(x0.shape)
     init = None if carried is None else getattr(x, carried)
     p = Launch(kernel, T, tuple(ins[0].shape[1:]), ins, tuple(x[0].shape), call.time_dim,
                n_out, out_dtype, init=init,

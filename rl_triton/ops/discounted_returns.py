@@ -11,8 +11,8 @@ from .._plans import Op
 from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import (cut_flags, flags_before, load_step, load_step_flag, single_store,
-                           store_out, successor)
+from ..scan.kernel import (cut_flags, flags_before, load_step, load_step_flag, row_value,
+                           single_store, single_store_masked, store_out, successor)
 from ..scan.launch import Kernel
 from ._common import bits, like, run_backward, scan_plan, value_args
 
@@ -59,6 +59,52 @@ def coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
 
 
 KERNEL = Kernel(coef, single_store, reverse=True, carries_last=True)
+
+
+# ---- with a mask (SPEC 7): the successor is the next decision step (the kernel's W scan) ----
+
+@triton.jit
+def coef_masked(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+                HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+                VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+                ACT_VEC: tl.constexpr, after):
+    """No values: a truncation bootstraps from w' = last_value past the last decision step and
+    0 inside the row (w = 0); with next_values w = 1, and w' = 0 tells the window end."""
+    r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
+    term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
+    if HAS_NEXT:
+        w = tl.full(mask.shape, 1.0, tl.float32)
+        nv = load_step(ins, st, s1, s2, NEXT_V, t, b1, b2, mask)
+    else:
+        w = tl.zeros(mask.shape, tl.float32)
+        nv = w
+    return (w, (r, term, cut, nv)), 0.0, 0.0
+
+
+@triton.jit
+def finish_masked(pieces, beta, wn, params, HAS_NEXT: tl.constexpr, VARIANT: tl.constexpr):
+    gamma = params[0]
+    r, term, cut, nv = pieces
+    if HAS_NEXT:
+        cut = cut | (wn == 0)
+        v_succ = nv
+    else:
+        v_succ = wn
+    return r + tl.where(cut & ~term, gamma * v_succ, 0.0), tl.where(cut, 0.0, gamma)
+
+
+@triton.jit
+def boot_masked(ins, st, s1, s2, sa, b1, b2, rows, T, n_act, params, HAS_NEXT: tl.constexpr,
+                HAS_LAST: tl.constexpr, VARIANT: tl.constexpr):
+    """(G, w) past the window: last_value for both (0 without it), or 0 with next_values."""
+    last = tl.zeros(b1.shape, tl.float32)
+    if HAS_LAST and not HAS_NEXT:
+        last = row_value(ins, st, s1, s2, LAST_V, b1, b2, rows)
+    return last, last
+
+
+KERNEL_MASKED = Kernel(coef_masked, single_store_masked, reverse=True, aux=True,
+                       mask_slot=MASK, boot=boot_masked, finish=finish_masked)
 
 
 # ---- backward: H[t] = dG[t] + gamma * (1 - cut[t-1]) * H[t-1], a forward scan ----------------
@@ -151,6 +197,8 @@ def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
 
 
 def _plan(x, call, out_dtype, extra):
+    if x.mask is not None:
+        return scan_plan(KERNEL_MASKED, x, call, 1, out_dtype)
     carried = x.last_value is not None and x.next_values is None
     return scan_plan(KERNEL, x, call, 1, out_dtype, variant=int(carried),
                      carried="last_value" if carried else None)
@@ -158,7 +206,8 @@ def _plan(x, call, out_dtype, extra):
 
 OP = Op("discounted_returns", Inputs, Scalars,
         check=lambda x, td, extra: value_args(x, td, bootstrap=False), plan=_plan,
-        torch=torch_impl, loop=loop_impl, row_params=1, backward=backward)
+        torch=torch_impl, loop=loop_impl, row_params=1, backward=backward,
+        masked_kernels=lambda x: True)
 
 
 def discounted_returns(rewards, terminated, truncated=None, *, last_value=None, next_values=None,

@@ -53,6 +53,34 @@ def coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
 KERNEL = Kernel(coef, single_store, reverse=False)
 
 
+# ---- with a mask (SPEC 7): t-1 is the previous decision step ---------------------------------
+# The scan carries Y[t] = (1 - done[t]) * A[t] instead (what the next decision step adds,
+# divided by keep), so that every coefficient is the step's own: A[t] = x[t] + keep * Y[t-1].
+
+@triton.jit
+def coef_masked(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+                HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+                VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+                ACT_VEC: tl.constexpr, after):
+    keep = params[0]
+    x = load_step(ins, st, s1, s2, X, t, b1, b2, mask)
+    done = load_flag(ins[DONES], offsets(t, b1, b2, st[DONES], s1[DONES], s2[DONES]), mask)
+    return tl.where(done, 0.0, x), tl.where(done, 0.0, keep + tl.zeros(x.shape, tl.float32)), x
+
+
+@triton.jit
+def store_masked(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
+                 VARIANT: tl.constexpr):
+    keep = params[0]
+    x, decision = aux
+    z = x + tl.where(keep == 0, 0.0, keep * res_prev)  # a zero keep cuts, whatever Y holds
+    store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, tl.where(decision, z, 0.0))
+
+
+KERNEL_MASKED = Kernel(coef_masked, store_masked, reverse=False, exclusive=True, aux=True,
+                       mask_slot=MASK)
+
+
 # ---- backward: H[t] = dA[t] + keep * (1 - done[t]) * H[t+1], a reverse scan ------------------
 
 class GradInputs(NamedTuple):
@@ -151,16 +179,17 @@ def _check(x: Inputs, time_dim, extra):
 
 
 def _plan(x, call, out_dtype, extra):
-    return scan_plan(KERNEL, x, call, 1, out_dtype,
+    return scan_plan(KERNEL if x.mask is None else KERNEL_MASKED, x, call, 1, out_dtype,
                      carried="initial" if x.initial is not None else None, expand_flags="dones")
 
 
 def _copy(x: Inputs):
     """The flags materialized over the feature axes, so that one stride group describes them."""
     d = x.dones[(...,) + (None,) * (x.x.ndim - x.dones.ndim)].expand(x.x.shape)
+    m = None if x.mask is None else x.mask[(...,) + (None,) * (x.x.ndim - x.mask.ndim)]
     return Inputs(x.x.contiguous(), d.contiguous(),
                   None if x.initial is None else x.initial.contiguous(),
-                  None if x.mask is None else x.mask.contiguous())
+                  None if m is None else m.expand(x.x.shape).contiguous())
 
 
 def _traces_torch(x: Inputs, s: TraceScalars, extra=(), dtype=torch.float32):
@@ -177,11 +206,12 @@ def _cumsum_torch(x: Inputs, s: NoScalars, extra=(), dtype=torch.float32):
 
 TRACES = Op("eligibility_traces", Inputs, TraceScalars, check=_check, plan=_plan, copy=_copy,
             kernel_scalars=lambda s: (s.gamma * s.lam,), torch=_traces_torch, row_params=1,
+            masked_kernels=lambda x: True,
             loop=lambda x, s, extra, dtype: reference.eligibility_traces(
                 *x[:2], initial=x.initial, mask=x.mask, **s._asdict(), dtype=dtype),
             backward=_backward("eligibility_traces", 1))
 CUMSUM = Op("episodic_cumsum", Inputs, NoScalars, check=_check, plan=_plan, copy=_copy,
-            kernel_scalars=lambda s: (1.0,), torch=_cumsum_torch,
+            kernel_scalars=lambda s: (1.0,), torch=_cumsum_torch, masked_kernels=lambda x: True,
             loop=lambda x, s, extra, dtype: reference.episodic_cumsum(
                 *x[:2], initial=x.initial, mask=x.mask, dtype=dtype),
             backward=_backward("episodic_cumsum", 0))

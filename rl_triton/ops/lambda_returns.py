@@ -11,8 +11,8 @@ from .._plans import Op
 from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import (cut_flags, flags_before, load_step, single_store, store_out,
-                           successor)
+from ..scan.kernel import (cut_flags, flags_before, load_step, row_value, single_store,
+                           single_store_masked, store_out, successor)
 from ..scan.launch import Kernel
 from ._common import bits, like, run_backward, scan_plan, value_args
 
@@ -55,6 +55,56 @@ def coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
 
 
 KERNEL = Kernel(coef, single_store, reverse=True, trunc_slot_always=(TERM.value, TRUNC.value))
+
+
+# ---- with a mask (SPEC 7): the successor is the next decision step (the kernel's W scan) ----
+
+@triton.jit
+def coef_masked(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+                HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+                VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+                ACT_VEC: tl.constexpr, after):
+    """w = V[t], the successor's value; with next_values w = 1 instead: the W scan then tells
+    the window end (the last decision step: no decision step after it, w' = 0), where the trace
+    is cut."""
+    r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
+    term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
+    if HAS_NEXT:
+        w = tl.full(mask.shape, 1.0, tl.float32)
+        nv = load_step(ins, st, s1, s2, NEXT_V, t, b1, b2, mask)
+    else:
+        w = load_step(ins, st, s1, s2, V, t, b1, b2, mask)
+        nv = w
+    return (w, (r, term, cut, nv)), 0.0, 0.0
+
+
+@triton.jit
+def finish_masked(pieces, beta, wn, params, HAS_NEXT: tl.constexpr, VARIANT: tl.constexpr):
+    gamma = params[0]
+    lam = params[1]
+    r, term, cut, nv = pieces
+    if HAS_NEXT:
+        keep = tl.where(cut | (wn == 0), 0.0, lam)
+        v_succ = nv
+    else:
+        keep = tl.where(cut, 0.0, lam)
+        v_succ = wn
+    return r + tl.where(term, 0.0, gamma * (1.0 - keep) * v_succ), gamma * keep
+
+
+@triton.jit
+def boot_masked(ins, st, s1, s2, sa, b1, b2, rows, T, n_act, params, HAS_NEXT: tl.constexpr,
+                HAS_LAST: tl.constexpr, VARIANT: tl.constexpr):
+    """(G, w) past the window: last_value for both (the last decision step's G reads
+    (1 - lam) v' + lam G[t+1] = last_value unless cut), or 0 with next_values."""
+    if HAS_NEXT:
+        return tl.zeros(b1.shape, tl.float32), tl.zeros(b1.shape, tl.float32)
+    last = row_value(ins, st, s1, s2, LAST_V, b1, b2, rows)
+    return last, last
+
+
+KERNEL_MASKED = Kernel(coef_masked, single_store_masked, reverse=True, aux=True,
+                       mask_slot=MASK, boot=boot_masked, finish=finish_masked)
 
 
 # ---- backward: H[t] = dG[t] + gamma * keep[t-1] * H[t-1], a forward scan ---------------------
@@ -161,7 +211,9 @@ def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
 
 OP = Op("lambda_returns", Inputs, Scalars,
         check=lambda x, td, extra: value_args(x, td, values_optional=x.next_values is not None),
-        plan=lambda x, call, out_dtype, extra: scan_plan(KERNEL, x, call, 1, out_dtype),
+        plan=lambda x, call, out_dtype, extra: scan_plan(
+            KERNEL if x.mask is None else KERNEL_MASKED, x, call, 1, out_dtype),
+        masked_kernels=lambda x: True,
         torch=torch_impl, loop=loop_impl, row_params=2, backward=backward)
 
 

@@ -11,8 +11,8 @@ from .._plans import Op
 from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import (clip, cut_flags, flags_before, load_step, store_out, successor,
-                           value_before)
+from ..scan.kernel import (clip, cut_flags, finish_linear, flags_before, load_step, row_value,
+                           store_out, successor, value_before)
 from ..scan.launch import Kernel
 from ._common import bits, like, run_backward, scan_plan, value_args
 
@@ -82,6 +82,58 @@ def store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
 
 
 KERNEL = Kernel(coef, store, reverse=True, exclusive=True, aux=True)
+
+
+# ---- with a mask (SPEC 7): the successor is the next decision step (the kernel's W scan) ----
+
+@triton.jit
+def coef_masked(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+                HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+                VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+                ACT_VEC: tl.constexpr, after):
+    """w = V[t]; delta = rho (r - V) + rho gamma (1 - term) w' (`finish_linear`)."""
+    gamma = params[0]
+    lam = params[1]
+    rho_clip = params[2]
+    c_clip = params[3]
+    r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
+    v = load_step(ins, st, s1, s2, V, t, b1, b2, mask)
+    term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
+    ratio = tl.exp(load_step(ins, st, s1, s2, TARGET_LP, t, b1, b2, mask)
+                   - load_step(ins, st, s1, s2, BEHAVIOR_LP, t, b1, b2, mask))
+    rho = clip(ratio, rho_clip)
+    c = tl.where(term, 0.0, rho * gamma)  # NaN with a NaN ratio: alpha NaN
+    beta = tl.where(cut | (ratio != ratio), 0.0, gamma * lam * clip(ratio, c_clip))
+    return (v, (rho * (r - v), c)), beta, (r, v, term, cut, ratio)
+
+
+@triton.jit
+def boot_masked(ins, st, s1, s2, sa, b1, b2, rows, T, n_act, params, HAS_NEXT: tl.constexpr,
+                HAS_LAST: tl.constexpr, VARIANT: tl.constexpr):
+    """(D, w) past the window: 0, and last_value."""
+    return tl.zeros(b1.shape, tl.float32), row_value(ins, st, s1, s2, LAST_V, b1, b2, rows)
+
+
+@triton.jit
+def store_masked(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
+                 VARIANT: tl.constexpr):
+    gamma = params[0]
+    lam = params[1]
+    pg_rho_clip = params[4]
+    own, keep, v_succ = aux  # (no nested unpacking: Triton 3.6)
+    r, v, term, cut, ratio = own
+    store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, tl.where(keep, v + res, 0.0))
+    # vs' = vs at the next decision step = its value (w') + its D (the exclusive scan)
+    vs_succ = tl.where(cut, v_succ, v_succ + res_prev)
+    pg = clip(ratio, pg_rho_clip) * (
+        r + tl.where(term, 0.0, gamma * (lam * vs_succ + (1.0 - lam) * v_succ)) - v)
+    store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, tl.where(keep, pg, 0.0))
+
+
+# without next_values: with them the window end (the last decision step) would need a
+# scan of its own, and such calls run on the torch backend
+KERNEL_MASKED = Kernel(coef_masked, store_masked, reverse=True, exclusive=True, aux=True,
+                       mask_slot=MASK, boot=boot_masked, finish=finish_linear)
 
 
 # ---- backward: H[t] = dD[t] + gamma * c[t-1] * (1 - cut[t-1]) * H[t-1], a forward scan ------
@@ -248,7 +300,9 @@ def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
 
 
 OP = Op("vtrace", Inputs, Scalars, outputs=2, check=lambda x, td, extra: value_args(x, td),
-        plan=lambda x, call, out_dtype, extra: scan_plan(KERNEL, x, call, 2, out_dtype),
+        plan=lambda x, call, out_dtype, extra: scan_plan(
+            KERNEL if x.mask is None else KERNEL_MASKED, x, call, 2, out_dtype),
+        masked_kernels=lambda x: x.next_values is None,
         torch=torch_impl, loop=loop_impl, row_params=2, backward=backward)
 
 

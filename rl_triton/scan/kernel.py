@@ -346,9 +346,10 @@ def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n
     estimator's coefficients there; padding steps are the identity map (they pass the carry
     through), and so are masked steps (input slot MASK >= 0: SPEC 7), whose aux is then
     (the builder's aux, the decision steps); with `W_PHASE` alpha is the builder's
-    (w, pieces), finished once the successors' w is known (`finish_chunk`). Sub-tile J holds the tile positions p = g * SUB + J, g < BLOCK_T // SUB (SUB = 1:
-    the whole tile). Position p holds step p of the chunk; with `FLIP`, step
-    (G - 1 - p // 8) * 8 + p % 8 of its G groups of 8; with `DESC`, step BLOCK_T - 1 - p.
+    (w, pieces), finished once the successors' w is known (`finish_chunk`). Sub-tile J holds
+    the tile positions p = g * SUB + J, g < BLOCK_T // SUB (SUB = 1: the whole tile).
+    Position p holds step p of the chunk; with `FLIP`, step (G - 1 - p // 8) * 8 + p % 8 of
+    its G groups of 8; with `DESC`, step BLOCK_T - 1 - p.
     With `EVEN` every tile is full (T and B multiples of the tile) and the mask is a constant.
     `after`: the builder's aux at steps t + 1 (the op's builder, `rl_triton.ops`), or None."""
     j = tl.arange(0, BLOCK_T // SUB) * SUB + J
@@ -368,13 +369,20 @@ def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n
     alpha, beta, aux = COEF(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, scalars,
                             HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A, ACT_BLOCKS,
                             ACT_VEC, after)
+    # one return: Triton 3.6 checks every return's types, even under a constant condition
     if MASK >= 0:
         keep = load_step_flag(ins, st, s1, s2, MASK, t, b1, b2, mask)
         if W_PHASE:
             w, pieces = alpha
-            return t, mask, (tl.where(keep, w, 0.0), pieces), beta, (aux, keep)
-        return t, mask, tl.where(keep, alpha, 0.0), tl.where(keep, beta, 1.0), (aux, keep)
-    return t, mask, tl.where(mask, alpha, 0.0), tl.where(mask, beta, 1.0), aux
+            alpha = (tl.where(keep, w, 0.0), pieces)
+        else:
+            alpha = tl.where(keep, alpha, 0.0)
+            beta = tl.where(keep, beta, 1.0)
+        aux = (aux, keep)
+    else:
+        alpha = tl.where(mask, alpha, 0.0)
+        beta = tl.where(mask, beta, 1.0)
+    return t, mask, alpha, beta, aux
 
 
 @triton.jit
@@ -796,6 +804,15 @@ def single_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, param
                  VARIANT: tl.constexpr):
     """The writer of ops whose one output is the scan's value."""
     store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)
+
+
+@triton.jit
+def single_store_masked(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
+                        VARIANT: tl.constexpr):
+    """`single_store` of a masked reverse scan (aux: the builder's, the decision steps, the
+    successor's value): 0 at masked steps."""
+    _, keep, _ = aux
+    store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, tl.where(keep, res, 0.0))
 
 
 @triton.jit

@@ -182,7 +182,8 @@ class Launch:
         self.grid = (n_row_tiles * (n_chunks if self.lookback else 1), 1)
         # look-back scratch: two words per (tile, row), four with the W scan of masks
         w_phase = kernel.boot is not None
-        self.state_size = (4 if w_phase else 2) * self.grid[0] * cfg.block_b if self.lookback else 1
+        words = 4 if w_phase else 2
+        self.state_size = words * self.grid[0] * cfg.block_b if self.lookback else 1
         in_strides = strides(flat) + (sa,)
         out_strides = tuple(s * n_out + r * n_boot  # n_out alike, then n_boot alike
                             for s, r in zip(strides([out_view]), strides([row_view])))
