@@ -44,10 +44,11 @@ from .ops.forward_scans import eligibility_traces, episodic_cumsum
 from .ops.gae import gae
 from .ops.lambda_returns import lambda_returns
 from .ops.linear_scan import linear_scan
+from .ops.outcome import group_advantages, masked_whiten
 from .ops.retrace import retrace
 from .ops.vtrace import vtrace
 
 __version__ = "0.1.0"
 
 __all__ = ["linear_scan", "gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
-           "eligibility_traces", "episodic_cumsum"]
+           "eligibility_traces", "episodic_cumsum", "group_advantages", "masked_whiten"]

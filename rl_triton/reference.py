@@ -230,3 +230,38 @@ def linear_scan(alpha, beta, *, reverse=True, initial=None, dtype=torch.float64)
         acc = al[t] + _trace(False, be[t], acc)  # beta = 0: A[t] = alpha[t], whatever follows
         out[t] = acc
     return out
+
+
+def group_advantages(scores, ids, *, baseline="mean", scale="std", eps=1e-6, std_correction=1,
+                     dtype=torch.float64):
+    """Group-relative advantages (SPEC 8), one group at a time; `ids`: each score's group."""
+    s = scores.to(dtype)
+    out = torch.empty_like(s)
+    batch_sigma = torch.std(s, correction=std_correction)
+    for g in torch.unique(ids):
+        at = ids == g
+        x = s[at]
+        n = x.shape[0]
+        if n == 1:  # a group of one: baseline 0, scale 1
+            out[at] = x
+            continue
+        base = x.mean() if baseline == "mean" else (x.sum() - x) / (n - 1)
+        a = x - base
+        if scale == "std":
+            a = a / (torch.std(x, correction=std_correction) + eps)
+        elif scale == "batch_std":
+            a = a / (batch_sigma + eps)
+        out[at] = a
+    return out
+
+
+def masked_whiten(x, mask, *, shift_mean=True, eps=1e-8, std_correction=1, dtype=torch.float64):
+    """(x - mean) * rsqrt(var + eps) over the positions where `mask` is set (SPEC 8)."""
+    xs = x.to(dtype)
+    kept = xs[mask]
+    mean = kept.mean()
+    var = ((kept - mean) ** 2).sum() / (kept.numel() - std_correction)
+    out = (xs - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(mask, out, 0.0)

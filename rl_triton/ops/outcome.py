@@ -1,0 +1,206 @@
+"""Outcome rewards (SPEC 8): group-relative advantages (GRPO, Dr. GRPO, RLOO) and masked
+whitening, global over a `torch.distributed` group.
+
+Both are a handful of reductions over one score per response (or one value per token), not
+scans: every backend runs them as vectorized torch ops ("loop": the float64-capable sequential
+references of `rl_triton.reference`), differentiable by autograd.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import torch
+
+from .. import reference
+from .._args import FLAG_DTYPES, check_backend, check_out_dtype
+
+Tensor = torch.Tensor
+BASELINES = ("mean", "leave_one_out")
+SCALES = ("std", "none", "batch_std")
+
+
+def _choice(name, value, options):
+    if not isinstance(value, str) or value not in options:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}; got {value!r}")
+    return value
+
+
+def _nonneg(name, value, kind=numbers.Real):
+    if isinstance(value, bool) or not isinstance(value, kind) or not value >= 0:
+        what = "a non-negative integer" if kind is numbers.Integral else "a non-negative number"
+        raise (TypeError if not isinstance(value, numbers.Real) or isinstance(value, bool)
+               else ValueError)(f"{name} must be {what}, got {value!r}")
+    return value
+
+
+def _tensor(name, x, device=None):
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name} is on {x.device} but the data is on {device}; all tensors "
+                         "must be on one device")
+    return x
+
+
+def _values(name, x):
+    x = _tensor(name, x)
+    if not x.is_floating_point():
+        raise TypeError(f"{name} has dtype {x.dtype}; expected a floating dtype")
+    return x
+
+
+def _mask(mask, device):
+    """A mask (bool / integer / float, set where nonzero) as 0/1 in its place."""
+    mask = _tensor("mask", mask, device)
+    if mask.dtype not in FLAG_DTYPES:
+        raise TypeError(f"mask has dtype {mask.dtype}; expected bool, an integer or a float dtype")
+    return mask
+
+
+def _float(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype is torch.float64 else torch.float32
+
+
+def group_advantages(scores, group_index=None, *, group_size=None, baseline="mean",
+                     scale="std", eps=1e-6, std_correction=1, mask=None, backend="auto",
+                     out_dtype=torch.float32):
+    """Group-relative advantages of one score per sampled response (SPEC 8).
+
+    Groups are given by `group_index[B]` (any integer ids, in any order: one per prompt) or by
+    `group_size=n` (consecutive groups of n responses). With mu and sigma the group's mean and
+    standard deviation (`std_correction=1`: unbiased, as `torch.std`)::
+
+        baseline="mean":          a = s - mu
+        baseline="leave_one_out": a = s - (sum - s) / (n - 1)           (RLOO)
+        scale="std":              a / (sigma + eps)                     (GRPO)
+        scale="none":             a                                     (Dr. GRPO, RLOO)
+        scale="batch_std":        a / (std of all B scores + eps)
+
+    A group of one gets baseline 0 and scale 1. With `mask[B, T]` the result is broadcast to
+    tokens, `a[:, None] * mask`. A NaN score makes its own group NaN and no other (with
+    `scale="batch_std"`, all). `group_index` costs one device sync (the ids are renumbered);
+    `group_size` none.
+
+    Example::
+
+        >>> adv = rl_triton.group_advantages(rewards, group_size=8)  # GRPO, 8 samples a prompt
+        >>> tok = rl_triton.group_advantages(rewards, prompt_ids, scale="none", mask=resp_mask)
+    """
+    backend = check_backend(backend)
+    out_dtype = check_out_dtype(out_dtype)
+    s = _values("scores", scores)
+    if s.ndim != 1:
+        raise ValueError(f"scores must have shape (B,), one score per response; got shape "
+                         f"{tuple(s.shape)}")
+    B = s.shape[0]
+    baseline = _choice("baseline", baseline, BASELINES)
+    scale = _choice("scale", scale, SCALES)
+    eps = float(_nonneg("eps", eps))
+    correction = _nonneg("std_correction", std_correction, numbers.Integral)
+    if (group_index is None) == (group_size is None):
+        raise ValueError("pass exactly one of group_index (a group id per response) and "
+                         "group_size (consecutive groups of that many responses)")
+    if group_size is not None:
+        if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
+            raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+        if group_size < 1 or B % group_size:
+            raise ValueError(f"group_size={group_size} must be positive and divide the number "
+                             f"of scores, {B}")
+        ids, n_groups = torch.arange(B, device=s.device) // group_size, B // group_size
+    else:
+        gi = _tensor("group_index", group_index, s.device)
+        if gi.is_floating_point() or gi.dtype is torch.bool:
+            raise TypeError(f"group_index has dtype {gi.dtype}; expected an integer dtype")
+        if gi.shape != s.shape:
+            raise ValueError(f"group_index has shape {tuple(gi.shape)} but scores has shape "
+                             f"{tuple(s.shape)}; one group id per score")
+        _, ids = torch.unique(gi, return_inverse=True)  # renumbered 0..G-1 (a sync on CUDA)
+        n_groups = int(ids.max()) + 1 if B else 0
+    if mask is not None:
+        mask = _mask(mask, s.device)
+        if mask.ndim != 2 or mask.shape[0] != B:
+            raise ValueError(f"mask has shape {tuple(mask.shape)}; expected (B, T) with B = "
+                             f"{B}, the number of scores")
+    args = dict(baseline=baseline, scale=scale, eps=eps, std_correction=correction)
+    if backend == "loop":
+        a = reference.group_advantages(s, ids, **args, dtype=_float(s))
+    else:
+        a = _group_advantages_torch(s.to(_float(s)), ids, n_groups, **args)
+    if mask is not None:
+        a = a[:, None] * (mask != 0).to(a.dtype)
+    return a.to(out_dtype)
+
+
+def _group_advantages_torch(s, ids, n_groups, *, baseline, scale, eps, std_correction):
+    def per_group(x):
+        return torch.zeros(n_groups, dtype=s.dtype, device=s.device).index_add(0, ids, x)
+
+    n = per_group(torch.ones_like(s))
+    total = per_group(s)
+    mu = total / n
+    dev = s - mu[ids]
+    # groups of one get baseline 0 and scale 1 (below); their statistics here are kept finite
+    # so that no NaN reaches the gradients of the others through the final select
+    lone = n == 1
+    var = per_group(dev * dev) / torch.where(lone, 1.0, n - std_correction).clamp_min(0)
+    alone = lone[ids]
+    if baseline == "mean":
+        a = dev
+    else:  # the mean of the others: (sum - s) / (n - 1)
+        a = s - (total[ids] - s) / torch.where(alone, 1.0, n[ids] - 1)
+    if scale == "std":
+        a = a / (torch.where(lone, 1.0, var).sqrt()[ids] + eps)
+    elif scale == "batch_std":
+        a = a / (torch.std(s, correction=std_correction) + eps)
+    return torch.where(alone, s, a)  # a group of one: baseline 0, scale 1
+
+
+def masked_whiten(x, mask=None, *, shift_mean=True, eps=1e-8, std_correction=1, group=None,
+                  backend="auto", out_dtype=torch.float32):
+    """`(x - mean) * rsqrt(var + eps)` over the positions where `mask` is set (SPEC 8).
+
+    Mean and variance (`std_correction=1`: unbiased) are taken over the masked-in positions of
+    `x` (all without a mask); `shift_mean=False` adds the mean back; masked positions are 0.
+    With `group` (a `torch.distributed` process group) mean and variance are global over its
+    ranks, from one all-reduce of (count, sum, sum of squares) in float64: the result equals
+    whitening the concatenation of every rank's data, and gradients flow across ranks.
+
+    Example::
+
+        >>> adv = rl_triton.masked_whiten(advantages, response_mask)  # PPO's normalization
+    """
+    backend = check_backend(backend)
+    out_dtype = check_out_dtype(out_dtype)
+    x = _values("x", x)
+    if mask is not None:
+        mask = _mask(mask, x.device)
+        if mask.shape != x.shape:
+            raise ValueError(f"mask has shape {tuple(mask.shape)} but x has shape "
+                             f"{tuple(x.shape)}; they must match")
+    if not isinstance(shift_mean, bool):
+        raise TypeError(f"shift_mean must be a bool, got {type(shift_mean).__name__}")
+    eps = float(_nonneg("eps", eps))
+    correction = _nonneg("std_correction", std_correction, numbers.Integral)
+    m = torch.ones_like(x, dtype=torch.bool) if mask is None else mask != 0
+    dtype = _float(x)
+    if backend == "loop":
+        if group is not None:
+            raise ValueError("backend='loop' whitens one process's data; pass group=None")
+        out = reference.masked_whiten(x, m, shift_mean=shift_mean, eps=eps,
+                                      std_correction=correction, dtype=dtype)
+        return out.to(out_dtype)
+    xs = torch.where(m, x.to(dtype), 0.0)
+    stats = torch.stack([m.sum().to(torch.float64), xs.sum(dtype=torch.float64),
+                         (xs * xs).sum(dtype=torch.float64)])
+    if group is not None:
+        import torch.distributed.nn.functional as dist_fn  # differentiable all-reduce
+
+        stats = dist_fn.all_reduce(stats, group=group)
+    count, total, squares = stats[0], stats[1], stats[2]
+    mean = total / count
+    var = (squares - total * mean).clamp_min(0) / (count - correction)
+    out = (x.to(dtype) - mean.to(dtype)) * torch.rsqrt(var + eps).to(dtype)
+    if not shift_mean:
+        out = out + mean.to(dtype)
+    return torch.where(m, out, 0.0).to(out_dtype)
