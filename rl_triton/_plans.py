@@ -73,6 +73,9 @@ class Op:
     backward(x, outs, grads, s, rows, call, extra, needs): the Triton backward: the gradient
         of every input (None where `needs` says no) and of `rows`, from the outputs' gradients
         (None: zero); `row_params`: the kernel scalars (leading) that per-row discounts set.
+        An input named `mask` (SPEC 7) is not among the inputs `backward` sees.
+    masked_kernels(x): whether the Triton plan of inputs `x` reads their mask; masked calls
+        it does not read, and masked calls that need gradients, run on the torch backend.
     """
 
     def __init__(self, name: str, inputs: type, scalars: type, *, check: Callable,
