@@ -106,7 +106,10 @@ class Op:
         self.grad_op = _register_backward(self)
         OPS[name] = self
 
-    def __call__(self, x: tuple, s: tuple, time_dim, backend, out_dtype, extra: tuple = ()):
+    def __call__(self, x: tuple, s: tuple, time_dim, backend, out_dtype, extra: tuple = (),
+                 cu_seqlens=None):
+        if cu_seqlens is not None:
+            return self._packed(x, s, time_dim, backend, out_dtype, extra, cu_seqlens)
         backend = check_backend(backend)
         out_dtype = check_out_dtype(out_dtype)
         x, call = self.check(x, time_dim, extra)
@@ -155,6 +158,56 @@ class Op:
             outs = list(_FirstOrder.apply(*outs))
         return _result(outs)
 
+    def _packed(self, x, s, time_dim, backend, out_dtype, extra, cu_seqlens):
+        """Packed variable-length rows (SPEC 7, FlashAttention's `cu_seqlens`): each segment
+        [cu[i], cu[i+1]) of the per-step tensors `[L, ...]` is a row of its own, its last step
+        a window end; bootstraps are `[S, ...]`. Run as padded rows `[S, max length, ...]`
+        whose padding is masked out (with the caller's mask), then packed back."""
+        if self._mask is None:
+            raise TypeError(f"{self.name} takes no cu_seqlens")
+        fields = self.inputs._fields
+        ref_name, ref = fields[0], x[0]
+        if not isinstance(ref, Tensor):
+            raise TypeError(f"{ref_name} must be a torch.Tensor, got {type(ref).__name__}")
+        if not isinstance(time_dim, int) or isinstance(time_dim, bool) or time_dim not in (
+                0, -ref.ndim):
+            raise ValueError(f"with cu_seqlens the per-step tensors are packed [L, ...] with "
+                             f"time on axis 0; got time_dim={time_dim!r}")
+        cu = _offsets(cu_seqlens, ref)
+        L = ref.shape[0]
+        lengths = cu[1:] - cu[:-1]
+        n_seg = lengths.shape[0]
+        longest = int(lengths.max()) if n_seg else 0
+        seg = torch.repeat_interleave(torch.arange(n_seg, device=ref.device), lengths,
+                                      output_size=L)
+        pos = torch.arange(L, device=ref.device) - cu[:-1][seg]
+
+        def pad(name, t):
+            if not isinstance(t, Tensor) or t.ndim == 0 or t.shape[0] != L:
+                shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(f"{name} has shape {shape} but {ref_name} has {L} packed "
+                                 f"steps; with cu_seqlens every per-step tensor is [L, ...]")
+            out = t.new_zeros((n_seg, longest) + tuple(t.shape[1:]))
+            out[seg, pos] = t
+            return out
+
+        padded = []
+        for name, t, step in zip(fields, x, self._steps):
+            if t is None or not step or name == "mask":
+                padded.append(t)
+            else:
+                padded.append(pad(name, t))
+        valid = torch.zeros((n_seg, longest), dtype=torch.bool, device=ref.device)
+        valid[seg, pos] = True
+        user = x[self._mask]
+        if user is not None:
+            valid = valid & (pad("mask", user) != 0)
+        padded[self._mask] = valid
+        outs = self(self.inputs(*padded), s, 1, backend, out_dtype, extra)
+        if isinstance(outs, Tensor):
+            return outs[seg, pos]
+        return tuple(o[seg, pos] for o in outs)
+
     def run_backward(self, x, outs, grads, s, rows, call, extra, needs) -> list:
         """`backward`'s gradients, one per input (None for the mask) and one for `rows`."""
         k = self._mask
@@ -190,6 +243,23 @@ class Op:
         plan, x = cached_plan((self.name, out_dtype, extra, k, *call.key),
                               lambda y: self.plan(y, call, out_dtype, extra), x, self.copy, k)
         return plan.run(x, self.kernel_scalars(s), rows)
+
+
+def _offsets(cu, ref: Tensor) -> Tensor:
+    """`cu_seqlens` checked: an integer tensor [S + 1], 0 = cu[0] <= ... <= cu[S] = L."""
+    if not isinstance(cu, Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype is torch.bool:
+        raise TypeError(f"cu_seqlens has dtype {cu.dtype}; expected an integer dtype")
+    if cu.ndim != 1 or cu.shape[0] < 1:
+        raise ValueError(f"cu_seqlens must have shape (S + 1,); got {tuple(cu.shape)}")
+    cu = cu.to(ref.device, torch.int64)
+    first, last, rising = torch.stack([cu[0], cu[-1], (cu[1:] >= cu[:-1]).all()]).tolist()
+    if first != 0 or last != ref.shape[0] or not rising:
+        raise ValueError(f"cu_seqlens must start at 0, end at L = {ref.shape[0]} (the packed "
+                         f"steps) and never decrease; got cu[0] = {first}, cu[-1] = {last}"
+                         + ("" if rising else ", and it decreases"))
+    return cu
 
 
 def cached_plan(key: tuple, build: Callable, x: tuple, copy: Callable, row_params: int = 0):

@@ -210,3 +210,50 @@ def test_masked_rows_split_across_programs(name, layout, device):
             for _ in range(1 + (i == 0)):  # a second launch, on the same scratch
                 assert_close(case.call(layout, mask=to_layout(mask, layout), backend="triton"),
                              want)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
+def test_packed_rows_match_their_rows(name, backend, device):
+    """cu_seqlens (SPEC 7): each segment of the packed [L] tensors is a row of its own (empty
+    segments included), with and without a mask."""
+    lengths = [5, 0, 1, 17, 3, 0, 9]
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    S, L = len(lengths), int(cu[-1])
+    features = (3,) if name == "eligibility_traces" else ()
+    case = make_case(name, L, (S,), features=features, device=device, seed=2)
+    boots = {k: v for k, v in case.extra.items() if k in BOOTS}
+    scalars = {k: v for k, v in case.extra.items() if k not in BOOTS}
+    seg = torch.repeat_interleave(torch.arange(S), torch.tensor(lengths))
+    pos = torch.arange(L)
+    packed = {k: None if v is None else v[pos, seg.to(v.device)] for k, v in case.steps.items()}
+    user = torch.rand(L, generator=torch.Generator().manual_seed(4)) < 0.7
+    for mask in (None, user.to(device)):
+        got = case.fn(**packed, **boots, **scalars, cu_seqlens=cu.to(device), mask=mask,
+                      backend=backend)
+        got = got if isinstance(got, tuple) else (got,)
+        for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            if e == s:
+                continue
+            row = {k: None if v is None else v[s:e, None] for k, v in packed.items()}
+            want = case.ref(**row, **{k: v[i:i + 1].cpu() for k, v in boots.items()},
+                            **{k: v for k, v in scalars.items() if k != "return_advantages"},
+                            mask=None if mask is None else mask[s:e, None].cpu())
+            want = want if isinstance(want, tuple) else (want,)
+            assert_close([o[s:e] for o in got], [w[:, 0] for w in want])
+
+
+def test_packed_offsets_are_checked():
+    r, v = torch.randn(6), torch.randn(6)
+    term = torch.zeros(6, dtype=torch.bool)
+    lv = torch.zeros(2)
+    for bad in ([1, 3, 6], [0, 3, 5], [0, 4, 3, 6]):
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            rl_triton.gae(r, v, term, last_value=lv[:len(bad) - 1], cu_seqlens=torch.tensor(bad))
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        rl_triton.gae(r, v, term, last_value=lv, cu_seqlens=torch.tensor([0.0, 3.0, 6.0]))
+    with pytest.raises(ValueError, match="time_dim"):
+        rl_triton.gae(r, v, term, last_value=lv, cu_seqlens=torch.tensor([0, 3, 6]),
+                      time_dim=1)
+    with pytest.raises(ValueError, match="last_value"):
+        rl_triton.gae(r, v, term, last_value=torch.zeros(3), cu_seqlens=torch.tensor([0, 3, 6]))

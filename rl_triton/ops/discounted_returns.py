@@ -211,7 +211,7 @@ OP = Op("discounted_returns", Inputs, Scalars,
 
 
 def discounted_returns(rewards, terminated, truncated=None, *, last_value=None, next_values=None,
-                       mask=None, gamma=0.99, time_dim=0, backend="auto",
+                       mask=None, cu_seqlens=None, gamma=0.99, time_dim=0, backend="auto",
                        out_dtype=torch.float32):
     """Discounted returns (reward-to-go). Returns `G`.
 
@@ -227,10 +227,14 @@ def discounted_returns(rewards, terminated, truncated=None, *, last_value=None, 
     recurrence runs over them only, as if the other steps were deleted from each row: a step's
     successor is the next decision step, each row's last decision step is its window end, and
     outputs at masked steps are 0.
+    `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
+    per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
+    own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
 
     Example::
 
         >>> G = rl_triton.discounted_returns(rewards, terminated, gamma=0.99)
     """
     return OP(Inputs(rewards, terminated, truncated, last_value, next_values, mask),
-              Scalars(check_discount("gamma", gamma)), time_dim, backend, out_dtype)
+              Scalars(check_discount("gamma", gamma)), time_dim, backend, out_dtype,
+              cu_seqlens=cu_seqlens)

@@ -217,7 +217,8 @@ CUMSUM = Op("episodic_cumsum", Inputs, NoScalars, check=_check, plan=_plan, copy
             backward=_backward("episodic_cumsum", 0))
 
 
-def eligibility_traces(x, dones, *, gamma, lam, initial=None, mask=None, time_dim=0,
+def eligibility_traces(x, dones, *, gamma, lam, initial=None, mask=None, cu_seqlens=None,
+                       time_dim=0,
                        backend="auto", out_dtype=torch.float32):
     """Accumulating eligibility traces (forward in time). Returns `z`, shaped like `x`.
 
@@ -233,6 +234,9 @@ def eligibility_traces(x, dones, *, gamma, lam, initial=None, mask=None, time_di
     `mask` (SPEC 7; the shape of `dones`, broadcast over the feature axes): the decision steps.
     The state passes masked steps unchanged, t-1 reads "the previous decision step", and
     outputs at masked steps are 0.
+    `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
+    per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
+    own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
 
     Example::
 
@@ -240,10 +244,11 @@ def eligibility_traces(x, dones, *, gamma, lam, initial=None, mask=None, time_di
     """
     return TRACES(Inputs(x, dones, initial, mask),
                   TraceScalars(check_discount("gamma", gamma), check_discount("lam", lam)),
-                  time_dim, backend, out_dtype)
+                  time_dim, backend, out_dtype, cu_seqlens=cu_seqlens)
 
 
-def episodic_cumsum(x, dones, *, initial=None, mask=None, time_dim=0, backend="auto",
+def episodic_cumsum(x, dones, *, initial=None, mask=None, cu_seqlens=None, time_dim=0,
+                    backend="auto",
                     out_dtype=torch.float32):
     """Prefix sums that restart after every episode end (forward in time). Returns `C`.
 
@@ -257,9 +262,13 @@ def episodic_cumsum(x, dones, *, initial=None, mask=None, time_dim=0, backend="a
     `mask` (SPEC 7; the shape of `dones`, broadcast over the feature axes): the decision steps.
     The state passes masked steps unchanged, t-1 reads "the previous decision step", and
     outputs at masked steps are 0.
+    `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
+    per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
+    own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
 
     Example::
 
         >>> episode_return_so_far = rl_triton.episodic_cumsum(rewards, dones)
     """
-    return CUMSUM(Inputs(x, dones, initial, mask), NoScalars(), time_dim, backend, out_dtype)
+    return CUMSUM(Inputs(x, dones, initial, mask), NoScalars(), time_dim, backend, out_dtype,
+                  cu_seqlens=cu_seqlens)

@@ -218,8 +218,8 @@ OP = Op("lambda_returns", Inputs, Scalars,
 
 
 def lambda_returns(rewards, values, terminated, truncated=None, *, last_value=None,
-                   next_values=None, mask=None, gamma=0.99, lam=0.95, time_dim=0,
-                   backend="auto", out_dtype=torch.float32):
+                   next_values=None, mask=None, cu_seqlens=None, gamma=0.99, lam=0.95,
+                   time_dim=0, backend="auto", out_dtype=torch.float32):
     """TD(lambda) returns. Returns the tensor `G` of lambda-returns.
 
     Recurrence (reverse), with v'[t] the successor value and cut[t] as in `gae`::
@@ -234,6 +234,9 @@ def lambda_returns(rewards, values, terminated, truncated=None, *, last_value=No
     recurrence runs over them only, as if the other steps were deleted from each row: a step's
     successor is the next decision step, each row's last decision step is its window end, and
     outputs at masked steps are 0.
+    `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
+    per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
+    own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
 
     Example::
 
@@ -241,4 +244,4 @@ def lambda_returns(rewards, values, terminated, truncated=None, *, last_value=No
     """
     return OP(Inputs(rewards, values, terminated, truncated, last_value, next_values, mask),
               Scalars(check_discount("gamma", gamma), check_discount("lam", lam)),
-              time_dim, backend, out_dtype)
+              time_dim, backend, out_dtype, cu_seqlens=cu_seqlens)

@@ -377,9 +377,9 @@ OP = Op("retrace", Inputs, Scalars, outputs=2, extras=Extras, check=_check,
 
 
 def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated, truncated=None,
-            *, last_q_values=None, last_target_probs=None, mask=None, gamma=0.99, lam=1.0,
-            c_clip=1.0, return_advantages=False, check_actions=True, time_dim=0, backend="auto",
-            out_dtype=torch.float32):
+            *, last_q_values=None, last_target_probs=None, mask=None, cu_seqlens=None,
+            gamma=0.99, lam=1.0, c_clip=1.0, return_advantages=False, check_actions=True,
+            time_dim=0, backend="auto", out_dtype=torch.float32):
     """Retrace(lambda) Q targets for discrete actions. Returns `G`, or `(G, G - Q(s_t, a_t))`
     with `return_advantages=True`.
 
@@ -407,6 +407,9 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
     successor state is that of the next decision step, each row's last decision step is its window end, and
     outputs at masked steps are 0
     (their actions are ignored).
+    `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
+    per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
+    own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
 
     Example::
 
@@ -420,4 +423,4 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
                    check_bool("check_actions", check_actions))
     return OP(Inputs(rewards, q_values, actions, target_probs, behavior_probs, terminated,
                      truncated, last_q_values, last_target_probs, mask), s, time_dim, backend,
-              out_dtype, extra)
+              out_dtype, extra, cu_seqlens=cu_seqlens)

@@ -307,8 +307,9 @@ OP = Op("vtrace", Inputs, Scalars, outputs=2, check=lambda x, td, extra: value_a
 
 
 def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, truncated=None, *,
-           last_value=None, next_values=None, mask=None, gamma=0.99, lam=1.0, rho_clip=1.0,
-           c_clip=1.0, pg_rho_clip=1.0, time_dim=0, backend="auto", out_dtype=torch.float32):
+           last_value=None, next_values=None, mask=None, cu_seqlens=None, gamma=0.99, lam=1.0,
+           rho_clip=1.0, c_clip=1.0, pg_rho_clip=1.0, time_dim=0, backend="auto",
+           out_dtype=torch.float32):
     """V-trace targets (IMPALA). Returns `(vs, pg_advantages)`.
 
     With ratio[t] = exp(target_log_probs[t] - behavior_log_probs[t]) (log-probabilities of the
@@ -326,6 +327,9 @@ def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, tr
     recurrence runs over them only, as if the other steps were deleted from each row: a step's
     successor is the next decision step, each row's last decision step is its window end, and
     outputs at masked steps are 0.
+    `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
+    per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
+    own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
 
     Example::
 
@@ -337,4 +341,5 @@ def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, tr
                 check_scalar("rho_clip", rho_clip, **clip), check_scalar("c_clip", c_clip, **clip),
                 check_scalar("pg_rho_clip", pg_rho_clip, **clip))
     return OP(Inputs(rewards, values, terminated, target_log_probs, behavior_log_probs, truncated,
-                     last_value, next_values, mask), s, time_dim, backend, out_dtype)
+                     last_value, next_values, mask), s, time_dim, backend, out_dtype,
+              cu_seqlens=cu_seqlens)
