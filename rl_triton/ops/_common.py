@@ -54,12 +54,12 @@ def scan_plan(kernel: Kernel, x, call: Call, n_out: int, out_dtype: torch.dtype,
             ins.append(over_time(t, T))
         else:
             ins.append(tm(t, call.time_dim))
-    for name in (expand_flags,) if expand_flags is not None else ():
-        for name in (name, "mask"):  # a mask broadcasts as the flags do
-            i = fields.index(name) if name in fields else None
-            if i is not None and ins[i] is not None:
-                d, x0 = ins[i], ins[0]
-                ins[i] = d[(...,) + (None,) * (x0.ndim - d.ndim)].expand(x0.shape)
+    # a mask broadcasts over the feature axes as the flags do
+    for name in () if expand_flags is None else (expand_flags, "mask"):
+        i = fields.index(name) if name in fields else None
+        if i is not None and ins[i] is not None:
+            d, x0 = ins[i], ins[0]
+            ins[i] = d[(...,) + (None,) * (x0.ndim - d.ndim)].expand(x0.shape)
     init = None if carried is None else getattr(x, carried)
     p = Launch(kernel, T, tuple(ins[0].shape[1:]), ins, tuple(x[0].shape), call.time_dim,
                n_out, out_dtype, init=init,

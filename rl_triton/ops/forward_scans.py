@@ -218,8 +218,7 @@ CUMSUM = Op("episodic_cumsum", Inputs, NoScalars, check=_check, plan=_plan, copy
 
 
 def eligibility_traces(x, dones, *, gamma, lam, initial=None, mask=None, cu_seqlens=None,
-                       time_dim=0,
-                       backend="auto", out_dtype=torch.float32):
+                       time_dim=0, backend="auto", out_dtype=torch.float32):
     """Accumulating eligibility traces (forward in time). Returns `z`, shaped like `x`.
 
     ::
@@ -248,8 +247,7 @@ def eligibility_traces(x, dones, *, gamma, lam, initial=None, mask=None, cu_seql
 
 
 def episodic_cumsum(x, dones, *, initial=None, mask=None, cu_seqlens=None, time_dim=0,
-                    backend="auto",
-                    out_dtype=torch.float32):
+                    backend="auto", out_dtype=torch.float32):
     """Prefix sums that restart after every episode end (forward in time). Returns `C`.
 
     ::
