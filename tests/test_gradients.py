@@ -154,6 +154,29 @@ def test_triton_backward_trailing_features(name, layout, device):
     _triton_vs_reference(name, 23, (3,), layout, features=(2, 3), per_row=True, device=device)
 
 
+@pytest.mark.parametrize("name", ESTIMATORS)
+def test_triton_backward_one_output_used(name, device):
+    """Only one output carries a gradient (the other's is None in backward), and Retrace without
+    return_advantages has one output."""
+    case, leaves = differentiable(name, 19, (3,), dtype=torch.float32, device=device)
+    ref_case, ref_leaves = differentiable(name, 19, (3,), dtype=torch.float64, device=device)
+    out = call(case, leaves, list(leaves.values()), "time-major", backend="triton")
+    weights = weights_like(out)
+    for i in range(len(out)):
+        w = [x if j == i else torch.zeros_like(x) for j, x in enumerate(weights)]
+        out = call(case, leaves, list(leaves.values()), "time-major", backend="triton")
+        got = grads(out[i:i + 1], w[i:i + 1], leaves)
+        assert_grads_close(got, {k: v.float() for k, v in
+                                 reference_grads(ref_case, ref_leaves, w).items()}, 1e-4)
+    if "return_advantages" in case.extra:
+        case.extra["return_advantages"] = False
+        (ret,) = call(case, leaves, list(leaves.values()), "time-major", backend="triton")
+        w = [weights[0]] + [torch.zeros_like(x) for x in weights[1:]]
+        assert_grads_close(grads((ret,), w[:1], leaves),
+                           {k: v.float() for k, v in
+                            reference_grads(ref_case, ref_leaves, w).items()}, 1e-4)
+
+
 @pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
 @pytest.mark.parametrize("name", ESTIMATORS)
 def test_second_order_raises(name, backend, device):

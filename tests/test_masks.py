@@ -235,7 +235,7 @@ def test_packed_rows_match_their_rows(name, backend, device):
         for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
             if e == s:
                 continue
-            row = {k: None if v is None else v[s:e, None] for k, v in packed.items()}
+            row = {k: None if v is None else v[s:e, None].cpu() for k, v in packed.items()}
             want = case.ref(**row, **{k: v[i:i + 1].cpu() for k, v in boots.items()},
                             **{k: v for k, v in scalars.items() if k != "return_advantages"},
                             mask=None if mask is None else mask[s:e, None].cpu())

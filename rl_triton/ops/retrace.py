@@ -279,7 +279,7 @@ GRAD_KERNEL = Kernel(grad_coef, grad_store, reverse=False, exclusive=True, aux=T
 
 def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra: Extras, needs):
     nr, nq, _, npi, nmu, _, _, nlq, nlpi, nrows = needs
-    d_ret, d_adv = grads
+    d_ret, d_adv = (*grads, None)[:2]  # one output unless return_advantages
     n_act = x.q_values.shape[-1]
     a = x.actions.long().clamp(0, n_act - 1).unsqueeze(-1)  # as the kernel: in range
     q_a = x.q_values.gather(-1, a).squeeze(-1)
