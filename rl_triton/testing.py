@@ -88,3 +88,66 @@ def vectorized(name, *, dtype=torch.float64, **kwargs):
     extra = op.extras(**pick(op.extras)) if op.extras is not None else ()
     out = op.torch(op.inputs(**pick(op.inputs)), op.scalars(**pick(op.scalars)), extra, dtype)
     return out if isinstance(out, tuple) else (out,)
+
+
+# The frameworks that the LLM drop-ins (rl_triton.integrations.verl / .openrlhf) reproduce, at the
+# versions they are checked against; tests and the benchmark call their own installed code.
+FRAMEWORKS = {"verl": "0.9.1", "openrlhf": "0.11.2"}
+# Imported by those packages' modules but unused by the functions called (see docs/dev/frameworks.md):
+_STUBBED = ("ray", "tensordict", "tensordict.tensorclass", "transformers",
+            "transformers.modeling_outputs", "orjson", "deepspeed")
+
+
+def import_frameworks(path=None):
+    """verl's `core_algos` and `torch_functional` and OpenRLHF's `RemoteExperienceMaker`, as
+    `types.SimpleNamespace(verl=..., verl_F=..., openrlhf=...)`, imported from `path` (a folder that
+    `pip install --no-deps --target` filled with the pinned wheels; default `$RL_TRITON_FRAMEWORKS`,
+    else `.ci/frameworks`) with the heavy imports they never use (ray, transformers, deepspeed,
+    tensordict, orjson) given stub modules while they import, and OpenRLHF's package `__init__`s
+    (vLLM, DeepSpeed, flash-attn) skipped. sys.modules is restored afterwards, real packages
+    included. Raises ImportError if the packages are not there or not at the pinned versions."""
+    import importlib
+    import importlib.metadata
+    import os
+    import sys
+    import types
+
+    path = os.path.abspath(path or os.environ.get("RL_TRITON_FRAMEWORKS", ".ci/frameworks"))
+    for name, version in FRAMEWORKS.items():
+        found = [d for d in os.listdir(path) if d.startswith(f"{name}-") and
+                 d.endswith(".dist-info")] if os.path.isdir(path) else []
+        if found != [f"{name}-{version}.dist-info"]:
+            raise ImportError(f"{name}=={version} is not installed in {path} (found {found}); "
+                              f"pip install --no-deps --target {path} {name}=={version}")
+
+    def stub(name):
+        m = types.ModuleType(name)
+        m.__getattr__ = lambda attr: (_ for _ in ()).throw(AttributeError(attr)) \
+            if attr.startswith("__") else type(attr, (), {})
+        return m
+
+    def bare(name, attrs=None):  # a package whose __init__ is not run
+        m = types.ModuleType(name)
+        m.__path__ = [os.path.join(path, *name.split("."))]
+        m.__dict__.update(attrs or {})
+        return m
+
+    fake = {n: stub(n) for n in _STUBBED}
+    fake.update({n: bare(n) for n in ("openrlhf.models", "openrlhf.utils", "openrlhf.trainer.ray")})
+    fake["openrlhf.trainer.ray.launcher"] = types.ModuleType("openrlhf.trainer.ray.launcher")
+    fake["openrlhf.trainer.ray.launcher"].RayActorGroup = object
+    saved = {n: sys.modules.get(n) for n in fake}
+    sys.modules.update(fake)
+    sys.path.insert(0, path)
+    try:
+        verl = importlib.import_module("verl.trainer.ppo.core_algos")
+        verl_F = importlib.import_module("verl.utils.torch_functional")
+        em = importlib.import_module("openrlhf.trainer.ppo_utils.experience_maker")
+    finally:
+        sys.path.remove(path)
+        for n, m in saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
+    return types.SimpleNamespace(verl=verl, verl_F=verl_F, openrlhf=em.RemoteExperienceMaker)
