@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 DOCS = [Path(__file__).resolve().parent.parent / "docs" / name
-        for name in ("integrations.md", "api.md")]
+        for name in ("integrations.md", "api.md", "llm.md")]
 
 
 def _sections():
@@ -23,6 +23,12 @@ def test_doc_examples_run(doc, title, blocks):
         pytest.importorskip("stable_baselines3")
     if "TorchRL" in title:
         pytest.importorskip("torchrl")
+    if title == "Drop-ins":  # verl's and OpenRLHF's modules, imported as the LLM tests do
+        from rl_triton.testing import import_frameworks
+        try:
+            import_frameworks()
+        except ImportError as e:
+            pytest.skip(str(e))
     ns = {}
     for code in blocks:
         exec(compile(code, f"{doc}: {title}", "exec"), ns)
