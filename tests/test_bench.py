@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import rl_triton
-from rl_triton import bench
+from rl_triton import bench, testing
 
 try:
     import torchrl  # noqa: F401
@@ -168,3 +168,54 @@ def test_gradient_reports(tmp_path):
     assert "| gae | time-major | float32 | yes | 10 / 30 (0.80) |" in md
     assert "| gae | time-major | float32 | yes | 20 / 60 |" in md
     assert "| gae | time-major | float32 | yes | 20.0x (20.0x) |" in md
+
+
+# ---- the token-level suite (--suite tokens) ----------------------------------------------------
+
+def _runs(m):
+    """Starts and ends of the runs of False in each row of a bool [B, T] mask."""
+    edges = torch.diff(torch.nn.functional.pad((~m).int(), (1, 1)), dim=1)
+    return [(torch.nonzero(e == 1).flatten(), torch.nonzero(e == -1).flatten()) for e in edges]
+
+
+@pytest.mark.parametrize("B,T,seed", [(6, 64, 0), (9, 37, 1), (3, 500, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_token_rows(B, T, seed, dtype):
+    """testing.token_rows: right-padded responses of T/2..T tokens, 2-4 observation spans inside
+    each (its first and last tokens decisions), rewards only on decision tokens with the
+    outcome on the last, and packed rows that are the multi-turn ones without padding."""
+    rows = {k: testing.token_rows(B, T, k, dtype, seed=seed) for k in testing.TOKEN_KINDS}
+    for k, r in rows.items():
+        assert r["rewards"].dtype == r["values"].dtype == dtype, k
+        assert r["mask"] is None if k == "dense" else r["mask"].dtype == torch.bool, k
+        assert (r["cu_seqlens"] is not None) == (k == "packed"), k
+    dense, padded, multi = rows["dense"], rows["padded"]["mask"], rows["multi-turn"]["mask"]
+    for k in ("padded", "multi-turn"):  # the same tokens under every mask
+        assert torch.equal(rows[k]["rewards"], dense["rewards"])
+        assert torch.equal(rows[k]["values"], dense["values"])
+    lengths = padded.sum(1)
+    assert torch.equal(padded, torch.arange(T) < lengths[:, None])  # right padding
+    assert ((lengths >= T // 2) & (lengths <= T)).all()
+    assert not (multi & ~padded).any()  # spans inside the responses
+    ends = torch.arange(B), lengths - 1
+    assert multi[:, 0].all() and multi[ends].all()
+    for (starts, stops), n in zip(_runs(multi), lengths.tolist()):
+        inside = stops <= n  # the spans; the padding is the run ending at T
+        assert 2 <= int(inside.sum()) <= 4 and (starts[inside] >= 1).all()
+    r = dense["rewards"].float()
+    assert not r[~multi].any()  # rewards on decision tokens only
+    assert (r[ends] - r[ends].round()).abs().max() < 0.1  # the outcome (0 or 1) on the last
+    packed = rows["packed"]
+    cu = packed["cu_seqlens"]
+    assert cu.dtype == torch.int32 and cu[0] == 0 and torch.equal(cu.diff().long(), lengths)
+    assert torch.equal(packed["rewards"], dense["rewards"][padded])
+    assert torch.equal(packed["values"], dense["values"][padded])
+    assert torch.equal(packed["mask"], multi[padded])
+    again = testing.token_rows(B, T, "multi-turn", dtype, seed=seed)
+    assert torch.equal(again["mask"], multi) and torch.equal(again["rewards"], dense["rewards"])
+    assert not torch.equal(testing.token_rows(B, T, "dense", dtype, seed=seed + 1)["values"],
+                           dense["values"])
+    with pytest.raises(ValueError, match="kind"):
+        testing.token_rows(B, T, "ragged")
+    with pytest.raises(ValueError, match="no room"):
+        testing.token_rows(B, 23, "dense")
