@@ -18,15 +18,23 @@ the inputs its formula reads, the input gradients written) against the same-byte
 bytes, and `fwd+bwd` forward plus backward, against autograd through the torch backend and
 through TorchRL's estimators (where TorchRL has one and is installed).
 It writes `bench.json`, `bench.md` and `bench.png` into `--out`.
+`--suite tokens` times LLM token rows instead (`run_tokens`): GAE and discounted returns on
+dense, padded, multi-turn and packed rows against the unmasked call and the same-bytes copy,
+verl's and OpenRLHF's own token loops beside rl_triton's drop-ins, masked_whiten and
+group_advantages; its plot is `tokens.png`.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import importlib
+import importlib.util
 import json
 import statistics
 import sys
 import time
+import types
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,7 +43,7 @@ import triton
 import triton.language as tl
 
 import rl_triton
-from rl_triton import testing
+from rl_triton import reference, testing
 
 ESTIMATORS = ["gae", "vtrace", "retrace", "lambda_returns", "discounted_returns",
               "eligibility_traces", "episodic_cumsum"]
@@ -109,6 +117,12 @@ def rel_err(outs, refs, td):
         o = o.movedim(td, 0).double()
         worst = max(worst, ((o - r).norm() / r.norm().clamp_min(1e-30)).item())
     return worst
+
+
+def check_result(err, tol, what):
+    """Refuses to time a wrong result."""
+    if not err < tol:
+        raise SystemExit(f"{what}: relative error {err:.3g} >= {tol}; not timing a wrong result")
 
 
 # ---- gradients ---------------------------------------------------------------------------------
@@ -270,6 +284,13 @@ def full_call_us(fn, calls=200, warmup=20) -> float:
     return statistics.median(times) * 1e6
 
 
+def device_and_full_us(fn, hold_cycles=_HOLD_CYCLES):
+    """(device µs, full-call µs) of fn, the full call's median over fewer calls where one is
+    slow."""
+    dev = device_time_us(fn, hold_cycles=hold_cycles)
+    return dev, full_call_us(fn, calls=200 if dev < 5000 else 25)
+
+
 @triton.jit
 def _copy_kernel(src, dst, n, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -359,11 +380,17 @@ def main(argv=None):
                                 description=__doc__ + "\nTiming needs a CUDA GPU (it exits "
                                 "without one); --report alone runs anywhere.\n",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", default="default", choices=["default", "tokens"],
+                   help="default: the estimators on RL rollouts (the options below); tokens: "
+                        "LLM token rows [B, T] (masks, packing, whitening, group advantages, "
+                        "the frameworks' own loops; --shapes, --dtypes, --out, --max-seconds, "
+                        "--frameworks-max-seconds, --tiles, --rule apply), see `run_tokens`")
     p.add_argument("--estimators", default=",".join(ESTIMATORS),
                    help="comma list of the estimators to time (default: all seven)")
-    p.add_argument("--shapes", default=",".join(SHAPES),
+    p.add_argument("--shapes", default=None,
                    help="comma list of N envs x T steps, e.g. 4096x128,16x131072 (default: "
-                        "the nine shapes of the performance targets)")
+                        "the nine shapes of the performance targets; with --suite tokens, "
+                        "B responses x T tokens, default %s)" % ",".join(TOKEN_SHAPES))
     p.add_argument("--layouts", default=",".join(LAYOUTS),
                    help="comma list of time-major ([T, N], time_dim=0) and batch-major "
                         "([N, T], time_dim=1); the first one is the baselines' layout")
@@ -386,8 +413,13 @@ def main(argv=None):
     p.add_argument("--max-seconds", type=float, default=None,
                    help="stop starting new configurations after this long; the reports cover "
                         "what was measured")
+    p.add_argument("--frameworks-max-seconds", type=float, default=FRAMEWORKS_MAX_SECONDS,
+                   help="--suite tokens: seconds the frameworks' token loops may take in all "
+                        "(one warm-up and up to %d calls a cell); a cell that would overrun it "
+                        "is not timed (default %%(default)s)" % FRAMEWORK_CALLS_TIMED)
     p.add_argument("--report", default=None,
-                   help="only write bench.md and bench.png into --out from this bench.json")
+                   help="only write bench.md and bench.png (tokens.png for a --suite tokens "
+                        "result) into --out from this bench.json")
     p.add_argument("--tiles", default=None, type=parse_tiles,
                    help="replace the tile rule for every configuration, e.g. "
                         "block_t=64,block_b=32,num_warps=4 (for tuning "
@@ -406,7 +438,8 @@ def main(argv=None):
         sys.exit("rl_triton.bench needs a CUDA device")
     device = torch.device("cuda")
     estimators = args.estimators.split(",")
-    shapes = args.shapes.split(",")
+    shapes = (args.shapes or ",".join(TOKEN_SHAPES if args.suite == "tokens" else SHAPES)
+              ).split(",")
     layouts = args.layouts.split(",")
     dtypes = args.dtypes.split(",")
     truncs = {"both": [False, True], "yes": [True], "no": [False]}[args.truncation]
@@ -428,17 +461,22 @@ def main(argv=None):
           f"{env['triton']}: copy {bw / 1e9:.0f} GB/s, launch floor {floor_dev:.1f} us device /"
           f" {floor_full:.1f} us full call", flush=True)
 
-    rows: list[Row] = []
-    (out / "bench.json").write_text(json.dumps(dict(env=env, rows=[]), indent=1))
-    configs = [(e, s, lay, dt, tr) for e in estimators for s in shapes for lay in layouts
-               for dt in dtypes for tr in truncs]
-    t_start = time.time()
     tiles = contextlib.ExitStack()
     from rl_triton.scan import tiles as tile_config
     if args.tiles:
         tiles.enter_context(tile_config.override(**args.tiles))
     if args.rule:
         tiles.enter_context(tile_config.rule(**args.rule))
+    if args.suite == "tokens":
+        with tiles:
+            run_tokens(shapes, dtypes, env, device, out, args.max_seconds,
+                       args.frameworks_max_seconds)
+        return
+    rows: list[Row] = []
+    (out / "bench.json").write_text(json.dumps(dict(env=env, rows=[]), indent=1))
+    configs = [(e, s, lay, dt, tr) for e in estimators for s in shapes for lay in layouts
+               for dt in dtypes for tr in truncs]
+    t_start = time.time()
     for i, (name, shape, layout, dt, tr) in enumerate(configs):
         if args.max_seconds is not None and time.time() - t_start > args.max_seconds:
             print(f"# stopped after {i} of {len(configs)} configurations (--max-seconds)")
@@ -467,12 +505,9 @@ def main(argv=None):
                     impls.append(("loop", _partial(fn, kw, backend="loop")))
         for impl, f in impls:
             err = rel_err(f(), refs, kw["time_dim"])
-            tol = 1e-5 if impl != "loop" else 1e-4
-            if not err < tol:
-                raise SystemExit(f"{impl} {name} {shape} {layout} {dt} trunc={tr}: relative "
-                                 f"error {err:.3g} >= {tol}; not timing a wrong result")
-            dev = device_time_us(f)
-            full = full_call_us(f, calls=200 if dev < 5000 else 25)
+            check_result(err, 1e-5 if impl != "loop" else 1e-4,
+                         f"{impl} {name} {shape} {layout} {dt} trunc={tr}")
+            dev, full = device_and_full_us(f)
             row = Row(name, shape, layout, dt, tr, impl, nbytes, dev, full,
                       nbytes / (dev * 1e-6) / bw, err, same_bytes_copy_us(nbytes, device))
             rows.append(row)
@@ -509,8 +544,7 @@ def time_gradients(name, shape, layout, dt, tr, kw, modes, baselines, bw, device
                 if f is not None:
                     timed.append(("fwd+bwd", "torchrl", f, 0))
     for mode, impl, f, nbytes in timed:
-        dev = device_time_us(f, hold_cycles=_HOLD_CYCLES_GRAD)
-        full = full_call_us(f, calls=200 if dev < 5000 else 25)
+        dev, full = device_and_full_us(f, hold_cycles=_HOLD_CYCLES_GRAD)
         copy = same_bytes_copy_us(nbytes, device) if nbytes else float("nan")
         frac = nbytes / (dev * 1e-6) / bw if nbytes else float("nan")
         rows.append(Row(name, shape, layout, dt, tr, impl, nbytes, dev, full, frac, 0.0, copy,
@@ -549,11 +583,237 @@ def check_gradients(fn, kw_g, leaves, name, shape):
                              "not timing a wrong gradient")
 
 
+# ---- the token-level suite (--suite tokens) ----------------------------------------------------
+
+TOKEN_SHAPES = ["256x1024", "512x4096", "128x16384", "32x131072"]
+# outcome rewards end each response: gamma 1 and verl's lam, as the LLM trainers call them
+TOKEN_PARAMS = {"gae": dict(gamma=1.0, lam=0.95), "discounted_returns": dict(gamma=1.0)}
+# the frameworks' own token loops, by function: (framework, the rl_triton estimator it computes)
+FRAMEWORK_CALLS = {"compute_gae_advantage_return": ("verl", "gae"),
+                   "compute_reinforce_plus_plus_outcome_advantage": ("verl", "discounted_returns"),
+                   "get_advantages_and_returns": ("openrlhf", "gae"),
+                   "get_cumulative_returns": ("openrlhf", "discounted_returns")}
+FRAMEWORK_CALLS_TIMED = 3  # after one warm-up: at T = 131072 one call takes seconds
+# the suite's other cells, compiles included, take 2-3 minutes on the H200: ~5 minutes in all
+FRAMEWORKS_MAX_SECONDS = 120.0
+GROUPS = (65536, 8192)  # group_advantages: scores, groups
+
+
+@dataclass
+class TokenRow:
+    call: str  # rl_triton's function, or the framework's
+    shape: str  # B x T (packed: the padded rows'); group_advantages: scores x groups
+    dtype: str  # of the inputs (outputs are float32)
+    kind: str  # testing.TOKEN_KINDS, or "dense-packed" (packed's tokens as one unmasked row);
+    #            group_advantages: "group_size" or "group_index" (shuffled ids)
+    impl: str  # "rl_triton", "drop-in" (rl_triton.integrations.<framework>) or the framework
+    tokens: int
+    bytes: int  # minimal bytes; 0 where not counted
+    device_us: float
+    full_us: float
+    copy_us: float = float("nan")  # device time of a copy moving the same bytes
+    rel_err: float = float("nan")  # against float64; a drop-in: against its framework
+    note: str = ""  # why a cell has no time
+
+
+def token_kwargs(name, rows):
+    """Keyword arguments of `rl_triton.<name>` (gae, discounted_returns) on `testing.token_rows`
+    rows, as an LLM trainer passes them, and the minimal bytes. No episode ends inside a
+    response: `terminated` is a stride-0 False (no bytes), and `last_value=0` ends each row."""
+    r, cu = rows["rewards"], rows["cu_seqlens"]
+    batch = r.shape[:-1] if cu is None else (cu.shape[0] - 1,)
+    kw = dict(rewards=r, terminated=torch.zeros((), dtype=torch.bool,
+                                                device=r.device).expand(r.shape),
+              mask=rows["mask"], cu_seqlens=cu, time_dim=r.ndim - 1, **TOKEN_PARAMS[name])
+    if name == "gae":
+        kw.update(values=rows["values"], last_value=torch.zeros(batch, device=r.device))
+    reads = [v for k, v in kw.items() if isinstance(v, torch.Tensor) and k != "terminated"]
+    nbytes = sum(t.numel() * t.element_size() for t in reads) + N_OUT.get(name, 1) * r.numel() * 4
+    return kw, nbytes
+
+
+def token_cells(B, T, dtype, device, seed=0):
+    """The suite's rl_triton calls on B x T token rows of one input dtype, in timing order:
+    (call, kind, fn, tokens, minimal bytes, fn's result in float64 to check it against). Every
+    kind holds the same tokens (`testing.token_rows`)."""
+    refs = {}
+    for kind in testing.TOKEN_KINDS + ("dense-packed",):
+        rows = testing.token_rows(B, T, "packed" if kind == "dense-packed" else kind, dtype,
+                                  device, seed)
+        if kind == "dense-packed":  # the unmasked call on packed's tokens: one row [L]
+            rows = dict(rows, mask=None, cu_seqlens=None)
+        for name in TOKEN_PARAMS:
+            kw, nbytes = token_kwargs(name, rows)
+            if kind == "packed":  # the multi-turn rows without their padding
+                response = torch.arange(T, device=device) < rows["cu_seqlens"].diff()[:, None]
+                ref = tuple(r[response] for r in refs["multi-turn", name])
+            else:
+                ref = refs[kind, name] = tuple(r.movedim(0, kw["time_dim"])
+                                               for r in float64_result(name, kw))
+            yield (name, kind, _partial(getattr(rl_triton, name), kw), rows["rewards"].numel(),
+                   nbytes, ref)
+        if kind == "multi-turn":  # x read, the mask read, float32 written
+            x, m = rows["values"], rows["mask"]
+            yield ("masked_whiten", kind, _partial(rl_triton.masked_whiten, dict(x=x, mask=m)),
+                   x.numel(), x.numel() * (x.element_size() + 1 + 4),
+                   (reference.masked_whiten(x, m),))
+
+
+def group_cells(device, n=GROUPS[0], groups=GROUPS[1], seed=0):
+    """group_advantages (GRPO's defaults) on n float32 scores in `groups` groups of one size,
+    given by `group_size` and by a shuffled `group_index`: (kind, fn, minimal bytes: the scores
+    read, the advantages written and the int64 ids read, the float64 result)."""
+    gen = torch.Generator().manual_seed(seed)
+    s = torch.randn(n, generator=gen).to(device)
+    shuffled = (torch.arange(n) // (n // groups))[torch.randperm(n, generator=gen)].to(device)
+    for kind, kw in (("group_size", dict(group_size=n // groups)),
+                     ("group_index", dict(group_index=shuffled))):
+        # the torch backend in float64, as `float64_result` (reference's loop over 8192 groups
+        # takes 20 s)
+        ref = rl_triton.group_advantages(s.double(), **kw, backend="torch",
+                                         out_dtype=torch.float64)
+        yield (kind, _partial(rl_triton.group_advantages, dict(scores=s, **kw)),
+               8 * n + 8 * n * (kind == "group_index"), (ref,))
+
+
+def drop_ins() -> dict:
+    """rl_triton's drop-ins for the frameworks' functions, by framework: the modules
+    `rl_triton.integrations.<framework>` that exist."""
+    return {fw: importlib.import_module(f"rl_triton.integrations.{fw}")
+            for fw in dict.fromkeys(fw for fw, _ in FRAMEWORK_CALLS.values())
+            if importlib.util.find_spec(f"rl_triton.integrations.{fw}") is not None}
+
+
+def framework_cells(rows, frameworks, ours):
+    """The frameworks' own token loops on `testing.token_rows` rows (`import_frameworks()`'s
+    namespace) and rl_triton's drop-ins (`drop_ins()`): (function, framework, its call, the
+    drop-in's call or None), each called with the framework's arguments (OpenRLHF's functions
+    are methods of RemoteExperienceMaker, whose `self` they do not use: None)."""
+    r, v = rows["rewards"], rows["values"]
+    m = rows["mask"].float()  # verl steps with 1 - mask: the frameworks' float masks
+    gamma, lam = TOKEN_PARAMS["gae"]["gamma"], TOKEN_PARAMS["gae"]["lam"]
+    args = {"compute_gae_advantage_return": ((r, v, m, gamma, lam), {}),
+            "compute_reinforce_plus_plus_outcome_advantage": (
+                (r, m), dict(config=types.SimpleNamespace(gamma=gamma))),
+            "get_advantages_and_returns": ((None, v, r, m, gamma, lam), {}),
+            "get_cumulative_returns": ((None, r, m, gamma), {})}
+    owners = {"verl": frameworks.verl, "openrlhf": frameworks.openrlhf}
+    for name, (fw, _) in FRAMEWORK_CALLS.items():
+        a, k = args[name]
+        yield (name, fw, functools.partial(getattr(owners[fw], name), *a, **k),
+               functools.partial(getattr(ours[fw], name), *a, **k) if fw in ours else None)
+
+
+class LoopBudget:
+    """The seconds left to the frameworks' token loops (--frameworks-max-seconds), and each
+    loop's seconds per token step so far, from which a longer row's cost is foreseen."""
+
+    def __init__(self, seconds):
+        self.left, self.per_step = seconds, {}
+
+    def full_call_us(self, name, fn, T):
+        """(fn's full-call µs, its result): one warm-up, then up to FRAMEWORK_CALLS_TIMED calls
+        (median), as many as the budget affords; (None, None) where even the warm-up and one
+        call would overrun it."""
+        if self.left <= 0 or 2 * self.per_step.get(name, 0.0) * T > self.left:
+            return None, None
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        warm = time.perf_counter() - t0
+        n = max(0, min(FRAMEWORK_CALLS_TIMED, int((self.left - warm) / warm)))
+        full = full_call_us(fn, calls=n, warmup=0) if n else None
+        self.per_step[name] = (warm if full is None else full * 1e-6) / T
+        self.left -= time.perf_counter() - t0
+        return full, out
+
+
+def run_tokens(shapes, dtypes, env, device, out, max_seconds, frameworks_seconds):
+    """`--suite tokens`: for every shape (B responses x T tokens) and input dtype, the calls of
+    `token_cells`, checked against float64 and timed (device and full call) against the
+    same-bytes copy; on the float32 multi-turn rows of every shape, the frameworks' own token
+    loops (full call, within --frameworks-max-seconds) beside rl_triton's drop-ins, where those
+    exist; then `group_cells` against the launch floor. Writes bench.json (suite "tokens"),
+    bench.md and tokens.png."""
+    try:
+        frameworks = testing.import_frameworks()
+    except ImportError as e:
+        frameworks = None
+        print(f"# the frameworks' loops are not timed: {e}", flush=True)
+    ours = drop_ins()
+    budget = LoopBudget(frameworks_seconds)
+    rows: list[TokenRow] = []
+    configs = []
+    for s in shapes:
+        configs += [("tokens", s, dt) for dt in dtypes]
+        if frameworks is not None:
+            configs.append(("loops", s, "float32"))
+    configs.append(("groups", "x".join(map(str, GROUPS)), "float32"))
+
+    def add(row):
+        rows.append(row)
+        vs_copy = ("" if row.copy_us != row.copy_us else
+                   f"  {row.copy_us / row.device_us:4.2f} of a same-bytes copy")
+        print(f"{tag} {row.call:46s} {row.shape:>10s} {row.dtype:8s} {row.kind:12s} "
+              f"{row.impl:9s} {row.device_us:9.1f} us dev {row.full_us:11.1f} us full{vs_copy}"
+              + (f"  ({row.note})" if row.note else ""), flush=True)
+
+    t_start = time.time()
+    for i, (what, shape, dt) in enumerate(configs):
+        if max_seconds is not None and time.time() - t_start > max_seconds:
+            print(f"# stopped after {i} of {len(configs)} configurations (--max-seconds)")
+            break
+        tag = f"[{i + 1}/{len(configs)} {time.time() - t_start:6.0f}s]"
+        if what == "tokens":
+            B, T = parse_shape(shape)
+            for call, kind, f, tokens, nbytes, ref in token_cells(B, T, DTYPES[dt], device,
+                                                                  seed=shapes.index(shape)):
+                err = rel_err(f(), ref, 0)
+                check_result(err, 1e-5, f"{call} {shape} {dt} {kind}")
+                dev, full = device_and_full_us(f)
+                add(TokenRow(call, shape, dt, kind, "rl_triton", tokens, nbytes, dev, full,
+                             same_bytes_copy_us(nbytes, device), err))
+        elif what == "loops":
+            B, T = parse_shape(shape)
+            tokens = testing.token_rows(B, T, "multi-turn", torch.float32, device,
+                                        seed=shapes.index(shape))
+            for name, fw, theirs, mine in framework_cells(tokens, frameworks, ours):
+                full, result = budget.full_call_us(name, theirs, T)
+                add(TokenRow(name, shape, dt, "multi-turn", fw, B * T, 0, float("nan"),
+                             float("nan") if full is None else full,
+                             note="" if full is not None else "over --frameworks-max-seconds"))
+                if mine is not None:
+                    err = float("nan")  # unchecked where the framework was not run
+                    if result is not None:
+                        result = result if isinstance(result, tuple) else (result,)
+                        err = rel_err(mine(), tuple(t.double() for t in result), 0)
+                        check_result(err, 1e-4, f"drop-in {name} {shape}")
+                    add(TokenRow(name, shape, dt, "multi-turn", "drop-in", B * T, 0,
+                                 float("nan"), full_call_us(mine), rel_err=err))
+        else:
+            for kind, f, nbytes, ref in group_cells(device):
+                err = rel_err(f(), ref, 0)
+                check_result(err, 1e-5, f"group_advantages {kind}")
+                dev, full = device_and_full_us(f)
+                add(TokenRow("group_advantages", shape, dt, kind, "rl_triton", GROUPS[0],
+                             nbytes, dev, full, rel_err=err))
+        # after every configuration, so that a run cut short keeps what it measured
+        (out / "bench.json").write_text(json.dumps(
+            dict(env=env, suite="tokens", rows=[asdict(r) for r in rows]), indent=1))
+    write_reports(json.loads((out / "bench.json").read_text()), out)
+
+
 def write_reports(result, out: Path):
-    """bench.md and bench.png from a bench.json result (also: `--report bench.json`)."""
-    (out / "bench.md").write_text(markdown(result))
-    plot(result, out / "bench.png")
-    print(markdown(result))
+    """bench.md and bench.png (the token suite: tokens.png) from a bench.json result (also:
+    `--report bench.json`)."""
+    tokens = result.get("suite") == "tokens"
+    md = token_markdown(result) if tokens else markdown(result)
+    (out / "bench.md").write_text(md)
+    if tokens:
+        token_plot(result, out / "tokens.png")
+    else:
+        plot(result, out / "bench.png")
+    print(md)
 
 
 def _driver_version():
@@ -576,18 +836,20 @@ def _compiled(name, kw):
 
 # ---- reports ---------------------------------------------------------------------------------
 
+def env_line(env) -> str:
+    return (f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, triton {env['triton']}, "
+            f"{env['date']}. Copy bandwidth {env['copy_bandwidth_gbs']:.0f} GB/s; launch floor "
+            f"{env['launch_floor_device_us']:.1f} us device, {env['launch_floor_full_us']:.1f} us "
+            "full call." + (f" Tile rule replaced by {env['tiles']} (--tiles)."
+                            if env.get("tiles") else "")
+            + (f" Rule constants changed: {env['rule']} (--rule)." if env.get("rule") else ""))
+
+
 def markdown(result) -> str:
-    env = result["env"]
     rows = [r for r in result["rows"] if r.get("mode", "fwd") == "fwd"]
     grads = [r for r in result["rows"] if r.get("mode", "fwd") != "fwd"]
     shapes = list(dict.fromkeys(r["shape"] for r in result["rows"]))
-    lines = [f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, triton {env['triton']}, "
-             f"{env['date']}. Copy bandwidth {env['copy_bandwidth_gbs']:.0f} GB/s; launch floor "
-             f"{env['launch_floor_device_us']:.1f} us device, {env['launch_floor_full_us']:.1f} us "
-             "full call." + (f" Tile rule replaced by {env['tiles']} (--tiles)."
-                             if env.get("tiles") else "")
-             + (f" Rule constants changed: {env['rule']} (--rule)." if env.get("rule") else ""),
-             "",
+    lines = [env_line(result["env"]), "",
              "rl_triton, device / full-call µs (bandwidth fraction of copy):", "",
              "| estimator | layout | dtype | trunc | " + " | ".join(shapes) + " |",
              "|---" * (4 + len(shapes)) + "|"]
@@ -675,13 +937,20 @@ def gradient_tables(rows, shapes) -> list:
     return lines
 
 
-def plot(result, path):
+def _pyplot():
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib not installed: no plot", file=sys.stderr)
+        return None
+    return plt
+
+
+def plot(result, path):
+    plt = _pyplot()
+    if plt is None:
         return
     rows = [r for r in result["rows"] if r["impl"] == "rl_triton"
             and r.get("mode", "fwd") == "fwd"]
@@ -707,6 +976,111 @@ def plot(result, path):
     axes[1][0].set_ylabel("fraction of copy bandwidth")
     axes[0][0].legend(fontsize=6)
     fig.suptitle(f"rl_triton on {result['env']['gpu']} ({result['env']['date']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+
+TOKEN_TABLE = """Token-level suite (`--suite tokens`): B LLM responses x T tokens, batch-major \
+(time_dim=1), gamma=1, lam=0.95, `last_value=0`, no termination. Kinds \
+(`rl_triton.testing.token_rows`, the same tokens in each): dense (no mask), padded \
+(right-padded responses of T/2 to T tokens), multi-turn (padded, and 2-4 masked observation spans \
+inside each response), packed (the multi-turn responses concatenated into [L] with cu_seqlens; \
+the call syncs once, inside its device time), dense-packed (packed's tokens as one unmasked row \
+[L]).
+
+Columns: device µs (L2 flushed, the GPU held) and full-call µs, medians; of copy: the device \
+time of a copy of the call's minimal bytes over the call's; vs dense: the call's time over the \
+dense call's on the same tokens (dense for padded and multi-turn, dense-packed for packed), \
+device / full call; framework µs: the framework's own token loop, full call, on the float32 \
+multi-turn rows (one warm-up, then the median of up to %d calls); speedup: framework / \
+rl_triton's drop-in (`rl_triton.integrations.<framework>`, its full call in the full-call \
+column), or where none is installed framework / the rl_triton call it computes (named in \
+brackets), on the same rows.""" \
+    % FRAMEWORK_CALLS_TIMED
+
+
+def token_markdown(result) -> str:
+    """bench.md of the token suite: one table of the calls and the frameworks' loops, one of
+    group_advantages against the launch floor."""
+    env, rows = result["env"], result["rows"]
+    order = {k: {v: i for i, v in enumerate(dict.fromkeys(r[k] for r in rows))}
+             for k in ("call", "shape", "dtype", "kind")}
+    mine = {(r["call"], r["shape"], r["dtype"], r["kind"]): r for r in rows
+            if r["impl"] == "rl_triton"}
+    drop = {(r["call"], r["shape"]): r for r in rows if r["impl"] == "drop-in"}
+    lines = [env_line(env), "", TOKEN_TABLE, "",
+             "| call | shape | dtype | kind | device µs | full-call µs | of copy | vs dense | "
+             "framework µs | speedup |", "|---" * 10 + "|"]
+    calls = sorted((r for r in rows if r["impl"] == "rl_triton"
+                    and r["call"] != "group_advantages"),
+                   key=lambda r: tuple(order[k][r[k]] for k in ("call", "shape", "dtype", "kind")))
+    loops = [r for r in rows if r["impl"] not in ("rl_triton", "drop-in")]  # by shape, as run
+    for r in calls + loops:
+        if r["impl"] == "rl_triton":
+            dense = mine.get((r["call"], r["shape"], r["dtype"],
+                              "dense-packed" if r["kind"] == "packed" else "dense"))
+            vs = ("" if dense is None or r["kind"] in ("dense", "dense-packed") else
+                  f"{r['device_us'] / dense['device_us']:.2f} / "
+                  f"{r['full_us'] / dense['full_us']:.2f}")
+            cells = [r["call"], f"{r['device_us']:.1f}", f"{r['full_us']:.1f}",
+                     f"{r['copy_us'] / r['device_us']:.2f}", vs, "", ""]
+        else:
+            ours = drop.get((r["call"], r["shape"]))
+            estimator = FRAMEWORK_CALLS[r["call"]][1]
+            base = ours or mine.get((estimator, r["shape"], r["dtype"], r["kind"]))
+            timed = r["full_us"] == r["full_us"]
+            speedup = "" if base is None or not timed else (
+                f"{r['full_us'] / base['full_us']:.0f}x" + ("" if ours else f" ({estimator})"))
+            cells = [f"{r['impl']} {r['call']}", "", "" if ours is None else
+                     f"{ours['full_us']:.1f}", "", "", f"{r['full_us']:.0f}" if timed
+                     else r["note"], speedup]
+        lines.append(f"| {cells[0]} | {r['shape']} | {r['dtype']} | {r['kind']} | "
+                     + " | ".join(cells[1:]) + " |")
+    groups = [r for r in rows if r["call"] == "group_advantages"]
+    if groups:
+        lines += ["", "group_advantages (GRPO's: mean baseline, std scale) on float32 scores, "
+                  "groups by group_size and by a shuffled group_index (which syncs once); full "
+                  "call / launch floor: its full call over the launch floor's:", "",
+                  "| call | scores x groups | kind | device µs | full-call µs | "
+                  "full call / launch floor |", "|---" * 6 + "|"]
+        for r in groups:
+            lines.append(f"| group_advantages | {r['shape']} | {r['kind']} | "
+                         f"{r['device_us']:.1f} | {r['full_us']:.1f} | "
+                         f"{r['full_us'] / env['launch_floor_full_us']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def token_plot(result, path):
+    """tokens.png: full-call time against tokens per row, log-log, rl_triton's float32 calls
+    against the frameworks' loops (and the drop-ins), one panel per estimator."""
+    plt = _pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, len(TOKEN_PARAMS), figsize=(10, 4.5), squeeze=False)
+    for ax, estimator in zip(axes[0], TOKEN_PARAMS):
+        curves = {}
+        for r in result["rows"]:
+            if (r["call"] == estimator and r["dtype"] == "float32"
+                    and r["kind"] in ("multi-turn", "packed")):
+                label = f"rl_triton.{estimator} {r['kind']}"
+            elif FRAMEWORK_CALLS.get(r["call"], (None, None))[1] == estimator:
+                label = f"{r['impl']} {r['call']}"
+            else:
+                continue
+            if r["full_us"] == r["full_us"]:
+                curves.setdefault(label, []).append((parse_shape(r["shape"])[1], r["full_us"]))
+        for (label, points), marker in zip(curves.items(), "os^v<>dp*hx+"):
+            ax.loglog(*zip(*sorted(points)), marker + "-", ms=4, label=label)
+        shapes = {parse_shape(r["shape"])[1]: r["shape"] for r in result["rows"]
+                  if r["call"] == estimator}
+        ax.set_xticks(list(shapes), list(shapes.values()), fontsize=7)
+        ax.minorticks_off()
+        ax.set_title(estimator, fontsize=9)
+        ax.set_xlabel("B responses x T tokens (log T)")
+        ax.legend(fontsize=6)
+    axes[0][0].set_ylabel("full-call time (µs)")
+    fig.suptitle(f"Token rows on {result['env']['gpu']} ({result['env']['date']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
 

@@ -151,3 +151,57 @@ def import_frameworks(path=None):
             else:
                 sys.modules[n] = m
     return types.SimpleNamespace(verl=verl, verl_F=verl_F, openrlhf=em.RemoteExperienceMaker)
+
+
+TOKEN_KINDS = ("dense", "padded", "multi-turn", "packed")
+
+
+def token_rows(B, T, kind, dtype=torch.float32, device="cpu", seed=0):
+    """LLM token rows (SPEC 7), batch-major: `dict(rewards, values, mask, cu_seqlens)`.
+
+    Every kind holds the same tokens: B responses of random lengths in [T/2, T], right-padded to
+    T, each with 2-4 observation (tool-output) spans of random length strictly inside it; an
+    outcome reward (0 or 1) on each response's last token, a decision token, plus small per-token
+    KL-like terms on the decision tokens; random values. "dense": `[B, T]`, no mask; "padded":
+    `[B, T]`, mask 1 on the responses; "multi-turn": the same, the spans masked out too;
+    "packed": the responses concatenated without padding into `[L]`, `cu_seqlens` `[B + 1]`
+    (int32, FlashAttention's), the mask 0 on the spans. Masks are bool, None where absent.
+    Drawn on the CPU, so that every device gets the same rows."""
+    if kind not in TOKEN_KINDS:
+        raise ValueError(f"kind must be one of {TOKEN_KINDS}, got {kind!r}")
+    if T < 24:
+        raise ValueError(f"T={T} leaves no room for 4 spans inside a response of T/2 tokens")
+    gen = torch.Generator().manual_seed(seed)
+
+    def uniform_int(lo, hi):  # integers in [lo, hi], elementwise
+        return lo + (torch.rand(lo.shape, generator=gen) * (hi - lo + 1)).long().clamp_max(hi - lo)
+
+    zeros = torch.zeros(B, dtype=torch.long)
+    lengths = uniform_int(zeros + T // 2, zeros + T)
+    # spans k < n_spans, one in each of n_spans equal chunks of [1, length - 1): they never
+    # overlap, and each response's first and last tokens stay decision tokens
+    n_spans = uniform_int(zeros + 2, zeros + 4)
+    chunk = (lengths - 2) // n_spans
+    t = torch.arange(T)
+    response = t < lengths[:, None]
+    span = torch.zeros(B, T, dtype=torch.bool)
+    for k in range(4):
+        size = uniform_int(zeros + 1, chunk // 2)
+        start = 1 + k * chunk + uniform_int(zeros, chunk - size)
+        inside = (t >= start[:, None]) & (t < (start + size)[:, None]) & (k < n_spans)[:, None]
+        span |= inside
+    decision = response & ~span
+    rewards = 0.01 * torch.randn(B, T, generator=gen) * decision
+    rewards[torch.arange(B), lengths - 1] += (torch.rand(B, generator=gen) < 0.5).float()
+    values = torch.randn(B, T, generator=gen)
+    mask = {"dense": None, "padded": response, "multi-turn": decision, "packed": decision}[kind]
+    cu_seqlens = None
+    if kind == "packed":
+        rewards, values, mask = rewards[response], values[response], decision[response]
+        cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int()
+
+    def move(x, dt=None):
+        return None if x is None else x.to(device, dt)
+
+    return dict(rewards=move(rewards, dtype), values=move(values, dtype), mask=move(mask),
+                cu_seqlens=move(cu_seqlens))

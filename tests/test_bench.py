@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import rl_triton
-from rl_triton import bench
+from rl_triton import bench, testing
 
 try:
     import torchrl  # noqa: F401
@@ -168,3 +168,248 @@ def test_gradient_reports(tmp_path):
     assert "| gae | time-major | float32 | yes | 10 / 30 (0.80) |" in md
     assert "| gae | time-major | float32 | yes | 20 / 60 |" in md
     assert "| gae | time-major | float32 | yes | 20.0x (20.0x) |" in md
+
+
+# ---- the token-level suite (--suite tokens) ----------------------------------------------------
+
+def _runs(m):
+    """Starts and ends of the runs of False in each row of a bool [B, T] mask."""
+    edges = torch.diff(torch.nn.functional.pad((~m).int(), (1, 1)), dim=1)
+    return [(torch.nonzero(e == 1).flatten(), torch.nonzero(e == -1).flatten()) for e in edges]
+
+
+@pytest.mark.parametrize("B,T,seed", [(6, 64, 0), (9, 37, 1), (3, 500, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_token_rows(B, T, seed, dtype):
+    """testing.token_rows: right-padded responses of T/2..T tokens, 2-4 observation spans inside
+    each (its first and last tokens decisions), rewards only on decision tokens with the
+    outcome on the last, and packed rows that are the multi-turn ones without padding."""
+    rows = {k: testing.token_rows(B, T, k, dtype, seed=seed) for k in testing.TOKEN_KINDS}
+    for k, r in rows.items():
+        assert r["rewards"].dtype == r["values"].dtype == dtype, k
+        assert r["mask"] is None if k == "dense" else r["mask"].dtype == torch.bool, k
+        assert (r["cu_seqlens"] is not None) == (k == "packed"), k
+    dense, padded, multi = rows["dense"], rows["padded"]["mask"], rows["multi-turn"]["mask"]
+    for k in ("padded", "multi-turn"):  # the same tokens under every mask
+        assert torch.equal(rows[k]["rewards"], dense["rewards"])
+        assert torch.equal(rows[k]["values"], dense["values"])
+    lengths = padded.sum(1)
+    assert torch.equal(padded, torch.arange(T) < lengths[:, None])  # right padding
+    assert ((lengths >= T // 2) & (lengths <= T)).all()
+    assert not (multi & ~padded).any()  # spans inside the responses
+    ends = torch.arange(B), lengths - 1
+    assert multi[:, 0].all() and multi[ends].all()
+    for (starts, stops), n in zip(_runs(multi), lengths.tolist()):
+        inside = stops <= n  # the spans; the padding is the run ending at T
+        assert 2 <= int(inside.sum()) <= 4 and (starts[inside] >= 1).all()
+    r = dense["rewards"].float()
+    assert not r[~multi].any()  # rewards on decision tokens only
+    assert (r[ends] - r[ends].round()).abs().max() < 0.1  # the outcome (0 or 1) on the last
+    packed = rows["packed"]
+    cu = packed["cu_seqlens"]
+    assert cu.dtype == torch.int32 and cu[0] == 0 and torch.equal(cu.diff().long(), lengths)
+    assert torch.equal(packed["rewards"], dense["rewards"][padded])
+    assert torch.equal(packed["values"], dense["values"][padded])
+    assert torch.equal(packed["mask"], multi[padded])
+    again = testing.token_rows(B, T, "multi-turn", dtype, seed=seed)
+    assert torch.equal(again["mask"], multi) and torch.equal(again["rewards"], dense["rewards"])
+    assert not torch.equal(testing.token_rows(B, T, "dense", dtype, seed=seed + 1)["values"],
+                           dense["values"])
+    with pytest.raises(ValueError, match="kind"):
+        testing.token_rows(B, T, "ragged")
+    with pytest.raises(ValueError, match="no room"):
+        testing.token_rows(B, 23, "dense")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_token_cells_check(dtype):
+    """Every call of the token suite gives its float64 result (packed: the multi-turn one
+    without padding), and the check refuses a wrong one; minimal bytes as documented."""
+    B, T = 5, 48
+    cells = list(bench.token_cells(B, T, dtype, "cpu", seed=3))
+    assert [(c[0], c[1]) for c in cells] == [
+        (call, kind) for kind in testing.TOKEN_KINDS + ("dense-packed",)
+        for call in ("gae", "discounted_returns") + (("masked_whiten",) if kind == "multi-turn"
+                                                     else ())]
+    size = 2 if dtype is torch.bfloat16 else 4
+    for call, kind, f, tokens, nbytes, ref in cells:
+        out = f()
+        assert bench.rel_err(out, ref, 0) < 1e-5, (call, kind)
+        with pytest.raises(SystemExit, match="not timing a wrong result"):
+            wrong = out[0] if isinstance(out, tuple) else out
+            bench.check_result(bench.rel_err(wrong + 1e-2, ref[:1], 0), 1e-5, call)
+        packed = kind in ("packed", "dense-packed")
+        assert tokens == (B * T if not packed else int(testing.token_rows(
+            B, T, "packed", seed=3)["cu_seqlens"][-1]))
+        mask = kind not in ("dense", "dense-packed")
+        per_token = {"gae": 2 * size + 8, "discounted_returns": size + 4,
+                     "masked_whiten": size + 4}[call] + mask
+        rows = (1 if kind == "dense-packed" else B) if call == "gae" else 0  # last_value
+        cu = 4 * (B + 1) if kind == "packed" else 0
+        assert nbytes == tokens * per_token + 4 * rows + cu, (call, kind)
+    groups = list(bench.group_cells("cpu", n=96, groups=12))
+    assert [g[0] for g in groups] == ["group_size", "group_index"]
+    for kind, f, nbytes, ref in groups:
+        assert bench.rel_err(f(), ref, 0) < 1e-5 and nbytes == 96 * (16 if kind ==
+                                                                      "group_index" else 8)
+
+
+def _frameworks():
+    try:
+        return testing.import_frameworks()
+    except ImportError as e:
+        pytest.skip(f"the frameworks are not installed: {e}")
+
+
+def test_framework_loops_compute_the_timed_calls(monkeypatch):
+    """On the multi-turn rows verl's loops give what the suite's rl_triton calls give on the
+    decision tokens (GAE returns, REINFORCE++ returns; its advantages: masked_whiten of ours),
+    and a drop-in module, where one exists, is called with the frameworks' arguments."""
+    fw = _frameworks()
+    rows = testing.token_rows(6, 80, "multi-turn", seed=4)
+    m = rows["mask"]
+    cells = {name: (theirs, mine) for name, _, theirs, mine in
+             bench.framework_cells(rows, fw, {})}
+    assert list(cells) == list(bench.FRAMEWORK_CALLS) and all(
+        mine is None for _, mine in cells.values())
+    gae_kw, _ = bench.token_kwargs("gae", rows)
+    adv, ret = rl_triton.gae(**gae_kw)
+    v_adv, v_ret = cells["compute_gae_advantage_return"][0]()
+    torch.testing.assert_close(v_ret[m], ret[m], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_adv[m], rl_triton.masked_whiten(adv, m)[m], rtol=1e-4,
+                               atol=1e-4)
+    g = rl_triton.discounted_returns(**bench.token_kwargs("discounted_returns", rows)[0])
+    _, rf_ret = cells["compute_reinforce_plus_plus_outcome_advantage"][0]()
+    torch.testing.assert_close(rf_ret, g, rtol=1e-5, atol=1e-5)
+    for name, _ in cells.values():  # OpenRLHF's: called with self=None
+        assert name() is not None
+
+    import importlib.machinery
+    import sys
+    import types
+    for framework, owner in (("verl", fw.verl), ("openrlhf", fw.openrlhf)):
+        module = types.ModuleType(f"rl_triton.integrations.{framework}")
+        module.__spec__ = importlib.machinery.ModuleSpec(module.__name__, None)
+        for name, (f, _) in bench.FRAMEWORK_CALLS.items():
+            if f == framework:
+                setattr(module, name, getattr(owner, name))
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    ours = bench.drop_ins()
+    assert sorted(ours) == ["openrlhf", "verl"]
+    for name, _, theirs, mine in bench.framework_cells(rows, fw, ours):
+        a, b = theirs(), mine()
+        assert bench.rel_err(b, tuple(t.double() for t in (a if isinstance(a, tuple) else (a,))),
+                             0) == 0, name
+
+
+def test_loop_budget(monkeypatch):
+    """The frameworks' loops: one warm-up and FRAMEWORK_CALLS_TIMED calls while they fit in
+    --frameworks-max-seconds, and no call where a row's foreseen cost would overrun it."""
+    import time
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls = []
+
+    def loop(T):
+        def run():
+            calls.append(T)
+            time.sleep(2e-6 * T)  # 2 µs a token step
+            return T
+        return run
+
+    budget = bench.LoopBudget(0.3)
+    full, out = budget.full_call_us("loop", loop(1000), 1000)
+    assert out == 1000 and calls == [1000] * 4 and 2000 <= full < 20000
+    full, _ = budget.full_call_us("loop", loop(10000), 10000)  # 80 ms of the 290 left
+    assert calls[4:] == [10000] * 4 and full >= 20000
+    assert budget.full_call_us("loop", loop(100000), 100000) == (None, None)  # 0.4 s > 0.2
+    assert len(calls) == 8
+    assert bench.LoopBudget(0).full_call_us("new", loop(10), 10) == (None, None)
+    assert len(calls) == 8
+
+
+def _token_env():
+    return dict(gpu="GPU", driver="1", torch="t", triton="tr", date="2026-12-03",
+                copy_bandwidth_gbs=4000.0, launch_floor_device_us=4.0, launch_floor_full_us=13.0)
+
+
+def test_token_reports(tmp_path):
+    """bench.md's token tables and tokens.png from a token-suite bench.json."""
+    def row(call, kind, impl, dev, full, shape="512x4096", dtype="float32", **kw):
+        return asdict(bench.TokenRow(call, shape, dtype, kind, impl, 2**21, 10**7 if
+                                     impl == "rl_triton" else 0, dev, full, **kw))
+    nan = float("nan")
+    rows = [row(c, k, "rl_triton", dev, full, shape=s, copy_us=6.0)
+            for s, scale in (("256x1024", 0.5), ("512x4096", 1.0))
+            for c in ("gae", "discounted_returns")
+            for k, dev, full in (("dense", 10.0, 20.0), ("padded", 11.0, 22.0),
+                                 ("multi-turn", 12.0, 30.0), ("packed", 30.0, 90.0),
+                                 ("dense-packed", 8.0, 18.0))]
+    rows += [row("masked_whiten", "multi-turn", "rl_triton", 15.0, 25.0, dtype="bfloat16",
+                 copy_us=12.0),
+             row("compute_gae_advantage_return", "multi-turn", "verl", nan, 755000.0),
+             row("compute_gae_advantage_return", "multi-turn", "drop-in", nan, 30.2),
+             row("get_advantages_and_returns", "multi-turn", "openrlhf", nan, 300000.0),
+             row("get_cumulative_returns", "multi-turn", "openrlhf", nan, nan,
+                 note="over --frameworks-max-seconds"),
+             row("group_advantages", "group_size", "rl_triton", 9.0, 26.0, shape="65536x8192"),
+             row("group_advantages", "group_index", "rl_triton", 40.0, 65.0,
+                 shape="65536x8192")]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(dict(env=_token_env(), suite="tokens", rows=rows)))
+    bench.main(["--report", str(path), "--out", str(tmp_path / "r")])
+    md = (tmp_path / "r" / "bench.md").read_text()
+    assert "| gae | 512x4096 | float32 | dense | 10.0 | 20.0 | 0.60 |  |  |  |" in md
+    assert "| gae | 512x4096 | float32 | multi-turn | 12.0 | 30.0 | 0.50 | 1.20 / 1.50 |" in md
+    assert "| gae | 512x4096 | float32 | packed | 30.0 | 90.0 | 0.20 | 3.75 / 5.00 |" in md
+    assert "| masked_whiten | 512x4096 | bfloat16 | multi-turn | 15.0 | 25.0 | 0.80 |" in md
+    assert ("| verl compute_gae_advantage_return | 512x4096 | float32 | multi-turn |  | 30.2 "
+            "|  |  | 755000 | 25000x |") in md  # against the drop-in
+    assert ("| openrlhf get_advantages_and_returns | 512x4096 | float32 | multi-turn |  |  |  "
+            "|  | 300000 | 10000x (gae) |") in md  # no drop-in: against rl_triton.gae
+    assert "| over --frameworks-max-seconds |  |" in md
+    assert "| group_advantages | 65536x8192 | group_index | 40.0 | 65.0 | 5.00 |" in md
+    assert md.index("| gae | 256x1024") < md.index("| gae | 512x4096") < md.index(
+        "| discounted_returns | 256x1024") < md.index("| verl")
+    assert (tmp_path / "r" / "tokens.png").stat().st_size > 1000
+    assert not (tmp_path / "r" / "bench.png").exists()
+
+
+def test_token_suite_runs(tmp_path, monkeypatch):
+    """`run_tokens` end to end on the CPU, with timing stubbed (it needs CUDA): every cell
+    checked, the frameworks' loops beside the calls, bench.json marked as the token suite."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench, "device_and_full_us", lambda f, hold_cycles=0: (10.0, 20.0))
+    monkeypatch.setattr(bench, "same_bytes_copy_us", lambda nbytes, device: 5.0)
+    bench.run_tokens(["4x64", "2x256"], ["bfloat16", "float32"], _token_env(), "cpu", tmp_path,
+                     None, 60.0)
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["suite"] == "tokens"
+    rows = result["rows"]
+    cells = {(r["call"], r["shape"], r["dtype"], r["kind"]) for r in rows
+             if r["impl"] == "rl_triton"}
+    for shape in ("4x64", "2x256"):
+        for dt in ("bfloat16", "float32"):
+            for kind in testing.TOKEN_KINDS + ("dense-packed",):
+                assert {("gae", shape, dt, kind), ("discounted_returns", shape, dt, kind)} <= cells
+            assert ("masked_whiten", shape, dt, "multi-turn") in cells
+    assert {r["kind"] for r in rows if r["call"] == "group_advantages"} == {"group_size",
+                                                                           "group_index"}
+    try:
+        testing.import_frameworks()
+    except ImportError:
+        assert not [r for r in rows if r["call"] in bench.FRAMEWORK_CALLS]
+    else:
+        loops = [r for r in rows if r["call"] in bench.FRAMEWORK_CALLS]
+        assert len(loops) == 8 and all(r["full_us"] > 0 for r in loops)
+    assert "Token-level suite" in (tmp_path / "bench.md").read_text()
+    assert (tmp_path / "tokens.png").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suite would run")
+def test_token_suite_cli(tmp_path):
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        bench.main(["--suite", "tokens", "--shapes", "4x64", "--frameworks-max-seconds", "5",
+                    "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--suite", "rollouts", "--out", str(tmp_path)])
+    assert e.value.code == 2
