@@ -400,7 +400,9 @@ def test_token_suite_runs(tmp_path, monkeypatch):
         assert not [r for r in rows if r["call"] in bench.FRAMEWORK_CALLS]
     else:
         loops = [r for r in rows if r["call"] in bench.FRAMEWORK_CALLS]
-        assert len(loops) == 8 and all(r["full_us"] > 0 for r in loops)
+        # 4 framework functions x 2 shapes, each beside its drop-in
+        assert len(loops) == 16 and all(r["full_us"] > 0 for r in loops)
+        assert sum(r["impl"] == "drop-in" for r in loops) == 8
     assert "Token-level suite" in (tmp_path / "bench.md").read_text()
     assert (tmp_path / "tokens.png").exists()
 
