@@ -70,14 +70,20 @@ def test_ppo_backends_train_identically(ppo, tmp_path):
     assert not torch.equal(params["loop"], params["loop"] * 0)
 
 
-def test_ppo_continuous_and_envpool(ppo, tmp_path):
+def test_ppo_continuous(ppo, tmp_path):
     _, run_dir = ppo.train(tiny_ppo_args(ppo, tmp_path, "auto", env_id="Pendulum-v1",
                                          total_timesteps=64, reward_scale=0.1))
     assert PERF_TAGS <= set(scalars(run_dir))
-    if importlib.util.find_spec("envpool") is None:
-        pytest.skip("EnvPool is not installed")
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Breakout-v5"])
+def test_ppo_envpool(ppo, tmp_path, env_id):
+    """EnvPool (the trainers' default where installed; .ci/run installs it): a classic-control id
+    and an Atari id (the Nature-CNN agent)."""
+    pytest.importorskip("envpool")
     _, run_dir = ppo.train(tiny_ppo_args(ppo, tmp_path, "auto", env_backend="envpool",
-                                         env_id="Breakout-v5", num_steps=8, total_timesteps=16))
+                                         env_id=env_id, num_steps=8, total_timesteps=16))
+    assert pathlib.Path(run_dir).name.startswith(f"{env_id}__ppo__auto__1__")
     assert PERF_TAGS <= set(scalars(run_dir))
 
 
@@ -192,6 +198,13 @@ def tiny_retrace_args(retrace, tmp_path, backend, **kw):
                 **COMPILE)
     args.update(kw)
     return retrace.Args(**args)
+
+
+def test_impala_envpool(impala, tmp_path):
+    pytest.importorskip("envpool")
+    _, run_dir = impala.train(tiny_impala_args(impala, tmp_path, "auto", env_backend="envpool",
+                                               total_timesteps=64))
+    assert PERF_TAGS <= set(scalars(run_dir))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
