@@ -130,6 +130,23 @@ def test_masked_whiten_ignores_masked_positions():
     assert (out[~mask] == 0).all()
 
 
+def test_masked_whiten_masked_nan_stays_out_of_gradients():
+    """A NaN at a masked position reaches neither the output nor any gradient; with nothing
+    masked in, every gradient is 0."""
+    x = torch.randn(4, 9, dtype=torch.float64)
+    mask = torch.rand(4, 9) > 0.5
+    dirty = x.masked_fill(~mask, float("nan")).requires_grad_()
+    w = torch.randn(4, 9, dtype=torch.float64)
+    (rl_triton.masked_whiten(dirty, mask, out_dtype=torch.float64) * w).sum().backward()
+    clean = x.clone().requires_grad_()
+    (rl_triton.masked_whiten(clean, mask, out_dtype=torch.float64) * w).sum().backward()
+    torch.testing.assert_close(dirty.grad, clean.grad)
+    assert (dirty.grad[~mask] == 0).all()
+    none = x.clone().requires_grad_()
+    rl_triton.masked_whiten(none, torch.zeros_like(mask)).sum().backward()
+    assert (none.grad == 0).all()
+
+
 def test_masked_whiten_gradcheck():
     x = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
     mask = torch.rand(3, 7) > 0.3

@@ -200,7 +200,8 @@ def masked_whiten(x, mask=None, *, shift_mean=True, eps=1e-8, std_correction=1, 
     count, total, squares = stats[0], stats[1], stats[2]
     mean = total / count
     var = (squares - total * mean).clamp_min(0) / (count - correction)
-    out = (x.to(dtype) - mean.to(dtype)) * torch.rsqrt(var + eps).to(dtype)
+    # from xs, not x: a NaN at a masked position would reach the gradients through d out / d var
+    out = (xs - mean.to(dtype)) * torch.rsqrt(var + eps).to(dtype)
     if not shift_mean:
         out = out + mean.to(dtype)
     return torch.where(m, out, 0.0).to(out_dtype)
