@@ -19,6 +19,8 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from cases import make_case  # noqa: E402
 from rl_triton import _plans  # noqa: E402
+import rl_triton  # noqa: E402
+from rl_triton.ops import _whiten  # noqa: E402
 from rl_triton.ops import linear_scan as linear_scan_op  # noqa: E402
 from rl_triton.scan import kernel, launch, tiles  # noqa: E402
 
@@ -67,11 +69,51 @@ def differentiable(case, per_row):
     return case
 
 
-def compile_plan(plan, tensors, scalars, rows=None):
+def whiten_launches(x, mask, group=False, **kw):
+    """The kernel launches (kernel, args, kwargs) of `masked_whiten(x, mask, **kw)` on the
+    Triton backend, then of its backward, on CPU tensors (the launches intercepted); with
+    `group`, as for a process group (the all-reduce skipped)."""
+    seen = []
+
+    class Intercept:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append((self.fn, args, kwargs))
+
+    kernels = {k: v for k, v in vars(_whiten).items() if k.endswith("_kernel")}
+    all_reduce, _whiten._all_reduce = _whiten._all_reduce, lambda t, group: None
+    os.environ["TRITON_INTERPRET"] = "1"  # lets backend="triton" take CPU tensors
+    for name, fn in kernels.items():
+        setattr(_whiten, name, Intercept(fn))
+    try:
+        x = x.clone().requires_grad_()
+        y = rl_triton.masked_whiten(x, mask, group=object() if group else None,
+                                    backend="triton", **kw)
+        y.float().sum().backward()
+    finally:
+        for name, fn in kernels.items():
+            setattr(_whiten, name, fn)
+        _whiten._all_reduce = all_reduce
+        del os.environ["TRITON_INTERPRET"]
+    return seen
+
+
+def compile_kernel(fn, args, kwargs):
     """What JITFunction.run does before it launches, for TARGET instead of the current GPU."""
-    fn = kernel.scan_kernel
     backend = make_backend(TARGET)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = dict(kwargs, debug=False)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization,
+                                                          options)
+    return compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET,
+                   options=options.__dict__)
+
+
+def compile_plan(plan, tensors, scalars, rows=None):
+    """The scan kernel of a launch plan, compiled for TARGET."""
     outs = tuple([torch.empty(plan.out_shape, dtype=plan.out_dtype) for _ in range(plan.n_out)]
                  + [torch.empty(plan.boot_shape, dtype=plan.out_dtype)
                     for _ in range(plan.n_boot)])
@@ -79,12 +121,7 @@ def compile_plan(plan, tensors, scalars, rows=None):
     init = outs[0] if plan.init_src is None else tensors[plan.init_src]
     state = torch.zeros(plan.state_size, dtype=torch.int64)
     args = plan._args(ptrs, outs, init, state, scalars, outs[0] if rows is None else rows)
-    kwargs = dict(plan.meta, debug=False)
-    bound, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization,
-                                                          options)
-    return compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET,
-                   options=options.__dict__)
+    return compile_kernel(kernel.scan_kernel, args, plan.meta)
 
 
 def look_back_loop_barriers(ptx: str):
@@ -270,7 +307,50 @@ def grad_variants():
         "eligibility_traces", 4096, (4,), features=(3,)), "time-major", True)
 
 
+def whiten_variants():
+    """(label, launches): masked_whiten's kernels, forward and backward, for every input dtype
+    (float64: the float64 arithmetic), a mask of each kind and none, both shift_mean, a process
+    group's statistics, and sizes that are and are not a multiple of 16."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20000, generator=g)
+    half = torch.rand(20000, generator=g) < 0.5
+    yield "masked_whiten float32, bool mask", whiten_launches(x, half)
+    yield "masked_whiten bfloat16, no mask, shift_mean=False, bfloat16 out", whiten_launches(
+        x.to(torch.bfloat16), None, shift_mean=False, out_dtype=torch.bfloat16)
+    yield "masked_whiten float16 [333], float mask", whiten_launches(
+        x[:333].to(torch.float16), half[:333].float())
+    yield "masked_whiten float64, int32 mask, group", whiten_launches(
+        x.double(), half.int(), group=True, std_correction=0, out_dtype=torch.float64)
+
+
+def compile_whiten():
+    """masked_whiten's kernels compile; returns the failures."""
+    failed = 0
+    for label, launches in whiten_variants():
+        t0 = time.time()
+        try:
+            assert len(launches) == 5, f"{len(launches)} launches, expected 5"
+            for fn, args, kwargs in launches:
+                compile_kernel(fn, args, kwargs)
+            print(f"ok      {label} ({time.time() - t0:.1f} s)", flush=True)
+        except Exception as e:  # noqa: BLE001 - report every failure, then fail
+            failed += 1
+            print(f"FAILED  {label}: {type(e).__name__}: {str(e)[-400:]}", flush=True)
+    return failed
+
+
 def main():
+    """`python tests/compile_sm90.py [scan|whiten]`: every kernel, or one family's."""
+    part = sys.argv[1] if len(sys.argv) > 1 else None
+    failed = compile_scans() if part in (None, "scan") else 0
+    if part in (None, "whiten"):
+        failed += compile_whiten()
+    sys.exit(1 if failed else 0)
+
+
+def compile_scans():
+    """The scan kernels of every estimator compile and keep their rules; returns the
+    failures."""
     tiles._multiprocessors = lambda device: 132  # choose tiles as for an H200
     gpu_window, gpu_depth = tiles.window, tiles.depth  # look-back windows as on a GPU (CPU
     tiles.window = lambda least, block_b, warps, device: gpu_window(  # plans: any window)
@@ -317,7 +397,7 @@ def main():
         except Exception as e:  # noqa: BLE001 - report every failure, then fail
             failed += 1
             print(f"FAILED  {label}: {type(e).__name__}: {str(e)[-400:]}", flush=True)
-    sys.exit(1 if failed else 0)
+    return failed
 
 
 if __name__ == "__main__":

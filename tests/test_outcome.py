@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import rl_triton
+from rl_triton.ops import _whiten
 
 OPTIONS = list(itertools.product(["mean", "leave_one_out"], ["std", "none", "batch_std"],
                                  [0, 1]))
@@ -110,7 +111,7 @@ def test_masked_whiten_matches_reference(shift_mean, with_mask):
     mask = torch.rand(6, 50, generator=g) < 0.6 if with_mask else None
     m = mask if with_mask else torch.ones_like(x, dtype=torch.bool)
     want = rl_triton.reference.masked_whiten(x, m, shift_mean=shift_mean)
-    for backend in ("torch", "loop"):
+    for backend in ("torch", "loop", "triton"):
         got = rl_triton.masked_whiten(x, mask, shift_mean=shift_mean, backend=backend,
                                       out_dtype=torch.float64)
         torch.testing.assert_close(got, want)
@@ -121,21 +122,238 @@ def test_masked_whiten_matches_reference(shift_mean, with_mask):
                                rtol=0)
 
 
-def test_masked_whiten_ignores_masked_positions():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_masked_whiten_ignores_masked_positions(backend):
     x = torch.randn(4, 9)
     mask = torch.rand(4, 9) > 0.5
     dirty = x.masked_fill(~mask, float("nan"))
-    out = rl_triton.masked_whiten(dirty, mask.to(torch.float32))
-    torch.testing.assert_close(out, rl_triton.masked_whiten(x, mask))
+    out = rl_triton.masked_whiten(dirty, mask.to(torch.float32), backend=backend)
+    torch.testing.assert_close(out, rl_triton.masked_whiten(x, mask, backend=backend))
     assert (out[~mask] == 0).all()
 
 
-def test_masked_whiten_gradcheck():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_masked_whiten_masked_nan_stays_out_of_gradients(backend):
+    """A NaN at a masked position reaches neither the output nor any gradient; with nothing
+    masked in, every gradient is 0."""
+    x = torch.randn(4, 9, dtype=torch.float64)
+    mask = torch.rand(4, 9) > 0.5
+    dirty = x.masked_fill(~mask, float("nan")).requires_grad_()
+    w = torch.randn(4, 9, dtype=torch.float64)
+    kw = dict(backend=backend, out_dtype=torch.float64)
+    (rl_triton.masked_whiten(dirty, mask, **kw) * w).sum().backward()
+    clean = x.clone().requires_grad_()
+    (rl_triton.masked_whiten(clean, mask, **kw) * w).sum().backward()
+    torch.testing.assert_close(dirty.grad, clean.grad)
+    assert (dirty.grad[~mask] == 0).all()
+    none = x.clone().requires_grad_()
+    rl_triton.masked_whiten(none, torch.zeros_like(mask), backend=backend).sum().backward()
+    assert (none.grad == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_masked_whiten_nan_masked_in_makes_the_statistics_nan(backend):
+    x = torch.randn(4, 9)
+    mask = torch.rand(4, 9) > 0.5
+    mask[1, 2] = True
+    x[1, 2] = float("nan")
+    out = rl_triton.masked_whiten(x, mask, backend=backend)
+    assert out[mask].isnan().all() and (out[~mask] == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_masked_whiten_gradcheck(backend):
     x = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
     mask = torch.rand(3, 7) > 0.3
     assert torch.autograd.gradcheck(
-        lambda y: rl_triton.masked_whiten(y, mask, shift_mean=False, out_dtype=torch.float64),
-        (x,))
+        lambda y: rl_triton.masked_whiten(y, mask, shift_mean=False, backend=backend,
+                                          out_dtype=torch.float64), (x,))
+
+
+# ---- masked_whiten's Triton kernels (the interpreter on the CPU) ----------------------------
+
+MASKS = [None, torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, torch.float32,
+         torch.bfloat16]
+
+
+@pytest.fixture(params=["one block", "many blocks"])
+def blocks(request, monkeypatch):
+    """The kernels' block sizes, or small ones: several programs per pass (a partial last
+    one), and a combining program that takes its partials in several steps."""
+    if request.param == "many blocks":
+        monkeypatch.setattr(_whiten, "BLOCK", 16)
+        monkeypatch.setattr(_whiten, "APPLY_BLOCK", 8)
+        monkeypatch.setattr(_whiten, "COMBINE_BLOCK", 4)
+    return request.param
+
+
+def whiten_inputs(shape, mask_dtype, dtype=torch.float32, seed=0, scale=3.0, shift=2.0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * scale + shift).to(dtype)
+    if mask_dtype is None:
+        return x, None, torch.ones(shape, dtype=torch.bool)
+    # 0/1, and other nonzero values (set, as 1): 2, -3 and for floats 0.5
+    code = torch.randint(0, 5, shape, generator=g)
+    values = torch.tensor([0, 1, 2, -3 if mask_dtype != torch.uint8 else 3, 0]).to(mask_dtype)
+    if mask_dtype.is_floating_point:
+        values[4] = 0.5
+    mask = values[code]
+    return x, mask, mask != 0
+
+
+def rel_err(got, want):
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-300)).item()
+
+
+@pytest.mark.parametrize("shape", [(1,), (37,), (333,), (5, 50), (3, 7, 11)])
+@pytest.mark.parametrize("mask_dtype", MASKS, ids=str)
+def test_masked_whiten_triton_matches_reference(shape, mask_dtype, blocks):
+    x, mask, m = whiten_inputs(shape, mask_dtype)
+    for shift_mean, corr in itertools.product([True, False], [0, 1]):
+        kw = dict(shift_mean=shift_mean, std_correction=corr)
+        got = rl_triton.masked_whiten(x, mask, **kw, backend="triton")
+        want = rl_triton.reference.masked_whiten(x, m, **kw)
+        if want.isnan().any():  # one element, std_correction=1: var = 0 / 0
+            assert m.sum() == 1 and corr == 1
+            assert torch.equal(got.isnan(), want.isnan()) and (got[~m] == 0).all()
+        else:
+            assert rel_err(got, want) < 1e-6, kw
+        assert got.dtype == torch.float32 and got.shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_masked_whiten_triton_dtypes(dtype, out_dtype, blocks):
+    """bf16 / fp16 inputs in float32 arithmetic, float64 in float64; eps large enough to
+    matter."""
+    x, mask, m = whiten_inputs((6, 41), torch.bool, dtype=dtype)
+    for eps in (1e-8, 0.3):
+        kw = dict(eps=eps, shift_mean=eps > 1e-3)
+        got = rl_triton.masked_whiten(x, mask, **kw, backend="triton", out_dtype=out_dtype)
+        want = rl_triton.reference.masked_whiten(x, m, **kw)
+        assert got.dtype == out_dtype
+        tol = {torch.bfloat16: 8e-3, torch.float32: 1e-6, torch.float64: 1e-6}[out_dtype]
+        if dtype == torch.float64 and out_dtype == torch.float64:
+            tol = 1e-13
+        assert rel_err(got, want) < tol, (eps, rel_err(got, want))
+
+
+def test_masked_whiten_triton_far_from_zero_mean(blocks):
+    """|mean| >> std: the centered statistics and x - mean in two parts keep float32 results
+    at float32 rounding."""
+    x, mask, m = whiten_inputs((7, 300), torch.bool, scale=1.0, shift=1e4)
+    for shift_mean in (True, False):
+        got = rl_triton.masked_whiten(x, mask, shift_mean=shift_mean, backend="triton")
+        want = rl_triton.reference.masked_whiten(x, m, shift_mean=shift_mean)
+        assert rel_err(got, want) < 1e-6
+
+
+def whiten_grads(x, mask, backend, w, **kw):
+    x = x.detach().clone().requires_grad_()
+    y = rl_triton.masked_whiten(x, mask, backend=backend, out_dtype=x.dtype, **kw)
+    (y * w).sum().backward()
+    return y.detach(), x.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mask_dtype", [None, torch.bool, torch.float32], ids=str)
+def test_masked_whiten_triton_gradients_match_torch(dtype, mask_dtype, blocks):
+    x, mask, m = whiten_inputs((3, 23), mask_dtype, dtype=dtype, seed=4)
+    w = torch.randn(x.shape, dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for shift_mean, corr, eps in itertools.product([True, False], [0, 1, 2], [1e-8, 0.5]):
+        kw = dict(shift_mean=shift_mean, std_correction=corr, eps=eps)
+        y, dx = whiten_grads(x, mask, "triton", w, **kw)
+        y_ref, dx_ref = whiten_grads(x, mask, "torch", w, **kw)
+        assert rel_err(dx, dx_ref.double()) < tol, kw
+        assert (dx[~m] == 0).all()
+
+
+@pytest.mark.parametrize("shift_mean", [True, False])
+def test_masked_whiten_triton_gradcheck(shift_mean, blocks):
+    x, mask, _ = whiten_inputs((2, 13), torch.int8, dtype=torch.float64, seed=5)
+    x.requires_grad_()
+    for corr, eps in ((1, 1e-8), (0, 0.7), (2, 1e-8)):
+        assert torch.autograd.gradcheck(
+            lambda y: rl_triton.masked_whiten(y, mask, shift_mean=shift_mean,
+                                              std_correction=corr, eps=eps, backend="triton",
+                                              out_dtype=torch.float64), (x,))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_masked_whiten_edge_cases(backend):
+    """Nothing masked in: zeros, zero gradients; one element; an empty tensor; a 0-d one."""
+    x = torch.randn(3, 5, requires_grad=True)
+    y = rl_triton.masked_whiten(x, torch.zeros(3, 5), backend=backend)
+    y.sum().backward()
+    assert (y == 0).all() and (x.grad == 0).all()
+    one = torch.tensor([3.0])
+    assert rl_triton.masked_whiten(one, backend=backend).isnan().all()  # var = 0 / 0
+    assert rl_triton.masked_whiten(one, std_correction=0, backend=backend).eq(0).all()
+    assert rl_triton.masked_whiten(one, shift_mean=False, std_correction=0,
+                                   backend=backend).eq(3.0).all()
+    assert rl_triton.masked_whiten(torch.empty(0, 4), backend=backend).shape == (0, 4)
+    point = rl_triton.masked_whiten(torch.tensor(2.0), shift_mean=False, std_correction=0,
+                                    backend=backend)
+    assert point.shape == () and point == 2.0
+
+
+def test_masked_whiten_triton_reads_any_layout_and_writes_nothing():
+    """A column-major x (read in place: the output and gradient keep its layout), a mask laid
+    out otherwise, a strided slice and a lazily negated view give the values and gradients of
+    the contiguous call; no input, nor the output's gradient, is modified."""
+    x, mask, _ = whiten_inputs((9, 40), torch.bool, seed=6)
+    w = torch.randn(9, 40)
+    want, want_dx = whiten_grads(x, mask, "torch", w)
+    big = torch.zeros(9, 80)
+    big[:, ::2] = x
+    cases = [(x.t().contiguous().t(), mask), (x.clone(), mask.t().contiguous().t()),
+             (big, mask)]
+    for base, mv in cases:
+        leaf = base.clone().requires_grad_() if base is not big else base.requires_grad_()
+        xv = leaf[:, ::2] if base is big else leaf
+        before = (leaf.detach().clone(), mv.clone(), w.clone())
+        y = rl_triton.masked_whiten(xv, mv, backend="triton")
+        (y * w).sum().backward()
+        dx = leaf.grad[:, ::2] if base is big else leaf.grad
+        torch.testing.assert_close(y, want)
+        torch.testing.assert_close(dx, want_dx)
+        if base is not big:
+            assert y.stride() == xv.stride() and dx.stride() == xv.stride()
+        assert all(torch.equal(a, b) for a, b in zip(before, (leaf.detach(), mv, w)))
+    neg = torch._neg_view(-x)
+    torch.testing.assert_close(rl_triton.masked_whiten(neg, mask, backend="triton"), want)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_masked_whiten_fullgraph_compile(backend):
+    """Inside torch.compile the torch ops are traced (the Triton path's kernels are not custom
+    ops yet): one graph, the eager call's values and gradients."""
+    x, mask, _ = whiten_inputs((4, 33), torch.bool, seed=7)
+    w = torch.randn(4, 33)
+
+    def step(x, mask):
+        return rl_triton.masked_whiten(x * 2.0, mask, shift_mean=False, backend=backend) + 1.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn in (step, compiled):
+        leaf = x.clone().requires_grad_()
+        y = fn(leaf, mask)
+        (y * w).sum().backward()
+        results.append((y.detach(), leaf.grad))
+    (want, want_dx), (got, got_dx) = results
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_dx, want_dx)
+    assert want_dx.abs().max() > 0.1
+
+
+def test_masked_whiten_triton_refuses_second_order():
+    x = torch.randn(10, dtype=torch.float64, requires_grad=True)
+    y = rl_triton.masked_whiten(x, backend="triton", out_dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="second-order"):
+        torch.autograd.grad((y * y.detach()).sum(), x, create_graph=True)
 
 
 def test_masked_whiten_errors():
@@ -147,25 +365,34 @@ def test_masked_whiten_errors():
         rl_triton.masked_whiten(torch.randn(4), shift_mean=1)
 
 
-def _whiten_rank(rank, world, path, out):
+def _whiten_rank(rank, world, path, out, backend):
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     g = torch.Generator().manual_seed(rank)
     x = (torch.randn(3 + rank, 11, generator=g, dtype=torch.float64) * (rank + 1))
     mask = torch.rand(x.shape, generator=g) < 0.7
     x.requires_grad_()
-    y = rl_triton.masked_whiten(x, mask, group=dist.group.WORLD, out_dtype=torch.float64)
+    y = rl_triton.masked_whiten(x, mask, group=dist.group.WORLD, backend=backend,
+                                out_dtype=torch.float64)
     w = torch.randn(x.shape, generator=g, dtype=torch.float64)
     (y * w).sum().backward()
-    torch.save({"x": x.detach(), "mask": mask, "y": y.detach(), "w": w, "grad": x.grad},
+    # a rank without data still takes part in both all-reduces
+    alone = x.detach()[:0 if rank else None].clone().requires_grad_()
+    y_alone = rl_triton.masked_whiten(alone, mask[:alone.shape[0]], group=dist.group.WORLD,
+                                      backend=backend, out_dtype=torch.float64)
+    (y_alone * w[:alone.shape[0]]).sum().backward()
+    torch.save({"x": x.detach(), "mask": mask, "y": y.detach(), "w": w, "grad": x.grad,
+                "y_alone": y_alone.detach(), "grad_alone": alone.grad},
                os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
-def test_masked_whiten_is_global_over_a_process_group(tmp_path):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_masked_whiten_is_global_over_a_process_group(tmp_path, backend):
     """Two gloo processes: each rank's result (and gradient) equals that of whitening the
-    concatenation of both ranks' data in one process."""
+    concatenation of both ranks' data in one process (the Triton path: in the interpreter)."""
     world = 2
-    mp.spawn(_whiten_rank, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world)
+    mp.spawn(_whiten_rank, args=(world, str(tmp_path / "store"), str(tmp_path), backend),
+             nprocs=world)
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     x = torch.cat([p["x"] for p in parts]).requires_grad_()
     mask = torch.cat([p["mask"] for p in parts])
@@ -173,3 +400,9 @@ def test_masked_whiten_is_global_over_a_process_group(tmp_path):
     (y * torch.cat([p["w"] for p in parts])).sum().backward()
     torch.testing.assert_close(torch.cat([p["y"] for p in parts]), y.detach())
     torch.testing.assert_close(torch.cat([p["grad"] for p in parts]), x.grad)
+    first = parts[0]["x"].requires_grad_()
+    y = rl_triton.masked_whiten(first, parts[0]["mask"], out_dtype=torch.float64)
+    (y * parts[0]["w"]).sum().backward()
+    torch.testing.assert_close(parts[0]["y_alone"], y.detach())
+    torch.testing.assert_close(parts[0]["grad_alone"], first.grad)
+    assert parts[1]["y_alone"].shape == (0, 11)

@@ -2,8 +2,10 @@
 whitening, global over a `torch.distributed` group.
 
 Both are a handful of reductions over one score per response (or one value per token), not
-scans: every backend runs them as vectorized torch ops ("loop": the float64-capable sequential
-references of `rl_triton.reference`), differentiable by autograd.
+scans. `group_advantages` runs as vectorized torch ops on every backend ("loop": the
+float64-capable sequential references of `rl_triton.reference`), differentiable by autograd;
+so does `masked_whiten` on the torch and loop backends, and on the Triton backend it runs the
+kernels of `_whiten` (three launches forward, three backward).
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import torch
 
 from .. import reference
 from .._args import FLAG_DTYPES, check_backend, check_out_dtype
+from .._plans import backend_for
+from . import _whiten
 
 Tensor = torch.Tensor
 BASELINES = ("mean", "leave_one_out")
@@ -164,7 +168,8 @@ def masked_whiten(x, mask=None, *, shift_mean=True, eps=1e-8, std_correction=1, 
     `x` (all without a mask); `shift_mean=False` adds the mean back; masked positions are 0.
     With `group` (a `torch.distributed` process group) mean and variance are global over its
     ranks, from one all-reduce of (count, sum, sum of squares) in float64: the result equals
-    whitening the concatenation of every rank's data, and gradients flow across ranks.
+    whitening the concatenation of every rank's data, and gradients flow across ranks (every
+    rank calls it with the same backend: the Triton backward all-reduces its own sums).
 
     Example::
 
@@ -182,6 +187,10 @@ def masked_whiten(x, mask=None, *, shift_mean=True, eps=1e-8, std_correction=1, 
         raise TypeError(f"shift_mean must be a bool, got {type(shift_mean).__name__}")
     eps = float(_nonneg("eps", eps))
     correction = _nonneg("std_correction", std_correction, numbers.Integral)
+    backend = backend_for(backend, x.device)
+    if backend == "triton" and not torch.compiler.is_compiling():
+        # under torch.compile the torch ops below are traced instead (no custom op yet)
+        return _whiten.masked_whiten(x, mask, shift_mean, eps, correction, group, out_dtype)
     m = torch.ones_like(x, dtype=torch.bool) if mask is None else mask != 0
     dtype = _float(x)
     if backend == "loop":
@@ -200,7 +209,8 @@ def masked_whiten(x, mask=None, *, shift_mean=True, eps=1e-8, std_correction=1, 
     count, total, squares = stats[0], stats[1], stats[2]
     mean = total / count
     var = (squares - total * mean).clamp_min(0) / (count - correction)
-    out = (x.to(dtype) - mean.to(dtype)) * torch.rsqrt(var + eps).to(dtype)
+    # from xs, not x: a NaN at a masked position would reach the gradients through d out / d var
+    out = (xs - mean.to(dtype)) * torch.rsqrt(var + eps).to(dtype)
     if not shift_mean:
         out = out + mean.to(dtype)
     return torch.where(m, out, 0.0).to(out_dtype)
