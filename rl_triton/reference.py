@@ -270,7 +270,7 @@ def masked_whiten(x, mask, *, shift_mean=True, eps=1e-8, std_correction=1, dtype
     return torch.where(mask, out, 0.0)
 
 
-# ---- losses (SPEC 9): each position's formula, and the aggregation sequence by sequence ---------
+# ---- losses (SPEC 9): each position's formula, and the aggregation sequence by sequence ----------
 
 def _aggregate(l, keep, aggregation, cu_seqlens=None):
     """Per-position losses `l` over the positions `keep` (bool): "none" (l where kept, else 0),

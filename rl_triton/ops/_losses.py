@@ -52,7 +52,7 @@ NUM_WARPS = 8
 INT32_MAX = 2**31 - 1
 
 
-# ---- arguments ----------------------------------------------------------------------------------
+# ---- arguments -----------------------------------------------------------------------------------
 
 def aggregation_args(call, aggregation, mask, cu_seqlens):
     """(aggregation, mask, cu): the option, the mask (per position, any flag dtype) and the
@@ -87,7 +87,7 @@ def counted(mask: Optional[Tensor]) -> Optional[Tensor]:
     return None if mask is None else mask if mask.dtype is torch.bool else mask != 0
 
 
-# ---- aggregation weights and the torch backend's aggregation ------------------------------------
+# ---- aggregation weights and the torch backend's aggregation -------------------------------------
 
 def seq_kind(aggregation: str, cu: Optional[Tensor]) -> int:
     return NO_SEQ if aggregation not in SEQ_MODES else SEGMENTS if cu is not None else ROWS
@@ -137,7 +137,7 @@ def masked_mean(x: Tensor, m: Optional[Tensor]) -> Tensor:
     return torch.where(m, x, 0.0).sum() / m.sum().clamp_min(1)
 
 
-# ---- layout and launches ----------------------------------------------------------------------
+# ---- layout and launches -------------------------------------------------------------------------
 
 def rows_view(x: Tensor) -> Tensor:
     """`x` as [R, C] (C its last axis, 1 for a 0-d tensor): a view where two strides describe
