@@ -41,6 +41,20 @@ def test_every_variant_compiles_for_sm90(python):
     assert done.stdout.count("ok ") >= 69, report
 
 
+@pytest.mark.parametrize("python", ["installed", "oldest"])
+def test_loss_kernels_compile_for_sm90(python):
+    """The losses' kernels (SPEC 9) alone: every aggregation path, masks, bf16, strided views,
+    64-bit indexing, forward and backward (the full run above compiles them too)."""
+    if python == "oldest" and not (OLDEST / "triton").exists():
+        pytest.skip("no .ci/triton-oldest here (made by .ci/run)")
+    env = compiler_env(*([OLDEST] if python == "oldest" else []))
+    done = subprocess.run([sys.executable, str(HERE / "compile_sm90.py"), "losses"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    report = done.stdout + done.stderr[-3000:]
+    assert done.returncode == 0, report
+    assert done.stdout.count("ok ") >= 26, report
+
+
 def test_registers_tool_reads_the_h200_plan():
     """tools/registers.py (registers, spills and occupancy without a GPU) builds the plan the
     H200 would run, not the interpreter's: GAE's float32 time-major tiles at 128x128 span the
