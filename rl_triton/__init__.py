@@ -5,7 +5,9 @@ evaluated as one associative scan (`rl_triton.scan`); each op is defined in one 
 `rl_triton.ops`, and `rl_triton.reference` holds the sequential definitions. Every function
 checks its arguments on every call, picks a backend and returns new tensors in the caller's
 layout (time axis `time_dim`), float32 unless `out_dtype` says otherwise. Inputs are never
-written.
+written. The losses (`ppo_policy_loss`, `value_loss`, `kl_penalty`, `sac_targets`,
+`crr_weights`) have no time axis: per-position formulas and their aggregation over a mask, one
+fused kernel each way on CUDA (`rl_triton.ops._losses`).
 
 Common arguments
 ----------------
