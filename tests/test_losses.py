@@ -855,8 +855,10 @@ def test_bad_input(backend):
            **dict(sac_case(5, 2), next_q_values=torch.randn(5)))
     raises(ValueError, "no critic", rl_triton.sac_targets,
            **dict(sac_case(5, 2), next_q_values=torch.randn(5, 0)))
-    raises(ValueError, "alpha must be a number or a floating tensor of one element",
+    raises(ValueError, r"alpha must be a number or a tensor of one element; got shape \(2,\)",
            rl_triton.sac_targets, **sac, alpha=torch.ones(2))
+    raises(TypeError, "alpha is a tensor of dtype torch.int64", rl_triton.sac_targets, **sac,
+           alpha=torch.tensor(1))
     raises(TypeError, "alpha must be a number or a tensor", rl_triton.sac_targets, **sac,
            alpha="0.2")
     raises(ValueError, "gamma=1.5 is outside", rl_triton.sac_targets, **sac, gamma=1.5)

@@ -247,7 +247,8 @@ def sac_targets(rewards, terminated, next_q_values, next_log_probs, *, gamma=0.9
     Only terminations drop the bootstrap (a truncation keeps it; flags are set where nonzero).
     `alpha` is a number or a one-element tensor (a learned temperature, read on the device).
     Differentiable with respect to every floating input, `alpha` included (`d y / d alpha =
-    -gamma (1 - terminated) log pi`); targets are usually held fixed, as CleanRL computes them
+    -gamma (1 - terminated) log pi`, in expectation over the actions for discrete ones);
+    targets are usually held fixed, as CleanRL computes them
     under `torch.no_grad()`: do so, or pass `alpha.detach()`, where the temperature must not
     learn from the critic loss. At a tie between critics the gradient goes to the first.
 
@@ -279,9 +280,12 @@ def sac_targets(rewards, terminated, next_q_values, next_log_probs, *, gamma=0.9
     gamma = check_scalar("gamma", gamma)
     alpha_t, alpha_value = None, 0.0
     if isinstance(alpha, Tensor):
-        if not alpha.is_floating_point() or alpha.numel() != 1:
-            raise ValueError(f"alpha must be a number or a floating tensor of one element; got "
-                             f"a tensor of dtype {alpha.dtype} and shape {tuple(alpha.shape)}")
+        if not alpha.is_floating_point():
+            raise TypeError(f"alpha is a tensor of dtype {alpha.dtype}; a learned temperature "
+                            "must be a floating tensor")
+        if alpha.numel() != 1:
+            raise ValueError(f"alpha must be a number or a tensor of one element; got shape "
+                             f"{tuple(alpha.shape)}")
         if alpha.device != call.device:
             raise ValueError(f"alpha is on {alpha.device} but rewards is on {call.device}; "
                              "all tensors must be on one device")
