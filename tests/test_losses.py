@@ -490,6 +490,16 @@ def test_every_input_gets_its_gradient_and_none_is_written(backend, device):
         rl_triton.ppo_policy_loss(lp, old, adv, mask.float().requires_grad_(), backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_approx_kl_alone(backend, device):
+    """approx_kl's gradient when the loss gets none (k3 of (old, new): r - 1 per position)."""
+    xs = leaves(*ppo_case((5, 50), dtype=torch.float32, device=device))
+    kl = rl_triton.ppo_policy_loss(*xs, backend=backend)[2]
+    d = torch.autograd.grad(kl, xs[0])[0]
+    ratio = (xs[0] - xs[1]).detach().exp()
+    assert_close(d, (ratio - 1) / ratio.numel(), 1e-5)
+
+
 def test_sac_alpha_gradient_is_the_formula(device):
     """d y / d alpha = -gamma (1 - term) log pi (SPEC: differentiable); under no_grad, as CleanRL
     computes its targets, nothing is recorded."""
@@ -579,8 +589,10 @@ def frameworks():
         pytest.skip(str(e))
 
 
-def both_ways(ours, theirs, xs, tol=1e-5):
-    """Outputs and gradients (of the first output) of `ours(*xs)` and `theirs(*xs)`."""
+def both_ways(ours, theirs, xs, device, tol=1e-5):
+    """Outputs and gradients (of the first output) of `ours(*xs)` and `theirs(*xs)`, `xs` on
+    `device`."""
+    xs = [x.to(device) for x in xs]
     a, b = leaves(*xs), leaves(*xs)
     got, want = ours(*a), theirs(*b)
     got = got if isinstance(got, tuple) else (got,)
@@ -589,7 +601,7 @@ def both_ways(ours, theirs, xs, tol=1e-5):
         assert_close(o.detach(), torch.as_tensor(w, dtype=torch.float32).detach(), tol,
                      f"output {i}")
     if want[0].requires_grad:
-        w = torch.randn(want[0].shape, generator=gen(12))
+        w = torch.randn(want[0].shape, generator=gen(12)).to(device)
         for i, (x, y) in enumerate(zip(
                 torch.autograd.grad((got[0] * w).sum(), a, allow_unused=True),
                 torch.autograd.grad((want[0] * w).sum(), b, allow_unused=True))):
@@ -600,14 +612,14 @@ def both_ways(ours, theirs, xs, tol=1e-5):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum",
                                   "seq-mean-token-mean"])
-def test_verl_policy_loss(frameworks, mode, backend):
+def test_verl_policy_loss(frameworks, mode, backend, device):
     """verl's "vanilla" policy loss (`compute_policy_loss_vanilla`, dual clip always on, at
     clip_ratio_c): loss and pg_clipfrac; its ppo_kl is the k1 mean (ours: k3)."""
     from omegaconf import OmegaConf
     config = OmegaConf.create(dict(clip_ratio=0.2, clip_ratio_low=0.15, clip_ratio_high=0.28,
                                    clip_ratio_c=2.5, global_batch_info={}))
     fn = frameworks.verl.get_policy_loss_fn("vanilla")
-    mask = random_mask((6, 40), 1)
+    mask = random_mask((6, 40), 1, device)
     mask[2] = False  # a response without tokens
     ours_mode = "sum" if mode == "token-sum" else mode
 
@@ -619,20 +631,20 @@ def test_verl_policy_loss(frameworks, mode, backend):
     def theirs(lp, old, adv):
         loss, metrics = fn(old, lp, adv, mask.float(), mode, config)
         return loss, metrics["actor/pg_clipfrac"]
-    both_ways(ours, theirs, ppo_case((6, 40), dtype=torch.float32))
+    both_ways(ours, theirs, ppo_case((6, 40), dtype=torch.float32), device)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
-def test_verl_value_loss(frameworks, mode, backend):
+def test_verl_value_loss(frameworks, mode, backend, device):
     v, ret = randn((6, 40), 1), randn((6, 40), 2)
     old = v + randn((6, 40), 3, 0.5)
-    mask = random_mask((6, 40), 4)
+    mask = random_mask((6, 40), 4, device)
     both_ways(lambda v, ret, old: rl_triton.value_loss(v, ret, old, mask, clip=0.2,
                                                        aggregation=mode, backend=backend),
               lambda v, ret, old: frameworks.verl.compute_value_loss(v, ret, old, mask.float(),
                                                                      0.2, mode)[0],
-              (v, ret, old))
+              (v, ret, old), device)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -640,25 +652,25 @@ def test_verl_value_loss(frameworks, mode, backend):
                                                ("abs", "abs", None), ("mse", "k2", None),
                                                ("k2", "k2", None), ("low_var_kl", "k3", 10.0),
                                                ("k3", "k3", 10.0)])
-def test_verl_kl_penalty(frameworks, theirs, kind, clamp, backend):
+def test_verl_kl_penalty(frameworks, theirs, kind, clamp, backend, device):
     """verl's kinds that are ours (the "+" straight-through variants and "full" are not); its
     k3 ("low_var_kl") clamps the log-ratio to +-20 and the result to +-10: ours with clamp=10,
     equal everywhere (log-ratios of up to +-24 here)."""
     xs = (randn((5, 50), 1, 6.0), randn((5, 50), 2, 6.0))
     both_ways(lambda lp, ref: rl_triton.kl_penalty(lp, ref, kind, clamp, backend=backend),
-              lambda lp, ref: frameworks.verl.kl_penalty(lp, ref, theirs), xs)
+              lambda lp, ref: frameworks.verl.kl_penalty(lp, ref, theirs), xs, device)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("token_level", [True, False])
 @pytest.mark.parametrize("dual_clip", [None, 3.0])
-def test_openrlhf_policy_loss(frameworks, token_level, dual_clip, backend):
+def test_openrlhf_policy_loss(frameworks, token_level, dual_clip, backend, device):
     """OpenRLHF's PolicyLoss: token_level_loss=True is token-mean, False seq-mean-token-mean;
     loss and clip_ratio (its ppo_kl is the k1 mean of the raw log-ratio; ours: k3)."""
     policy_loss = frameworks.openrlhf_loss.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28,
                                                       dual_clip=dual_clip,
                                                       token_level_loss=token_level)
-    mask = random_mask((6, 40), 5)
+    mask = random_mask((6, 40), 5, device)
 
     def ours(lp, old, adv):
         return rl_triton.ppo_policy_loss(
@@ -666,29 +678,29 @@ def test_openrlhf_policy_loss(frameworks, token_level, dual_clip, backend):
             aggregation="token-mean" if token_level else "seq-mean-token-mean",
             backend=backend)[:2]
     both_ways(ours, lambda lp, old, adv: policy_loss(lp, old, adv, mask.float())[:2],
-              ppo_case((6, 40), seed=3, dtype=torch.float32))
+              ppo_case((6, 40), seed=3, dtype=torch.float32), device)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("clip", [None, 0.2])
-def test_openrlhf_value_loss(frameworks, clip, backend):
+def test_openrlhf_value_loss(frameworks, clip, backend, device):
     value_loss = frameworks.openrlhf_loss.ValueLoss(clip_eps=clip)
     v = randn((6, 40), 1)
-    mask = random_mask((6, 40), 2)
+    mask = random_mask((6, 40), 2, device)
     both_ways(lambda v, old, ret: rl_triton.value_loss(v, ret, old if clip else None, mask,
                                                        clip=clip, backend=backend),
               lambda v, old, ret: value_loss(v, old, ret, mask.float()),
-              (v, v + randn((6, 40), 3, 0.5), randn((6, 40), 4)))
+              (v, v + randn((6, 40), 3, 0.5), randn((6, 40), 4)), device)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
-def test_openrlhf_approx_kl(frameworks, kind, backend):
+def test_openrlhf_approx_kl(frameworks, kind, backend, device):
     """compute_approx_kl clamps every estimator to +-10: ours with clamp=10."""
     xs = (randn((5, 50), 1, 6.0), randn((5, 50), 2, 6.0))
     both_ways(lambda lp, base: rl_triton.kl_penalty(lp, base, kind, 10.0, backend=backend),
               lambda lp, base: frameworks.openrlhf_utils.compute_approx_kl(
-                  lp, base, kl_estimator=kind), xs)
+                  lp, base, kl_estimator=kind), xs, device)
 
 
 def cleanrl_ppo(newlogprob, b_logprobs, mb_advantages, newvalue, b_values, b_returns, clip_coef):
@@ -707,7 +719,7 @@ def cleanrl_ppo(newlogprob, b_logprobs, mb_advantages, newvalue, b_values, b_ret
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_cleanrl_ppo(backend):
+def test_cleanrl_ppo(backend, device):
     """CleanRL's pg_loss, v_loss and approx_kl (its clipfracs counts |ratio - 1| > clip_coef
     whatever the advantage's sign: not ours, not compared)."""
     lp, old, adv = ppo_case((256,), seed=2, dtype=torch.float32)
@@ -717,7 +729,7 @@ def test_cleanrl_ppo(backend):
     def ours(lp, old, adv, v, old_v, ret):
         pg, _, kl = rl_triton.ppo_policy_loss(lp, old, adv, backend=backend)
         return pg, rl_triton.value_loss(v, ret, old_v, clip=0.2, backend=backend), kl
-    both_ways(ours, lambda *xs: cleanrl_ppo(*xs, clip_coef=0.2), (lp, old, adv, v, old_v, ret))
+    both_ways(ours, lambda *xs: cleanrl_ppo(*xs, clip_coef=0.2), (lp, old, adv, v, old_v, ret), device)
 
 
 def cleanrl_sac_continuous(rewards, dones, qf1_next_target, qf2_next_target, next_state_log_pi,
@@ -737,22 +749,22 @@ def cleanrl_sac_discrete(rewards, dones, qf1_next_target, qf2_next_target, next_
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_cleanrl_sac(backend):
-    continuous = sac_case(64, 2, seed=6)
+def test_cleanrl_sac(backend, device):
+    continuous = sac_case(64, 2, seed=6, device=device)
     dones = continuous["terminated"].float()
     q = continuous["next_q_values"]
     both_ways(lambda r, q, lp: rl_triton.sac_targets(r, dones, q, lp, gamma=0.99, alpha=0.2,
                                                      backend=backend),
               lambda r, q, lp: cleanrl_sac_continuous(r, dones, q[:, :1], q[:, 1:], lp[:, None],
                                                       0.2, 0.99),
-              (continuous["rewards"], q, continuous["next_log_probs"]))
-    discrete = sac_case(64, 2, 6, seed=7)
+              (continuous["rewards"], q, continuous["next_log_probs"]), device)
+    discrete = sac_case(64, 2, 6, seed=7, device=device)
     both_ways(lambda r, q, lp, p: rl_triton.sac_targets(r, dones, q, lp, gamma=0.99, alpha=0.2,
                                                         next_probs=p, backend=backend),
               lambda r, q, lp, p: cleanrl_sac_discrete(r, dones, q[..., 0], q[..., 1], lp, p,
                                                        0.2, 0.99),
               (discrete["rewards"], discrete["next_q_values"], discrete["next_log_probs"],
-               discrete["next_probs"]))
+               discrete["next_probs"]), device)
 
 
 # ---- torch.compile -------------------------------------------------------------------------------
