@@ -5,7 +5,9 @@ evaluated as one associative scan (`rl_triton.scan`); each op is defined in one 
 `rl_triton.ops`, and `rl_triton.reference` holds the sequential definitions. Every function
 checks its arguments on every call, picks a backend and returns new tensors in the caller's
 layout (time axis `time_dim`), float32 unless `out_dtype` says otherwise. Inputs are never
-written.
+written. The losses (`ppo_policy_loss`, `value_loss`, `kl_penalty`, `sac_targets`,
+`crr_weights`) have no time axis: per-position formulas and their aggregation over a mask, one
+fused kernel each way on CUDA (`rl_triton.ops._losses`).
 
 Common arguments
 ----------------
@@ -41,14 +43,20 @@ value of the final observation (`info["final_observation"]`) at truncated steps:
 """
 from .ops.discounted_returns import discounted_returns
 from .ops.forward_scans import eligibility_traces, episodic_cumsum
+from .ops.crr_weights import crr_weights
 from .ops.gae import gae
+from .ops.kl_penalty import kl_penalty
 from .ops.lambda_returns import lambda_returns
 from .ops.linear_scan import linear_scan
 from .ops.outcome import group_advantages, masked_whiten
+from .ops.ppo_policy_loss import ppo_policy_loss
 from .ops.retrace import retrace
+from .ops.sac_targets import sac_targets
+from .ops.value_loss import value_loss
 from .ops.vtrace import vtrace
 
 __version__ = "0.1.0"
 
 __all__ = ["linear_scan", "gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
-           "eligibility_traces", "episodic_cumsum", "group_advantages", "masked_whiten"]
+           "eligibility_traces", "episodic_cumsum", "group_advantages", "masked_whiten",
+           "ppo_policy_loss", "value_loss", "kl_penalty", "sac_targets", "crr_weights"]

@@ -77,6 +77,13 @@ def check_out_dtype(out_dtype) -> torch.dtype:
     return out_dtype
 
 
+def check_choice(name: str, value, options: tuple) -> str:
+    """An option string among `options`."""
+    if type(value) is not str or value not in options:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}; got {value!r}")
+    return value
+
+
 def check_discount(name: str, value):
     """gamma or lam: a Python number in [0, 1], or a floating tensor (one per row, SPEC 6),
     returned as it is; its shape and device are checked against the call (`Call.discount`)."""
@@ -101,6 +108,8 @@ class Call:
     (negative counts from the end of `ref`) is the time axis. Per-step tensors must have
     `step_shape` followed by their own trailing axes; bootstrap tensors the batch shape (the step
     shape without its time axis) followed by theirs. `key` is the calls's signature so far.
+    With `time_dim=None` (an elementwise op: the losses) there is no time axis, and `ref` may
+    have any shape, 0-d included.
     """
 
     __slots__ = ("ref_name", "time_dim", "step_shape", "T", "batch_shape", "device", "index",
@@ -109,6 +118,9 @@ class Call:
     def __init__(self, ref_name: str, ref, time_dim, kind: str = VALUE):
         if not isinstance(ref, Tensor):
             raise TypeError(f"{ref_name} must be a torch.Tensor, got {type(ref).__name__}")
+        if time_dim is None:  # an elementwise op (the losses, SPEC 9): any shape, no time axis
+            self._common(ref_name, ref, None, ref.shape)
+            return
         if ref.ndim == 0:
             raise ValueError(f"{ref_name} must have a time axis; got a 0-d tensor")
         if type(time_dim) is not int:
@@ -118,14 +130,18 @@ class Call:
         if not -ref.ndim <= time_dim < ref.ndim:
             raise ValueError(f"time_dim={time_dim} is out of range for {ref_name} with shape "
                              f"{tuple(ref.shape)} ({ref.ndim} dimensions)")
+        time_dim %= ref.ndim
+        self._common(ref_name, ref, time_dim, ref.shape[:time_dim] + ref.shape[time_dim + 1:])
+
+    def _common(self, ref_name, ref, time_dim, batch_shape):
         self.ref_name = ref_name
-        self.time_dim = time_dim % ref.ndim
+        self.time_dim = time_dim
         self.step_shape = ref.shape
-        self.T = ref.shape[self.time_dim]
-        self.batch_shape = self.step_shape[:self.time_dim] + self.step_shape[self.time_dim + 1:]
+        self.T = None if time_dim is None else ref.shape[time_dim]
+        self.batch_shape = batch_shape
         self.device = ref.device
         self.index = ref.get_device() if ref.is_cuda else -1
-        self.key = None if torch.compiler.is_compiling() else [self.time_dim, ref.device]
+        self.key = None if torch.compiler.is_compiling() else [time_dim, ref.device]
         self.grad = torch.is_grad_enabled()
         self.needs_grad = False  # an input of a differentiable kind requires grad
         self.float64 = False  # a value input is float64 (the torch and loop backends follow it)
@@ -260,3 +276,25 @@ def check_actions(actions: Tensor, n_act: int) -> None:
 
 def _fmt_shape(shape) -> str:
     return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def check_offsets(cu, L: int, device: torch.device, *, data: bool = True) -> Tensor:
+    """`cu_seqlens` (SPEC 7) checked, as int64 on `device`: an integer tensor [S + 1] with
+    0 = cu[0] <= ... <= cu[S] = L. Its values cost one device sync; `data=False` checks only its
+    type and shape (inside torch.compile and CUDA-graph capture, where the host cannot read the
+    device)."""
+    if not isinstance(cu, Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype is torch.bool:
+        raise TypeError(f"cu_seqlens has dtype {cu.dtype}; expected an integer dtype")
+    if cu.ndim != 1 or cu.shape[0] < 1:
+        raise ValueError(f"cu_seqlens must have shape (S + 1,); got {tuple(cu.shape)}")
+    cu = cu.to(device, torch.int64)
+    if not data:
+        return cu
+    first, last, rising = torch.stack([cu[0], cu[-1], (cu[1:] >= cu[:-1]).all()]).tolist()
+    if first != 0 or last != L or not rising:
+        raise ValueError(f"cu_seqlens must start at 0, end at L = {L} (the packed "
+                         f"steps) and never decrease; got cu[0] = {first}, cu[-1] = {last}"
+                         + ("" if rising else ", and it decreases"))
+    return cu

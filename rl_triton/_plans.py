@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ._args import Call, check_backend, check_out_dtype
+from ._args import Call, check_backend, check_offsets, check_out_dtype
 from .scan.jit import HAS_TRITON
 
 Tensor = torch.Tensor
@@ -173,7 +173,7 @@ class Op:
                 0, -ref.ndim):
             raise ValueError(f"with cu_seqlens the per-step tensors are packed [L, ...] with "
                              f"time on axis 0; got time_dim={time_dim!r}")
-        cu = _offsets(cu_seqlens, ref)
+        cu = check_offsets(cu_seqlens, ref.shape[0], ref.device)
         L = ref.shape[0]
         lengths = cu[1:] - cu[:-1]
         n_seg = lengths.shape[0]
@@ -243,23 +243,6 @@ class Op:
         plan, x = cached_plan((self.name, out_dtype, extra, k, *call.key),
                               lambda y: self.plan(y, call, out_dtype, extra), x, self.copy, k)
         return plan.run(x, self.kernel_scalars(s), rows)
-
-
-def _offsets(cu, ref: Tensor) -> Tensor:
-    """`cu_seqlens` checked: an integer tensor [S + 1], 0 = cu[0] <= ... <= cu[S] = L."""
-    if not isinstance(cu, Tensor):
-        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu).__name__}")
-    if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype is torch.bool:
-        raise TypeError(f"cu_seqlens has dtype {cu.dtype}; expected an integer dtype")
-    if cu.ndim != 1 or cu.shape[0] < 1:
-        raise ValueError(f"cu_seqlens must have shape (S + 1,); got {tuple(cu.shape)}")
-    cu = cu.to(ref.device, torch.int64)
-    first, last, rising = torch.stack([cu[0], cu[-1], (cu[1:] >= cu[:-1]).all()]).tolist()
-    if first != 0 or last != ref.shape[0] or not rising:
-        raise ValueError(f"cu_seqlens must start at 0, end at L = {ref.shape[0]} (the packed "
-                         f"steps) and never decrease; got cu[0] = {first}, cu[-1] = {last}"
-                         + ("" if rising else ", and it decreases"))
-    return cu
 
 
 def cached_plan(key: tuple, build: Callable, x: tuple, copy: Callable, row_params: int = 0):

@@ -15,6 +15,9 @@ With a `mask` (SPEC 7) only the decision steps (mask set) count, as if the other
 "t+1" reads "the next decision step", "t-1" the previous one, and the window end is each row's
 last decision step; outputs at masked steps are 0. Each loop below keeps, per row, what the next
 (or previous) decision step left: its value, its output, its flags.
+
+The losses (SPEC 9) have no recurrence: each is its per-position formula, written out by cases,
+and the aggregation over positions, one sequence at a time.
 """
 from __future__ import annotations
 
@@ -265,3 +268,133 @@ def masked_whiten(x, mask, *, shift_mean=True, eps=1e-8, std_correction=1, dtype
     if not shift_mean:
         out = out + mean
     return torch.where(mask, out, 0.0)
+
+
+# ---- losses (SPEC 9): each position's formula, and the aggregation sequence by sequence ----------
+
+def _aggregate(l, keep, aggregation, cu_seqlens=None):
+    """Per-position losses `l` over the positions `keep` (bool): "none" (l where kept, else 0),
+    "sum", "token-mean", or the mean over sequences (rows of a [B, T] `l`, or the segments of
+    `cu_seqlens`) with any position kept of each one's sum ("seq-mean-token-sum") or mean
+    ("seq-mean-token-mean"). An empty selection gives 0."""
+    kept = torch.where(keep, l, 0.0)
+    if aggregation == "none":
+        return kept
+    if aggregation == "sum":
+        return kept.sum()
+    if aggregation == "token-mean":
+        return kept.sum() / max(int(keep.sum()), 1)
+    if cu_seqlens is None:
+        sequences = [slice(b, b + 1) for b in range(l.shape[0])]
+    else:
+        cu = cu_seqlens.tolist()
+        sequences = [slice(a, b) for a, b in zip(cu[:-1], cu[1:])]
+    per_sequence = []
+    for s in sequences:
+        n = int(keep[s].sum())
+        if n > 0:
+            total = kept[s].sum()
+            per_sequence.append(total / n if aggregation == "seq-mean-token-mean" else total)
+    if not per_sequence:
+        return kept.sum()  # 0, and still a function of l
+    return sum(per_sequence) / len(per_sequence)
+
+
+def _selected(mask, like):
+    return torch.ones(like.shape, dtype=torch.bool, device=like.device) if mask is None \
+        else mask != 0
+
+
+def ppo_policy_loss(log_probs, old_log_probs, advantages, mask=None, *, cu_seqlens=None,
+                    clip_low=0.2, clip_high=None, dual_clip=None, log_ratio_clamp=20.0,
+                    aggregation="token-mean", dtype=torch.float64):
+    """(loss, clip_fraction, approx_kl). The clipped surrogate by the sign of A: A >= 0 bounds
+    the ratio above by 1 + clip_high; A < 0 below by 1 - clip_low, and with a dual clip c the
+    loss above by -A * c."""
+    lp, old, adv = _prep(dtype, log_probs, old_log_probs, advantages)
+    keep = _selected(mask, lp)
+    high = clip_low if clip_high is None else clip_high
+    d = torch.clamp(lp - old, -log_ratio_clamp, log_ratio_clamp)
+    ratio = torch.exp(d)
+    positive = -adv * torch.clamp(ratio, max=1 + high)
+    negative = -adv * torch.clamp(ratio, min=1 - clip_low)
+    if dual_clip is not None:
+        negative = torch.minimum(negative, -adv * dual_clip)
+    l = torch.where(adv >= 0, positive, negative)
+    clipped = -adv * torch.clamp(ratio, 1 - clip_low, 1 + high) > -adv * ratio
+    n = max(int(keep.sum()), 1)
+    return (_aggregate(l, keep, aggregation, cu_seqlens),
+            torch.where(keep, clipped.to(dtype), 0.0).sum() / n,
+            torch.where(keep, ratio - 1 - d, 0.0).sum() / n)
+
+
+def value_loss(values, returns, old_values=None, mask=None, *, cu_seqlens=None, clip=None,
+               kind="mse", huber_delta=1.0, aggregation="token-mean", dtype=torch.float64):
+    v, ret, old = _prep(dtype, values, returns, old_values)
+
+    def error(e):  # 0.5 e^2, or Huber's: quadratic up to |e| = delta, linear beyond
+        if kind == "mse":
+            return 0.5 * e * e
+        return torch.where(e.abs() <= huber_delta, 0.5 * e * e,
+                           huber_delta * (e.abs() - 0.5 * huber_delta))
+
+    l = error(v - ret)
+    if clip is not None:
+        l = torch.maximum(l, error(old + torch.clamp(v - old, -clip, clip) - ret))
+    return _aggregate(l, _selected(mask, v), aggregation, cu_seqlens)
+
+
+def kl_penalty(log_probs, ref_log_probs, kind="k3", clamp=None, dtype=torch.float64):
+    lp, ref = _prep(dtype, log_probs, ref_log_probs)
+    d = lp - ref
+    if kind == "k1":
+        k = d
+    elif kind == "abs":
+        k = d.abs()
+    elif kind == "k2":
+        k = d * d / 2
+    else:
+        if clamp is not None:  # k3 > c below d = -(c + 1): there exp stays finite (and the
+            d = d.clamp(min=-(min(clamp, 80.0) + 1))  # clamp's zero gradient is not 0 * inf)
+        k = torch.exp(-d) + d - 1
+    return k if clamp is None else torch.clamp(k, -clamp, clamp)
+
+
+def sac_targets(rewards, terminated, next_q_values, next_log_probs, *, gamma=0.99, alpha=0.2,
+                next_probs=None, dtype=torch.float64):
+    """One critic and one action at a time: the smallest of the K target critics, less
+    alpha * log pi, at the sampled action (continuous) or in expectation over the A actions
+    (discrete, `next_probs` given)."""
+    r, q, logp, p = _prep(dtype, rewards, next_q_values, next_log_probs, next_probs)
+    (term,) = _flags(terminated)
+    if isinstance(alpha, torch.Tensor):
+        alpha = alpha.to(dtype).reshape(())
+
+    def soft_value(q_a, logp_a):  # q_a [..., K]
+        smallest = q_a[..., 0]
+        for k in range(1, q_a.shape[-1]):
+            smallest = torch.minimum(smallest, q_a[..., k])
+        return smallest - alpha * logp_a
+
+    if p is None:
+        v = soft_value(q, logp)
+    else:
+        v = torch.zeros_like(r)
+        for a in range(p.shape[-1]):
+            v = v + p[..., a] * soft_value(q[..., a, :], logp[..., a])
+    return r + torch.where(term, 0.0, gamma * v)
+
+
+def crr_weights(q_values, sampled_q_values, *, beta=1.0, kind="exp", max_weight=20.0,
+                baseline="mean", dtype=torch.float64):
+    q, sampled = _prep(dtype, q_values, sampled_q_values)
+    base = sampled[..., 0]
+    for j in range(1, sampled.shape[-1]):
+        base = base + sampled[..., j] if baseline == "mean" else torch.maximum(base,
+                                                                              sampled[..., j])
+    if baseline == "mean":
+        base = base / sampled.shape[-1]
+    adv = q - base
+    if kind == "exp":
+        return torch.clamp(torch.exp(adv / beta), max=max_weight)
+    return torch.where(torch.isnan(adv), adv, (adv > 0).to(dtype))  # NaN stays NaN

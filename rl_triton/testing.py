@@ -99,8 +99,10 @@ _STUBBED = ("ray", "tensordict", "tensordict.tensorclass", "transformers",
 
 
 def import_frameworks(path=None):
-    """verl's `core_algos` and `torch_functional` and OpenRLHF's `RemoteExperienceMaker`, as
-    `types.SimpleNamespace(verl=..., verl_F=..., openrlhf=...)`, imported from `path` (a folder that
+    """verl's `core_algos` and `torch_functional`, OpenRLHF's `RemoteExperienceMaker` and its
+    modules `openrlhf.models.loss` (PolicyLoss, ValueLoss) and `openrlhf.models.utils`
+    (compute_approx_kl), as `types.SimpleNamespace(verl=..., verl_F=..., openrlhf=...,
+    openrlhf_loss=..., openrlhf_utils=...)`, imported from `path` (a folder that
     `pip install --no-deps --target` filled with the pinned wheels; default `$RL_TRITON_FRAMEWORKS`,
     else `.ci/frameworks`) with the heavy imports they never use (ray, transformers, deepspeed,
     tensordict, orjson) given stub modules while they import, and OpenRLHF's package `__init__`s
@@ -143,6 +145,8 @@ def import_frameworks(path=None):
         verl = importlib.import_module("verl.trainer.ppo.core_algos")
         verl_F = importlib.import_module("verl.utils.torch_functional")
         em = importlib.import_module("openrlhf.trainer.ppo_utils.experience_maker")
+        loss = importlib.import_module("openrlhf.models.loss")
+        utils = importlib.import_module("openrlhf.models.utils")
     finally:
         sys.path.remove(path)
         for n, m in saved.items():
@@ -150,7 +154,8 @@ def import_frameworks(path=None):
                 sys.modules.pop(n, None)
             else:
                 sys.modules[n] = m
-    return types.SimpleNamespace(verl=verl, verl_F=verl_F, openrlhf=em.RemoteExperienceMaker)
+    return types.SimpleNamespace(verl=verl, verl_F=verl_F, openrlhf=em.RemoteExperienceMaker,
+                                 openrlhf_loss=loss, openrlhf_utils=utils)
 
 
 TOKEN_KINDS = ("dense", "padded", "multi-turn", "packed")

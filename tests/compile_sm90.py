@@ -2,7 +2,8 @@
 without a GPU: `python tests/compile_sm90.py` prints one line per variant and exits non-zero if
 any fails to compile. Triton's interpreter, which runs the other tests on the CPU, never runs the
 compiler, and compiler failures (a crashing layout pass, a construct one Triton version rejects)
-would otherwise first show on the GPU. Run by tests/test_compile.py, without TRITON_INTERPRET."""
+would otherwise first show on the GPU. Run by tests/test_compile.py, without TRITON_INTERPRET;
+`python tests/compile_sm90.py losses` compiles the losses' kernels only."""
 import os
 import re
 import sys
@@ -18,8 +19,9 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cases import make_case  # noqa: E402
-from rl_triton import _plans  # noqa: E402
 import rl_triton  # noqa: E402
+from rl_triton import _plans  # noqa: E402
+from rl_triton.ops import _losses  # noqa: E402
 from rl_triton.ops import _whiten  # noqa: E402
 from rl_triton.ops import linear_scan as linear_scan_op  # noqa: E402
 from rl_triton.scan import kernel, launch, tiles  # noqa: E402
@@ -339,12 +341,123 @@ def compile_whiten():
     return failed
 
 
+def loss_launches(run, int64=False):
+    """The launches [(kernel, args, meta)] that `run()` (a loss call and its backward, on CPU
+    tensors) makes, intercepted; `int64`: as if the tensors were past 2^31 elements."""
+    seen = []
+
+    def intercept(kernel, programs, *args, **meta):
+        seen.append((kernel, args, meta))
+
+    saved, os.environ["TRITON_INTERPRET"] = _losses.launch, "1"  # backend="triton" on CPU
+    limit = _losses.INT32_MAX
+    _losses.launch = intercept
+    if int64:
+        _losses.INT32_MAX = 1000
+    try:
+        run()
+    finally:
+        _losses.launch, _losses.INT32_MAX = saved, limit
+        del os.environ["TRITON_INTERPRET"]
+    return seen
+
+
+def loss_variants():
+    """(label, run, int64): every loss kernel, forward and backward, with every aggregation
+    path (no sequences, rows, segments, per position), masks, dual clip, bf16, strided views,
+    64-bit indexing."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 64, 1000
+
+    def leaf(*shape, dtype=torch.float32, transposed=False):
+        x = torch.randn(shape[::-1] if transposed else shape, generator=g).to(dtype)
+        return (x.t() if transposed else x).requires_grad_()
+
+    mask = torch.rand(B, T, generator=g) < 0.7
+    cu = torch.tensor([0, 100, 100, 1000, B * T])
+
+    def ppo(shape=(B, T), dtype=torch.float32, transposed=False, **kw):
+        xs = [leaf(*shape, dtype=dtype, transposed=transposed) for _ in range(3)]
+
+        def run():
+            loss, _, kl = rl_triton.ppo_policy_loss(*xs, **kw, backend="triton")
+            (loss.float().sum() + kl).backward()
+        return run
+
+    def value(shape=(B, T), **kw):
+        xs = [leaf(*shape) for _ in range(3)]
+        return lambda: rl_triton.value_loss(*xs, **kw, backend="triton").sum().backward()
+
+    def kl(kind, clamp, dtype=torch.float32):
+        xs = [leaf(B, T, dtype=dtype) for _ in range(2)]
+        return lambda: rl_triton.kl_penalty(*xs, kind, clamp, backend="triton").sum().backward()
+
+    def sac(actions=None, tensor_alpha=False):
+        N = 4096
+        q = leaf(N, 2) if actions is None else leaf(N, actions, 2)
+        lp = leaf(N) if actions is None else leaf(N, actions)
+        probs = None if actions is None else torch.softmax(leaf(N, actions), -1)
+        alpha = torch.tensor(0.2, requires_grad=True) if tensor_alpha else 0.2
+        return lambda: rl_triton.sac_targets(leaf(N), torch.zeros(N, dtype=torch.bool), q, lp,
+                                             alpha=alpha, next_probs=probs,
+                                             backend="triton").sum().backward()
+
+    def crr(**kw):
+        return lambda: rl_triton.crr_weights(torch.randn(4096), torch.randn(4096, 8), **kw,
+                                             backend="triton")
+
+    yield "ppo token-mean, mask, dual clip", ppo(mask=mask, dual_clip=3.0), False
+    yield "ppo seq-mean-token-mean rows", ppo(aggregation="seq-mean-token-mean"), False
+    yield "ppo seq-mean-token-sum packed, mask", ppo(
+        shape=(B * T,), mask=mask.reshape(-1), cu_seqlens=cu,
+        aggregation="seq-mean-token-sum"), False
+    yield "ppo none bf16, mask", ppo(dtype=torch.bfloat16, mask=mask, aggregation="none"), False
+    yield "ppo sum, transposed views", ppo(transposed=True, aggregation="sum"), False
+    yield "ppo token-mean, mask, 64-bit", ppo(mask=mask, dual_clip=3.0), True
+    yield "value mse, token-mean", value(), False
+    yield "value huber, clip, seq-mean-token-mean, mask", value(
+        mask=mask, clip=0.2, kind="huber", aggregation="seq-mean-token-mean"), False
+    yield "value mse, clip, none, 64-bit", value(clip=0.2, aggregation="none"), True
+    for kind in ("k1", "abs", "k2", "k3"):
+        yield f"kl {kind}", kl(kind, None), False
+        yield f"kl {kind} clamp bf16", kl(kind, 10.0, torch.bfloat16), False
+    yield "kl k3 clamp, 64-bit", kl("k3", 10.0), True
+    yield "sac continuous", sac(), False
+    yield "sac discrete, alpha tensor", sac(18, True), False
+    yield "sac discrete, 64-bit", sac(100, True), True
+    for kind in ("exp", "binary"):
+        for baseline in ("mean", "max"):
+            yield f"crr {kind} {baseline}", crr(kind=kind, baseline=baseline), False
+    yield "crr exp mean, 64-bit", crr(), True
+
+
+def compile_losses() -> int:
+    """Compile every loss variant's kernels; the number that failed."""
+    failed = 0
+    for label, run, int64 in loss_variants():
+        t0 = time.time()
+        try:
+            launches = loss_launches(run, int64)
+            if not launches:
+                raise AssertionError("no launch")
+            for fn, args, meta in launches:
+                compile_kernel(fn, args, meta)
+            print(f"ok      {label}: {len(launches)} kernels ({time.time() - t0:.1f} s)",
+                  flush=True)
+        except Exception as e:  # noqa: BLE001 - report every failure, then fail
+            failed += 1
+            print(f"FAILED  {label}: {type(e).__name__}: {str(e)[-400:]}", flush=True)
+    return failed
+
+
 def main():
-    """`python tests/compile_sm90.py [scan|whiten]`: every kernel, or one family's."""
+    """`python tests/compile_sm90.py [scan|whiten|losses]`: every kernel, or one family's."""
     part = sys.argv[1] if len(sys.argv) > 1 else None
     failed = compile_scans() if part in (None, "scan") else 0
     if part in (None, "whiten"):
         failed += compile_whiten()
+    if part in (None, "losses"):
+        failed += compile_losses()
     sys.exit(1 if failed else 0)
 
 

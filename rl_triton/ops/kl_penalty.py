@@ -1,0 +1,162 @@
+"""KL penalties per position (SPEC 9): Schulman's estimators k1, k2, k3 and |d|, optionally
+clamped; one elementwise kernel forward, one backward."""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .. import reference
+from .._args import Call, check_backend, check_choice, check_out_dtype, check_scalar
+from ..scan.jit import tl, triton
+from . import _losses as L
+
+Tensor = torch.Tensor
+KINDS = ("k1", "abs", "k2", "k3")  # the kernels' KIND, in this order
+
+
+class Inputs(NamedTuple):
+    log_probs: Tensor
+    ref_log_probs: Tensor
+
+
+class Options(NamedTuple):
+    kind: str
+    clamp: Optional[float]
+    out_dtype: torch.dtype
+
+
+@triton.jit
+def estimate(d, clamp, KIND: tl.constexpr, CLAMPED: tl.constexpr):
+    """The estimate k(d) and dk/dd (0 where the clamp binds)."""
+    if KIND == 0:
+        k = d
+        dk = tl.full(d.shape, 1.0, tl.float32)
+    elif KIND == 1:
+        k = tl.abs(d)
+        dk = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
+    elif KIND == 2:
+        k = 0.5 * d * d
+        dk = d
+    else:
+        e = tl.exp(-d)
+        k = e + d - 1.0
+        dk = 1.0 - e
+    if CLAMPED:
+        dk = tl.where(tl.abs(k) <= clamp, dk, 0.0)
+        k = L.clamp(k, -clamp, clamp)
+    return k, dk
+
+
+@triton.jit
+def forward_kernel(lp, ref, out, N, C, lp_r, lp_c, ref_r, ref_c, clamp, KIND: tl.constexpr,
+                   CLAMPED: tl.constexpr, FLAT: tl.constexpr, INT64: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    i, inb = L.positions(N, INT64, BLOCK)
+    d = L.load(lp, i, C, lp_r, lp_c, inb, FLAT) - L.load(ref, i, C, ref_r, ref_c, inb, FLAT)
+    k, _ = estimate(d, clamp, KIND, CLAMPED)
+    tl.store(out + i, k.to(out.dtype.element_ty), mask=inb)
+
+
+@triton.jit
+def backward_kernel(lp, ref, g, d_lp, d_ref, N, C, lp_r, lp_c, ref_r, ref_c, g_r, g_c, clamp,
+                    KIND: tl.constexpr, CLAMPED: tl.constexpr, D_LP: tl.constexpr,
+                    D_REF: tl.constexpr, FLAT: tl.constexpr, INT64: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    i, inb = L.positions(N, INT64, BLOCK)
+    d = L.load(lp, i, C, lp_r, lp_c, inb, FLAT) - L.load(ref, i, C, ref_r, ref_c, inb, FLAT)
+    _, dk = estimate(d, clamp, KIND, CLAMPED)
+    grad = L.load(g, i, C, g_r, g_c, inb, FLAT) * dk
+    if D_LP:
+        tl.store(d_lp + i, grad.to(d_lp.dtype.element_ty), mask=inb)
+    if D_REF:
+        tl.store(d_ref + i, (-grad).to(d_ref.dtype.element_ty), mask=inb)
+
+
+def _meta(o: Options, lay: L.Layout, N: int) -> dict:
+    return dict(KIND=KINDS.index(o.kind), CLAMPED=o.clamp is not None, FLAT=lay.FLAT,
+                INT64=lay.INT64, BLOCK=L.block(N), num_warps=L.NUM_WARPS)
+
+
+def forward(x: Inputs, o: Options):
+    lp = x.log_probs
+    out = torch.empty(lp.shape, dtype=o.out_dtype, device=lp.device)
+    lay = L.layout(tuple(lp.shape), lp, x.ref_log_probs)
+    N = lp.numel()
+    meta = _meta(o, lay, N)
+    L.launch(forward_kernel, triton.cdiv(N, meta["BLOCK"]), *lay.tensors, out, N, lay.C,
+             *lay.strides, 0.0 if o.clamp is None else o.clamp, **meta)
+    return [out], []
+
+
+def backward(x: Inputs, o: Options, saved, grads, needs):
+    lp, ref = x
+    outs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) if need else None
+            for t, need in zip(x, needs)]
+    lay = L.layout(tuple(lp.shape), lp, ref, grads[0])
+    N = lp.numel()
+    meta = _meta(o, lay, N)
+    L.launch(backward_kernel, triton.cdiv(N, meta["BLOCK"]), *lay.tensors,
+             *(lay.tensors[0] if t is None else t for t in outs), N, lay.C, *lay.strides,
+             0.0 if o.clamp is None else o.clamp, D_LP=needs[0], D_REF=needs[1], **meta)
+    return outs
+
+
+def fake(x: Inputs, o: Options):
+    return [x.log_probs.new_empty(x.log_probs.shape, dtype=o.out_dtype)], []
+
+
+def torch_impl(x: Inputs, o: Options, dtype):
+    d = x.log_probs.to(dtype) - x.ref_log_probs.to(dtype)
+    if o.kind == "k1":
+        k = d
+    elif o.kind == "abs":
+        k = d.abs()
+    elif o.kind == "k2":
+        k = 0.5 * d * d
+    else:
+        if o.clamp is not None:
+            # d below -(c + 1) gives k3 > c, clamped to c with gradient 0 either way: bounding d
+            # there keeps exp(-d) finite, whose infinite derivative times that 0 would be NaN
+            d = d.clamp(min=-(min(o.clamp, 80.0) + 1))
+        k = torch.exp(-d) + d - 1
+    return (k if o.clamp is None else k.clamp(-o.clamp, o.clamp),)
+
+
+def loop_impl(x: Inputs, o: Options, dtype):
+    return (reference.kl_penalty(*x, kind=o.kind, clamp=o.clamp, dtype=dtype),)
+
+
+OP = L.Fused("kl_penalty", Inputs, Options, forward=forward, backward=backward, fake=fake,
+             n_out=1, n_saved=0)
+
+
+def kl_penalty(log_probs, ref_log_probs, kind="k3", clamp=None, *, backend="auto",
+               out_dtype=torch.float32):
+    """A per-position estimate of KL(pi || pi_ref) from log-probabilities of the sampled
+    tokens (Schulman's estimators), with d = log_probs - ref_log_probs::
+
+        "k1"   d
+        "abs"  |d|
+        "k2"   d^2 / 2
+        "k3"   exp(-d) + d - 1
+
+    `clamp` bounds the result to [-clamp, clamp] (OpenRLHF and verl clamp k3 to 10). Returns a
+    tensor of `log_probs`' shape; differentiable with respect to both inputs (zero where the
+    clamp binds).
+
+    Example::
+
+        >>> kl = rl_triton.kl_penalty(log_probs, ref_log_probs, "k3", clamp=10.0)
+        >>> loss = pg_loss + 0.001 * (kl * mask).sum() / mask.sum()
+    """
+    backend = check_backend(backend)
+    out_dtype = check_out_dtype(out_dtype)
+    call = Call("log_probs", log_probs, None)
+    lp = call.step("log_probs", log_probs)
+    ref = call.step("ref_log_probs", ref_log_probs)
+    kind = check_choice("kind", kind, KINDS)
+    if clamp is not None:
+        clamp = check_scalar("clamp", clamp, high=None, low_open=True)
+    return L.run(OP, Inputs(lp, ref), Options(kind, clamp, out_dtype), call, backend,
+                 torch_impl, loop_impl, out_dtype)

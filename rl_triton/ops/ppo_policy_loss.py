@@ -1,0 +1,275 @@
+"""PPO's clipped surrogate (SPEC 9), with its clip fraction and KL estimate: one kernel forward
+(plus the tiny `finish_kernel` that adds the programs' partial sums), one backward."""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .. import reference
+from .._args import Call, check_backend, check_out_dtype, check_scalar
+from ..scan.jit import tl, triton
+from . import _losses as L
+
+Tensor = torch.Tensor
+
+
+class Inputs(NamedTuple):
+    log_probs: Tensor
+    old_log_probs: Tensor
+    advantages: Tensor
+    mask: Optional[Tensor]
+    cu_seqlens: Optional[Tensor]
+
+
+class Options(NamedTuple):
+    clip_low: float
+    clip_high: float
+    dual_clip: Optional[float]
+    log_ratio_clamp: float
+    aggregation: str
+    out_dtype: torch.dtype
+
+
+@triton.jit
+def surrogate(x, o, a, clip_low, clip_high, dual_clip, ratio_clamp, DUAL: tl.constexpr):
+    """l at each position, and what its gradient needs: the raw and clamped log-ratios, the
+    ratio and its clip, whether the unclipped term is the larger (a tie counts as unclipped)
+    and whether the dual clip binds."""
+    raw = x - o
+    d = L.clamp(raw, -ratio_clamp, ratio_clamp)
+    r = tl.exp(d)
+    rc = L.clamp(r, 1.0 - clip_low, 1.0 + clip_high)
+    plain = -a * r >= -a * rc
+    l = L.maximum(-a * r, -a * rc)
+    dual = tl.zeros(r.shape, tl.int1)
+    if DUAL:
+        dual = (a < 0) & (-a * dual_clip < l)
+        l = tl.where(dual, -a * dual_clip, l)
+    return l, raw, d, r, rc, plain, dual
+
+
+@triton.jit
+def forward_kernel(lp, old, adv, mask, scale, cu, loss, parts, N, C, S, STEPS,
+                   lp_r, lp_c, old_r, old_c, adv_r, adv_c, m_r, m_c,
+                   clip_low, clip_high, dual_clip, ratio_clamp,
+                   HAS_MASK: tl.constexpr, SEQ: tl.constexpr, DUAL: tl.constexpr,
+                   PER_POSITION: tl.constexpr, FLAT: tl.constexpr, INT64: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """Partial sums of this program's positions: [count, weighted loss, clipped, k3]; with
+    PER_POSITION (aggregation "none") the masked losses too."""
+    i, inb = L.positions(N, INT64, BLOCK)
+    x = L.load(lp, i, C, lp_r, lp_c, inb, FLAT)
+    o = L.load(old, i, C, old_r, old_c, inb, FLAT)
+    a = L.load(adv, i, C, adv_r, adv_c, inb, FLAT)
+    keep = L.selected(mask, i, C, m_r, m_c, inb, HAS_MASK, FLAT)
+    l, raw, d, r, rc, plain, dual = surrogate(x, o, a, clip_low, clip_high, dual_clip,
+                                              ratio_clamp, DUAL)
+    if PER_POSITION:
+        tl.store(loss + i, tl.where(keep, l, 0.0).to(loss.dtype.element_ty), mask=inb)
+    w = l
+    if SEQ != 0:
+        w = l * L.seq_weight(scale, cu, i, C, S, inb, STEPS, SEQ)
+    out = parts + tl.program_id(0) * 4
+    tl.store(out, tl.sum(keep.to(tl.float32), axis=0))
+    tl.store(out + 1, tl.sum(tl.where(keep, w, 0.0), axis=0))
+    tl.store(out + 2, tl.sum((keep & (-a * rc > -a * r)).to(tl.float32), axis=0))
+    tl.store(out + 3, tl.sum(tl.where(keep, r - 1.0 - d, 0.0), axis=0))
+
+
+@triton.jit
+def backward_kernel(lp, old, adv, mask, scale, cu, g_loss, g_kl, inv, d_lp, d_old, d_adv,
+                    N, C, S, STEPS, lp_r, lp_c, old_r, old_c, adv_r, adv_c, m_r, m_c, g_r, g_c,
+                    clip_low, clip_high, dual_clip, ratio_clamp,
+                    HAS_MASK: tl.constexpr, SEQ: tl.constexpr, DUAL: tl.constexpr,
+                    PER_POSITION: tl.constexpr, MEAN: tl.constexpr, HAS_G: tl.constexpr,
+                    HAS_GKL: tl.constexpr, D_LP: tl.constexpr, D_OLD: tl.constexpr,
+                    D_ADV: tl.constexpr, FLAT: tl.constexpr, INT64: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """dl/dlp = g w (dl/dr) r + g_kl inv (r - 1) where the log-ratio is inside its clamp,
+    dl/dold its negative, dl/dA = g w (dl/dA), zero where a position does not count."""
+    i, inb = L.positions(N, INT64, BLOCK)
+    x = L.load(lp, i, C, lp_r, lp_c, inb, FLAT)
+    o = L.load(old, i, C, old_r, old_c, inb, FLAT)
+    a = L.load(adv, i, C, adv_r, adv_c, inb, FLAT)
+    keep = L.selected(mask, i, C, m_r, m_c, inb, HAS_MASK, FLAT)
+    l, raw, d, r, rc, plain, dual = surrogate(x, o, a, clip_low, clip_high, dual_clip,
+                                              ratio_clamp, DUAL)
+    g = tl.zeros(x.shape, tl.float32)
+    if HAS_G:
+        if PER_POSITION:
+            g = L.load(g_loss, i, C, g_r, g_c, inb, FLAT)
+        else:
+            g += tl.load(g_loss).to(tl.float32)
+        if MEAN:
+            g = g * tl.load(inv)
+        if SEQ != 0:
+            g = g * L.seq_weight(scale, cu, i, C, S, inb, STEPS, SEQ)
+    # the clipped term's ratio has derivative 0 where that term is the larger (it is clipped)
+    dl_dr = tl.where(plain, -a, 0.0)
+    dl_da = tl.where(plain, -r, -rc)
+    if DUAL:
+        dl_dr = tl.where(dual, 0.0, dl_dr)
+        dl_da = tl.where(dual, -dual_clip, dl_da)
+    dd = g * dl_dr * r
+    if HAS_GKL:  # approx_kl = mean of r - 1 - d
+        dd += tl.load(g_kl).to(tl.float32) * tl.load(inv) * (r - 1.0)
+    dd = tl.where(keep & (tl.abs(raw) <= ratio_clamp), dd, 0.0)
+    if D_LP:
+        tl.store(d_lp + i, dd.to(d_lp.dtype.element_ty), mask=inb)
+    if D_OLD:
+        tl.store(d_old + i, (-dd).to(d_old.dtype.element_ty), mask=inb)
+    if D_ADV:
+        tl.store(d_adv + i, tl.where(keep, g * dl_da, 0.0).to(d_adv.dtype.element_ty),
+                 mask=inb)
+
+
+def _scalars(o: Options) -> tuple:
+    return (o.clip_low, o.clip_high, 0.0 if o.dual_clip is None else o.dual_clip,
+            o.log_ratio_clamp)
+
+
+def _seq(x: Inputs, o: Options):
+    """(SEQ, scale, cu, S, STEPS): how the kernels weight a position's sequence."""
+    seq = L.seq_kind(o.aggregation, x.cu_seqlens)
+    lp = x.log_probs
+    if seq == L.NO_SEQ:
+        return seq, lp, lp, 0, 0
+    scale = L.seq_scale(o.aggregation, L.counted(x.mask), x.cu_seqlens, tuple(lp.shape),
+                        torch.float32, lp.device)
+    cu = lp if x.cu_seqlens is None else x.cu_seqlens
+    S = scale.shape[0]
+    return seq, scale, cu, S, max(S - 1, 0).bit_length()
+
+
+def forward(x: Inputs, o: Options):
+    lp = x.log_probs
+    N, dev, per_position = lp.numel(), lp.device, o.aggregation == "none"
+    seq, scale, cu, S, steps = _seq(x, o)
+    loss = torch.empty(lp.shape if per_position else (), dtype=o.out_dtype, device=dev)
+    clip, kl = (torch.empty((), dtype=o.out_dtype, device=dev) for _ in range(2))
+    inv = torch.empty((), dtype=torch.float32, device=dev)
+    lay = L.layout(tuple(lp.shape), lp, x.old_log_probs, x.advantages, x.mask)
+    bl = L.block(N)
+    programs = triton.cdiv(N, bl)
+    parts = torch.empty((programs, 4), dtype=torch.float32, device=dev)
+    L.launch(forward_kernel, programs, *lay.tensors, scale, cu, loss, parts,
+             N, lay.C, S, steps, *lay.strides, *_scalars(o), HAS_MASK=x.mask is not None,
+             SEQ=seq, DUAL=o.dual_clip is not None, PER_POSITION=per_position, FLAT=lay.FLAT,
+             INT64=lay.INT64, BLOCK=bl, num_warps=L.NUM_WARPS)
+    L.finish(parts, loss, inv, (clip, kl), mean=o.aggregation == "token-mean",
+             write_loss=not per_position)
+    return [loss, clip, kl], [inv, scale if seq else lp.new_empty(0, dtype=torch.float32)]
+
+
+def backward(x: Inputs, o: Options, saved, grads, needs):
+    lp = x.log_probs
+    inv, scale = saved
+    g_loss, _, g_kl = grads
+    n_lp, n_old, n_adv = needs[:3]
+    seq, _, cu, S, steps = _seq(x, o)
+    if seq == L.NO_SEQ:
+        scale = lp
+    outs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) if need else None
+            for t, need in zip((lp, x.old_log_probs, x.advantages), (n_lp, n_old, n_adv))]
+    per_position = o.aggregation == "none"
+    lay = L.layout(tuple(lp.shape), lp, x.old_log_probs, x.advantages, x.mask,
+                   g_loss if per_position else None)
+    N = lp.numel()
+    bl = L.block(N)
+    dummy = lay.tensors[0]
+    g = dummy if g_loss is None else lay.tensors[4] if per_position else g_loss
+    L.launch(backward_kernel, triton.cdiv(N, bl), *lay.tensors[:4], scale, cu, g,
+             dummy if g_kl is None else g_kl, inv, *(dummy if t is None else t for t in outs),
+             N, lay.C, S, steps, *lay.strides, *_scalars(o), HAS_MASK=x.mask is not None,
+             SEQ=seq, DUAL=o.dual_clip is not None, PER_POSITION=per_position,
+             MEAN=o.aggregation == "token-mean", HAS_G=g_loss is not None,
+             HAS_GKL=g_kl is not None, D_LP=n_lp, D_OLD=n_old, D_ADV=n_adv, FLAT=lay.FLAT,
+             INT64=lay.INT64, BLOCK=bl, num_warps=L.NUM_WARPS)
+    return outs + [None, None]
+
+
+def fake(x: Inputs, o: Options):
+    lp = x.log_probs
+    shape = lp.shape if o.aggregation == "none" else ()
+    outs = [lp.new_empty(shape, dtype=o.out_dtype)] + [lp.new_empty((), dtype=o.out_dtype)
+                                                        for _ in range(2)]
+    seq = L.seq_kind(o.aggregation, x.cu_seqlens)
+    S = 0 if seq == L.NO_SEQ else lp.shape[0] if seq == L.ROWS else x.cu_seqlens.shape[0] - 1
+    return outs, [lp.new_empty((), dtype=torch.float32), lp.new_empty(S, dtype=torch.float32)]
+
+
+def torch_impl(x: Inputs, o: Options, dtype):
+    lp, old, adv = (t.to(dtype) for t in x[:3])
+    m = L.counted(x.mask)
+    d = (lp - old).clamp(-o.log_ratio_clamp, o.log_ratio_clamp)
+    ratio = d.exp()
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - o.clip_low, 1 + o.clip_high)
+    l = torch.maximum(unclipped, clipped)
+    if o.dual_clip is not None:
+        l = torch.where(adv < 0, torch.minimum(l, -adv * o.dual_clip), l)
+    return (L.aggregate(l, m, o.aggregation, x.cu_seqlens),
+            L.masked_mean((clipped > unclipped).to(dtype), m),
+            L.masked_mean(ratio - 1 - d, m))
+
+
+def loop_impl(x: Inputs, o: Options, dtype):
+    return reference.ppo_policy_loss(*x[:4], cu_seqlens=x.cu_seqlens, clip_low=o.clip_low,
+                                     clip_high=o.clip_high, dual_clip=o.dual_clip,
+                                     log_ratio_clamp=o.log_ratio_clamp,
+                                     aggregation=o.aggregation, dtype=dtype)
+
+
+OP = L.Fused("ppo_policy_loss", Inputs, Options, forward=forward, backward=backward, fake=fake,
+             n_out=3, n_saved=2, nondiff=(1,))
+
+
+def ppo_policy_loss(log_probs, old_log_probs, advantages, mask=None, *, clip_low=0.2,
+                    clip_high=None, dual_clip=None, log_ratio_clamp=20.0,
+                    aggregation="token-mean", cu_seqlens=None, backend="auto",
+                    out_dtype=torch.float32):
+    """PPO's clipped surrogate loss. Returns `(loss, clip_fraction, approx_kl)`.
+
+    Per position, with A the advantages::
+
+        d     = clamp(log_probs - old_log_probs, -log_ratio_clamp, log_ratio_clamp)
+        ratio = exp(d)
+        l     = max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high))
+        l     = min(l, -A * dual_clip)   where A < 0   (dual-clip PPO, with dual_clip = c > 1)
+
+    `clip_high` defaults to `clip_low` (asymmetric clips: DAPO's clip-higher). `mask` (bool,
+    integer or float, set where nonzero; the shape of `log_probs`) selects the positions that
+    count, and `aggregation` reduces them: "token-mean" (`sum(l m) / sum(m)`),
+    "seq-mean-token-sum", "seq-mean-token-mean" (the mean over sequences, with at least one
+    position that counts, of each one's sum or mean; a sequence is a row of `[B, T]` inputs
+    or a segment of `cu_seqlens`, FlashAttention's offsets of packed `[L]` inputs), "sum", or
+    "none" (`l * m` per position). An empty selection gives 0.
+
+    `clip_fraction` is the mean over the positions that count of those where the clipped term
+    is the larger (no gradient); `approx_kl` the mean of `ratio - 1 - d`, the k3 estimate of
+    KL(old || new) (differentiable: it can be added to the loss). Gradients flow to every
+    floating input by the formula; every output has dtype `out_dtype`.
+
+    Example::
+
+        >>> loss, clip_fraction, approx_kl = rl_triton.ppo_policy_loss(
+        ...     new_log_probs, old_log_probs, advantages, response_mask, clip_high=0.28)
+    """
+    backend = check_backend(backend)
+    out_dtype = check_out_dtype(out_dtype)
+    call = Call("log_probs", log_probs, None)
+    lp = call.step("log_probs", log_probs)
+    old = call.step("old_log_probs", old_log_probs)
+    adv = call.step("advantages", advantages)
+    aggregation, mask, cu = L.aggregation_args(call, aggregation, mask, cu_seqlens)
+    clip_low = check_scalar("clip_low", clip_low)
+    clip_high = clip_low if clip_high is None else check_scalar("clip_high", clip_high,
+                                                                high=None)
+    if dual_clip is not None:
+        dual_clip = check_scalar("dual_clip", dual_clip, low=1.0, high=None, low_open=True)
+    log_ratio_clamp = check_scalar("log_ratio_clamp", log_ratio_clamp, high=None,
+                                   low_open=True)
+    o = Options(clip_low, clip_high, dual_clip, log_ratio_clamp, aggregation, out_dtype)
+    return L.run(OP, Inputs(lp, old, adv, mask, cu), o, call, backend, torch_impl, loop_impl,
+                 out_dtype)

@@ -1,0 +1,262 @@
+"""The value loss (SPEC 9): squared or Huber error, optionally clipped around the old values;
+one kernel forward (plus `finish_kernel`), one backward."""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .. import reference
+from .._args import Call, check_backend, check_choice, check_out_dtype, check_scalar
+from ..scan.jit import tl, triton
+from . import _losses as L
+
+Tensor = torch.Tensor
+KINDS = ("mse", "huber")
+
+
+class Inputs(NamedTuple):
+    values: Tensor
+    returns: Tensor
+    old_values: Optional[Tensor]
+    mask: Optional[Tensor]
+    cu_seqlens: Optional[Tensor]
+
+
+class Options(NamedTuple):
+    clip: Optional[float]
+    kind: str
+    huber_delta: float
+    aggregation: str
+    out_dtype: torch.dtype
+
+
+@triton.jit
+def error(e, delta, HUBER: tl.constexpr):
+    """f(e) and f'(e): 0.5 e^2, or Huber's (quadratic up to |e| = delta, linear beyond)."""
+    if HUBER:
+        a = tl.abs(e)
+        return (tl.where(a <= delta, 0.5 * e * e, delta * (a - 0.5 * delta)),
+                L.clamp(e, -delta, delta))
+    return 0.5 * e * e, e
+
+
+@triton.jit
+def terms(v, ret, old, clip, delta, CLIPPED: tl.constexpr, HUBER: tl.constexpr):
+    """l, and what its gradient needs: f' of the unclipped and the clipped error, whether the
+    unclipped error is the larger (a tie counts as unclipped), whether V - old is inside the
+    clip."""
+    f, df = error(v - ret, delta, HUBER)
+    l = f
+    dfc = df
+    plain = tl.full(v.shape, 1, tl.int1)
+    inside = plain
+    if CLIPPED:
+        fc, dfc = error(old + L.clamp(v - old, -clip, clip) - ret, delta, HUBER)
+        plain = f >= fc
+        l = L.maximum(f, fc)
+        inside = tl.abs(v - old) <= clip
+    return l, df, dfc, plain, inside
+
+
+@triton.jit
+def forward_kernel(values, returns, old, mask, scale, cu, loss, parts, N, C, S, STEPS,
+                   v_r, v_c, ret_r, ret_c, old_r, old_c, m_r, m_c, clip, delta,
+                   CLIPPED: tl.constexpr, HUBER: tl.constexpr, HAS_MASK: tl.constexpr,
+                   SEQ: tl.constexpr, PER_POSITION: tl.constexpr, FLAT: tl.constexpr,
+                   INT64: tl.constexpr, BLOCK: tl.constexpr):
+    """Partial sums of this program's positions: [count, weighted loss]; with PER_POSITION
+    (aggregation "none") the masked losses too."""
+    i, inb = L.positions(N, INT64, BLOCK)
+    v = L.load(values, i, C, v_r, v_c, inb, FLAT)
+    ret = L.load(returns, i, C, ret_r, ret_c, inb, FLAT)
+    o = v
+    if CLIPPED:
+        o = L.load(old, i, C, old_r, old_c, inb, FLAT)
+    keep = L.selected(mask, i, C, m_r, m_c, inb, HAS_MASK, FLAT)
+    l, df, dfc, plain, inside = terms(v, ret, o, clip, delta, CLIPPED, HUBER)
+    if PER_POSITION:
+        tl.store(loss + i, tl.where(keep, l, 0.0).to(loss.dtype.element_ty), mask=inb)
+    if SEQ != 0:
+        l = l * L.seq_weight(scale, cu, i, C, S, inb, STEPS, SEQ)
+    out = parts + tl.program_id(0) * 2
+    tl.store(out, tl.sum(keep.to(tl.float32), axis=0))
+    tl.store(out + 1, tl.sum(tl.where(keep, l, 0.0), axis=0))
+
+
+@triton.jit
+def backward_kernel(values, returns, old, mask, scale, cu, g_loss, inv, d_v, d_ret, d_old,
+                    N, C, S, STEPS, v_r, v_c, ret_r, ret_c, old_r, old_c, m_r, m_c, g_r, g_c,
+                    clip, delta, CLIPPED: tl.constexpr, HUBER: tl.constexpr,
+                    HAS_MASK: tl.constexpr, SEQ: tl.constexpr, PER_POSITION: tl.constexpr,
+                    MEAN: tl.constexpr, D_V: tl.constexpr, D_RET: tl.constexpr,
+                    D_OLD: tl.constexpr, FLAT: tl.constexpr, INT64: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """The larger error's f', times g w: to V (inside the clip, for the clipped error), to the
+    returns (negated), and to the old values (outside the clip)."""
+    i, inb = L.positions(N, INT64, BLOCK)
+    v = L.load(values, i, C, v_r, v_c, inb, FLAT)
+    ret = L.load(returns, i, C, ret_r, ret_c, inb, FLAT)
+    o = v
+    if CLIPPED:
+        o = L.load(old, i, C, old_r, old_c, inb, FLAT)
+    keep = L.selected(mask, i, C, m_r, m_c, inb, HAS_MASK, FLAT)
+    l, df, dfc, plain, inside = terms(v, ret, o, clip, delta, CLIPPED, HUBER)
+    if PER_POSITION:
+        g = L.load(g_loss, i, C, g_r, g_c, inb, FLAT)
+    else:
+        g = tl.zeros(v.shape, tl.float32) + tl.load(g_loss).to(tl.float32)
+    if MEAN:
+        g = g * tl.load(inv)
+    if SEQ != 0:
+        g = g * L.seq_weight(scale, cu, i, C, S, inb, STEPS, SEQ)
+    g = tl.where(keep, g, 0.0)
+    if D_V:
+        dv = tl.where(plain, df, tl.where(inside, dfc, 0.0))
+        tl.store(d_v + i, (g * dv).to(d_v.dtype.element_ty), mask=inb)
+    if D_RET:
+        tl.store(d_ret + i, (-g * tl.where(plain, df, dfc)).to(d_ret.dtype.element_ty), mask=inb)
+    if D_OLD:
+        d_o = tl.where(plain | inside, 0.0, g * dfc)
+        tl.store(d_old + i, d_o.to(d_old.dtype.element_ty), mask=inb)
+
+
+def _scalars(o: Options) -> tuple:
+    return 0.0 if o.clip is None else o.clip, o.huber_delta
+
+
+def _flags(x: Inputs, o: Options) -> dict:
+    return dict(CLIPPED=o.clip is not None, HUBER=o.kind == "huber", HAS_MASK=x.mask is not None,
+                SEQ=L.seq_kind(o.aggregation, x.cu_seqlens),
+                PER_POSITION=o.aggregation == "none")
+
+
+def _seq(x: Inputs, o: Options):
+    """(scale, cu, S, STEPS) of the kernels' sequence weights (unused ones: any tensor)."""
+    v = x.values
+    if L.seq_kind(o.aggregation, x.cu_seqlens) == L.NO_SEQ:
+        return v, v, 0, 0
+    scale = L.seq_scale(o.aggregation, L.counted(x.mask), x.cu_seqlens, tuple(v.shape),
+                        torch.float32, v.device)
+    S = scale.shape[0]
+    return scale, v if x.cu_seqlens is None else x.cu_seqlens, S, max(S - 1, 0).bit_length()
+
+
+def forward(x: Inputs, o: Options):
+    v = x.values
+    N, dev, per_position = v.numel(), v.device, o.aggregation == "none"
+    scale, cu, S, steps = _seq(x, o)
+    loss = torch.empty(v.shape if per_position else (), dtype=o.out_dtype, device=dev)
+    inv = torch.empty((), dtype=torch.float32, device=dev)
+    lay = L.layout(tuple(v.shape), v, x.returns, x.old_values, x.mask)
+    bl = L.block(N)
+    programs = triton.cdiv(N, bl)
+    parts = torch.empty((programs, 2), dtype=torch.float32, device=dev)
+    L.launch(forward_kernel, programs, *lay.tensors, scale, cu, loss, parts, N, lay.C, S, steps,
+             *lay.strides, *_scalars(o), **_flags(x, o), FLAT=lay.FLAT, INT64=lay.INT64,
+             BLOCK=bl, num_warps=L.NUM_WARPS)
+    L.finish(parts, loss, inv, mean=o.aggregation == "token-mean", write_loss=not per_position)
+    seq = L.seq_kind(o.aggregation, x.cu_seqlens) != L.NO_SEQ
+    return [loss], [inv, scale if seq else v.new_empty(0, dtype=torch.float32)]
+
+
+def backward(x: Inputs, o: Options, saved, grads, needs):
+    v = x.values
+    inv, scale = saved
+    (g_loss,) = grads
+    n_v, n_ret, n_old = needs[:3]
+    outs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) if need else None
+            for t, need in zip((v, x.returns, x.old_values), (n_v, n_ret, n_old))]
+    _, cu, S, steps = _seq(x, o)  # (the scale is the forward's)
+    if L.seq_kind(o.aggregation, x.cu_seqlens) == L.NO_SEQ:
+        scale = v
+    per_position = o.aggregation == "none"
+    lay = L.layout(tuple(v.shape), v, x.returns, x.old_values, x.mask,
+                   g_loss if per_position else None)
+    N = v.numel()
+    bl = L.block(N)
+    dummy = lay.tensors[0]
+    L.launch(backward_kernel, triton.cdiv(N, bl), *lay.tensors[:4], scale, cu,
+             lay.tensors[4] if per_position else g_loss, inv,
+             *(dummy if t is None else t for t in outs), N, lay.C, S, steps, *lay.strides,
+             *_scalars(o), **_flags(x, o), MEAN=o.aggregation == "token-mean", D_V=n_v,
+             D_RET=n_ret, D_OLD=n_old, FLAT=lay.FLAT, INT64=lay.INT64, BLOCK=bl,
+             num_warps=L.NUM_WARPS)
+    return outs + [None, None]
+
+
+def fake(x: Inputs, o: Options):
+    v = x.values
+    seq = L.seq_kind(o.aggregation, x.cu_seqlens)
+    S = 0 if seq == L.NO_SEQ else v.shape[0] if seq == L.ROWS else x.cu_seqlens.shape[0] - 1
+    return ([v.new_empty(v.shape if o.aggregation == "none" else (), dtype=o.out_dtype)],
+            [v.new_empty((), dtype=torch.float32), v.new_empty(S, dtype=torch.float32)])
+
+
+def torch_impl(x: Inputs, o: Options, dtype):
+    v, ret = x.values.to(dtype), x.returns.to(dtype)
+
+    def error(e):
+        if o.kind == "mse":
+            return 0.5 * e * e
+        a = e.abs()
+        delta = o.huber_delta
+        return torch.where(a <= delta, 0.5 * e * e, delta * (a - 0.5 * delta))
+
+    l = error(v - ret)
+    if o.clip is not None:
+        old = x.old_values.to(dtype)
+        l = torch.maximum(l, error(old + (v - old).clamp(-o.clip, o.clip) - ret))
+    return (L.aggregate(l, L.counted(x.mask), o.aggregation, x.cu_seqlens),)
+
+
+def loop_impl(x: Inputs, o: Options, dtype):
+    return (reference.value_loss(*x[:4], cu_seqlens=x.cu_seqlens, clip=o.clip, kind=o.kind,
+                                 huber_delta=o.huber_delta, aggregation=o.aggregation,
+                                 dtype=dtype),)
+
+
+OP = L.Fused("value_loss", Inputs, Options, forward=forward, backward=backward, fake=fake,
+             n_out=1, n_saved=2)
+
+
+def value_loss(values, returns, old_values=None, mask=None, *, clip=None, kind="mse",
+               huber_delta=1.0, aggregation="token-mean", cu_seqlens=None, backend="auto",
+               out_dtype=torch.float32):
+    """The value loss of predicted `values` against their targets `returns`.
+
+    Per position, with e = values - returns::
+
+        f(e) = 0.5 * e^2                                        kind="mse"
+        f(e) = 0.5 * e^2 if |e| <= delta, else delta * (|e| - 0.5 * delta)   kind="huber"
+        l    = f(values - returns)
+        l    = max(l, f(old_values + clamp(values - old_values, -clip, clip) - returns))
+                                                                with clip (CleanRL's, verl's)
+
+    `old_values` (the values at rollout time) are read only with `clip`. `mask`, `aggregation`
+    and `cu_seqlens` as in `ppo_policy_loss` (default: the mean over the positions that count).
+    Gradients flow to `values`, `returns` and `old_values` by the formula.
+
+    Example::
+
+        >>> v_loss = rl_triton.value_loss(new_values, returns, old_values, mask, clip=0.2)
+    """
+    backend = check_backend(backend)
+    out_dtype = check_out_dtype(out_dtype)
+    call = Call("values", values, None)
+    v = call.step("values", values)
+    ret = call.step("returns", returns)
+    old = call.step("old_values", old_values, optional=True)
+    aggregation, mask, cu = L.aggregation_args(call, aggregation, mask, cu_seqlens)
+    kind = check_choice("kind", kind, KINDS)
+    huber_delta = check_scalar("huber_delta", huber_delta, high=None, low_open=True)
+    if clip is not None:
+        clip = check_scalar("clip", clip, high=None)
+        if old is None:
+            raise ValueError("clip needs old_values (the values at rollout time) to clip "
+                             "around")
+    else:
+        old = None  # unread without a clip
+    o = Options(clip, kind, huber_delta, aggregation, out_dtype)
+    return L.run(OP, Inputs(v, ret, old, mask, cu), o, call, backend, torch_impl, loop_impl,
+                 out_dtype)
