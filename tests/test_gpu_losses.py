@@ -33,10 +33,15 @@ def calls(xs, mask, aggregation, backend, cu_seqlens=None):
     return [loss, kl, v, k]
 
 
-def weighted(outs, seed=9):
-    return sum((o.double() * torch.randn(o.shape, generator=G.manual_seed(seed + i),
-                                         device=DEV, dtype=torch.float64)).sum()
-               for i, o in enumerate(outs))
+def weights(outs, seed=9):
+    return [torch.randn(o.shape, generator=G.manual_seed(seed + i), device=DEV,
+                        dtype=torch.float64) for i, o in enumerate(outs)]
+
+
+def weighted(outs, seed=9, ws=None):
+    """A random weighting of the outputs (`ws`, drawn beforehand inside a CUDA graph capture,
+    which cannot reseed a generator)."""
+    return sum((o.double() * w).sum() for o, w in zip(outs, ws or weights(outs, seed)))
 
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean",
@@ -119,11 +124,14 @@ def test_cuda_graph_forward_and_backward(aggregation):
     sac = [rnd(4096, seed=5), torch.zeros(4096, dtype=torch.bool, device=DEV),
            rnd(4096, 2, seed=6).requires_grad_(), rnd(4096, seed=7)]
 
+    ws = weights(calls(static, static_mask, aggregation, "triton"))
+
     def step():
         outs = calls(static, static_mask, aggregation, "triton")
         y = rl_triton.sac_targets(*sac, alpha=alpha, backend="triton")
         w = rl_triton.crr_weights(sac[0], sac[2].detach(), backend="triton")
-        return torch.autograd.grad(weighted(outs) + (y * w).sum(), static + [sac[2], alpha])
+        return torch.autograd.grad(weighted(outs, ws=ws) + (y * w).sum(),
+                                   static + [sac[2], alpha])
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -103,6 +103,24 @@ def test_group_advantages_gradcheck():
                                                  out_dtype=torch.float64), (s,))
 
 
+@pytest.fixture(autouse=True)
+def triton_on_the_gpu(monkeypatch):
+    """These tests build CPU tensors: the Triton path runs them in the interpreter on a CPU
+    machine; on a CUDA machine (no interpreter) it runs them on the GPU, moved there and the
+    results moved back (tests/test_gpu_outcome.py has the GPU's own sizes)."""
+    if not torch.cuda.is_available():
+        return
+    real = rl_triton.masked_whiten
+
+    def on_gpu(x, mask=None, **kw):
+        if kw.get("backend") != "triton" or not isinstance(x, torch.Tensor) or x.is_cuda:
+            return real(x, mask, **kw)
+        mask = mask.cuda() if isinstance(mask, torch.Tensor) else mask
+        return real(x.cuda(), mask, **kw).cpu()
+
+    monkeypatch.setattr(rl_triton, "masked_whiten", on_gpu)
+
+
 @pytest.mark.parametrize("shift_mean", [True, False])
 @pytest.mark.parametrize("with_mask", [True, False])
 def test_masked_whiten_matches_reference(shift_mean, with_mask):
@@ -371,14 +389,17 @@ def _whiten_rank(rank, world, path, out, backend):
     x = (torch.randn(3 + rank, 11, generator=g, dtype=torch.float64) * (rank + 1))
     mask = torch.rand(x.shape, generator=g) < 0.7
     x.requires_grad_()
-    y = rl_triton.masked_whiten(x, mask, group=dist.group.WORLD, backend=backend,
-                                out_dtype=torch.float64)
+    # the Triton path: in the interpreter on a CPU machine, on the GPU where there is one
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    y = rl_triton.masked_whiten(x.to(dev), mask.to(dev), group=dist.group.WORLD,
+                                backend=backend, out_dtype=torch.float64).cpu()
     w = torch.randn(x.shape, generator=g, dtype=torch.float64)
     (y * w).sum().backward()
     # a rank without data still takes part in both all-reduces
     alone = x.detach()[:0 if rank else None].clone().requires_grad_()
-    y_alone = rl_triton.masked_whiten(alone, mask[:alone.shape[0]], group=dist.group.WORLD,
-                                      backend=backend, out_dtype=torch.float64)
+    y_alone = rl_triton.masked_whiten(alone.to(dev), mask[:alone.shape[0]].to(dev),
+                                      group=dist.group.WORLD, backend=backend,
+                                      out_dtype=torch.float64).cpu()
     (y_alone * w[:alone.shape[0]]).sum().backward()
     torch.save({"x": x.detach(), "mask": mask, "y": y.detach(), "w": w, "grad": x.grad,
                 "y_alone": y_alone.detach(), "grad_alone": alone.grad},

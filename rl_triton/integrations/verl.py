@@ -50,12 +50,17 @@ def _scalar(name, x):
 def _whiten(x: Tensor, m: Tensor) -> Tensor:
     """verl's `masked_whiten`: statistics over the masked-in tokens (unbiased variance), the
     shift and scale applied to every token."""
-    n = m.sum()
-    if n < 2:  # verl's masked_var raises for 0 and 1 (a division by zero otherwise)
+    mf = m.to(x.dtype).reshape(-1)
+    n = mf.sum()
+    mean = torch.dot(x.reshape(-1), mf) / n
+    d = x - mean
+    var = torch.dot((d * d).reshape(-1), mf) / (n - 1)
+    out = d * torch.rsqrt(var + 1e-8)
+    # verl's masked_var raises for 0 and 1 tokens (a division by zero); checked last, so that
+    # the host waits once, behind the queued kernels
+    if n < 2:
         raise ValueError(f"response_mask selects {int(n)} token(s); whitening needs at least 2")
-    mean = torch.where(m, x, 0.0).sum() / n
-    var = torch.where(m, (x - mean) ** 2, 0.0).sum() / (n - 1)
-    return (x - mean) * torch.rsqrt(var + 1e-8)
+    return out
 
 
 def _no_flags(x: Tensor) -> Tensor:
