@@ -292,7 +292,7 @@ def test_gymnax_next_step_autoreset(gymnax_envs):
     def transition(o, time):
         o = jax.numpy.asarray(o.numpy())
         state = EnvState(x=o[0], x_dot=o[1], theta=o[2], theta_dot=o[3], time=time)
-        next_obs, _, reward, terminated, _ = envs.env.step_env(jax.random.key(0), state, 1, envs.params)
+        next_obs, _, reward, _, _ = envs.env.step_env(jax.random.key(0), state, 1, envs.params)
         return torch.from_dlpack(next_obs), float(reward)
 
     for step in range(8):
