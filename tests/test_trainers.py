@@ -5,6 +5,7 @@ the specification defines at a truncation, and train identically whatever the ba
 
 import importlib.util
 import pathlib
+import sys
 
 import gymnasium as gym
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "trainers"))  # as `python trainers/ppo.py` has it: they import gymnax_envs
 BACKENDS = ["loop", "compile", "triton", "auto"]
 # inductor's first compile costs ~45 s on a 2-core machine: the tests check the compile path's
 # wiring through a cheaper torch.compile backend
@@ -107,7 +109,7 @@ class Chain(gym.Env):
         return np.array([self.t, self.kind], np.float32), 1.0, terminated, False, {}
 
 
-def chain_envs(args):
+def chain_envs(args, device):
     envs = gym.vector.SyncVectorEnv([  # Gymnasium's default: next-step autoreset
         lambda: gym.wrappers.TimeLimit(Chain(0), max_episode_steps=3),
         lambda: gym.wrappers.TimeLimit(Chain(1), max_episode_steps=100),
@@ -267,3 +269,144 @@ def test_credit_loops_match_rl_triton(impala, retrace):
 def rl_triton_module():
     import rl_triton
     return rl_triton
+
+
+# --env-backend gymnax (trainers/gymnax_envs.py; the `gymnax` extra, which .ci/run installs)
+@pytest.fixture(scope="module")
+def gymnax_envs():
+    pytest.importorskip("gymnax")
+    import gymnax_envs
+    return gymnax_envs
+
+
+def test_gymnax_next_step_autoreset(gymnax_envs):
+    """CartPole cut at 3 steps, always pushing right: truncations at steps 2 and 6, reset
+    transitions at 3 and 7. CartPole's observation is its state, so each step is checked against
+    gymnax's own transition from the previous observation."""
+    import jax
+    from gymnax.environments.classic_control.cartpole import EnvState
+
+    envs = gymnax_envs.GymnaxVectorEnv("CartPole-v1", 2, max_steps_in_episode=3)
+    obs, _ = envs.reset(seed=0)
+
+    def transition(o, time):
+        o = jax.numpy.asarray(o.numpy())
+        state = EnvState(x=o[0], x_dot=o[1], theta=o[2], theta_dot=o[3], time=time)
+        next_obs, _, reward, _, _ = envs.env.step_env(jax.random.key(0), state, 1, envs.params)
+        return torch.from_dlpack(next_obs), float(reward)
+
+    for step in range(8):
+        prev = obs
+        obs, reward, terminated, truncated, info = envs.step(torch.ones(2, dtype=torch.long))
+        assert obs.shape == (2, 4) and obs.dtype == torch.float32 and info == {}
+        assert not terminated.any()
+        for i in range(2):
+            if step in (3, 7):  # the reset transition: first observation, reward 0, no flags
+                assert reward[i] == 0 and not truncated[i]
+                assert obs[i].abs().max() <= 0.05  # CartPole's reset draws U(-0.05, 0.05)
+                assert not torch.allclose(obs[i], transition(prev[i], step % 4)[0])
+            else:  # a real step; at the truncation (steps 2, 6) its true final observation
+                want_obs, want_reward = transition(prev[i], step % 4)
+                torch.testing.assert_close(obs[i], want_obs)
+                assert reward[i] == want_reward == 1.0
+                assert bool(truncated[i]) == (step in (2, 6))
+
+
+@pytest.mark.parametrize("max_steps, term_steps, trunc_steps", [
+    (1000, [8, 18], []),  # the ball reaches the bottom row after 9 steps: a termination
+    (9, [8, 18], [8, 18]),  # ... at the time limit as well: both flags, as Gymnasium's TimeLimit
+    (5, [], [4, 10, 16]),  # cut before the ball lands: a truncation only
+])
+def test_gymnax_terminations_apart_from_truncations(gymnax_envs, max_steps, term_steps, trunc_steps):
+    envs = gymnax_envs.GymnaxVectorEnv("Catch-bsuite", 3, max_steps_in_episode=max_steps)
+    envs.reset(seed=1)
+    flags = [envs.step(torch.ones(3, dtype=torch.long))[1:4] for _ in range(20)]
+    for env in range(3):
+        assert [t for t, (_, term, _) in enumerate(flags) if term[env]] == term_steps
+        assert [t for t, (_, _, trunc) in enumerate(flags) if trunc[env]] == trunc_steps
+        for t in term_steps:
+            assert flags[t][0][env].abs() == 1  # caught or missed
+            assert flags[t + 1][0][env] == 0  # the reset transition
+        for t in trunc_steps:
+            assert flags[t + 1][0][env] == 0
+
+
+def test_gymnax_dlpack_zero_copy(gymnax_envs):
+    """On JAX's CPU backend the hand-off shares buffers both ways: the tensors step() returns are
+    JAX's output buffers, and an int32 action tensor is JAX's input. (int64 actions are cast to
+    int32 in torch first: JAX without x64 would copy them; JAX also copies a tensor whose data is
+    not 64-byte aligned, which a fresh torch tensor is.)"""
+    envs = gymnax_envs.GymnaxVectorEnv("CartPole-v1", 4)
+    envs.reset(seed=0)
+    seen = {}
+    step = envs._step
+
+    def capturing(carry, actions):
+        carry, out = step(carry, actions)
+        seen.update(actions=actions, out=out)
+        return carry, out
+
+    envs._step = capturing
+    actions = torch.ones(4, dtype=torch.int32)
+    tensors = envs.step(actions)[:4]
+    assert seen["actions"].unsafe_buffer_pointer() == actions.data_ptr()
+    for tensor, array in zip(tensors, seen["out"]):
+        assert tensor.data_ptr() == array.unsafe_buffer_pointer()
+
+
+def test_ppo_gymnax_boundaries(ppo, tmp_path, monkeypatch, gymnax_envs):
+    """PPO through the adapter on CartPole cut at 3 steps (learning rate 0): the flags, rewards
+    and valid mask the trainer stores, and the bootstrap slot after a truncation holds the value
+    of the final observation (as test_ppo_advantages_at_a_truncation does for Gymnasium)."""
+    captured, stepped = {}, []
+    make = ppo.make_credit_assignment
+
+    def capturing(args, device):
+        fn = make(args, device)
+
+        def credit(rewards, values, terminated, truncated, *, last_value):
+            captured.update(rewards=rewards.clone(), values=values.clone(),
+                            terminated=terminated.clone(), truncated=truncated.clone())
+            return fn(rewards, values, terminated, truncated, last_value=last_value)
+        return credit
+
+    def cut_cartpole(args, device):
+        envs = gymnax_envs.GymnaxVectorEnv("CartPole-v1", args.num_envs, device, max_steps_in_episode=3)
+        step = envs.step
+
+        def recording(actions):
+            out = step(actions)
+            stepped.append(out[0].clone())
+            return out
+        envs.step = recording
+        return envs
+
+    monkeypatch.setattr(ppo, "make_envs", cut_cartpole)
+    monkeypatch.setattr(ppo, "make_credit_assignment", capturing)
+    args = tiny_ppo_args(ppo, tmp_path, "auto", env_backend="gymnax", num_steps=8,
+                         total_timesteps=16, learning_rate=0.0)
+    agent, run_dir = ppo.train(args)
+    c = captured
+    for env in range(2):
+        assert c["truncated"][:, env].tolist() == [0, 0, 1, 0, 0, 0, 1, 0]
+        assert c["terminated"][:, env].tolist() == [0] * 8
+        assert c["rewards"][:, env].tolist() == [1, 1, 1, 0, 1, 1, 1, 0]
+    with torch.no_grad():
+        final_values = agent.get_value(stepped[2]).flatten()
+    torch.testing.assert_close(c["values"][3], final_values)
+    assert scalars(run_dir)["perf/valid_fraction"][0] == pytest.approx(12 / 16)
+
+
+def test_ppo_gymnax(ppo, tmp_path, gymnax_envs):
+    _, run_dir = ppo.train(tiny_ppo_args(ppo, tmp_path, "auto", env_backend="gymnax"))
+    assert pathlib.Path(run_dir).name.startswith("CartPole-v1__ppo__auto__1__")
+    logged = scalars(run_dir)
+    assert PERF_TAGS | {"charts/episodic_return", "losses/value_loss"} <= set(logged)
+    assert all(np.isfinite(v).all() for v in logged.values())
+
+
+def test_impala_gymnax(impala, tmp_path, gymnax_envs):
+    _, run_dir = impala.train(tiny_impala_args(impala, tmp_path, "auto", env_backend="gymnax"))
+    logged = scalars(run_dir)
+    assert PERF_TAGS | {"charts/episodic_return", "losses/value_loss"} <= set(logged)
+    assert all(np.isfinite(v).all() for v in logged.values())

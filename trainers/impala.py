@@ -48,8 +48,9 @@ class Args:
     # Algorithm specific arguments
     env_id: str = "CartPole-v1"
     """the id of the environment"""
-    env_backend: Literal["auto", "envpool", "gymnasium"] = "auto"
-    """where the environments come from; `auto` is EnvPool where it is installed"""
+    env_backend: Literal["auto", "envpool", "gymnasium", "gymnax"] = "auto"
+    """where the environments come from; `auto` is EnvPool where it is installed; `gymnax` runs
+    JAX environments on the trainer's device (trainers/gymnax_envs.py, the `gymnax` extra)"""
     credit_backend: Literal["loop", "compile", "triton", "auto"] = "auto"
     """V-trace implementation: a sequential loop, rl_triton's torch backend under torch.compile,
     the Triton kernels, or rl_triton's choice (Triton on CUDA, torch on CPU)"""
@@ -101,9 +102,13 @@ def env_backend(args):
     return args.env_backend
 
 
-def make_envs(args):
+def make_envs(args, device):
     """A vector environment with next-step autoreset: after a step that ends an episode, the next
     step returns the first observation of the next episode, with reward 0 and no flags."""
+    if env_backend(args) == "gymnax":
+        from gymnax_envs import GymnaxVectorEnv
+
+        return GymnaxVectorEnv(args.env_id, args.num_envs, device)
     if env_backend(args) == "envpool":
         import envpool
 
@@ -119,6 +124,12 @@ def make_envs(args):
     return gym.make_vec(args.env_id, num_envs=args.num_envs)
 
 
+def is_atari(space):
+    """EnvPool's Atari frames (4 x 84 x 84 uint8) go to the Nature CNN; vector observations and
+    gymnax's MinAtar grids (10 x 10 x C) to the MLP, flattened."""
+    return space.dtype == np.uint8 and len(space.shape) == 3
+
+
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
     torch.nn.init.orthogonal_(layer.weight, std)
     torch.nn.init.constant_(layer.bias, bias_const)
@@ -132,7 +143,7 @@ class Agent(nn.Module):
         super().__init__()
         obs_shape = envs.single_observation_space.shape
         n_actions = envs.single_action_space.n
-        if len(obs_shape) == 3:
+        if is_atari(envs.single_observation_space):
             self.network = nn.Sequential(
                 layer_init(nn.Conv2d(obs_shape[0], 32, 8, stride=4)), nn.ReLU(),
                 layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
@@ -144,7 +155,7 @@ class Agent(nn.Module):
             self.actor = layer_init(nn.Linear(512, n_actions), std=0.01)
             self.critic = layer_init(nn.Linear(512, 1), std=1)
         else:
-            self.network = nn.Identity()
+            self.network = nn.Flatten()
             self.obs_scale = 1.0
             n_obs = int(np.prod(obs_shape))
             self.critic = nn.Sequential(
@@ -257,9 +268,10 @@ def train(args: Args):
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
     # env setup
-    envs = make_envs(args)
+    envs = make_envs(args, device)
+    on_device = env_backend(args) == "gymnax"  # gymnax takes and returns tensors on the device (DLPack)
     assert isinstance(envs.single_action_space, gym.spaces.Discrete), "only discrete action space is supported"
-    is_atari = len(envs.single_observation_space.shape) == 3
+    atari = is_atari(envs.single_observation_space)
     agent = Agent(envs).to(device)  # the learner
     actor = copy.deepcopy(agent)  # the behaviour policy, refreshed every `policy_lag` updates
     optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
@@ -267,7 +279,7 @@ def train(args: Args):
     credit_timers = [Timer(device) for _ in range(args.num_minibatches * args.update_epochs)]
 
     # ALGO Logic: Storage setup. obs has one slot more: the bootstrap observation
-    obs_dtype = torch.uint8 if is_atari else torch.float32
+    obs_dtype = torch.uint8 if atari else torch.float32
     obs = torch.zeros((args.num_steps + 1, args.num_envs) + envs.single_observation_space.shape, dtype=obs_dtype).to(device)
     actions = torch.zeros((args.num_steps, args.num_envs), dtype=torch.long).to(device)
     behavior_logprobs = torch.zeros((args.num_steps, args.num_envs)).to(device)
@@ -282,10 +294,14 @@ def train(args: Args):
     num_updates = 0
     start_time = time.time()
     next_obs, _ = envs.reset() if env_backend(args) == "envpool" else envs.reset(seed=args.seed)
-    next_obs = torch.as_tensor(next_obs).to(device)
-    next_valid = np.ones(args.num_envs, dtype=bool)
-    episode_return = np.zeros(args.num_envs)
-    episode_length = np.zeros(args.num_envs, dtype=np.int64)
+    next_obs = torch.as_tensor(next_obs, device=device)
+    next_valid = torch.ones(args.num_envs, dtype=torch.bool, device=device)
+    # episode statistics stay on the device (no host sync per step); read once per rollout
+    episode_return = torch.zeros(args.num_envs, dtype=torch.float64, device=device)
+    episode_length = torch.zeros(args.num_envs, dtype=torch.long, device=device)
+    ended = torch.zeros((args.num_steps, args.num_envs), dtype=torch.bool, device=device)
+    ended_return = torch.zeros((args.num_steps, args.num_envs), dtype=torch.float64, device=device)
+    ended_length = torch.zeros((args.num_steps, args.num_envs), dtype=torch.long, device=device)
     recent_returns = deque(maxlen=100)
 
     for iteration in range(1, args.num_iterations + 1):
@@ -295,35 +311,33 @@ def train(args: Args):
 
         # the actors: act with the lagging behaviour policy and store its log-probabilities
         rollout_start = time.perf_counter()
-        finished_returns, finished_lengths = [], []
         for step in range(0, args.num_steps):
             global_step += args.num_envs
             obs[step] = next_obs
-            valid[step] = torch.as_tensor(next_valid).to(device)
+            valid[step] = next_valid
             with torch.no_grad():
                 action, logprob, _, _ = actor.get_action_and_value(next_obs)
             actions[step] = action
             behavior_logprobs[step] = logprob
 
-            next_obs, reward, term, trunc, info = envs.step(action.cpu().numpy())
-            done = np.logical_or(term, trunc)
-            rewards[step] = torch.as_tensor(reward, dtype=torch.float32).to(device)
-            terminated[step] = torch.as_tensor(term, dtype=torch.float32).to(device)
-            truncated[step] = torch.as_tensor(trunc, dtype=torch.float32).to(device)
-            next_obs = torch.as_tensor(next_obs).to(device)
+            next_obs, reward, term, trunc, info = envs.step(action if on_device else action.cpu().numpy())
+            next_obs, reward, term, trunc = (torch.as_tensor(x, device=device) for x in (next_obs, reward, term, trunc))
+            done = term | trunc
+            rewards[step] = reward
+            terminated[step] = term
+            truncated[step] = trunc
 
-            episode_return += info["reward"] if is_atari else reward
+            episode_return += torch.as_tensor(info["reward"], device=device) if atari else reward
             episode_length += next_valid
             next_valid = ~done
-            game_over = (info["terminated"].astype(bool) | trunc) if is_atari else done
-            if game_over.any():
-                finished_returns.extend(episode_return[game_over].tolist())
-                finished_lengths.extend(episode_length[game_over].tolist())
-                episode_return[game_over] = 0.0
-                episode_length[game_over] = 0
+            ended[step] = (torch.as_tensor(info["terminated"], device=device).bool() | trunc) if atari else done
+            ended_return[step], ended_length[step] = episode_return, episode_length
+            episode_return.masked_fill_(ended[step], 0.0)
+            episode_length.masked_fill_(ended[step], 0)
         obs[args.num_steps] = next_obs
         synchronize(device)
         rollout_ms = (time.perf_counter() - rollout_start) * 1e3
+        finished_returns, finished_lengths = ended_return[ended].tolist(), ended_length[ended].tolist()
         if finished_returns:
             recent_returns.extend(finished_returns)
             writer.add_scalar("charts/episodic_return", np.mean(finished_returns), global_step)
