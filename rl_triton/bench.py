@@ -229,7 +229,10 @@ def torchrl_fwd_bwd(name, kw):
 _FLUSH_BYTES = 256 * 2**20  # what triton.testing.do_bench writes to flush the L2 cache
 _HOLD_CYCLES = 200_000  # about 100 µs of GPU clock: longer than the host's part of any call
 # ... of any forward call; a backward pass through torch's autograd engine takes 150-300 µs
-# of host time on the H200 machine (the engine's device thread, its checks)
+# of host time on the H200 machine (the engine's device thread, its checks); and the token
+# suite's calls: masked_whiten's three Triton launches from Python, the drop-ins' dozen ops,
+# took 120-230 µs of full call on 2026-12-03 (under the short hold, their device times jumped
+# 5x between neighbouring cells)
 _HOLD_CYCLES_GRAD = 2_000_000
 
 
@@ -770,7 +773,7 @@ def run_tokens(shapes, dtypes, env, device, out, max_seconds, frameworks_seconds
                                                                   seed=shapes.index(shape)):
                 err = rel_err(f(), ref, 0)
                 check_result(err, 1e-5, f"{call} {shape} {dt} {kind}")
-                dev, full = device_and_full_us(f)
+                dev, full = device_and_full_us(f, hold_cycles=_HOLD_CYCLES_GRAD)
                 add(TokenRow(call, shape, dt, kind, "rl_triton", tokens, nbytes, dev, full,
                              same_bytes_copy_us(nbytes, device), err))
         elif what == "loops":
@@ -794,7 +797,7 @@ def run_tokens(shapes, dtypes, env, device, out, max_seconds, frameworks_seconds
             for kind, f, nbytes, ref in group_cells(device):
                 err = rel_err(f(), ref, 0)
                 check_result(err, 1e-5, f"group_advantages {kind}")
-                dev, full = device_and_full_us(f)
+                dev, full = device_and_full_us(f, hold_cycles=_HOLD_CYCLES_GRAD)
                 add(TokenRow("group_advantages", shape, dt, kind, "rl_triton", GROUPS[0],
                              nbytes, dev, full, rel_err=err))
         # after every configuration, so that a run cut short keeps what it measured
