@@ -22,6 +22,10 @@ It writes `bench.json`, `bench.md` and `bench.png` into `--out`.
 dense, padded, multi-turn and packed rows against the unmasked call and the same-bytes copy,
 verl's and OpenRLHF's own token loops beside rl_triton's drop-ins, masked_whiten and
 group_advantages; its plot is `tokens.png`.
+`--suite losses` times SPEC 9's losses (`run_losses`): PPO's surrogate, the value loss, the KL
+penalty, SAC's targets and CRR's weights, forward plus backward where differentiable, against
+their formula in eager PyTorch and under `torch.compile` and the same-bytes copy; its plot is
+`losses.png`.
 """
 from __future__ import annotations
 
@@ -158,21 +162,32 @@ def bwd_bytes(name, kw, leaves) -> int:
     return total + sum(t.numel() * t.element_size() for t in leaves)
 
 
+def as_tuple(outs) -> tuple:
+    return outs if isinstance(outs, tuple) else (outs,)
+
+
+def output_grads(outs, seed=0) -> list:
+    """Fixed random float32 gradients of those of `outs` that require grad."""
+    g = torch.Generator(device=outs[0].device).manual_seed(seed)
+    return [torch.randn(o.shape, generator=g, device=o.device) for o in outs if o.requires_grad]
+
+
 def backward_fn(outs, leaves, seed=0):
     """The backward pass of `outs` alone, repeatable: `torch.autograd.grad` of fixed output
     gradients, keeping the graph."""
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    g = torch.Generator(device=outs[0].device).manual_seed(seed)
-    grads = [torch.randn(o.shape, generator=g, device=o.device) for o in outs]
+    outs = as_tuple(outs)
+    grads = output_grads(outs, seed)
     return lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True)
 
 
-def fwd_bwd_fn(forward, leaves):
-    """Forward and backward: the gradients of the outputs' sum."""
+def fwd_bwd_fn(forward, leaves, grads=None):
+    """Forward and backward: the gradients of the outputs' sum, or with `grads` (`output_grads`)
+    those of the outputs that require grad against them."""
     def run():
-        outs = forward()
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        return torch.autograd.grad(sum(o.sum() for o in outs), leaves)
+        outs = as_tuple(forward())
+        if grads is None:
+            return torch.autograd.grad(sum(o.sum() for o in outs), leaves)
+        return torch.autograd.grad([o for o in outs if o.requires_grad], leaves, grads)
     return run
 
 
@@ -383,17 +398,22 @@ def main(argv=None):
                                 description=__doc__ + "\nTiming needs a CUDA GPU (it exits "
                                 "without one); --report alone runs anywhere.\n",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default="default", choices=["default", "tokens"],
+    p.add_argument("--suite", default="default", choices=["default", "tokens", "losses"],
                    help="default: the estimators on RL rollouts (the options below); tokens: "
                         "LLM token rows [B, T] (masks, packing, whitening, group advantages, "
                         "the frameworks' own loops; --shapes, --dtypes, --out, --max-seconds, "
-                        "--frameworks-max-seconds, --tiles, --rule apply), see `run_tokens`")
+                        "--frameworks-max-seconds, --tiles, --rule apply), see `run_tokens`; "
+                        "losses: SPEC 9's losses against eager PyTorch and torch.compile of "
+                        "their formulas (--shapes, --dtypes, --out, --max-seconds apply), see "
+                        "`run_losses`")
     p.add_argument("--estimators", default=",".join(ESTIMATORS),
                    help="comma list of the estimators to time (default: all seven)")
     p.add_argument("--shapes", default=None,
                    help="comma list of N envs x T steps, e.g. 4096x128,16x131072 (default: "
                         "the nine shapes of the performance targets; with --suite tokens, "
-                        "B responses x T tokens, default %s)" % ",".join(TOKEN_SHAPES))
+                        "B responses x T tokens, default %s; with --suite losses, token "
+                        "counts, multiples of %d, default %s)"
+                        % (",".join(TOKEN_SHAPES), LOSS_T, ",".join(map(str, LOSS_TOKENS))))
     p.add_argument("--layouts", default=",".join(LAYOUTS),
                    help="comma list of time-major ([T, N], time_dim=0) and batch-major "
                         "([N, T], time_dim=1); the first one is the baselines' layout")
@@ -422,7 +442,8 @@ def main(argv=None):
                         "is not timed (default %%(default)s)" % FRAMEWORK_CALLS_TIMED)
     p.add_argument("--report", default=None,
                    help="only write bench.md and bench.png (tokens.png for a --suite tokens "
-                        "result) into --out from this bench.json")
+                        "result, losses.png for a --suite losses one) into --out from this "
+                        "bench.json")
     p.add_argument("--tiles", default=None, type=parse_tiles,
                    help="replace the tile rule for every configuration, e.g. "
                         "block_t=64,block_b=32,num_warps=4 (for tuning "
@@ -437,12 +458,16 @@ def main(argv=None):
     if args.report:
         write_reports(json.loads(Path(args.report).read_text()), out)
         return
+    shapes = (args.shapes or ",".join({"tokens": TOKEN_SHAPES, "losses": map(str, LOSS_TOKENS)}
+                                      .get(args.suite, SHAPES))).split(",")
+    if args.suite == "losses":
+        for s in shapes:
+            if not (s.isdigit() and int(s) > 0 and int(s) % LOSS_T == 0):
+                p.error(f"--shapes: {s!r} is not a token count, a positive multiple of {LOSS_T}")
     if not torch.cuda.is_available():
         sys.exit("rl_triton.bench needs a CUDA device")
     device = torch.device("cuda")
     estimators = args.estimators.split(",")
-    shapes = (args.shapes or ",".join(TOKEN_SHAPES if args.suite == "tokens" else SHAPES)
-              ).split(",")
     layouts = args.layouts.split(",")
     dtypes = args.dtypes.split(",")
     truncs = {"both": [False, True], "yes": [True], "no": [False]}[args.truncation]
@@ -474,6 +499,9 @@ def main(argv=None):
         with tiles:
             run_tokens(shapes, dtypes, env, device, out, args.max_seconds,
                        args.frameworks_max_seconds)
+        return
+    if args.suite == "losses":
+        run_losses([int(s) for s in shapes], dtypes, env, device, out, args.max_seconds)
         return
     rows: list[Row] = []
     (out / "bench.json").write_text(json.dumps(dict(env=env, rows=[]), indent=1))
@@ -806,16 +834,228 @@ def run_tokens(shapes, dtypes, env, device, out, max_seconds, frameworks_seconds
     write_reports(json.loads((out / "bench.json").read_text()), out)
 
 
-def write_reports(result, out: Path):
-    """bench.md and bench.png (the token suite: tokens.png) from a bench.json result (also:
-    `--report bench.json`)."""
-    tokens = result.get("suite") == "tokens"
-    md = token_markdown(result) if tokens else markdown(result)
-    (out / "bench.md").write_text(md)
-    if tokens:
-        token_plot(result, out / "tokens.png")
+# ---- the losses suite (--suite losses) ---------------------------------------------------------
+
+LOSS_TOKENS = [2**20, 2**22, 2**24]
+LOSS_T = 1024  # tokens per row of the [B, T] losses (PPO, value, KL)
+SAC_CRITICS = 2  # twin target critics
+CRR_SAMPLES = 4  # actions sampled from the policy per state (CRR's m)
+# (loss, variant, options beyond the inputs, modes timed): SAC's targets are differentiable
+# (SPEC 9) but usually computed under no_grad, so both; CRR's weights have no gradient
+LOSS_CASES = [
+    ("ppo_policy_loss", "mask", {}, ("fwd+bwd",)),
+    ("ppo_policy_loss", "mask, dual_clip=3", dict(dual_clip=3.0), ("fwd+bwd",)),
+    ("value_loss", "mask, clip=0.2", dict(clip=0.2), ("fwd+bwd",)),
+    ("kl_penalty", "k3, clamp=10", dict(clamp=10.0), ("fwd+bwd",)),
+    ("sac_targets", "continuous K=2", {}, ("fwd", "fwd+bwd")),
+    ("sac_targets", "discrete A=18 K=2", {}, ("fwd", "fwd+bwd")),
+    ("crr_weights", "exp J=4", {}, ("fwd",)),
+]
+# eager and compile against rl_triton: outputs are float32 sums in another order; a gradient
+# jumps where a ratio lands on the other side of a clip (tl.exp and torch.exp differ by ulps),
+# by about 4e-4 of the norm per such position at 2^24 tokens; a wrong branch gives far more
+LOSS_OUTPUT_TOL, LOSS_GRAD_TOL = 1e-4, 1e-2
+
+
+def loss_kwargs(case, tokens, dtype, device, seed=0, row=LOSS_T):
+    """Keyword arguments of `rl_triton.<loss>` and of its formula (`LOSS_FORMULAS`) for one of
+    LOSS_CASES on `tokens` positions: [tokens / row, row] rows with a ~70% mask (PPO, value,
+    KL: no mask) or `tokens` samples (SAC, CRR); floating inputs of `dtype`."""
+    loss, variant, options, _ = case
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=g, device=device)
+
+    def rand(*shape):
+        return torch.rand(shape, generator=g, device=device)
+
+    shape = (tokens // row, row)
+    N = tokens
+    if loss == "ppo_policy_loss":
+        old = -rand(*shape)  # log-probabilities of sampled tokens
+        # ratios exp(N(0, 0.5)): about a third past each clip, 1.4% past the dual clip
+        kw = dict(log_probs=old + 0.5 * randn(*shape), old_log_probs=old,
+                  advantages=randn(*shape), mask=rand(*shape) < 0.7)
+    elif loss == "value_loss":
+        values = randn(*shape)
+        kw = dict(values=values, returns=randn(*shape), old_values=values + 0.3 * randn(*shape),
+                  mask=rand(*shape) < 0.7)
+    elif loss == "kl_penalty":
+        ref = -rand(*shape)
+        # d ~ N(0, 1): the clamp binds where d < -2.61, at 0.5% of the tokens
+        kw = dict(log_probs=ref + randn(*shape), ref_log_probs=ref)
+    elif loss == "sac_targets":
+        kw = dict(rewards=randn(N), terminated=rand(N) < 0.05)
+        if variant.startswith("discrete"):
+            logits = randn(N, N_ACTIONS)
+            kw.update(next_q_values=randn(N, N_ACTIONS, SAC_CRITICS),
+                      next_log_probs=logits.log_softmax(-1), next_probs=logits.softmax(-1))
+        else:
+            kw.update(next_q_values=randn(N, SAC_CRITICS), next_log_probs=randn(N))
     else:
-        plot(result, out / "bench.png")
+        kw = dict(q_values=randn(N), sampled_q_values=randn(N, CRR_SAMPLES))
+    kw = {k: v.to(dtype) if v.is_floating_point() else v for k, v in kw.items()}
+    return dict(kw, **options)
+
+
+# SPEC 9's formulas as a user writes them in PyTorch (float32 arithmetic, as rl_triton's), with
+# the options LOSS_CASES uses and the functions' defaults: the eager and torch.compile baselines
+
+def _ppo_formula(log_probs, old_log_probs, advantages, mask, clip_low=0.2, clip_high=0.2,
+                 dual_clip=None, log_ratio_clamp=20.0):
+    a = advantages.float()
+    d = (log_probs.float() - old_log_probs.float()).clamp(-log_ratio_clamp, log_ratio_clamp)
+    ratio = d.exp()
+    unclipped, clipped = -a * ratio, -a * ratio.clamp(1 - clip_low, 1 + clip_high)
+    l = torch.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        l = torch.where(a < 0, torch.minimum(l, -a * dual_clip), l)
+    n = mask.sum().clamp_min(1)
+    return (torch.where(mask, l, 0.0).sum() / n,
+            torch.where(mask, (clipped > unclipped).float(), 0.0).sum() / n,
+            torch.where(mask, ratio - 1 - d, 0.0).sum() / n)
+
+
+def _value_formula(values, returns, old_values, mask, clip):
+    v, r, old = values.float(), returns.float(), old_values.float()
+    l = torch.maximum(0.5 * (v - r) ** 2, 0.5 * (old + (v - old).clamp(-clip, clip) - r) ** 2)
+    return torch.where(mask, l, 0.0).sum() / mask.sum().clamp_min(1)
+
+
+def _kl_formula(log_probs, ref_log_probs, clamp):
+    d = log_probs.float() - ref_log_probs.float()
+    return (torch.exp(-d) + d - 1).clamp(-clamp, clamp)
+
+
+def _sac_formula(rewards, terminated, next_q_values, next_log_probs, gamma=0.99, alpha=0.2,
+                 next_probs=None):
+    # min with indices: at a tie the gradient goes to the first critic, as rl_triton's (amin
+    # splits it, and bfloat16 critics tie often)
+    v = next_q_values.float().min(-1).values - alpha * next_log_probs.float()
+    if next_probs is not None:
+        v = (next_probs.float() * v).sum(-1)
+    return rewards.float() + gamma * (1 - terminated.float()) * v
+
+
+def _crr_formula(q_values, sampled_q_values, beta=1.0, max_weight=20.0):
+    adv = q_values.float() - sampled_q_values.float().mean(-1)
+    return torch.exp(adv / beta).clamp(max=max_weight)
+
+
+LOSS_FORMULAS = {"ppo_policy_loss": _ppo_formula, "value_loss": _value_formula,
+                 "kl_penalty": _kl_formula, "sac_targets": _sac_formula,
+                 "crr_weights": _crr_formula}
+
+
+def compiled_formula(formula):
+    """torch.compile of a formula, mode default, static shapes: compiled per size and dtype, the
+    best kernels at each (dynamic shapes would size the reductions' splits from the first size
+    compiled). After a reset, so that each compiled formula holds one size's cache entries: no
+    guards of other sizes walked per call, no recompile limit hit."""
+    torch._dynamo.reset()
+    return torch.compile(formula, dynamic=False)
+
+
+def loss_bytes(kw, outs, grads, leaves) -> int:
+    """Minimal bytes of a call: every input tensor read once (flags and masks included), the
+    outputs written; forward plus backward also the output gradients read and one gradient per
+    leaf written (a leaf's size)."""
+    return sum(t.numel() * t.element_size() for t in (
+        *(v for v in kw.values() if isinstance(v, torch.Tensor)), *outs, *grads, *leaves))
+
+
+@dataclass
+class LossRow:
+    loss: str
+    variant: str
+    mode: str  # "fwd", or "fwd+bwd": the call and the input gradients of random output gradients
+    tokens: int  # positions: B x T tokens, or N samples (SAC, CRR)
+    dtype: str  # of the floating inputs (outputs are float32)
+    impl: str  # "rl_triton", "eager" (LOSS_FORMULAS) or "compile" (torch.compile of the formula)
+    bytes: int  # loss_bytes
+    device_us: float
+    full_us: float
+    copy_us: float  # device time of a copy moving the same bytes
+    rel_err: float  # outputs against rl_triton's (0 for rl_triton)
+    grad_rel_err: float = float("nan")  # fwd+bwd: input gradients against rl_triton's
+
+
+def loss_cells(case, tokens, dtype, device, seed=0):
+    """The rows of one case at one size and input dtype: for each of its modes rl_triton, the
+    eager formula and its torch.compile on the same inputs, each baseline's outputs (and
+    gradients) checked against rl_triton's before it is timed; the compile happens in that
+    check."""
+    loss, variant, _, modes = case
+    kw = loss_kwargs(case, tokens, DTYPES[dtype], device, seed)
+    formula = LOSS_FORMULAS[loss]
+    impls = {"rl_triton": functools.partial(getattr(rl_triton, loss), backend="triton"),
+             "eager": formula, "compile": compiled_formula(formula)}
+    for mode in modes:
+        args, leaves = (kw, []) if mode == "fwd" else grad_inputs(kw)
+        ref = as_tuple(impls["rl_triton"](**args))
+        grads = output_grads(ref, seed) if leaves else []
+        nbytes = loss_bytes(args, ref, grads, leaves)
+        ref_grads = None
+        for impl, f in impls.items():
+            call = _partial(f, args)
+            timed = fwd_bwd_fn(call, leaves, grads) if leaves else call
+            err, grad_err = 0.0, (0.0 if leaves else float("nan"))
+            what = f"{impl} {loss} {variant} {mode} {tokens} tokens {dtype}"
+            if impl == "rl_triton":
+                ref_grads = timed() if leaves else None
+            else:
+                err = rel_err(as_tuple(call()), ref, 0)
+                check_result(err, LOSS_OUTPUT_TOL, what)
+                if leaves:
+                    grad_err = rel_err(timed(), ref_grads, 0)
+                    check_result(grad_err, LOSS_GRAD_TOL, what + " gradients")
+            # the eager formulas launch 10-40 kernels: more host time than the forward hold
+            dev, full = device_and_full_us(timed, hold_cycles=_HOLD_CYCLES_GRAD)
+            yield LossRow(loss, variant, mode, tokens, dtype, impl, nbytes, dev, full,
+                          same_bytes_copy_us(nbytes, device), err, grad_err)
+
+
+def run_losses(tokens, dtypes, env, device, out, max_seconds):
+    """`--suite losses`: every case of LOSS_CASES at every size (`tokens`) and input dtype,
+    `loss_cells`; bench.json (suite "losses") after each, then bench.md and losses.png."""
+    rows: list[LossRow] = []
+
+    def save():
+        (out / "bench.json").write_text(json.dumps(
+            dict(env=env, suite="losses", rows=[asdict(r) for r in rows]), indent=1))
+
+    save()
+    configs = [(n, dt, case) for n in tokens for dt in dtypes for case in LOSS_CASES]
+    t_start = time.time()
+    for i, (n, dt, case) in enumerate(configs):
+        if max_seconds is not None and time.time() - t_start > max_seconds:
+            print(f"# stopped after {i} of {len(configs)} configurations (--max-seconds)")
+            break
+        tag = f"[{i + 1}/{len(configs)} {time.time() - t_start:6.0f}s]"
+        for r in loss_cells(case, n, dt, device, seed=i):
+            rows.append(r)
+            print(f"{tag} {r.loss:15s} {r.variant:18s} {r.mode:7s} {tokens_label(n):>5s} "
+                  f"{dt:8s} {r.impl:9s} {r.device_us:9.1f} us dev {r.full_us:9.1f} us full  "
+                  f"{r.copy_us / r.device_us:4.2f} of a same-bytes copy", flush=True)
+        save()  # after every configuration, so that a run cut short keeps what it measured
+    write_reports(json.loads((out / "bench.json").read_text()), out)
+
+
+def tokens_label(n: int) -> str:
+    """2^20 for 1048576; other counts as they are."""
+    return f"2^{n.bit_length() - 1}" if n > 0 and n & (n - 1) == 0 else str(n)
+
+
+def write_reports(result, out: Path):
+    """bench.md and the suite's plot (bench.png; the token suite tokens.png, the losses
+    losses.png) from a bench.json result (also: `--report bench.json`)."""
+    render, draw, png = {"tokens": (token_markdown, token_plot, "tokens.png"),
+                         "losses": (loss_markdown, loss_plot, "losses.png")}.get(
+        result.get("suite"), (markdown, plot, "bench.png"))
+    md = render(result)
+    (out / "bench.md").write_text(md)
+    draw(result, out / png)
     print(md)
 
 
@@ -1084,6 +1324,115 @@ def token_plot(result, path):
         ax.legend(fontsize=6)
     axes[0][0].set_ylabel("full-call time (µs)")
     fig.suptitle(f"Token rows on {result['env']['gpu']} ({result['env']['date']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+LOSS_TABLE = """Losses (`--suite losses`, SPEC 9): PPO's surrogate, the value loss and the KL \
+penalty on batch-major rows [tokens / %d, %d] with a random ~70%% mask (the KL penalty takes \
+none), SAC's targets and CRR's weights on N = tokens samples (%d target critics; discrete: %d \
+actions; CRR: %d sampled actions); the functions' defaults otherwise, float32 or bfloat16 \
+inputs, float32 outputs. fwd+bwd: the call, then `torch.autograd.grad` of its outputs against \
+fixed random output gradients, every floating input requiring grad; fwd: the call alone. Three \
+implementations of one formula: rl_triton (backend="triton"), eager (SPEC 9's formula in plain \
+PyTorch, `rl_triton.bench.LOSS_FORMULAS`, its outputs and gradients checked against rl_triton's \
+first) and compile (`torch.compile` of it, mode default, static shapes: compiled per size and \
+dtype, outside the timing).
+
+Columns: MB: the call's minimal bytes (every input read once, the outputs written; fwd+bwd also \
+the output gradients read and the input gradients written: rl_triton's backward kernel reads the \
+inputs again, uncounted); device µs (L2 flushed, the GPU held) and full-call µs of rl_triton, \
+medians; of copy: the device time of a copy of the minimal bytes over rl_triton's; eager µs, \
+compile µs: their full calls; vs: their full call over rl_triton's (device times' ratio in \
+brackets).""" % (LOSS_T, LOSS_T, SAC_CRITICS, N_ACTIONS, CRR_SAMPLES)
+# PERFORMANCE.md's loss targets: (name, what it compares, threshold)
+LOSS_TARGETS = (("of copy >= 0.6 at >= 32 MB", "copy", 0.6),
+                ("vs eager >= 3x, full call", "eager", 3.0),
+                ("vs compile >= 1x, full call", "compile", 1.0))
+
+
+def group_loss_rows(rows) -> dict:
+    """{(loss, variant, mode, tokens, dtype): {impl: row}}, in table order: the cases and their
+    modes as run, then tokens, then dtype."""
+    cases = {k: i for i, k in enumerate(dict.fromkeys((r["loss"], r["variant"], r["mode"])
+                                                      for r in rows))}
+    dtypes = {k: i for i, k in enumerate(dict.fromkeys(r["dtype"] for r in rows))}
+    cells = {}
+    for r in rows:
+        cells.setdefault((r["loss"], r["variant"], r["mode"], r["tokens"], r["dtype"]),
+                         {})[r["impl"]] = r
+    return dict(sorted(cells.items(), key=lambda kv: (cases[kv[0][:3]], kv[0][3],
+                                                      dtypes[kv[0][4]])))
+
+
+def loss_markdown(result) -> str:
+    """bench.md of the losses suite: one table of the cells, one of the targets met."""
+    cells = group_loss_rows(result["rows"])
+    lines = [env_line(result["env"]), "", LOSS_TABLE, "",
+             "| loss | variant | mode | tokens | dtype | MB | device µs | full µs | of copy | "
+             "eager µs | vs eager | compile µs | vs compile |", "|---" * 13 + "|"]
+    for (loss, variant, mode, tokens, dtype), c in cells.items():
+        ours = c["rl_triton"]
+        cols = [f"{ours['bytes'] / 1e6:.1f}", f"{ours['device_us']:.1f}",
+                f"{ours['full_us']:.1f}", f"{ours['copy_us'] / ours['device_us']:.2f}"]
+        for impl in ("eager", "compile"):
+            b = c.get(impl)
+            cols += ["", ""] if b is None else [
+                f"{b['full_us']:.1f}", f"{b['full_us'] / ours['full_us']:.1f}x "
+                f"({b['device_us'] / ours['device_us']:.1f}x)"]
+        lines.append(f"| {loss} | {variant} | {mode} | {tokens_label(tokens)} | {dtype} | "
+                     + " | ".join(cols) + " |")
+    lines += ["", "The targets (PERFORMANCE.md, losses): cells that meet each, of those it "
+              "applies to, and the lowest:", "", "| target | mode | met | lowest |",
+              "|---" * 4 + "|"]
+    for name, what, threshold in LOSS_TARGETS:
+        for mode in dict.fromkeys(k[2] for k in cells):
+            values = []
+            for k, c in cells.items():
+                ours, base = c["rl_triton"], c.get(what)
+                if k[2] != mode or (what == "copy" and ours["bytes"] < 32e6) or (
+                        what != "copy" and base is None):
+                    continue
+                value = (ours["copy_us"] / ours["device_us"] if what == "copy"
+                         else base["full_us"] / ours["full_us"])
+                values.append((value, k))
+            if values:
+                low, k = min(values)
+                lines.append(f"| {name} | {mode} | {sum(v >= threshold for v, _ in values)} of "
+                             f"{len(values)} | {low:.2f} ({k[0]} {k[1]}, {tokens_label(k[3])}, "
+                             f"{k[4]}) |")
+    return "\n".join(lines) + "\n"
+
+
+def loss_plot(result, path):
+    """losses.png: full-call time against tokens, log-log, one panel per loss (its first variant
+    on the first dtype, forward plus backward where timed), rl_triton, eager and compile."""
+    plt = _pyplot()
+    if plt is None:
+        return
+    rows = result["rows"]
+    losses = list(dict.fromkeys(r["loss"] for r in rows))
+    if not losses:
+        return
+    dtype = rows[0]["dtype"]
+    fig, axes = plt.subplots(1, len(losses), figsize=(3.2 * len(losses), 3.8), squeeze=False)
+    for ax, loss in zip(axes[0], losses):
+        mine = [r for r in rows if r["loss"] == loss and r["dtype"] == dtype]
+        variant, mode = max(dict.fromkeys((r["variant"], r["mode"]) for r in mine),
+                            key=lambda vm: vm[1] == "fwd+bwd")  # the first such
+        for impl, marker in zip(("rl_triton", "eager", "compile"), "os^"):
+            points = sorted((r["tokens"], r["full_us"]) for r in mine
+                            if (r["variant"], r["mode"], r["impl"]) == (variant, mode, impl))
+            if points:
+                ax.loglog(*zip(*points), marker + "-", ms=4, label=impl)
+        sizes = sorted({r["tokens"] for r in mine})
+        ax.set_xticks(sizes, [tokens_label(n) for n in sizes], fontsize=7)
+        ax.minorticks_off()
+        ax.set_title(f"{loss}\n{variant}, {mode}, {dtype}", fontsize=8)
+        ax.set_xlabel("tokens (samples: SAC, CRR)")
+    axes[0][0].set_ylabel("full-call time (µs)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"Losses on {result['env']['gpu']} ({result['env']['date']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
 

@@ -415,3 +415,305 @@ def test_token_suite_cli(tmp_path):
     with pytest.raises(SystemExit) as e:
         bench.main(["--suite", "rollouts", "--out", str(tmp_path)])
     assert e.value.code == 2
+
+
+# ---- the losses suite (--suite losses) ---------------------------------------------------------
+
+def _loss_case(loss, variant):
+    return next(c for c in bench.LOSS_CASES if c[:2] == (loss, variant))
+
+
+def _small_loss_inputs(case, dtype, seed=0):
+    """The suite's inputs at a small, odd size: 6 rows of 37 tokens, or 222 samples."""
+    return bench.loss_kwargs(case, 6 * 37, dtype, "cpu", seed=seed, row=37)
+
+
+@pytest.mark.parametrize("case", bench.LOSS_CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_loss_formulas_match_torch_backend(case, dtype):
+    """The eager baselines compute rl_triton's losses: each formula of LOSS_FORMULAS gives the
+    torch backend's outputs and, where differentiable, its input gradients against the same
+    random output gradients."""
+    loss = case[0]
+    kw = _small_loss_inputs(case, dtype)
+    fn, formula = getattr(rl_triton, loss), bench.LOSS_FORMULAS[loss]
+    ours = bench.as_tuple(fn(**kw, backend="torch"))
+    assert bench.rel_err(bench.as_tuple(formula(**kw)), ours, 0) < 1e-6
+    if loss == "crr_weights":
+        return
+    kw_g, leaves = bench.grad_inputs(kw)
+    grads = bench.output_grads(bench.as_tuple(fn(**kw_g, backend="torch")))
+    names = [k for k, v in kw_g.items() if any(v is t for t in leaves)]
+
+    def per_sample(gs):
+        """At a tie between critics (bfloat16 ones tie) the torch backend's amin splits the
+        gradient, the formula gives it to the first, as the kernels (next test): their sum."""
+        return tuple(g.float().sum(-1) if k == "next_q_values" else g for k, g in zip(names, gs))
+
+    want = bench.fwd_bwd_fn(lambda: fn(**kw_g, backend="torch"), leaves, grads)()
+    got = bench.fwd_bwd_fn(lambda: formula(**kw_g), leaves, grads)()
+    assert len(got) == len(leaves) == len(want)
+    assert bench.rel_err(per_sample(got), per_sample(want), 0) < 1e-6
+
+
+@pytest.mark.parametrize("variant", ["continuous K=2", "discrete A=18 K=2"])
+def test_sac_formula_breaks_ties_as_the_kernel(variant, device):
+    """At a tie between critics the SAC formula's gradient goes to the first critic, as
+    rl_triton's kernel's (float32: the same values without bfloat16's rounding)."""
+    kw = bench.loss_kwargs(_loss_case("sac_targets", variant), 300, torch.float32, device)
+    q = kw["next_q_values"]
+    q[::2, ..., 1] = q[::2, ..., 0]
+    kw, leaves = bench.grad_inputs(kw)
+    grads = bench.output_grads((rl_triton.sac_targets(**kw),))
+    want = bench.fwd_bwd_fn(lambda: rl_triton.sac_targets(**kw, backend="triton"), leaves,
+                            grads)()
+    got = bench.fwd_bwd_fn(lambda: bench.LOSS_FORMULAS["sac_targets"](**kw), leaves, grads)()
+    assert (got[1][::2, ..., 1] == 0).all()
+    assert bench.rel_err(got, want, 0) < 1e-6
+
+
+def test_loss_inputs_reach_every_branch():
+    """The inputs exercise what each variant adds: the masks hold ~70% of the tokens, PPO's
+    ratios fall past both clips and the dual clip, the value clip and the KL clamp bind, and
+    bfloat16 critics tie (where the gradient goes to the first)."""
+    kw = bench.loss_kwargs(_loss_case("ppo_policy_loss", "mask, dual_clip=3"), 64 * 37,
+                           torch.float32, "cpu", row=37)
+    assert 0.6 < kw["mask"].float().mean() < 0.8 and kw["dual_clip"] == 3.0
+    ratio = (kw["log_probs"] - kw["old_log_probs"]).exp()
+    assert (ratio < 0.8).any() and (ratio > 1.2).any()
+    assert ((ratio > kw["dual_clip"]) & (kw["advantages"] < 0)).any()
+    kw = bench.loss_kwargs(_loss_case("value_loss", "mask, clip=0.2"), 64 * 37, torch.float32,
+                           "cpu", row=37)
+    assert ((kw["values"] - kw["old_values"]).abs() > kw["clip"]).any()
+    kw = bench.loss_kwargs(_loss_case("kl_penalty", "k3, clamp=10"), 64 * 37, torch.float32,
+                           "cpu", row=37)
+    assert (bench.LOSS_FORMULAS["kl_penalty"](kw["log_probs"], kw["ref_log_probs"], 1e9)
+            > kw["clamp"]).any()
+    for variant, shape in (("continuous K=2", (4096, 2)), ("discrete A=18 K=2", (4096, 18, 2))):
+        kw = bench.loss_kwargs(_loss_case("sac_targets", variant), 4096, torch.bfloat16, "cpu")
+        q = kw["next_q_values"]
+        assert q.shape == shape and (q[..., 0] == q[..., 1]).any()
+        assert 0 < kw["terminated"].float().mean() < 0.1
+    kw = bench.loss_kwargs(_loss_case("sac_targets", "discrete A=18 K=2"), 5, torch.float32, "cpu")
+    torch.testing.assert_close(kw["next_probs"].sum(-1), torch.ones(5))
+    torch.testing.assert_close(kw["next_log_probs"].exp(), kw["next_probs"])
+
+
+def test_loss_bytes():
+    """Minimal bytes: inputs read once, outputs written; forward plus backward also the output
+    gradients read and the input gradients written."""
+    kw = _small_loss_inputs(_loss_case("ppo_policy_loss", "mask"), torch.bfloat16)
+    n = 6 * 37
+    outs = bench.as_tuple(rl_triton.ppo_policy_loss(**kw))
+    assert bench.loss_bytes(kw, outs, [], []) == n * (3 * 2 + 1) + 3 * 4
+    kw_g, leaves = bench.grad_inputs(kw)
+    outs = bench.as_tuple(rl_triton.ppo_policy_loss(**kw_g))
+    grads = bench.output_grads(outs)
+    assert len(grads) == 2  # loss and approx_kl; clip_fraction has no gradient
+    assert bench.loss_bytes(kw_g, outs, grads, leaves) == n * (3 * 2 + 1 + 3 * 2) + 3 * 4 + 2 * 4
+    case = _loss_case("sac_targets", "discrete A=18 K=2")
+    kw = bench.loss_kwargs(case, 10, torch.float32, "cpu")
+    y = rl_triton.sac_targets(**kw)
+    per_sample = 4 + 1 + 18 * 2 * 4 + 18 * 4 + 18 * 4 + 4  # r, term, Q, log pi, pi; y
+    assert bench.loss_bytes(kw, (y,), [], []) == 10 * per_sample
+
+
+@pytest.mark.parametrize("case", bench.LOSS_CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_loss_formulas_trace_whole(case):
+    """The compile baseline compiles each formula into one graph (no graph break), forward and
+    backward: dynamo and AOT autograd (backend aot_eager: no code generation on the CPU)."""
+    loss = case[0]
+    formula = bench.LOSS_FORMULAS[loss]
+    torch._dynamo.reset()
+    compiled = torch.compile(formula, backend="aot_eager", fullgraph=True, dynamic=False)
+    kw = _small_loss_inputs(case, torch.float32)
+    if loss != "crr_weights":
+        kw, leaves = bench.grad_inputs(kw)
+    want = bench.as_tuple(formula(**kw))
+    assert bench.rel_err(bench.as_tuple(compiled(**kw)), want, 0) < 1e-6
+    if loss != "crr_weights":
+        grads = bench.output_grads(want)
+        assert bench.rel_err(bench.fwd_bwd_fn(lambda: compiled(**kw), leaves, grads)(),
+                             bench.fwd_bwd_fn(lambda: formula(**kw), leaves, grads)(), 0) < 1e-6
+
+
+def _stub_timing(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench, "device_and_full_us", lambda f, hold_cycles=0: (10.0, 20.0))
+    monkeypatch.setattr(bench, "same_bytes_copy_us", lambda nbytes, device: 5.0)
+    # inductor would build C++ on the CPU (minutes): the formulas' graphs are tested above
+    monkeypatch.setattr(bench, "compiled_formula", lambda formula: formula)
+
+
+def test_loss_suite_runs(tmp_path, monkeypatch):
+    """`run_losses` end to end on the CPU (rl_triton's kernels in Triton's interpreter, timing
+    and torch.compile stubbed): one row per case, mode, size, dtype and implementation, every
+    baseline checked against rl_triton, bench.json marked as the losses suite."""
+    _stub_timing(monkeypatch)
+    bench.run_losses([1024], ["bfloat16", "float32"], _token_env(), "cpu", tmp_path, None)
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["suite"] == "losses"
+    rows = result["rows"]
+    want = {(loss, variant, mode, 1024, dt, impl) for loss, variant, _, modes in bench.LOSS_CASES
+            for mode in modes for dt in ("bfloat16", "float32")
+            for impl in ("rl_triton", "eager", "compile")}
+    assert len(rows) == len(want) == 2 * 3 * 9
+    assert {(r["loss"], r["variant"], r["mode"], r["tokens"], r["dtype"], r["impl"])
+            for r in rows} == want
+    for r in rows:
+        assert r["rel_err"] < bench.LOSS_OUTPUT_TOL, r
+        # bfloat16 gradients: the interpreter rounds float32 to bfloat16 toward zero (the GPU
+        # to nearest), about one unit in the last place on half the values
+        assert (r["grad_rel_err"] < bench.LOSS_GRAD_TOL) == (r["mode"] == "fwd+bwd"), r
+        assert r["bytes"] > 1024
+    md = (tmp_path / "bench.md").read_text()
+    assert "Losses (`--suite losses`" in md and "| ppo_policy_loss | mask | fwd+bwd | 2^10 |" in md
+    assert (tmp_path / "losses.png").stat().st_size > 1000
+
+
+def test_loss_suite_refuses_a_wrong_formula_and_stops_in_time(tmp_path, monkeypatch):
+    _stub_timing(monkeypatch)
+    monkeypatch.setattr(bench, "LOSS_CASES", [_loss_case("value_loss", "mask, clip=0.2")])
+    formula = bench.LOSS_FORMULAS["value_loss"]
+    monkeypatch.setitem(bench.LOSS_FORMULAS, "value_loss",
+                        lambda clip, **kw: formula(clip=2 * clip, **kw))
+    with pytest.raises(SystemExit, match="eager value_loss .* not timing a wrong result"):
+        bench.run_losses([1024], ["float32"], _token_env(), "cpu", tmp_path, None)
+    bench.run_losses([1024], ["float32"], _token_env(), "cpu", tmp_path, 0.0)  # --max-seconds
+    assert json.loads((tmp_path / "bench.json").read_text())["rows"] == []
+
+
+def test_loss_reports(tmp_path):
+    """bench.md's losses table and targets and losses.png from a losses-suite bench.json."""
+    def row(loss, variant, mode, tokens, dtype, impl, dev, full, nbytes=2**26):
+        return asdict(bench.LossRow(loss, variant, mode, tokens, dtype, impl, nbytes, dev, full,
+                                    0.8 * dev if impl == "rl_triton" else 1.0, 0.0))
+    rows = []
+    for tokens, scale in ((2**20, 1.0), (2**22, 4.0)):
+        for dtype in ("float32", "bfloat16"):
+            for loss, variant, mode in (("ppo_policy_loss", "mask", "fwd+bwd"),
+                                        ("sac_targets", "continuous K=2", "fwd"),
+                                        ("sac_targets", "continuous K=2", "fwd+bwd"),
+                                        ("crr_weights", "exp J=4", "fwd")):
+                for impl, dev, full in (("rl_triton", 10.0, 40.0), ("eager", 50.0, 160.0),
+                                        ("compile", 9.0, 50.0)):
+                    rows.append(row(loss, variant, mode, tokens, dtype, impl, scale * dev,
+                                    scale * full, nbytes=int(scale * 2**24)))
+    rows[0]["full_us"] = 30.0  # ppo at 2^20 float32: 5.3x eager, 1.7x compile
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(dict(env=_token_env(), suite="losses", rows=rows)))
+    bench.main(["--report", str(path), "--out", str(tmp_path / "r")])
+    md = (tmp_path / "r" / "bench.md").read_text()
+    assert ("| loss | variant | mode | tokens | dtype | MB | device µs | full µs | of copy | "
+            "eager µs | vs eager | compile µs | vs compile |") in md
+    assert ("| ppo_policy_loss | mask | fwd+bwd | 2^20 | float32 | 16.8 | 10.0 | 30.0 | 0.80 | "
+            "160.0 | 5.3x (5.0x) | 50.0 | 1.7x (0.9x) |") in md
+    assert ("| sac_targets | continuous K=2 | fwd | 2^22 | bfloat16 | 67.1 | 40.0 | 160.0 | "
+            "0.80 | 640.0 | 4.0x (5.0x) | 200.0 | 1.2x (0.9x) |") in md
+    lines = md.splitlines()
+    first = [lines.index(next(x for x in lines if x.startswith(p))) for p in (
+        "| ppo_policy_loss | mask | fwd+bwd | 2^20 | float32", "| ppo_policy_loss | mask | "
+        "fwd+bwd | 2^20 | bfloat16", "| ppo_policy_loss | mask | fwd+bwd | 2^22 | float32",
+        "| sac_targets | continuous K=2 | fwd | 2^20", "| sac_targets | continuous K=2 | fwd+bwd",
+        "| crr_weights")]
+    assert first == sorted(first)  # by case, mode, tokens, dtype
+    # of copy over the cells of >= 32 MB only: the 2^22 ones (67 MB)
+    assert "| of copy >= 0.6 at >= 32 MB | fwd+bwd | 4 of 4 | 0.80 (" in md
+    assert "| vs eager >= 3x, full call | fwd+bwd | 8 of 8 | 4.00 (" in md
+    assert ("| vs compile >= 1x, full call | fwd+bwd | 8 of 8 | 1.25 (ppo_policy_loss mask, "
+            "2^20, bfloat16) |") in md
+    assert "| vs compile >= 1x, full call | fwd | 8 of 8 |" in md
+    assert (tmp_path / "r" / "losses.png").stat().st_size > 1000
+    assert not (tmp_path / "r" / "bench.png").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suite would run")
+def test_loss_suite_cli(tmp_path):
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        bench.main(["--suite", "losses", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        bench.main(["--suite", "losses", "--shapes", "1024,4096", "--dtypes", "float32",
+                    "--max-seconds", "60", "--out", str(tmp_path)])
+    for bad in ("1000", "4096x128", "0"):
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--suite", "losses", "--shapes", bad, "--out", str(tmp_path)])
+        assert e.value.code == 2
+
+
+
+# the default suite's bench.md of `_default_rows`, as the harness wrote it before the losses suite
+DEFAULT_REPORT = """\
+GPU, driver 1, torch t, triton tr, 2026-12-05. Copy bandwidth 4000 GB/s; launch floor 4.0 us device, 13.0 us full call.
+
+rl_triton, device / full-call µs (bandwidth fraction of copy):
+
+| estimator | layout | dtype | trunc | 128x128 | 4096x128 |
+|---|---|---|---|---|---|
+| gae | time-major | float32 | yes | 5 / 15 (0.50) | 8 / 20 (0.60) |
+| vtrace | batch-major | bfloat16 | no | 6 / 16 (0.40) |  |
+
+The same, as the device time of a copy that moves the same bytes divided by rl_triton's device time (1.00: as fast as copying those bytes):
+
+| estimator | layout | dtype | trunc | 128x128 | 4096x128 |
+|---|---|---|---|---|---|
+| gae | time-major | float32 | yes | 0.80 | 0.75 |
+| vtrace | batch-major | bfloat16 | no | 0.75 |  |
+
+Speedup of rl_triton over the baselines (same inputs), full-call time (device time in brackets):
+
+| estimator | baseline | layout | trunc | 128x128 | 4096x128 |
+|---|---|---|---|---|---|
+| gae | torch | time-major | yes | 10.0x (10.0x) |  |
+| gae | compile | time-major | yes |  | 3.0x (2.0x) |
+
+Backward pass alone (every floating input requires grad), device / full-call µs (device time of a copy of its minimal bytes / its device time):
+
+| estimator | layout | dtype | trunc | 128x128 | 4096x128 |
+|---|---|---|---|---|---|
+| gae | time-major | float32 | yes |  | 10 / 30 (0.80) |
+
+Forward plus backward, rl_triton, device / full-call µs:
+
+| estimator | layout | dtype | trunc | 128x128 | 4096x128 |
+|---|---|---|---|---|---|
+| gae | time-major | float32 | yes |  | 20 / 60 |
+
+Forward plus backward: speedup of rl_triton over autograd through the torch backend, full call (device time in brackets):
+
+| estimator | layout | dtype | trunc | 128x128 | 4096x128 |
+|---|---|---|---|---|---|
+| gae | time-major | float32 | yes |  | 20.0x (20.0x) |
+
+Forward plus backward: speedup of rl_triton over autograd through TorchRL's estimator, full call (device time in brackets):
+
+| estimator | layout | dtype | trunc | 128x128 | 4096x128 |
+|---|---|---|---|---|---|
+| gae | time-major | float32 | yes |  | 15.0x (15.0x) |
+"""
+
+
+def _default_rows():
+    R = bench.Row
+    nan = float("nan")
+    tm = ("time-major", "float32", True)
+    return [R("gae", "128x128", *tm, "rl_triton", 10**6, 5.0, 15.0, 0.5, 1e-7, 4.0),
+            R("gae", "4096x128", *tm, "rl_triton", 4 * 10**6, 8.0, 20.0, 0.6, 1e-7, 6.0),
+            R("gae", "128x128", *tm, "torch", 10**6, 50.0, 150.0, 0.05, 1e-7, 4.0),
+            R("gae", "4096x128", *tm, "compile", 4 * 10**6, 16.0, 60.0, 0.3, 1e-7, 6.0),
+            R("vtrace", "128x128", "batch-major", "bfloat16", False, "rl_triton", 10**6, 6.0,
+              16.0, 0.4, 1e-7, 4.5),
+            R("gae", "4096x128", *tm, "rl_triton", 10**6, 10.0, 30.0, 0.5, 0.0, 8.0, "bwd"),
+            R("gae", "4096x128", *tm, "rl_triton", 0, 20.0, 60.0, 0.0, 0.0, nan, "fwd+bwd"),
+            R("gae", "4096x128", *tm, "torch", 0, 400.0, 1200.0, 0.0, 0.0, nan, "fwd+bwd"),
+            R("gae", "4096x128", *tm, "torchrl", 0, 300.0, 900.0, 0.0, 0.0, nan, "fwd+bwd")]
+
+
+def test_default_report_unchanged(tmp_path):
+    """A default-suite bench.json (no "suite") renders as before the other suites: the same
+    bench.md, word for word, and bench.png."""
+    env = dict(_token_env(), date="2026-12-05")
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(dict(env=env, rows=[asdict(r) for r in _default_rows()])))
+    bench.main(["--report", str(path), "--out", str(tmp_path / "r")])
+    assert (tmp_path / "r" / "bench.md").read_text() == DEFAULT_REPORT
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["bench.md", "bench.png"]
