@@ -410,3 +410,26 @@ def test_impala_gymnax(impala, tmp_path, gymnax_envs):
     logged = scalars(run_dir)
     assert PERF_TAGS | {"charts/episodic_return", "losses/value_loss"} <= set(logged)
     assert all(np.isfinite(v).all() for v in logged.values())
+
+
+# --loss-backend: rl_triton's fused losses (Triton's interpreter here) against the inline torch lines
+@pytest.mark.parametrize("name, kw", [
+    # one iteration, four updates; a small clip and a large step so that both clips bind
+    ("ppo", dict(total_timesteps=64, update_epochs=2, clip_coef=0.02, learning_rate=3e-3)),
+    ("ppo", dict(total_timesteps=64, update_epochs=2, env_id="Pendulum-v1", clip_vloss=False)),
+    ("impala", dict()),  # two iterations of two updates
+], ids=["ppo", "ppo-continuous-unclipped-vloss", "impala"])
+def test_loss_backends_train_identically(name, kw, tmp_path):
+    module = load(name)
+    tiny = tiny_ppo_args if name == "ppo" else tiny_impala_args
+    params, logged = {}, {}
+    for loss_backend in ["torch", "triton"]:
+        agent, run_dir = module.train(tiny(module, tmp_path / loss_backend, "auto", loss_backend=loss_backend, **kw))
+        params[loss_backend] = torch.nn.utils.parameters_to_vector(agent.parameters()).detach()
+        logged[loss_backend] = scalars(run_dir)
+        assert all(ms > 0 for ms in logged[loss_backend]["perf/loss_ms"])
+        assert len(logged[loss_backend]["perf/loss_ms"]) == len(logged[loss_backend]["perf/credit_ms"])
+    torch.testing.assert_close(params["triton"], params["torch"], rtol=0, atol=1e-5)
+    for tag in ["losses/policy_loss", "losses/value_loss", "losses/approx_kl"]:
+        np.testing.assert_allclose(logged["triton"][tag], logged["torch"][tag], rtol=1e-5, atol=1e-6)
+
