@@ -410,3 +410,140 @@ def test_impala_gymnax(impala, tmp_path, gymnax_envs):
     logged = scalars(run_dir)
     assert PERF_TAGS | {"charts/episodic_return", "losses/value_loss"} <= set(logged)
     assert all(np.isfinite(v).all() for v in logged.values())
+
+
+# --loss-backend: rl_triton's fused losses (Triton's interpreter here) against the inline torch lines
+@pytest.mark.parametrize("name, kw", [
+    # one iteration, four updates; a small clip and a large step so that both clips bind
+    ("ppo", dict(total_timesteps=64, update_epochs=2, clip_coef=0.02, learning_rate=3e-3)),
+    ("ppo", dict(total_timesteps=64, update_epochs=2, env_id="Pendulum-v1", clip_vloss=False)),
+    ("impala", dict()),  # two iterations of two updates
+], ids=["ppo", "ppo-continuous-unclipped-vloss", "impala"])
+def test_loss_backends_train_identically(name, kw, tmp_path):
+    module = load(name)
+    tiny = tiny_ppo_args if name == "ppo" else tiny_impala_args
+    params, logged = {}, {}
+    for loss_backend in ["torch", "triton"]:
+        agent, run_dir = module.train(tiny(module, tmp_path / loss_backend, "auto", loss_backend=loss_backend, **kw))
+        params[loss_backend] = torch.nn.utils.parameters_to_vector(agent.parameters()).detach()
+        logged[loss_backend] = scalars(run_dir)
+        assert all(ms > 0 for ms in logged[loss_backend]["perf/loss_ms"])
+        assert len(logged[loss_backend]["perf/loss_ms"]) == len(logged[loss_backend]["perf/credit_ms"])
+    torch.testing.assert_close(params["triton"], params["torch"], rtol=0, atol=1e-5)
+    for tag in ["losses/policy_loss", "losses/value_loss", "losses/approx_kl"]:
+        np.testing.assert_allclose(logged["triton"][tag], logged["torch"][tag], rtol=1e-5, atol=1e-6)
+
+
+SAC_BACKENDS = ["loop", "triton", "auto"]
+SAC_TAGS = PERF_TAGS | {"charts/episodic_return", "charts/episodic_length", "charts/SPS", "losses/qf1_values",
+                        "losses/qf2_values", "losses/qf1_loss", "losses/qf2_loss", "losses/qf_loss",
+                        "losses/actor_loss", "losses/alpha", "losses/alpha_loss"}
+
+
+@pytest.fixture(scope="module")
+def sac():
+    return load("sac")
+
+
+def tiny_sac_args(sac, tmp_path, backend, **kw):
+    args = dict(credit_backend=backend, num_envs=2, total_timesteps=64, learning_starts=32, batch_size=16,
+                buffer_size=48, log_frequency=4, cuda=False, log_dir=str(tmp_path))
+    args.update(kw)
+    return sac.Args(**args)
+
+
+def short_pendulums(args):
+    """Pendulum-v1 cut at 8 steps, so that a tiny run ends episodes (by truncation)."""
+    return gym.make_vec(args.env_id, num_envs=args.num_envs, max_episode_steps=8)
+
+
+@pytest.mark.parametrize("backend", SAC_BACKENDS)
+def test_sac_logs(sac, tmp_path, monkeypatch, backend):
+    monkeypatch.setattr(sac, "make_envs", short_pendulums)
+    _, run_dir = sac.train(tiny_sac_args(sac, tmp_path, backend))
+    assert pathlib.Path(run_dir).name.startswith(f"Pendulum-v1__sac__{backend}__1__")
+    logged = scalars(run_dir)
+    assert SAC_TAGS | {"perf/iteration_ms"} <= set(logged)
+    # 16 updates (iterations 16-31), written at iterations 16, 20, 24, 28
+    assert len(logged["perf/credit_ms"]) == 4 and len(logged["losses/qf_loss"]) == 4
+    assert all(0 < s < 1 for s in logged["perf/credit_share"])
+    assert all(np.isfinite(v).all() for v in logged.values())
+
+
+def test_sac_backends_train_identically(sac, tmp_path, monkeypatch):
+    monkeypatch.setattr(sac, "make_envs", short_pendulums)
+    params, alphas = {}, {}
+    for backend in SAC_BACKENDS:
+        nets, run_dir = sac.train(tiny_sac_args(sac, tmp_path / backend, backend))
+        params[backend] = torch.nn.utils.parameters_to_vector(nets.parameters()).detach()
+        alphas[backend] = scalars(run_dir)["losses/alpha"]
+    for backend in SAC_BACKENDS[1:]:
+        torch.testing.assert_close(params[backend], params["loop"], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(alphas[backend], alphas["loop"], rtol=0, atol=1e-6)
+    assert alphas["loop"][-1] != 1.0  # the temperature did learn
+
+
+def test_sac_targets_match_cleanrl():
+    """rl_triton.sac_targets (every backend) and sac.py's loop against CleanRL's lines (its replay
+    samples are [B, 1]; its `dones` are SB3's, the terminations), with terminations among them."""
+    sac = load("sac")
+    rl_triton = rl_triton_module()
+    g = torch.Generator().manual_seed(0)
+    B, gamma = 37, 0.97
+    rewards = torch.randn(B, 1, generator=g)
+    dones = (torch.rand(B, 1, generator=g) < 0.3).float()
+    qf1_next_target, qf2_next_target = torch.randn(B, 1, generator=g), torch.randn(B, 1, generator=g)
+    next_state_log_pi = torch.randn(B, 1, generator=g)
+    assert 0 < dones.sum() < B
+    for alpha in [0.2, torch.rand(1, generator=g)]:  # a fixed and a learned temperature
+        # CleanRL sac_continuous_action.py, transcribed
+        min_qf_next_target = torch.min(qf1_next_target, qf2_next_target) - alpha * next_state_log_pi
+        next_q_value = rewards.flatten() + (1 - dones.flatten()) * gamma * (min_qf_next_target).view(-1)
+
+        next_q_values = torch.cat([qf1_next_target, qf2_next_target], 1)
+        for backend in ["triton", "torch", "loop"]:
+            got = rl_triton.sac_targets(rewards.view(-1), dones.view(-1).bool(), next_q_values,
+                                        next_state_log_pi.view(-1), gamma=gamma, alpha=alpha, backend=backend)
+            torch.testing.assert_close(got, next_q_value, rtol=1e-6, atol=1e-6)
+        got = sac.sac_targets_loop(rewards.view(-1), dones.view(-1), next_q_values, next_state_log_pi.view(-1),
+                                   gamma=gamma, alpha=alpha)
+        torch.testing.assert_close(got, next_q_value, rtol=0, atol=0)
+        # a termination drops the bootstrap: the target is the reward
+        torch.testing.assert_close(next_q_value[dones.view(-1) == 1], rewards.view(-1)[dones.view(-1) == 1])
+
+
+# ContinuousChain: Chain with a Box action, for SAC's replay
+class ContinuousChain(Chain):
+    action_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+
+
+def test_sac_replay_at_episode_boundaries(sac, tmp_path, monkeypatch):
+    """What enters the replay over 8 steps of two chains (next-step autoreset):
+
+    env 0 (truncated after 3 steps): obs 0 1 2 [3] 0 1 2 [3]; env 1 (terminated after 2 steps):
+    obs 0 1 [2] 0 1 [2] 0 1. The steps out of the bracketed final observations (env 0: 3, 7;
+    env 1: 2, 5) are reset transitions and are not stored; a truncation is stored with its final
+    observation and no termination flag."""
+    buffers = []
+
+    class CapturedReplayBuffer(sac.ReplayBuffer):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            buffers.append(self)
+
+    monkeypatch.setattr(sac, "make_envs", lambda args: gym.vector.SyncVectorEnv([
+        lambda: gym.wrappers.TimeLimit(ContinuousChain(0), max_episode_steps=3),
+        lambda: gym.wrappers.TimeLimit(ContinuousChain(1), max_episode_steps=100),
+    ]))
+    monkeypatch.setattr(sac, "ReplayBuffer", CapturedReplayBuffer)
+    sac.train(tiny_sac_args(sac, tmp_path, "loop", total_timesteps=16, learning_starts=100, buffer_size=100))
+    (rb,) = buffers
+    n = rb.pos
+    assert n == 12 and not rb.full  # 16 steps less the four reset transitions
+    obs, next_obs, term = rb.obs[:n], rb.next_obs[:n], rb.terminated[:n]
+    assert (next_obs[:, 0] == obs[:, 0] + 1).all() and (next_obs[:, 1] == obs[:, 1]).all()  # no reset step
+    assert (rb.rewards[:n] == 1).all()
+    kind, t_next = obs[:, 1], next_obs[:, 0]
+    assert term.tolist() == ((kind == 1) & (t_next == 2)).float().tolist()
+    assert ((kind == 0) & (t_next == 3)).sum() == 2  # the truncations, bootstrapping from obs 3
+    assert ((kind == 1) & (t_next == 2)).sum() == 3

@@ -56,6 +56,9 @@ class Args:
     the Triton kernels, or rl_triton's choice (Triton on CUDA, torch on CPU)"""
     compile_backend: str = "inductor"
     """the torch.compile backend used by `--credit-backend compile`"""
+    loss_backend: Literal["torch", "triton"] = "torch"
+    """the value loss: inline torch lines, or rl_triton's fused `value_loss` kernels (Triton's
+    interpreter on CPU); the policy-gradient and entropy terms stay inline either way"""
     total_timesteps: int = 500000
     """total timesteps of the experiments"""
     learning_rate: float = 5e-4
@@ -277,6 +280,7 @@ def train(args: Args):
     optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     credit_assignment = make_credit_assignment(args, device)
     credit_timers = [Timer(device) for _ in range(args.num_minibatches * args.update_epochs)]
+    loss_timers = [Timer(device) for _ in range(args.num_minibatches * args.update_epochs)]
 
     # ALGO Logic: Storage setup. obs has one slot more: the bootstrap observation
     obs_dtype = torch.uint8 if atari else torch.float32
@@ -364,7 +368,7 @@ def train(args: Args):
                 mb_valid = valid[:, mb_envs]
 
                 # slot t+1 holds the successor of step t (the final observation after a done)
-                timer = credit_timers[timer_index]
+                timer, loss_timer = credit_timers[timer_index], loss_timers[timer_index]
                 timer_index += 1
                 with torch.no_grad():
                     timer.start()
@@ -373,11 +377,18 @@ def train(args: Args):
                         behavior_logprobs[:, mb_envs], truncated[:, mb_envs], last_value=all_values[-1].detach())
                     timer.stop()
 
+                # the losses, timed alone (their backward runs inside loss.backward() below). The
+                # policy gradient -A log pi has no ratio to clip: no SPEC 9 loss is it, so it stays inline
+                loss_timer.start()
                 n_valid = mb_valid.sum().clamp(min=1)
                 pg_loss = -(pg_advantages * target_logprobs)[mb_valid].sum() / n_valid
-                v_loss = 0.5 * ((vs - values) ** 2)[mb_valid].sum() / n_valid
+                if args.loss_backend == "torch":
+                    v_loss = 0.5 * ((vs - values) ** 2)[mb_valid].sum() / n_valid
+                else:  # 0.5 (V - vs)^2 averaged over the valid steps: token-mean under the mask
+                    v_loss = rl_triton.value_loss(values, vs, mask=mb_valid, backend="triton")
                 entropy_loss = entropy[mb_valid].sum() / n_valid
                 loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+                loss_timer.stop()
 
                 optimizer.zero_grad()
                 loss.backward()
@@ -390,6 +401,7 @@ def train(args: Args):
         synchronize(device)
         update_ms = (time.perf_counter() - update_start) * 1e3
         credit_ms = sum(timer.ms() for timer in credit_timers)
+        loss_ms = sum(timer.ms() for timer in loss_timers)
         with torch.no_grad():
             log_ratio = (target_logprobs - behavior_logprobs[:, mb_envs])[mb_valid]
 
@@ -402,6 +414,7 @@ def train(args: Args):
         writer.add_scalar("losses/approx_kl", ((log_ratio.exp() - 1) - log_ratio).mean().item(), global_step)
         writer.add_scalar("perf/rollout_ms", rollout_ms, global_step)
         writer.add_scalar("perf/credit_ms", credit_ms, global_step)
+        writer.add_scalar("perf/loss_ms", loss_ms, global_step)
         writer.add_scalar("perf/update_ms", update_ms, global_step)
         writer.add_scalar("perf/credit_share", credit_ms / update_ms, global_step)
         writer.add_scalar("perf/iteration_ms", rollout_ms + update_ms, global_step)

@@ -56,6 +56,9 @@ class Args:
     Triton kernels, or rl_triton's choice (Triton on CUDA, torch on CPU)"""
     compile_backend: str = "inductor"
     """the torch.compile backend used by `--credit-backend compile`"""
+    loss_backend: Literal["torch", "triton"] = "torch"
+    """the clipped surrogate and value loss: CleanRL's inline torch lines, or rl_triton's fused
+    `ppo_policy_loss` and `value_loss` kernels (Triton's interpreter on CPU)"""
     total_timesteps: int = 500000
     """total timesteps of the experiments"""
     learning_rate: float = 2.5e-4
@@ -301,6 +304,7 @@ def train(args: Args):
     optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     credit_assignment = make_credit_assignment(args, device)
     credit_timer = Timer(device)
+    loss_timers = [Timer(device) for _ in range(args.update_epochs * args.num_minibatches)]
     if continuous:
         low = torch.as_tensor(envs.single_action_space.low, device=device)
         high = torch.as_tensor(envs.single_action_space.high, device=device)
@@ -400,47 +404,68 @@ def train(args: Args):
         # Optimizing the policy and value network
         b_inds = np.flatnonzero(b_valid)
         clipfracs = []
+        num_losses = 0
         for epoch in range(args.update_epochs):
             np.random.shuffle(b_inds)
             for mb_inds in np.array_split(b_inds, args.num_minibatches):
                 mb_inds = torch.as_tensor(mb_inds, device=device)
                 mb_actions = b_actions[mb_inds] if continuous else b_actions.long()[mb_inds]
                 _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb_inds], mb_actions)
-                logratio = newlogprob - b_logprobs[mb_inds]
-                ratio = logratio.exp()
-
-                with torch.no_grad():
-                    # calculate approx_kl http://joschu.net/blog/kl-approx.html
-                    old_approx_kl = (-logratio).mean()
-                    approx_kl = ((ratio - 1) - logratio).mean()
-                    clipfracs += [((ratio - 1.0).abs() > args.clip_coef).float().mean().item()]
+                newvalue = newvalue.view(-1)
 
                 mb_advantages = b_advantages[mb_inds]
                 if args.norm_adv:
                     mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
 
-                # Policy loss
-                pg_loss1 = -mb_advantages * ratio
-                pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
-                pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+                # the losses, timed alone (their backward runs inside loss.backward() below)
+                loss_timers[num_losses].start()
+                if args.loss_backend == "torch":
+                    logratio = newlogprob - b_logprobs[mb_inds]
+                    ratio = logratio.exp()
+                    with torch.no_grad():
+                        # calculate approx_kl http://joschu.net/blog/kl-approx.html
+                        approx_kl = ((ratio - 1) - logratio).mean()
 
-                # Value loss
-                newvalue = newvalue.view(-1)
-                if args.clip_vloss:
-                    v_loss_unclipped = (newvalue - b_returns[mb_inds]) ** 2
-                    v_clipped = b_values[mb_inds] + torch.clamp(
-                        newvalue - b_values[mb_inds],
-                        -args.clip_coef,
-                        args.clip_coef,
-                    )
-                    v_loss_clipped = (v_clipped - b_returns[mb_inds]) ** 2
-                    v_loss_max = torch.max(v_loss_unclipped, v_loss_clipped)
-                    v_loss = 0.5 * v_loss_max.mean()
+                    # Policy loss
+                    pg_loss1 = -mb_advantages * ratio
+                    pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+                    pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+
+                    # Value loss
+                    if args.clip_vloss:
+                        v_loss_unclipped = (newvalue - b_returns[mb_inds]) ** 2
+                        v_clipped = b_values[mb_inds] + torch.clamp(
+                            newvalue - b_values[mb_inds],
+                            -args.clip_coef,
+                            args.clip_coef,
+                        )
+                        v_loss_clipped = (v_clipped - b_returns[mb_inds]) ** 2
+                        v_loss_max = torch.max(v_loss_unclipped, v_loss_clipped)
+                        v_loss = 0.5 * v_loss_max.mean()
+                    else:
+                        v_loss = 0.5 * ((newvalue - b_returns[mb_inds]) ** 2).mean()
                 else:
-                    v_loss = 0.5 * ((newvalue - b_returns[mb_inds]) ** 2).mean()
+                    # SPEC 9's l is CleanRL's max(-A ratio, -A clamp(ratio)) and its value loss carries
+                    # the same 0.5; approx_kl is the same k3 mean (of the log-ratio clamped to +-20)
+                    pg_loss, _, approx_kl = rl_triton.ppo_policy_loss(
+                        newlogprob, b_logprobs[mb_inds], mb_advantages, clip_low=args.clip_coef,
+                        aggregation="token-mean", backend="triton")
+                    v_loss = rl_triton.value_loss(newvalue, b_returns[mb_inds], b_values[mb_inds],
+                                                  clip=args.clip_coef if args.clip_vloss else None,
+                                                  backend="triton")
 
                 entropy_loss = entropy.mean()
                 loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+                loss_timers[num_losses].stop()
+                num_losses += 1
+
+                with torch.no_grad():
+                    # CleanRL's other diagnostics, outside the timed losses and alike for both
+                    # backends: its clipfrac counts |ratio - 1| > clip whatever A's sign (SPEC's
+                    # clip_fraction counts only where the clip binds)
+                    logratio = newlogprob - b_logprobs[mb_inds]
+                    old_approx_kl = (-logratio).mean()
+                    clipfracs += [((logratio.exp() - 1.0).abs() > args.clip_coef).float().mean().item()]
 
                 optimizer.zero_grad()
                 loss.backward()
@@ -453,6 +478,7 @@ def train(args: Args):
         synchronize(device)
         update_ms = (time.perf_counter() - update_start) * 1e3
         credit_ms = credit_timer.ms()
+        loss_ms = sum(timer.ms() for timer in loss_timers[:num_losses])
 
         y_pred, y_true = b_values[b_inds].cpu().numpy(), b_returns[b_inds].cpu().numpy()
         var_y = np.var(y_true)
@@ -469,6 +495,7 @@ def train(args: Args):
         writer.add_scalar("losses/explained_variance", explained_var, global_step)
         writer.add_scalar("perf/rollout_ms", rollout_ms, global_step)
         writer.add_scalar("perf/credit_ms", credit_ms, global_step)
+        writer.add_scalar("perf/loss_ms", loss_ms, global_step)
         writer.add_scalar("perf/update_ms", update_ms, global_step)
         writer.add_scalar("perf/credit_share", credit_ms / update_ms, global_step)
         writer.add_scalar("perf/iteration_ms", rollout_ms + update_ms, global_step)
