@@ -292,7 +292,7 @@ def train(args: Args):
     optimizer = optim.Adam(model.parameters(), lr=args.learning_rate, eps=1e-5)
     credit_assignment = make_credit_assignment(args)
     B, K, turn_len = args.num_episodes, args.num_numbers, 1 + args.obs_len
-    groups = args.group_size if args.estimator == "grpo" else 1
+    per_number = args.group_size if args.estimator == "grpo" else 1  # GRPO: a group per number
 
     global_step = 0  # games played
     start_time = time.time()
@@ -303,7 +303,7 @@ def train(args: Args):
 
         # rollout: play the games, then score the rows in one forward pass (old log-probs, values)
         rollout_start = time.perf_counter()
-        hidden = torch.randint(K, (B // groups,), device=device).repeat_interleave(groups)
+        hidden = torch.randint(K, (B // per_number,), device=device).repeat_interleave(per_number)
         seq, mask, turns, solved = play(model, hidden, args)
         global_step += B
         tokens, responses = seq[:, :-1], seq[:, 1:]  # the output at position t scores token t + 1
