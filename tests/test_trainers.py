@@ -547,3 +547,90 @@ def test_sac_replay_at_episode_boundaries(sac, tmp_path, monkeypatch):
     assert term.tolist() == ((kind == 1) & (t_next == 2)).float().tolist()
     assert ((kind == 0) & (t_next == 3)).sum() == 2  # the truncations, bootstrapping from obs 3
     assert ((kind == 1) & (t_next == 2)).sum() == 3
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return load("llm_ppo")
+
+
+def tiny_llm_args(llm, tmp_path, backend, **kw):
+    # 3 turns of a guess and a 2-token reply, padded to 12 tokens: masked spans inside every row
+    args = dict(credit_backend=backend, num_numbers=8, max_turns=3, obs_len=2, response_len=12,
+                d_model=16, n_layers=1, n_heads=2, num_episodes=8, group_size=4, total_episodes=16,
+                update_epochs=2, num_minibatches=2, gamma=0.9, cuda=False, log_dir=str(tmp_path),
+                **COMPILE)
+    args.update(kw)
+    return llm.Args(**args)
+
+
+LLM_TAGS = PERF_TAGS | {"charts/success_rate", "charts/episodic_return", "charts/mean_turns",
+                        "losses/policy_loss", "losses/entropy", "losses/approx_kl"}
+
+
+@pytest.mark.parametrize("variant", [dict(estimator="ppo"), dict(estimator="ppo", packed=True),
+                                     dict(estimator="grpo")], ids=["ppo", "ppo-packed", "grpo"])
+def test_llm_ppo_backends_train_identically(llm, tmp_path, variant):
+    """Every credit backend logs the tags and, for two updates, trains the same model."""
+    params = {}
+    for backend in BACKENDS:
+        model, run_dir = llm.train(tiny_llm_args(llm, tmp_path / backend, backend, **variant))
+        assert pathlib.Path(run_dir).name.startswith(f"GuessNumber-K8-M3__llm_ppo__{backend}__1__")
+        logged = scalars(run_dir)
+        expected = LLM_TAGS | ({"losses/value_loss"} if variant["estimator"] == "ppo" else set())
+        assert expected <= set(logged)
+        assert len(logged["perf/credit_ms"]) == 2  # one per iteration
+        assert all(0 < s < 1 for s in logged["perf/credit_share"])
+        assert all(np.isfinite(v).all() for v in logged.values())
+        params[backend] = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    for backend in BACKENDS[1:]:
+        torch.testing.assert_close(params[backend], params["loop"], rtol=0, atol=1e-5)
+    torch.manual_seed(1)  # the trainer's seed: its initial model
+    initial = llm.Policy(tiny_llm_args(llm, tmp_path, "loop"))
+    assert not torch.allclose(params["loop"], torch.nn.utils.parameters_to_vector(initial.parameters()))
+
+
+def test_llm_ppo_kl_penalty(llm, tmp_path):
+    _, run_dir = llm.train(tiny_llm_args(llm, tmp_path, "auto", kl_coef=0.1))
+    assert "losses/ref_kl" in scalars(run_dir)
+
+
+def test_llm_ppo_masks_and_loop_gae(llm):
+    """The game's rows: decision tokens are the model's guesses, each followed by the environment's
+    reply (mask 0), then right padding; the loop GAE is rl_triton.gae(mask=...) on them."""
+    import rl_triton
+
+    args = llm.Args(num_numbers=8, max_turns=4, obs_len=3, response_len=20, d_model=16, n_layers=1,
+                    n_heads=2)
+    torch.manual_seed(0)
+    hidden = torch.randint(8, (64,))
+    seq, mask, turns, solved = llm.play(llm.Policy(args), hidden, args)
+    responses = seq[:, 1:]
+    assert seq.shape == (64, 21) and (seq[:, 0] == llm.BOS).all()
+    assert torch.equal(mask, responses >= llm.NUM_SPECIAL)  # the model's tokens, nothing else
+    for b in range(64):
+        starts = torch.arange(turns[b].item()) * 4  # a guess and its 3-token reply per turn
+        assert torch.equal(mask[b].nonzero().flatten(), starts)
+        for t in starts.tolist():
+            guess = responses[b, t].item() - llm.NUM_SPECIAL
+            want = llm.CORRECT if guess == hidden[b] else llm.HIGHER if guess < hidden[b] else llm.LOWER
+            assert responses[b, t + 1] == want and (responses[b, t + 2: t + 4] == llm.FILL).all()
+        assert (responses[b, 4 * turns[b]:] == llm.PAD).all()
+        assert solved[b] == (responses[b, 4 * turns[b] - 3] == llm.CORRECT)
+    assert (turns >= 2).sum() > 32  # most rows hold an observation span between decisions
+    assert (solved & (turns < 4)).any() and (~solved).any()
+
+    values = torch.randn(64, 20)
+    scores = solved.float()
+    rewards = torch.zeros(64, 20).scatter_(1, (4 * (turns - 1))[:, None], scores[:, None])
+    adv, ret = llm.gae_loop(rewards, values, mask, gamma=0.9, lam=0.8)
+    for backend in ["torch", "triton"]:
+        want_adv, want_ret = rl_triton.gae(rewards, values, torch.zeros_like(mask), mask=mask,
+                                           last_value=torch.zeros(64), gamma=0.9, lam=0.8,
+                                           time_dim=1, backend=backend)
+        torch.testing.assert_close(adv, want_adv, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ret, want_ret, rtol=1e-5, atol=1e-5)
+    hidden_groups = torch.randint(8, (16,)).repeat_interleave(4)
+    _, mask, _, solved = llm.play(llm.Policy(args), hidden_groups, args)
+    torch.testing.assert_close(llm.grpo_loop(solved.float(), mask, group_size=4),
+                               rl_triton.group_advantages(solved.float(), group_size=4, mask=mask))
