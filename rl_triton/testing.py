@@ -109,7 +109,6 @@ def import_frameworks(path=None):
     (vLLM, DeepSpeed, flash-attn) skipped. sys.modules is restored afterwards, real packages
     included. Raises ImportError if the packages are not there or not at the pinned versions."""
     import importlib
-    import importlib.metadata
     import os
     import sys
     import types
@@ -122,16 +121,19 @@ def import_frameworks(path=None):
             raise ImportError(f"{name}=={version} is not installed in {path} (found {found}); "
                               f"pip install --no-deps --target {path} {name}=={version}")
 
-    def stub(name):
+    def stub(name):  # any attribute is a new empty class (annotations, isinstance, bases)
+        def attribute(attr):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            return type(attr, (), {})
+
         m = types.ModuleType(name)
-        m.__getattr__ = lambda attr: (_ for _ in ()).throw(AttributeError(attr)) \
-            if attr.startswith("__") else type(attr, (), {})
+        m.__getattr__ = attribute
         return m
 
-    def bare(name, attrs=None):  # a package whose __init__ is not run
+    def bare(name):  # a package whose __init__ is not run
         m = types.ModuleType(name)
         m.__path__ = [os.path.join(path, *name.split("."))]
-        m.__dict__.update(attrs or {})
         return m
 
     fake = {n: stub(n) for n in _STUBBED}
