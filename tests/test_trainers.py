@@ -691,7 +691,11 @@ def test_distributed_equals_one_process_on_the_union(name, tmp_path, monkeypatch
     per update, so that the update's batch is the union of the ranks' batches: the global
     advantage normalization and the weighting of each rank's mean loss by its share of the
     valid steps make the averaged step the single-process step, up to float summation order."""
-    kw = dict(num_minibatches=1, update_epochs=2) if name == "ppo" else dict(num_minibatches=1)
+    # two iterations, long enough for greedy CartPole episodes to end; with seed 3 PPO's ranks
+    # hold different numbers of valid steps (unweighted rank means miss by 3e-4; IMPALA's seed
+    # gives them too little imbalance to tell, its check is the wiring)
+    kw = dict(num_minibatches=1, update_epochs=2, num_steps=64) if name == "ppo" else dict(num_minibatches=1)
+    kw.update(total_timesteps=512, seed=3)
     params = train_distributed(name, tmp_path / "ranks", kw, greedy=True)
     trainer = load(name)
     monkeypatch.setattr(trainer, "make_envs", sync_envs)
@@ -704,5 +708,5 @@ def test_distributed_equals_one_process_on_the_union(name, tmp_path, monkeypatch
     torch.testing.assert_close(params[0], one, rtol=0, atol=1e-5)
     assert not torch.allclose(one, train_distributed(name, tmp_path / "start", dict(kw, learning_rate=0.0),
                                                      greedy=True)[0], atol=1e-4)  # it did learn
-    # some episodes ended, so the ranks' valid counts (and their shares) differed
-    assert scalars(run_dir)["perf/valid_fraction"][-1] < 1
+    # episodes ended inside the rollouts: reset transitions left the loss
+    assert min(scalars(run_dir)["perf/valid_fraction"]) < 1
