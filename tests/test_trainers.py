@@ -4,7 +4,9 @@ the specification defines at a truncation, and train identically whatever the ba
 
 
 import importlib.util
+import os
 import pathlib
+import socket
 import sys
 
 import gymnasium as gym
@@ -634,3 +636,77 @@ def test_llm_ppo_masks_and_loop_gae(llm):
     _, mask, _, solved = llm.play(llm.Policy(args), hidden_groups, args)
     torch.testing.assert_close(llm.grpo_loop(solved.float(), mask, group_size=4),
                                rl_triton.group_advantages(solved.float(), group_size=4, mask=mask))
+
+
+# Data parallel (torchrun): two gloo processes on CPU, each a rank as torchrun starts it
+class GreedyCategorical(torch.distributions.Categorical):
+    """Acting by the mode: a rollout no longer depends on how the RNG's draws fall per rank."""
+
+    def sample(self, sample_shape=torch.Size()):
+        return self.logits.argmax(-1)
+
+
+def sync_envs(args, device):
+    """Gymnasium's sync vector env seeds env i with seed + i (CartPole's numpy-vectorized one
+    draws every env's state from one generator), so 2 ranks of N are one run of 2N."""
+    return gym.make_vec(args.env_id, num_envs=args.num_envs, vectorization_mode="sync")
+
+
+def distributed_rank(rank, world_size, port, name, kw, out_dir, greedy):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    trainer = load(name)
+    if greedy:
+        trainer.make_envs, trainer.Categorical = sync_envs, GreedyCategorical
+    tiny = tiny_ppo_args if name == "ppo" else tiny_impala_args
+    agent, _ = trainer.train(tiny(trainer, out_dir, "loop", **kw))
+    torch.save(torch.nn.utils.parameters_to_vector(agent.parameters()).detach(), f"{out_dir}/rank{rank}.pt")
+
+
+def train_distributed(name, tmp_path, kw, greedy=False, world_size=2):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(distributed_rank, args=(world_size, port, name, kw, str(tmp_path), greedy),
+                                nprocs=world_size)
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
+
+
+@pytest.mark.parametrize("name", ["ppo", "impala"])
+def test_distributed_ranks_agree(name, tmp_path, capfd):
+    """Two ranks acting on their own (different) data take the same steps: atol 0."""
+    kw = dict(num_minibatches=2, update_epochs=2) if name == "ppo" else dict()
+    params = train_distributed(name, tmp_path, kw)
+    assert torch.equal(params[0], params[1])
+    assert "parameters across 2 ranks: max abs difference 0" in capfd.readouterr().out
+    run_dirs = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert len(run_dirs) == 1  # only rank 0 writes TensorBoard
+
+
+@pytest.mark.parametrize("name", ["ppo", "impala"])
+def test_distributed_equals_one_process_on_the_union(name, tmp_path, monkeypatch):
+    """2 ranks of N environments against 1 process of 2N seeded the same way, acting greedily
+    (the sampled actions cannot line up: one draw of 2N is not two draws of N). One minibatch
+    per update, so that the update's batch is the union of the ranks' batches: the global
+    advantage normalization and the weighting of each rank's mean loss by its share of the
+    valid steps make the averaged step the single-process step, up to float summation order."""
+    # two iterations, long enough for greedy CartPole episodes to end; with seed 3 PPO's ranks
+    # hold different numbers of valid steps (unweighted rank means miss by 3e-4; IMPALA's seed
+    # gives them too little imbalance to tell, its check is the wiring)
+    kw = dict(num_minibatches=1, update_epochs=2, num_steps=64) if name == "ppo" else dict(num_minibatches=1)
+    kw.update(total_timesteps=512, seed=3)
+    params = train_distributed(name, tmp_path / "ranks", kw, greedy=True)
+    trainer = load(name)
+    monkeypatch.setattr(trainer, "make_envs", sync_envs)
+    monkeypatch.setattr(trainer, "Categorical", GreedyCategorical)
+    tiny = tiny_ppo_args if name == "ppo" else tiny_impala_args
+    n = tiny(trainer, tmp_path, "loop").num_envs
+    agent, run_dir = trainer.train(tiny(trainer, tmp_path / "one", "loop", num_envs=2 * n, **kw))
+    one = torch.nn.utils.parameters_to_vector(agent.parameters()).detach()
+    assert torch.equal(params[0], params[1])
+    torch.testing.assert_close(params[0], one, rtol=0, atol=1e-5)
+    assert not torch.allclose(one, train_distributed(name, tmp_path / "start", dict(kw, learning_rate=0.0),
+                                                     greedy=True)[0], atol=1e-4)  # it did learn
+    # episodes ended inside the rollouts: reset transitions left the loss
+    assert min(scalars(run_dir)["perf/valid_fraction"]) < 1

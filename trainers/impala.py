@@ -21,6 +21,7 @@ from typing import Literal
 
 import gymnasium as gym
 import numpy as np
+import torch.distributed as dist
 import torch.nn as nn
 import torch.optim as optim
 import tyro
@@ -64,7 +65,7 @@ class Args:
     learning_rate: float = 5e-4
     """the learning rate of the optimizer"""
     num_envs: int = 16
-    """the number of parallel game environments (actors)"""
+    """the number of parallel game environments (actors; of each rank under torchrun)"""
     num_steps: int = 32
     """the unroll length: steps per environment per rollout"""
     anneal_lr: bool = True
@@ -94,7 +95,7 @@ class Args:
 
     # to be filled in runtime
     batch_size: int = 0
-    """the batch size (computed in runtime)"""
+    """the batch size, of all ranks together (computed in runtime)"""
     num_iterations: int = 0
     """the number of iterations (computed in runtime)"""
 
@@ -103,6 +104,12 @@ def env_backend(args):
     if args.env_backend == "auto":
         return "envpool" if importlib.util.find_spec("envpool") else "gymnasium"
     return args.env_backend
+
+
+def env_seed(args):
+    """Rank r's environments are seeded after rank r-1's: K ranks of N environments seeded one
+    by one (EnvPool, Gymnasium's sync vector env) are the environments of one run of K*N."""
+    return args.seed + (dist.get_rank() if dist.is_initialized() else 0) * args.num_envs
 
 
 def make_envs(args, device):
@@ -118,7 +125,7 @@ def make_envs(args, device):
         atari = "episodic_life" in envpool.make_spec(args.env_id)._config_keys
         kwargs = dict(episodic_life=True, reward_clip=True) if atari else {}
         envs = envpool.make(args.env_id, env_type="gymnasium", num_envs=args.num_envs,
-                            seed=args.seed, **kwargs)
+                            seed=env_seed(args), **kwargs)
         if not hasattr(envs, "single_action_space"):  # EnvPool < 1.0: the spaces are per env
             envs.single_action_space = envs.action_space
             envs.single_observation_space = envs.observation_space
@@ -252,23 +259,59 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
+def init_distributed(args):
+    """(rank, world size, device). Under torchrun (WORLD_SIZE > 1) each rank joins the process
+    group: NCCL on CUDA, gloo on CPU; alone, the device is the single-process one."""
+    cuda = torch.cuda.is_available() and args.cuda
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return 0, 1, torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        # NVLink multicast (NVLS, symmetric memory) stays off: not every machine supports it
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return dist.get_rank(), world_size, device
+
+
+def sum_gradients(module):
+    """One all-reduce of all the gradients, concatenated (as CleanRL's ppo_atari_multigpu):
+    each rank's loss is already weighted by its share of the union's minibatch."""
+    grads = [p.grad for p in module.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(summed.view_as(g))
+
+
+def parameter_spread(module):
+    """The largest difference of any parameter across the ranks (0: they agree exactly)."""
+    params = nn.utils.parameters_to_vector(module.parameters()).detach()
+    high, low = params.clone(), params.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    return (high - low).max().item()
+
+
 def train(args: Args):
-    args.batch_size = int(args.num_envs * args.num_steps)
+    rank, world_size, device = init_distributed(args)
+    args.batch_size = int(args.num_envs * args.num_steps * world_size)
     args.num_iterations = max(1, args.total_timesteps // args.batch_size)
     run_name = f"{args.env_id}__{args.exp_name}__{args.credit_backend}__{args.seed}__{int(time.time())}"
-    writer = SummaryWriter(f"{args.log_dir}/{run_name}")
-    writer.add_text(
-        "hyperparameters",
-        "|param|value|\n|-|-|\n%s" % ("\n".join([f"|{key}|{value}|" for key, value in vars(args).items()])),
-    )
+    if rank == 0:  # the other ranks' statistics reach TensorBoard through rank 0
+        writer = SummaryWriter(f"{args.log_dir}/{run_name}")
+        writer.add_text(
+            "hyperparameters",
+            "|param|value|\n|-|-|\n%s" % ("\n".join([f"|{key}|{value}|" for key, value in vars(args).items()])),
+        )
 
-    # TRY NOT TO MODIFY: seeding
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    # TRY NOT TO MODIFY: seeding (each rank samples its own actions)
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
     # env setup
     envs = make_envs(args, device)
@@ -276,6 +319,9 @@ def train(args: Args):
     assert isinstance(envs.single_action_space, gym.spaces.Discrete), "only discrete action space is supported"
     atari = is_atari(envs.single_observation_space)
     agent = Agent(envs).to(device)  # the learner
+    if world_size > 1:  # every rank starts from rank 0's parameters
+        for param in agent.parameters():
+            dist.broadcast(param.data, 0)
     actor = copy.deepcopy(agent)  # the behaviour policy, refreshed every `policy_lag` updates
     optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     credit_assignment = make_credit_assignment(args, device)
@@ -297,7 +343,7 @@ def train(args: Args):
     global_step = 0
     num_updates = 0
     start_time = time.time()
-    next_obs, _ = envs.reset() if env_backend(args) == "envpool" else envs.reset(seed=args.seed)
+    next_obs, _ = envs.reset() if env_backend(args) == "envpool" else envs.reset(seed=env_seed(args))
     next_obs = torch.as_tensor(next_obs, device=device)
     next_valid = torch.ones(args.num_envs, dtype=torch.bool, device=device)
     # episode statistics stay on the device (no host sync per step); read once per rollout
@@ -316,7 +362,7 @@ def train(args: Args):
         # the actors: act with the lagging behaviour policy and store its log-probabilities
         rollout_start = time.perf_counter()
         for step in range(0, args.num_steps):
-            global_step += args.num_envs
+            global_step += args.num_envs * world_size
             obs[step] = next_obs
             valid[step] = next_valid
             with torch.no_grad():
@@ -342,7 +388,12 @@ def train(args: Args):
         synchronize(device)
         rollout_ms = (time.perf_counter() - rollout_start) * 1e3
         finished_returns, finished_lengths = ended_return[ended].tolist(), ended_length[ended].tolist()
-        if finished_returns:
+        if world_size > 1:  # the episodes of every rank
+            finished = [None] * world_size
+            dist.all_gather_object(finished, (finished_returns, finished_lengths))
+            finished_returns = [r for returns, _ in finished for r in returns]
+            finished_lengths = [n for _, lengths in finished for n in lengths]
+        if finished_returns and rank == 0:
             recent_returns.extend(finished_returns)
             writer.add_scalar("charts/episodic_return", np.mean(finished_returns), global_step)
             writer.add_scalar("charts/episodic_length", np.mean(finished_lengths), global_step)
@@ -360,10 +411,10 @@ def train(args: Args):
                 mb_obs = obs[:, mb_envs]  # [T + 1, n, ...]
                 hidden = agent.network(mb_obs.flatten(0, 1).float() * agent.obs_scale)
                 all_values = agent.critic(hidden).view(args.num_steps + 1, -1)
-                dist = Categorical(logits=agent.actor(hidden).view(args.num_steps + 1, len(mb_envs), -1)[:-1])
+                probs = Categorical(logits=agent.actor(hidden).view(args.num_steps + 1, len(mb_envs), -1)[:-1])
                 mb_actions = actions[:, mb_envs]
-                target_logprobs = dist.log_prob(mb_actions)
-                entropy = dist.entropy()
+                target_logprobs = probs.log_prob(mb_actions)
+                entropy = probs.entropy()
                 values = all_values[:-1]
                 mb_valid = valid[:, mb_envs]
 
@@ -391,7 +442,15 @@ def train(args: Args):
                 loss_timer.stop()
 
                 optimizer.zero_grad()
-                loss.backward()
+                if world_size > 1:
+                    # the mean over every rank's valid steps: each rank's mean weighted by its
+                    # share of them, then summed
+                    mb_size = mb_valid.sum()
+                    dist.all_reduce(mb_size)
+                    (loss * (mb_valid.sum() / mb_size.clamp(min=1))).backward()
+                    sum_gradients(agent)
+                else:
+                    loss.backward()
                 nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
                 optimizer.step()
                 num_updates += 1
@@ -405,7 +464,10 @@ def train(args: Args):
         with torch.no_grad():
             log_ratio = (target_logprobs - behavior_logprobs[:, mb_envs])[mb_valid]
 
-        # TRY NOT TO MODIFY: record rewards for plotting purposes
+        # TRY NOT TO MODIFY: record rewards for plotting purposes (losses and perf/*: rank 0's own;
+        # global_step and SPS count every rank's steps)
+        if rank != 0:
+            continue
         writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
         writer.add_scalar("losses/value_loss", v_loss.item(), global_step)
         writer.add_scalar("losses/policy_loss", pg_loss.item(), global_step)
@@ -426,10 +488,16 @@ def train(args: Args):
             print(f"iteration={iteration} global_step={global_step} avg_return_100={avg:.1f} SPS={sps} "
                   f"rollout_ms={rollout_ms:.1f} credit_ms={credit_ms:.2f} update_ms={update_ms:.1f}")
 
-    if args.save_model:
-        torch.save(agent.state_dict(), f"{args.log_dir}/{run_name}/{args.exp_name}.cleanrl_model")
+    if world_size > 1:  # the ranks took the same steps from the same start: they should agree
+        spread = parameter_spread(agent)
+        if rank == 0:
+            print(f"parameters across {world_size} ranks: max abs difference {spread:.3g}")
+        dist.destroy_process_group()
+    if rank == 0:
+        if args.save_model:
+            torch.save(agent.state_dict(), f"{args.log_dir}/{run_name}/{args.exp_name}.cleanrl_model")
+        writer.close()
     envs.close()
-    writer.close()
     return agent, f"{args.log_dir}/{run_name}"
 
 
