@@ -39,11 +39,9 @@ backend = "auto"
 
 def _scalar(name, x):
     """verl passes gamma and lam as floats or 0-d tensors."""
-    if isinstance(x, Tensor):
-        if x.numel() != 1:
-            raise ValueError(f"{name} must be a number or a one-element tensor, got shape "
-                             f"{tuple(x.shape)}")
-        return float(x)
+    if isinstance(x, Tensor) and x.numel() != 1:
+        raise ValueError(f"{name} must be a number or a one-element tensor, got shape "
+                         f"{tuple(x.shape)}")
     return float(x)
 
 
