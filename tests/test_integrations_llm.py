@@ -103,6 +103,8 @@ def test_verl_gae_tensor_discounts_and_errors(device):
     got = our_verl.compute_gae_advantage_return(r, v, m, torch.tensor(0.9), torch.tensor(0.8))
     for g, w in zip(got, want):
         assert_same(g, w, 1e-5)
+    with pytest.raises(ValueError, match="gamma"):
+        our_verl.compute_gae_advantage_return(r, v, m, torch.ones(2), 0.8)
     one = torch.zeros_like(m)
     one[2, 3] = 1
     for theirs in (FW.verl.compute_gae_advantage_return, our_verl.compute_gae_advantage_return):
