@@ -214,7 +214,8 @@ def fake(x: Inputs, o: Options):
 def torch_impl(x: Inputs, o: Options, dtype):
     r, q, lp = (t.to(dtype) for t in (x.rewards, x.next_q_values, x.next_log_probs))
     alpha = o.alpha_value if x.alpha is None else x.alpha.to(dtype).reshape(())
-    v = q.amin(-1) - alpha * lp
+    # the first minimal critic (argmin's), as the kernel: amin would split a tie's gradient
+    v = q.gather(-1, q.argmin(-1, keepdim=True)).squeeze(-1) - alpha * lp
     if x.next_probs is not None:
         v = (x.next_probs.to(dtype) * v).sum(-1)
     return (r + torch.where(x.terminated != 0, 0.0, o.gamma * v),)
