@@ -16,7 +16,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "trainers"))  # as `python trainers/ppo.py` has it: they import gymnax_envs
+sys.path.insert(0, str(ROOT / "trainers"))  # as `python trainers/ppo.py` has it: they import gymnax_envs, data_parallel
 BACKENDS = ["loop", "compile", "triton", "auto"]
 # inductor's first compile costs ~45 s on a 2-core machine: the tests check the compile path's
 # wiring through a cheaper torch.compile backend
