@@ -93,7 +93,8 @@ def main():
                   f"{m['perf/credit_ms']:>10.3f} {m['perf/update_ms']:>10.2f} {m['perf/credit_share']:>9.1%} "
                   f"{share_it:>8.1%} {predicted:>6.2f}x {1 / (1 - p):>5.2f}x {measured:>7.2f}x")
             rows.append(dict(group=f"{env_id}\n{exp_name}", backend=name, m=m, predicted=predicted,
-                             measured=measured, baseline=base_name))
+                             measured=measured, baseline=base_name,
+                             base_ms=base["perf/iteration_ms"]))
 
     import matplotlib
 
@@ -109,13 +110,18 @@ def main():
         labels = [f"{r['group']}\n{r['backend']} (vs {r['baseline']})" for r in rows]
     x = np.arange(len(rows))
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6, 0.9 * len(rows) + 2), 6.5), sharex=True)
-    rollout = np.array([r["m"]["perf/rollout_ms"] for r in rows])
-    credit = np.array([r["m"]["perf/credit_ms"] for r in rows])
-    rest = np.array([r["m"]["perf/update_ms"] - r["m"]["perf/credit_ms"] for r in rows])
+    # each group's times over its baseline's iteration: groups of any size side by side
+    base_ms = np.array([r["base_ms"] for r in rows])
+    rollout = np.array([r["m"]["perf/rollout_ms"] for r in rows]) / base_ms
+    credit = np.array([r["m"]["perf/credit_ms"] for r in rows]) / base_ms
+    rest = np.array([r["m"]["perf/update_ms"] - r["m"]["perf/credit_ms"] for r in rows]) / base_ms
     ax1.bar(x, rollout, label="rollout")
     ax1.bar(x, credit, bottom=rollout, label="credit assignment", color="tab:red")
     ax1.bar(x, rest, bottom=rollout + credit, label="rest of the update", color="tab:gray")
-    ax1.set_ylabel("ms per iteration (median)")
+    for i, r in enumerate(rows):
+        if r["backend"] == r["baseline"]:
+            ax1.annotate(f"{r['base_ms']:.0f} ms", (x[i], 1.0), ha="center", va="bottom", fontsize=6)
+    ax1.set_ylabel("iteration time / baseline's\n(medians)")
     ax1.legend(fontsize=8)
     ax2.bar(x - 0.2, [r["predicted"] for r in rows], width=0.4, label="Amdahl's prediction")
     ax2.bar(x + 0.2, [r["measured"] for r in rows], width=0.4, label="measured (SPS ratio)")
@@ -123,7 +129,7 @@ def main():
     ax2.set_ylabel(f"speedup over {baselines[0]}" if len(baselines) == 1
                    else "speedup over the group's baseline")
     ax2.legend(fontsize=8)
-    ax2.set_xticks(x, labels, fontsize=7)
+    ax2.set_xticks(x, labels, fontsize=6, rotation=30, ha="right")
     fig.tight_layout()
     fig.savefig(args.out, dpi=80)
     print(f"\nwrote {args.out}")
