@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from cases import make_case  # noqa: E402
 import rl_triton  # noqa: E402
 from rl_triton import _plans  # noqa: E402
+from rl_triton.ops import _group  # noqa: E402
 from rl_triton.ops import _losses  # noqa: E402
 from rl_triton.ops import _whiten  # noqa: E402
 from rl_triton.ops import linear_scan as linear_scan_op  # noqa: E402
@@ -325,13 +326,44 @@ def whiten_variants():
         x.double(), half.int(), group=True, std_correction=0, out_dtype=torch.float64)
 
 
+def group_launches(s, group_size, **kw):
+    """The kernel launch of `group_advantages(s, group_size=..., **kw)` on the Triton backend,
+    on CPU tensors (intercepted)."""
+    seen, kernel = [], _group._group_kernel
+
+    class Intercept:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append((kernel, args, kwargs))
+
+    _group._group_kernel = Intercept()
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        rl_triton.group_advantages(s, group_size=group_size, backend="triton", **kw)
+    finally:
+        _group._group_kernel = kernel
+        del os.environ["TRITON_INTERPRET"]
+    return seen
+
+
+def group_variants():
+    """(label, launches): group_advantages' kernel, by each scale and baseline, float32 and
+    bfloat16 scores, a group of one and the largest group."""
+    s = torch.randn(4096)
+    yield "group_advantages std, mean, float32, groups of 8", group_launches(s, 8)
+    yield "group_advantages none, leave_one_out, bfloat16, groups of 1", group_launches(
+        s.bfloat16(), 1, baseline="leave_one_out", scale="none")
+    yield "group_advantages batch_std, groups of 1024", group_launches(
+        s[::2], 1024, scale="batch_std")
+
+
 def compile_whiten():
-    """masked_whiten's kernels compile; returns the failures."""
+    """masked_whiten's and group_advantages' kernels compile; returns the failures."""
     failed = 0
-    for label, launches in whiten_variants():
+    for label, launches in [*whiten_variants(), *group_variants()]:
         t0 = time.time()
         try:
-            assert len(launches) == 5, f"{len(launches)} launches, expected 5"
+            assert len(launches) == (1 if label.startswith("group") else 5), \
+                f"{len(launches)} launches"
             for fn, args, kwargs in launches:
                 compile_kernel(fn, args, kwargs)
             print(f"ok      {label} ({time.time() - t0:.1f} s)", flush=True)

@@ -71,6 +71,73 @@ def test_group_advantages_broadcast_to_tokens():
                                a[:, None] * mask)
 
 
+def group_rows(B, n, dtype=torch.float32, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randint(0, 4, (B,), generator=g).double() + 0.3 * torch.randn(B, generator=g)
+    return s.to(device=device, dtype=dtype), torch.arange(B, device=device) // n
+
+
+def kernel_calls(monkeypatch):
+    """Counts the calls that reach group_advantages' kernel (so that a test of the Triton
+    backend cannot pass on the torch ops)."""
+    from rl_triton.ops import _group
+    calls = []
+    real = _group.group_advantages
+    monkeypatch.setattr(_group, "group_advantages", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("B,n", [(1, 1), (5, 5), (5, 1), (50, 5), (333, 3), (48, 16), (37, 37),
+                                 (2 * 1024, 1024)])
+@pytest.mark.parametrize("baseline,scale,corr", OPTIONS)
+def test_group_kernel_matches_reference(B, n, baseline, scale, corr, monkeypatch):
+    """The Triton kernel of consecutive groups against the float64 reference; float32
+    cancellation within a tight group bounds both backends alike, so the kernel is held to
+    the torch backend's float32 error."""
+    calls = kernel_calls(monkeypatch)
+    s, ids = group_rows(B, n, seed=B + n)
+    kw = dict(baseline=baseline, scale=scale, std_correction=corr, eps=1e-6)
+    got = rl_triton.group_advantages(s, group_size=n, **kw, backend="triton")
+    assert calls == [1]
+    want = rl_triton.reference.group_advantages(s.double(), ids, **kw)
+    ours = rl_triton.group_advantages(s, group_size=n, **kw, backend="torch").double()
+    torch.testing.assert_close(got.double(), ours, rtol=1e-5, atol=1e-5, equal_nan=True)
+    finite = want.isfinite()
+    assert torch.equal(finite, got.isfinite())
+    err = (got.double() - want)[finite].abs()
+    assert (err <= 2 * (ours - want)[finite].abs() + 1e-5 * (1 + want[finite].abs())).all()
+
+
+def test_group_kernel_inputs(monkeypatch):
+    """bfloat16 and strided scores, NaN confined to its group, groups of one, an empty batch,
+    and the calls it leaves to the torch ops: scores needing gradients (which get them),
+    float64, groups by index, groups beyond one tile."""
+    from rl_triton.ops import _group
+    calls = kernel_calls(monkeypatch)
+    s, ids = group_rows(60, 6)
+    half = rl_triton.group_advantages(s.bfloat16(), group_size=6, backend="triton")
+    torch.testing.assert_close(half, rl_triton.reference.group_advantages(
+        s.bfloat16().double(), ids).float(), rtol=1e-4, atol=1e-5)
+    wide = torch.stack([s, torch.full_like(s, float("nan"))], 1)
+    torch.testing.assert_close(rl_triton.group_advantages(wide[:, 0], group_size=6, backend="triton"),
+                               rl_triton.group_advantages(s, group_size=6, backend="torch"))
+    s[7] = float("nan")
+    a = rl_triton.group_advantages(s, group_size=6, backend="triton")
+    assert a[6:12].isnan().all() and a[:6].isfinite().all() and a[12:].isfinite().all()
+    torch.testing.assert_close(rl_triton.group_advantages(s, group_size=1, backend="triton"), s,
+                               equal_nan=True)
+    assert rl_triton.group_advantages(s[:0], group_size=2, backend="triton").shape == (0,)
+    assert len(calls) == 5
+    leaf = s.clone().nan_to_num_().requires_grad_()
+    rl_triton.group_advantages(leaf, group_size=6, backend="triton").pow(2).sum().backward()
+    assert leaf.grad is not None and leaf.grad.isfinite().all()
+    rl_triton.group_advantages(s.double(), group_size=6, backend="triton")
+    rl_triton.group_advantages(s, ids, backend="triton")
+    big = torch.randn(2 * (_group.MAX_GROUP + 1))
+    rl_triton.group_advantages(big, group_size=_group.MAX_GROUP + 1, backend="triton")
+    assert len(calls) == 5
+
+
 def test_group_advantages_errors():
     s = torch.randn(6)
     with pytest.raises(ValueError, match="exactly one"):

@@ -2,10 +2,11 @@
 whitening, global over a `torch.distributed` group.
 
 Both are a handful of reductions over one score per response (or one value per token), not
-scans. `group_advantages` runs as vectorized torch ops on every backend ("loop": the
-float64-capable sequential references of `rl_triton.reference`), differentiable by autograd;
-so does `masked_whiten` on the torch and loop backends, and on the Triton backend it runs the
-kernels of `_whiten` (three launches forward, three backward).
+scans. `group_advantages` runs as vectorized torch ops ("loop": the float64-capable sequential
+references of `rl_triton.reference`), differentiable by autograd, and on the Triton backend by
+`group_size` as the one kernel of `_group` where no gradient is needed; `masked_whiten` runs as
+torch ops on the torch and loop backends, and on the Triton backend the kernels of `_whiten`
+(three launches forward, three backward).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from .. import reference
 from .._args import FLAG_DTYPES, check_backend, check_out_dtype
 from .._plans import backend_for
-from . import _whiten
+from . import _group, _whiten
 
 Tensor = torch.Tensor
 BASELINES = ("mean", "leave_one_out")
@@ -127,8 +128,15 @@ def group_advantages(scores, group_index=None, *, group_size=None, baseline="mea
             raise ValueError(f"mask has shape {tuple(mask.shape)}; expected (B, T) with B = "
                              f"{B}, the number of scores")
     args = dict(baseline=baseline, scale=scale, eps=eps, std_correction=correction)
+    backend = backend_for(backend, s.device)
     if backend == "loop":
         a = reference.group_advantages(s, ids, **args, dtype=_float(s))
+    elif (backend == "triton" and group_size is not None and _group.usable(s, group_size)
+          and not (s.requires_grad and torch.is_grad_enabled())
+          and not torch.compiler.is_compiling()):
+        # one kernel (_group); scores that need gradients, float64 ones, groups by index and
+        # traced calls run the torch ops below (differentiable by autograd)
+        a = _group.group_advantages(s, group_size, **args)
     else:
         a = _group_advantages_torch(s.to(_float(s)), ids, n_groups, **args)
     if mask is not None:

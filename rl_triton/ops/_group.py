@@ -1,0 +1,71 @@
+"""`group_advantages`' Triton path (SPEC 8) for consecutive groups (`group_size`): one launch.
+
+Each program holds a tile of whole groups, [groups, group_size] (the size padded to a power of
+two), and computes every group's sum, mean and centered sum of squares in registers, then the
+advantages: no index_add round trips, no host sync. Arithmetic is float32 (bfloat16 / float16
+scores are widened). `scale="batch_std"` divides by the std of all scores, one torch reduction
+before the launch, read by the kernel from the device.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..scan.jit import tl, triton
+from ._whiten import _on
+
+Tensor = torch.Tensor
+MAX_GROUP = 1024  # larger groups keep the torch path (one tile holds a whole group)
+TILE = 2048  # scores per program
+WARPS = 4
+SCALES = {"none": 0, "std": 1, "batch_std": 2}
+
+
+@triton.jit
+def _group_kernel(s_ptr, stride, denom_ptr, out_ptr, G, n, eps, correction,
+                  LOO: tl.constexpr, SCALE: tl.constexpr, BLOCK_G: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
+    j = tl.arange(0, BLOCK_N)
+    ok = (g[:, None] < G) & (j[None, :] < n)
+    i = g[:, None] * n + j[None, :]
+    x = tl.load(s_ptr + i * stride, mask=ok, other=0.0).to(tl.float32)
+    total = tl.sum(x, axis=1)
+    d = tl.where(ok, x - (total / n)[:, None], 0.0)
+    if LOO:  # the mean of the others: (sum - s) / (n - 1)
+        a = x - (total[:, None] - x) / (n - 1)
+    else:
+        a = d
+    if SCALE == 1:
+        var = tl.sum(d * d, axis=1) / tl.maximum(n - correction, 0)
+        a = a / (tl.sqrt(var)[:, None] + eps)
+    elif SCALE == 2:
+        a = a / tl.load(denom_ptr)
+    a = tl.where(n == 1, x, a)  # a group of one: baseline 0, scale 1
+    tl.store(out_ptr + i, a, mask=ok)
+
+
+def usable(s: Tensor, group_size: int) -> bool:
+    """Whether the kernel takes these scores: float32 or narrower, groups of at most
+    MAX_GROUP (float64 and larger groups keep the torch path)."""
+    return s.dtype is not torch.float64 and group_size <= MAX_GROUP
+
+
+def group_advantages(s: Tensor, group_size: int, *, baseline: str, scale: str, eps: float,
+                     std_correction: int) -> Tensor:
+    """float32 advantages of scores `s` [B] in consecutive groups of `group_size`."""
+    B = s.shape[0]
+    out = torch.empty(B, dtype=torch.float32, device=s.device)
+    if B == 0:
+        return out
+    denom = out  # not read unless scale="batch_std"
+    if scale == "batch_std":
+        denom = (torch.std(s.float(), correction=std_correction) + eps).reshape(1)
+    G = B // group_size
+    block_n = triton.next_power_of_2(group_size)
+    block_g = max(1, TILE // block_n)
+    with _on(s.device):
+        _group_kernel[(triton.cdiv(G, block_g),)](
+            s, s.stride(0), denom, out, G, group_size, eps, float(std_correction),
+            LOO=baseline == "leave_one_out", SCALE=SCALES[scale], BLOCK_G=block_g,
+            BLOCK_N=block_n, num_warps=WARPS)
+    return out
