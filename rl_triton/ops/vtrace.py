@@ -156,8 +156,8 @@ class GradInputs(NamedTuple):
 (G_TERM, G_TRUNC, G_R, G_V, G_TLP, G_BLP, G_LAST_V, G_NEXT_V, G_VS, G_DVS,
  G_DPG) = slots(GradInputs)
 # VARIANT bits
-(D_R, D_V, D_TLP, D_BLP, D_NEXT, D_ROWS, D_LAST, HAS_DVS, HAS_DPG,
- SLOT_SUCC) = (tl.constexpr(1 << i) for i in range(10))
+D_R, D_V, D_TLP, D_BLP, D_NEXT, D_ROWS, HAS_DVS, HAS_DPG, SLOT_SUCC = (
+    tl.constexpr(1 << i) for i in range(9))
 
 
 @triton.jit
@@ -232,14 +232,14 @@ def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
     dg0 = p * boot
     dm1 = gamma * c * d_after
     dm0 = p * tl.where(term, 0.0, gamma * (vs_succ - v_succ))
-    return alpha, beta, (rho, p, dv0, dv2, dl1, dl0, dn1, dn0, dg1, dg0, dm1, dm0, t == T - 1)
+    return alpha, beta, (rho, p, dv0, dv2, dl1, dl0, dn1, dn0, dg1, dg0, dm1, dm0)
 
 
 @triton.jit
 def grad_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
                VARIANT: tl.constexpr):
     """res = H[t], res_prev = H[t-1]: the inputs' gradients at t."""
-    rho, p, dv0, dv2, dl1, dl0, dn1, dn0, dg1, dg0, dm1, dm0, at_end = aux
+    rho, p, dv0, dv2, dl1, dl0, dn1, dn0, dg1, dg0, dm1, dm0 = aux
     h_rho = res * rho
     if D_R & VARIANT:
         store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, h_rho + p)
@@ -254,14 +254,11 @@ def grad_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
             store_out(outs, ost, os1, os2, 2, t, b1, b2, mask, d_log)
         if D_BLP & VARIANT:
             store_out(outs, ost, os1, os2, 3, t, b1, b2, mask, -d_log)
-    d_succ = dn1 * res + dn0
     if D_NEXT & VARIANT:
-        store_out(outs, ost, os1, os2, 4, t, b1, b2, mask, d_succ)
+        store_out(outs, ost, os1, os2, 4, t, b1, b2, mask, dn1 * res + dn0)
     if D_ROWS & VARIANT:
         store_out(outs, ost, os1, os2, 5, t, b1, b2, mask, dg1 * res + dg0)
         store_out(outs, ost, os1, os2, 6, t, b1, b2, mask, dm1 * res + dm0)
-    if D_LAST & VARIANT:
-        store_out(outs, ost, os1, os2, 7, t, b1, b2, mask & at_end, d_succ)
 
 
 GRAD_KERNEL = Kernel(grad_coef, grad_store, reverse=False, exclusive=True, aux=True)
@@ -272,10 +269,17 @@ def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra, needs):
     d_vs, d_pg = grads
     gx = GradInputs(x.terminated, x.truncated, x.rewards, x.values, x.target_log_probs,
                     x.behavior_log_probs, x.last_value, x.next_values, outs[0], d_vs, d_pg)
-    variant = bits(nr, nv, ntlp, nblp, nnext, nrows, nlast, d_vs is not None,
+    variant = bits(nr or nlast, nv, ntlp, nblp, nnext, nrows, d_vs is not None,
                    d_pg is not None, x.next_values is None)
-    dr, dv, dtlp, dblp, dnext, dg, dl, dlast = run_backward(
-        OP.name, GRAD_KERNEL, gx, call, 7, 1, variant, s, rows, OP.row_params)
+    dr, dv, dtlp, dblp, dnext, dg, dl = run_backward(
+        OP.name, GRAD_KERNEL, gx, call, 7, 0, variant, s, rows, OP.row_params)
+    dlast = None
+    if nlast:
+        # d last_value = d v'[T-1] = gamma (1 - terminated[T-1]) d r[T-1] (T-1 is a cut): from
+        # d r, as the kernel's store of one step per row with time stride 0 took 40 registers
+        td = call.time_dim
+        gamma = rows[0] if rows is not None else s.gamma
+        dlast = torch.where(x.terminated.select(td, -1) != 0, 0.0, gamma * dr.select(td, -1))
     return [like(dr, x.rewards) if nr else None, like(dv, x.values) if nv else None, None,
             like(dtlp, x.target_log_probs) if ntlp else None,
             like(dblp, x.behavior_log_probs) if nblp else None, None,
