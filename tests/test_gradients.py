@@ -10,6 +10,7 @@ import torch
 
 import rl_triton
 from cases import ESTIMATORS, make_case, rel_err, to_layout
+from rl_triton._plans import clear_plans
 from rl_triton.scan import tiles
 
 FLAGS = ("terminated", "truncated", "dones")
@@ -146,6 +147,21 @@ def test_triton_backward_long_rows(name, layout, device):
     for walk in (False, True):
         with tiles.override(block_t=16, block_b=2, window=16, walk=walk):
             _triton_vs_reference(name, 5 * 16 + 7, (3,), layout, per_row=True, device=device)
+
+
+def test_vtrace_backward_sub_tiles(device):
+    """V-trace's backward holds many values per step (`tiles.choose`'s `heavy`): its time-major
+    tiles run one sub-tile per step a thread holds (2 at 8 values per thread: 512x4096 on an
+    H200). Here 37 steps x 5 rows take 8 values per thread, so 2 sub-tiles (default: 1)."""
+    with tiles.rule(ELEMENTS_PER_THREAD_HEAVY_TIME_MAJOR=8):
+        cfg = tiles.choose(37, 5, time_contiguous=False, device=torch.device(device),
+                           exclusive=True, aux=True, heavy=True)
+        assert cfg.sub == 2, cfg
+        clear_plans()  # plans keep the tiles of the rule they were built under
+        try:
+            _triton_vs_reference("vtrace", 37, (5,), "time-major", per_row=True, device=device)
+        finally:
+            clear_plans()
 
 
 @pytest.mark.parametrize("name", ["eligibility_traces", "episodic_cumsum"])

@@ -261,7 +261,7 @@ def grad_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
         store_out(outs, ost, os1, os2, 6, t, b1, b2, mask, dm1 * res + dm0)
 
 
-GRAD_KERNEL = Kernel(grad_coef, grad_store, reverse=False, exclusive=True, aux=True)
+GRAD_KERNEL = Kernel(grad_coef, grad_store, reverse=False, exclusive=True, aux=True, heavy=True)
 
 
 def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra, needs):

@@ -32,6 +32,7 @@ class Kernel:
     reverse: bool
     exclusive: bool = False  # the writer needs A at the previous step in scan order
     aux: bool = False  # the writer takes per-step values of the builder (`tiles.choose`)
+    heavy: bool = False  # ... many of them (`tiles.choose`)
     # the bootstrap value enters as the scan's initial carry (the builder's VARIANT 1)
     carries_last: bool = False
     # (terminations, truncations) slots: time-major calls without truncation flags read the
@@ -180,7 +181,8 @@ class Launch:
                         and x.is_floating_point()] or [4])
         cfg = tiles.choose(T, self.B, time_contiguous=time_contiguous, device=device,
                            n_act=n_act if action_slots else 0, exclusive=kernel.exclusive,
-                           reverse=kernel.reverse, aux=kernel.aux, itemsize=itemsize)
+                           reverse=kernel.reverse, aux=kernel.aux, itemsize=itemsize,
+                           heavy=kernel.heavy)
         n_chunks = cfg.chunks(T)
         n_row_tiles = triton.cdiv(self.B, cfg.block_b)
         self.lookback = n_chunks > 1 and not cfg.walk
