@@ -164,6 +164,35 @@ def test_vtrace_backward_sub_tiles(device):
             clear_plans()
 
 
+@pytest.mark.parametrize("n_act,storage,layout", [
+    (8, "contiguous", "time-major"), (18, "offset", "time-major"), (18, "padded", "time-major"),
+    (18, "contiguous", "batch-major"), (37, "contiguous", "batch-major")])
+def test_retrace_backward_action_axis(n_act, storage, layout, device):
+    """Retrace's backward reads Q and pi along their action axis in blocks in its writer and
+    writes their gradients there: rows of 8 and 18 actions loaded 4 and 2 at a time
+    (`launch.action_vector`), one at a time where they start 4 bytes into their storage or are
+    padded to n_act + 1 values, and 37 actions in several blocks."""
+    case, leaves = differentiable("retrace", 37, (5,), dtype=torch.float32, n_act=n_act,
+                                  device=device)
+    for k in ("q_values", "target_probs"):
+        x = leaves[k].detach()
+        if storage == "offset":
+            y = torch.empty(x.numel() + 1, device=x.device)[1:].view(x.shape)
+        elif storage == "padded":
+            y = torch.empty(*x.shape[:-1], n_act + 1, device=x.device)[..., :n_act]
+        else:
+            y = torch.empty_like(x)
+        leaves[k] = case.steps[k] = y.copy_(x).detach().requires_grad_()
+    out = call(case, leaves, list(leaves.values()), layout, backend="triton")
+    weights = weights_like(out)
+    got = grads(out, weights, leaves)
+    ref_case, ref_leaves = differentiable("retrace", 37, (5,), n_act=n_act, device=device)
+    for k, v in ref_leaves.items():
+        v.data.copy_(leaves[k].detach().double())
+    want = reference_grads(ref_case, ref_leaves, weights)
+    assert_grads_close(got, {k: v.float() for k, v in want.items()}, 1e-4)
+
+
 @pytest.mark.parametrize("name", ["eligibility_traces", "episodic_cumsum"])
 @pytest.mark.parametrize("layout", ["time-major", "batch-major"])
 def test_triton_backward_trailing_features(name, layout, device):
