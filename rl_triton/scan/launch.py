@@ -241,7 +241,7 @@ class Launch:
         outs = [torch.empty(s, dtype=self.out_dtype, device=self.device)
                 for s in self.output_shapes()]
         if self.cuda and self.device_index != _current_device():
-            with torch.cuda.device(device):
+            with torch.cuda.device(self.device):
                 self._launch(x, outs, scalars, rows)
         else:
             self._launch(x, outs, scalars, rows)
