@@ -71,11 +71,10 @@ MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR = 80  # V-trace tm, >= 4 rows: 16384x1024 122
 MAX_REGISTERS_EXCLUSIVE_WIDE = 128  # V-trace, 16 per thread (span, walked): 4 programs, not 3
 MAX_REGISTERS_EXCLUSIVE_LOOKBACK = 80  # V-trace's one-warp look-back tiles: 25 programs per SM
 MAX_REGISTERS_LONG_ROWS = 64  # the others' look-back tiles, GAE's walked: 4x1048576 0.90
-# Writers holding many values per step (`heavy`, V-trace's backward: 6 or more beside the scan's
-# 4), measured on its backward: time-major, 4 values per thread (8 warps x 2 sub-tiles at
-# 512x4096, 85 -> 50 µs); batch-major look-back tiles at 128 registers, not 80: 121 -> 60 µs
+# Writers holding many values per step (`heavy`: V-trace's backward, 6 or more beside the scan's
+# 4): time-major tiles on 8 warps (4 values per thread; 8 in span tiles: 512x4096 85 -> 50 µs)
 ELEMENTS_PER_THREAD_HEAVY_TIME_MAJOR = 4
-MAX_REGISTERS_HEAVY_LOOKBACK = 128
+MAX_REGISTERS_HEAVY_LOOKBACK = 128  # ... its batch-major look-back tiles: 64x32768 121 -> 60 µs
 # Look-back
 WINDOW = 16  # tiles read per step of the look-back in the interpreter; on a GPU see `window`
 DEPTH_WIDE = 1  # words read per pass of a window of one word per thread: GAE 40.6 -> 37.1 µs
