@@ -37,9 +37,7 @@ def plans_of(case, layout, grad=False, per_row=False):
 
     def intercept(plan, tensors, scalars, rows=None):
         seen.append((plan, (tensors, scalars, rows)))
-        return ([torch.empty(plan.out_shape, dtype=plan.out_dtype) for _ in range(plan.n_out)]
-                + [torch.empty(plan.boot_shape, dtype=plan.out_dtype)
-                   for _ in range(plan.n_boot)])
+        return [torch.empty(s, dtype=plan.out_dtype) for s in plan.output_shapes()]
 
     run, os.environ["TRITON_INTERPRET"] = launch.Launch.run, "1"  # lets backend="triton" take CPU
     launch.Launch.run = intercept
@@ -49,7 +47,10 @@ def plans_of(case, layout, grad=False, per_row=False):
             case = differentiable(case, per_row)
         out = case.call(layout, backend="triton")
         if grad:
-            sum(o.float().sum() for o in out).backward()
+            # output gradients laid out as the outputs, as the benchmark's (a sum's gradient has
+            # stride 0: loads that nothing vectorizes, which set another layout for the scan)
+            out = [o for o in out if o.requires_grad]
+            torch.autograd.backward(out, [torch.ones_like(o) for o in out])
     finally:
         launch.Launch.run = run
         del os.environ["TRITON_INTERPRET"]
@@ -117,9 +118,7 @@ def compile_kernel(fn, args, kwargs):
 
 def compile_plan(plan, tensors, scalars, rows=None):
     """The scan kernel of a launch plan, compiled for TARGET."""
-    outs = tuple([torch.empty(plan.out_shape, dtype=plan.out_dtype) for _ in range(plan.n_out)]
-                 + [torch.empty(plan.boot_shape, dtype=plan.out_dtype)
-                    for _ in range(plan.n_boot)])
+    outs = tuple(torch.empty(s, dtype=plan.out_dtype) for s in plan.output_shapes())
     ptrs = tuple(outs[0] if i is None else tensors[i] for i in plan.src)
     init = outs[0] if plan.init_src is None else tensors[plan.init_src]
     state = torch.zeros(plan.state_size, dtype=torch.int64)

@@ -93,7 +93,8 @@ def test_tiles_option():
 def test_ab_tool_checks_every_variant_and_names_its_plan():
     """tools/ab.py (A/B device times of variants of the tile rule, on the GPU): without one it
     builds each variant's plan, checks its result against float64 and prints the plan; a
-    forced tile that changes the plan shows in it, and a malformed problem is refused."""
+    forced tile that changes the plan shows in it, and a malformed problem is refused; with
+    :bwd, the backward pass's (its gradients checked)."""
     import os
     import subprocess
     import sys
@@ -113,6 +114,14 @@ def test_ab_tool_checks_every_variant_and_names_its_plan():
     bad = subprocess.run([sys.executable, str(tool), "gae:3x40:xm", "--", "base"], env=env,
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "estimator:NxT:tm|bm" in bad.stderr
+    # :bwd, the backward pass: its gradients checked, the backward's plan printed
+    done = subprocess.run([sys.executable, str(tool), "vtrace:3x40:tm:bwd", "--", "base",
+                           "cut|tiles:block_t=16"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    base, cut = done.stdout.strip().split("\n")
+    assert "vtrace:3x40:time-major:float32:bwd base: relative error" in base
+    assert "LOOKBACK=False" in base and "LOOKBACK=True" in cut and "BLOCK_T=16" in cut, cut
 
 
 @pytest.mark.parametrize("name", bench.ESTIMATORS)

@@ -21,6 +21,9 @@ KERNELS = {
     "vtrace": dict(reverse=True, exclusive=True, aux=True),
     "retrace": dict(reverse=True, n_act=18),
     "forward": dict(),  # eligibility traces, episodic sums, the forward linear scan
+    "backward": dict(exclusive=True, aux=True),  # GAE's, lambda-returns', discounted returns'
+    "vtrace_backward": dict(exclusive=True, aux=True, heavy=True),
+    "retrace_backward": dict(exclusive=True, aux=True, n_act=18),
 }
 
 
@@ -191,6 +194,23 @@ def test_vtrace_tiles_hold_half_the_values():
     132 against 148 µs)."""
     v, g = choose(1024, 16384, True, **KERNELS["vtrace"]), choose(1024, 16384, True)
     assert (v.block_t * v.block_b, g.block_t * g.block_b) == (1024, 2048)
+
+
+def test_vtrace_backward_tiles_hold_fewer_values_per_thread():
+    """V-trace's backward holds 6 or more values per step beside the scan's 4 (`heavy`):
+    time-major tiles on 8 warps, one sub-tile per step a thread holds (512x4096: 85 -> 50 µs);
+    batch-major tiles that look back capped at 128 registers, not 80 (64x32768: 121 -> 60 µs).
+    The other backward kernels keep their tiles."""
+    c = choose(4096, 512, False, **KERNELS["vtrace_backward"])
+    assert (c.block_t, c.block_b, c.num_warps, c.sub) == (128, 16, 8, 2)
+    c = choose(1024, 16384, False, **KERNELS["vtrace_backward"])
+    assert (c.block_t, c.block_b, c.num_warps, c.sub) == (32, 32, 8, 1)
+    c = choose(32768, 64, True, **KERNELS["vtrace_backward"])
+    assert (c.block_t, c.block_b, c.num_warps, c.walk) == (256, 1, 1, False)
+    assert c.max_registers == tiles.MAX_REGISTERS_HEAVY_LOOKBACK == 128
+    c = choose(4096, 512, False, **KERNELS["backward"])
+    assert (c.num_warps, c.sub) == (4, 8)
+    assert choose(32768, 64, True, **KERNELS["backward"]).max_registers == 80
 
 
 def test_time_major_grids_of_few_programs_span_128_steps():

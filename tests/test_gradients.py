@@ -10,6 +10,7 @@ import torch
 
 import rl_triton
 from cases import ESTIMATORS, make_case, rel_err, to_layout
+from rl_triton._plans import clear_plans
 from rl_triton.scan import tiles
 
 FLAGS = ("terminated", "truncated", "dones")
@@ -146,6 +147,50 @@ def test_triton_backward_long_rows(name, layout, device):
     for walk in (False, True):
         with tiles.override(block_t=16, block_b=2, window=16, walk=walk):
             _triton_vs_reference(name, 5 * 16 + 7, (3,), layout, per_row=True, device=device)
+
+
+def test_vtrace_backward_sub_tiles(device):
+    """V-trace's backward holds many values per step (`tiles.choose`'s `heavy`): its time-major
+    tiles run one sub-tile per step a thread holds (2 at 8 values per thread: 512x4096 on an
+    H200). Here 37 steps x 5 rows take 8 values per thread, so 2 sub-tiles (default: 1)."""
+    with tiles.rule(ELEMENTS_PER_THREAD_HEAVY_TIME_MAJOR=8):
+        cfg = tiles.choose(37, 5, time_contiguous=False, device=torch.device(device),
+                           exclusive=True, aux=True, heavy=True)
+        assert cfg.sub == 2, cfg
+        clear_plans()  # plans keep the tiles of the rule they were built under
+        try:
+            _triton_vs_reference("vtrace", 37, (5,), "time-major", per_row=True, device=device)
+        finally:
+            clear_plans()
+
+
+@pytest.mark.parametrize("n_act,storage,layout", [
+    (8, "contiguous", "time-major"), (18, "offset", "time-major"), (18, "padded", "time-major"),
+    (18, "contiguous", "batch-major"), (37, "contiguous", "batch-major")])
+def test_retrace_backward_action_axis(n_act, storage, layout, device):
+    """Retrace's backward reads Q and pi along their action axis in blocks in its writer and
+    writes their gradients there: rows of 8 and 18 actions loaded 4 and 2 at a time
+    (`launch.action_vector`), one at a time where they start 4 bytes into their storage or are
+    padded to n_act + 1 values, and 37 actions in several blocks."""
+    case, leaves = differentiable("retrace", 37, (5,), dtype=torch.float32, n_act=n_act,
+                                  device=device)
+    for k in ("q_values", "target_probs"):
+        x = leaves[k].detach()
+        if storage == "offset":
+            y = torch.empty(x.numel() + 1, device=x.device)[1:].view(x.shape)
+        elif storage == "padded":
+            y = torch.empty(*x.shape[:-1], n_act + 1, device=x.device)[..., :n_act]
+        else:
+            y = torch.empty_like(x)
+        leaves[k] = case.steps[k] = y.copy_(x).detach().requires_grad_()
+    out = call(case, leaves, list(leaves.values()), layout, backend="triton")
+    weights = weights_like(out)
+    got = grads(out, weights, leaves)
+    ref_case, ref_leaves = differentiable("retrace", 37, (5,), n_act=n_act, device=device)
+    for k, v in ref_leaves.items():
+        v.data.copy_(leaves[k].detach().double())
+    want = reference_grads(ref_case, ref_leaves, weights)
+    assert_grads_close(got, {k: v.float() for k, v in want.items()}, 1e-4)
 
 
 @pytest.mark.parametrize("name", ["eligibility_traces", "episodic_cumsum"])

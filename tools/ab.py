@@ -4,8 +4,10 @@ rl_triton/scan/tiles.py against measurements: docs/dev/tile-rule.md):
     python tools/ab.py [--rounds 5] retrace:1024x1024:bm vtrace:4x1048576:bm:bf16:notrunc \\
         -- base 'walk|rule:WALK_PROGRAMS_PER_SM_ACTIONS=1' 'w2|tiles:num_warps=2,max_registers=0'
 
-A problem is estimator:NxT:tm|bm, then optionally :bf16 and :notrunc (no truncation flags), as
-for `tools/registers.py`; its inputs are the benchmark's (`rl_triton.bench.make_inputs`). A
+A problem is estimator:NxT:tm|bm, then optionally :bf16, :notrunc (no truncation flags) and :bwd
+(the backward pass alone, every floating input requiring grad, as `python -m rl_triton.bench
+--modes bwd` times it), as for `tools/registers.py`; its inputs are the benchmark's
+(`rl_triton.bench.make_inputs`). A
 variant is a label, then optionally |rule:NAME=value,... (constants of the rule, as
 `python -m rl_triton.bench --rule`) and |tiles:field=value,... (tile fields forced, as
 `--tiles`); the first variant is the reference of the ratios. Every variant's plan is printed
@@ -34,12 +36,13 @@ PLAN_FIELDS = ("BLOCK_T", "BLOCK_B", "num_warps", "maxnreg", "WALK", "LOOKBACK",
 
 def parse_problem(s):
     name, shape, layout, *extra = s.split(":")
-    if layout not in ("tm", "bm") or not set(extra) <= {"bf16", "notrunc"}:
-        raise argparse.ArgumentTypeError(f"{s!r} is not estimator:NxT:tm|bm[:bf16][:notrunc]")
+    if layout not in ("tm", "bm") or not set(extra) <= {"bf16", "notrunc", "bwd"}:
+        raise argparse.ArgumentTypeError(
+            f"{s!r} is not estimator:NxT:tm|bm[:bf16][:notrunc][:bwd]")
     N, T = bench.parse_shape(shape)
     return dict(name=name, N=N, T=T, layout="time-major" if layout == "tm" else "batch-major",
                 dtype=torch.bfloat16 if "bf16" in extra else torch.float32,
-                truncation="notrunc" not in extra)
+                truncation="notrunc" not in extra, bwd="bwd" in extra)
 
 
 def parse_variant(s):
@@ -81,16 +84,32 @@ def main(argv=None):
     device = torch.device("cuda" if gpu else "cpu")
     for prob in args.problems:
         spec = (f"{prob['name']}:{prob['N']}x{prob['T']}:{prob['layout']}:"
-                f"{str(prob['dtype'])[6:]}{'' if prob['truncation'] else ':notrunc'}")
+                f"{str(prob['dtype'])[6:]}{'' if prob['truncation'] else ':notrunc'}"
+                f"{':bwd' if prob['bwd'] else ''}")
         kw, nbytes = bench.make_inputs(prob["name"], prob["N"], prob["T"], prob["layout"],
                                        prob["dtype"], prob["truncation"], device, seed=1)
-        refs = bench.float64_result(prob["name"], kw)
-        fn = functools.partial(getattr(rl_triton, prob["name"]), **kw,
-                               **({} if gpu else {"backend": "triton"}))
+        name = prob["name"]
+        call = functools.partial(getattr(rl_triton, name), **({} if gpu else
+                                                               {"backend": "triton"}))
+        if prob["bwd"]:  # the backward alone, on the forward's graph (`bench.backward_fn`)
+            kw, leaves = bench.grad_inputs(kw)
+            nbytes = bench.bwd_bytes(name, kw, leaves)
+
+            def timed():
+                return bench.backward_fn(call(**kw), leaves)
+        else:
+            refs = bench.float64_result(name, kw)
+
+            def timed():
+                return functools.partial(call, **kw)
         for label, rule, forced in variants:
             with variant(rule, forced):
-                err = bench.rel_err(fn(), refs, kw["time_dim"])
-                (plan,) = _plans._PLANS.values()
+                if prob["bwd"]:  # exits on a wrong gradient
+                    bench.check_gradients(call, kw, leaves, name, spec)
+                    err = 0.0
+                else:
+                    err = bench.rel_err(timed()(), refs, kw["time_dim"])
+                plan = list(_plans._PLANS.values())[-1]  # the backward's after the forward's
             meta = " ".join(f"{k}={plan.meta[k]}" for k in PLAN_FIELDS if k in plan.meta)
             print(f"  {spec} {label}: relative error {err:.1e}, grid {plan.grid[0]}, {meta}",
                   flush=True)
@@ -98,12 +117,14 @@ def main(argv=None):
                 sys.exit(f"{spec} {label}: relative error {err:.3g}; not timing a wrong result")
         if not gpu:
             continue
+        hold = bench._HOLD_CYCLES_GRAD if prob["bwd"] else bench._HOLD_CYCLES
         times = {label: [] for label, _, _ in variants}
         for _ in range(args.rounds):
             for label, rule, forced in variants:
                 with variant(rule, forced):
+                    fn = timed()
                     fn()
-                    times[label].append(bench.device_time_us(fn))
+                    times[label].append(bench.device_time_us(fn, hold_cycles=hold))
         ref = statistics.median(times[variants[0][0]])
         line = (f"{spec}: {nbytes / 1e6:.1f} MB, same-bytes copy "
                 f"{bench.same_bytes_copy_us(nbytes, device):.1f} us")

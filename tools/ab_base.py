@@ -1,11 +1,14 @@
 """A/B of this checkout against an earlier revision of rl_triton, in one process, alternating:
 the device time of every forward cell of the benchmark's grid (`rl_triton.bench`) at or above
-a size, each result of both checked against float64 first.
+a size, each result of both checked against float64 first; with `--bwd`, of the backward pass
+alone (as `python -m rl_triton.bench --modes bwd`; gradients checked against float64).
 
     python tools/ab_base.py prepare 551440a          # here: the revision as .ab/rl_triton_base
     python tools/ab_base.py warm --shard 3/16        # compile one shard's kernels (both sides)
     python tools/ab_base.py time --out ab.json       # on the GPU: time them, A/B alternating
     python tools/ab_base.py full-call                # full-call µs of GAE at 4096x128
+    python tools/ab_base.py time --bwd --dtypes float32 --truncation yes \\
+        --shapes 512x4096,4x1048576 --only vtrace,retrace --min-mb 0   # backward passes
 
 `prepare` copies the revision's package (`git archive`) to .ab/rl_triton_base/ as the package
 `rl_triton_base` (its custom ops in the namespace rl_triton_base), so that both import in one
@@ -29,6 +32,10 @@ sys.path.insert(0, str(ROOT / ".ab"))
 BASE_DIR = ROOT / ".ab" / "rl_triton_base"
 NEW = "rl_triton"  # the package timed against the base (`--new`: another prepared revision)
 ONLY = []  # label prefixes of the cells to time (`--only`; all when empty)
+BWD = False  # time backward passes (`--bwd`)
+DTYPES = None  # the dtypes' names to time (`--dtypes`; all when None)
+TRUNCATION = (True, False)  # with truncation flags, without (`--truncation`)
+SHAPES = None  # the shapes to time (`--shapes`; the benchmark's when None)
 
 
 def prepare(rev: str, name: str = "rl_triton_base") -> None:
@@ -62,19 +69,21 @@ def cells(min_mb: float):
     from rl_triton import bench
     out = []
     for name in bench.ESTIMATORS:
-        for shape in bench.SHAPES:
+        for shape in SHAPES or bench.SHAPES:
             N, T = bench.parse_shape(shape)
             for layout in bench.LAYOUTS:
-                for dt in bench.DTYPES:
-                    for trunc in (True, False):
+                for dt in DTYPES or bench.DTYPES:
+                    for trunc in TRUNCATION:
                         if not trunc and name in ("eligibility_traces", "episodic_cumsum"):
                             continue  # their flags are the dones either way
                         # bytes are linear in the steps and the rows: from 1x1 and 1x2
                         one, two = (bench.make_inputs(name, 1, t, layout, bench.DTYPES[dt],
                                                       trunc, "cpu")[1] for t in (1, 2))
                         nbytes = N * T * (two - one) + N * (2 * one - two)
-                        if nbytes >= min_mb * 1e6:
-                            out.append((name, N, T, layout, dt, trunc, nbytes))
+                        c = (name, N, T, layout, dt, trunc, nbytes)
+                        if nbytes >= min_mb * 1e6 and (
+                                not ONLY or any(_label(c).startswith(o) for o in ONLY)):
+                            out.append(c)
     return out
 
 
@@ -85,6 +94,9 @@ def _label(c):
 
 
 def _fns(c, device):
+    """(new, base, check): the cell's call with this checkout's package and the base's (`--bwd`:
+    their backward passes, on graphs built here), and `check()`, which exits unless both
+    results (gradients) match float64."""
     import rl_triton_base
     from rl_triton import bench
     rl_triton = __import__(NEW)
@@ -93,9 +105,26 @@ def _fns(c, device):
     # Retrace's action check (a reduction and a sync, which the base did not have) is timed
     # apart (`full-call`): kernel against kernel here
     extra = {"check_actions": False} if name == "retrace" else {}
-    new = functools.partial(getattr(rl_triton, name), **kw, **extra)
-    base = functools.partial(getattr(rl_triton_base, name), **kw)
-    return kw, new, base
+    fn_new = functools.partial(getattr(rl_triton, name), **extra)
+    fn_base = getattr(rl_triton_base, name)
+    if BWD:
+        kw, leaves = bench.grad_inputs(kw)
+        new = bench.backward_fn(fn_new(**kw), leaves)
+        base = bench.backward_fn(fn_base(**kw), leaves)
+
+        def check():  # exits on a wrong gradient
+            for fn in (fn_new, fn_base):
+                bench.check_gradients(fn, kw, leaves, name, _label(c))
+    else:
+        new = functools.partial(fn_new, **kw)
+        base = functools.partial(fn_base, **kw)
+
+        def check():
+            refs = bench.float64_result(name, kw)
+            errs = [bench.rel_err(f(), refs, kw["time_dim"]) for f in (new, base)]
+            if not max(errs) < 1e-5:
+                sys.exit(f"{_label(c)}: relative errors {errs}; not timing a wrong result")
+    return new, base, check
 
 
 def warm(shard: str, min_mb: float) -> None:
@@ -103,7 +132,7 @@ def warm(shard: str, min_mb: float) -> None:
     k, n = map(int, shard.split("/"))
     for i, c in enumerate(cells(min_mb)):
         if i % n == k:
-            _, new, base = _fns(c, "cuda")
+            new, base, _ = _fns(c, "cuda")
             new(), base()
     torch.cuda.synchronize()
 
@@ -113,24 +142,20 @@ def time_cells(min_mb: float, rounds: int, rep_ms: float, out: str) -> None:
     from rl_triton import bench
     rows = []
     for c in cells(min_mb):
-        if ONLY and not any(_label(c).startswith(o) for o in ONLY):
-            continue
-        kw, new, base = _fns(c, "cuda")
-        refs = bench.float64_result(c[0], kw)
-        errs = [bench.rel_err(f(), refs, kw["time_dim"]) for f in (new, base)]
-        if not max(errs) < 1e-5:
-            sys.exit(f"{_label(c)}: relative errors {errs}; not timing a wrong result")
+        new, base, check = _fns(c, "cuda")
+        check()
+        hold = bench._HOLD_CYCLES_GRAD if BWD else bench._HOLD_CYCLES
         t_new, t_base = [], []
         for _ in range(rounds):
-            t_new.append(bench.device_time_us(new, rep_ms=rep_ms))
-            t_base.append(bench.device_time_us(base, rep_ms=rep_ms))
+            t_new.append(bench.device_time_us(new, rep_ms=rep_ms, hold_cycles=hold))
+            t_base.append(bench.device_time_us(base, rep_ms=rep_ms, hold_cycles=hold))
         row = dict(cell=_label(c), mb=c[-1] / 1e6, new_us=statistics.median(t_new),
                    base_us=statistics.median(t_base))
         row["ratio"] = row["new_us"] / row["base_us"]
         rows.append(row)
         print(f"{row['cell']}: {row['mb']:.1f} MB new {row['new_us']:.2f} base "
               f"{row['base_us']:.2f} us ratio {row['ratio']:.3f}", flush=True)
-        del kw, new, base, refs
+        del new, base, check
         torch.cuda.empty_cache()
     ratios = [r["ratio"] for r in rows]
     summary = dict(cells=len(rows), median=statistics.median(ratios), worst=max(ratios),
@@ -198,20 +223,29 @@ def main():
         s.add_argument("--min-mb", type=float, default=4.0)
         s.add_argument("--new", default="rl_triton",
                        help="the package timed against the base (one prepared with --as)")
+        s.add_argument("--bwd", action="store_true",
+                       help="the backward passes (`python -m rl_triton.bench --modes bwd`)")
+        s.add_argument("--dtypes", default="", help="comma list (default: all)")
+        s.add_argument("--truncation", default="both", choices=["both", "yes", "no"])
+        s.add_argument("--shapes", default="", help="comma list of NxT (default: the grid's)")
+        s.add_argument("--only", default="",
+                       help="comma list of cell label prefixes, e.g. vtrace:4x1048576")
     sub.choices["warm"].add_argument("--shard", default="0/1")
     sub.choices["time"].add_argument("--rounds", type=int, default=2)
     sub.choices["time"].add_argument("--rep-ms", type=float, default=40.0)
     sub.choices["time"].add_argument("--out", default="")
-    sub.choices["time"].add_argument("--only", default="",
-                                     help="comma list of cell label prefixes to time, e.g. "
-                                          "vtrace:4x1048576")
     f = sub.add_parser("full-call")
     f.add_argument("--package", default="rl_triton")
     f.add_argument("--calls", type=int, default=300)
     a = p.parse_args()
-    global NEW, ONLY
+    global NEW, ONLY, BWD, DTYPES, TRUNCATION, SHAPES
     NEW = getattr(a, "new", NEW)
     ONLY = [o for o in getattr(a, "only", "").split(",") if o]
+    BWD = getattr(a, "bwd", False)
+    DTYPES = [d for d in getattr(a, "dtypes", "").split(",") if d] or None
+    TRUNCATION = {"both": (True, False), "yes": (True,), "no": (False,)}[
+        getattr(a, "truncation", "both")]
+    SHAPES = [x for x in getattr(a, "shapes", "").split(",") if x] or None
     if a.cmd == "prepare":
         prepare(a.rev, a.name)
     elif a.cmd == "warm":

@@ -8,7 +8,8 @@ with the cuobjdump that Triton ships.
 
 An argument is estimator:NxT:tm|bm, then optionally :bf16, :notrunc (no truncation flags),
 :adv (Retrace's advantages too; the benchmark times its targets only), :bwd (the backward
-kernel, every floating input requiring grad) and :field=value,...
+kernel, every floating input requiring grad, output gradients laid out as the outputs, as the
+benchmark's) and :field=value,...
 (tile fields forced as with `python -m rl_triton.bench --tiles`). Registers match ncu's on the
 H200 when the installed Triton is the GPU machine's (docs/dev/tuning-log.md; `PYTHONPATH=.ci/triton-oldest python tools/registers.py ...` runs Triton 3.6, the GPU machine's).
 Load rounds: the global loads of the SASS in the order an in-order warp issues them, a new round

@@ -193,25 +193,28 @@ KERNEL = Kernel(coef, store, reverse=True, trunc_slot_always=(TERM.value, TRUNC.
 
 # ---- backward: H[t] = dA[t] + gamma * c[t] * (1 - cut[t-1]) * H[t-1], a forward scan --------
 # At step t the kernel forms what step t-1's coefficients owe to slot t: c[t], Q(s_t, a_t) and
-# E[t-1] = sum_a pi(a | s_t) Q(s_t, a). Its per-step results are reduced over the action axis
-# afterwards, by torch (`backward`): d Q(s_t, .) = gamma * he[t] * pi(. | s_t) plus dqa[t] at
-# a_t, and d pi alike.
+# E[t-1] = sum_a pi(a | s_t) Q(s_t, a). Its writer reads slot t's action axis once, in blocks as
+# the forward's builder does, and writes d Q(s_t, .) = gamma he[t] pi(. | s_t) plus dqa[t] at
+# a_t, and d pi(. | s_t) alike (he[t]: the weight of E[t-1], over gamma).
 
 class GradInputs(NamedTuple):
     terminated: Tensor  # slot 0: the full shape in the caller's layout
     truncated: Optional[Tensor]
-    q_taken: Tensor  # Q(s_t, a_t)
-    pi_taken: Tensor  # pi(a_t | s_t)
+    q_values: Tensor  # [*S, A]
+    actions: Tensor
+    target_probs: Tensor  # [*S, A]
     behavior_probs: Tensor
     returns: Tensor  # G
     grad_returns: Optional[Tensor]
     grad_advantages: Optional[Tensor]
 
 
-G_TERM, G_TRUNC, G_QA, G_PIA, G_MU, G_RET, G_DRET, G_DADV = slots(GradInputs)
+G_TERM, G_TRUNC, G_Q, G_ACT, G_PI, G_MU, G_RET, G_DRET, G_DADV = slots(GradInputs)
 # VARIANT bits
-D_R, D_HE, D_QA, D_PIA, D_MU, D_ROWS, D_LAST, HAS_DRET, HAS_DADV = (
-    tl.constexpr(1 << i) for i in range(9))
+D_R, D_Q, D_PI, D_MU, D_ROWS, D_LAST, HAS_DRET, HAS_DADV = (
+    tl.constexpr(1 << i) for i in range(8))
+# outputs: d r, d mu, d gamma and d lam per step, d Q, d pi; then the weight of E[T-1] per row
+O_R, O_MU, O_GAMMA, O_LAM, O_Q, O_PI, O_LAST = (tl.constexpr(i) for i in range(7))
 
 
 @triton.jit
@@ -226,7 +229,16 @@ def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
     term, cut = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
     term_b, cut_b = flags_before(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T,
                                  HAS_TRUNC, term, cut)
-    pi_a = load_step(ins, st, s1, s2, G_PIA, t, b1, b2, mask)
+    # a_t's entries of Q and pi (on the transposed tile, as the forward's gathers)
+    a_t = tl.load(ins[G_ACT] + offsets(t, b1, b2, st[G_ACT], s1[G_ACT], s2[G_ACT]), mask=mask,
+                  other=0)
+    a_t = tl.minimum(tl.maximum(a_t, 0), n_act - 1)  # inside the rows, whatever they hold
+    a_tr = tl.trans(a_t)
+    mask_tr = tl.trans(mask)
+    q_a = tl.trans(load_value(ins[G_Q], tl.trans(offsets(t, b1, b2, st[G_Q], s1[G_Q], s2[G_Q]))
+                              + a_tr * sa[G_Q], mask_tr))
+    pi_a = tl.trans(load_value(ins[G_PI], tl.trans(offsets(t, b1, b2, st[G_PI], s1[G_PI],
+                                                           s2[G_PI])) + a_tr * sa[G_PI], mask_tr))
     mu = tl.where(mask, load_step(ins, st, s1, s2, G_MU, t, b1, b2, mask), 1.0)
     ratio = pi_a / mu
     c = lam * clip(ratio, c_clip)
@@ -239,79 +251,101 @@ def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
     if HAS_DADV & VARIANT:
         d_adv = load_step(ins, st, s1, s2, G_DADV, t, b1, b2, mask)
     # G[t] - Q(s_t, a_t): what c[t] multiplies in G[t-1]
-    ahead = (load_step(ins, st, s1, s2, G_RET, t, b1, b2, mask)
-             - load_step(ins, st, s1, s2, G_QA, t, b1, b2, mask))
-    return d_a + d_adv, beta, (d_adv, term_b | first, stop_b, pi_a, mu, ratio, c, ahead, term,
-                               t == T - 1)
+    ahead = load_step(ins, st, s1, s2, G_RET, t, b1, b2, mask) - q_a
+    # d ratio = lam y ahead below the clip (ties too, as torch.clamp), y = d G[t-1] / d (c[t] ..)
+    k_ratio = tl.where(ratio <= c_clip, lam * ahead, 0.0)
+    return d_a + d_adv, beta, (d_adv, a_t, term_b | first, stop_b, c, k_ratio / mu,
+                               -k_ratio * pi_a / (mu * mu), c * ahead,
+                               clip(ratio, c_clip) * ahead, term, t == T - 1)
 
 
 @triton.jit
 def grad_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
-               VARIANT: tl.constexpr):
-    """res = H[t], res_prev = H[t-1]."""
+               VARIANT: tl.constexpr, src, ACT: tl.constexpr):
+    """res = H[t], res_prev = H[t-1]; `src` and ACT: the inputs, for slot t's action axis."""
     gamma = params[0]
-    lam = params[1]
-    c_clip = params[2]
-    d_adv, term_b, stop_b, pi_a, mu, ratio, c, ahead, term, at_end = aux
+    ins, st, s1, s2, sa, n_act = src
+    BLOCK_A: tl.constexpr = ACT[0]
+    ACT_VEC: tl.constexpr = ACT[2]
+    d_adv, a_t, off_b, stop_b, c, k_pi, k_mu, c_ahead, clip_ahead, term, at_end = aux
     if D_R & VARIANT:
-        store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)
-    if D_HE & VARIANT:  # the weight of E[t-1] in the loss, over gamma
-        store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, tl.where(term_b, 0.0, res_prev))
+        store_out(outs, ost, os1, os2, O_R, t, b1, b2, mask, res)
     y = tl.where(stop_b, 0.0, gamma * res_prev)  # d G[t-1] / d (c[t] (G[t] - Q(s_t, a_t)))
-    if D_QA & VARIANT:
-        store_out(outs, ost, os1, os2, 2, t, b1, b2, mask, -y * c - d_adv)
-    d_ratio = tl.where(ratio <= c_clip, lam * y * ahead, 0.0)  # ties below the clip (torch)
-    if D_PIA & VARIANT:  # d pi(a_t | s_t) = d ratio / mu
-        store_out(outs, ost, os1, os2, 3, t, b1, b2, mask, d_ratio / mu)
     if D_MU & VARIANT:  # d mu = -d ratio * ratio / mu
-        store_out(outs, ost, os1, os2, 4, t, b1, b2, mask, -d_ratio * pi_a / (mu * mu))
-    if D_ROWS & VARIANT:
-        store_out(outs, ost, os1, os2, 5, t, b1, b2, mask,
-                  tl.where(stop_b, 0.0, res_prev * c * ahead))
-        store_out(outs, ost, os1, os2, 6, t, b1, b2, mask, y * clip(ratio, c_clip) * ahead)
+        store_out(outs, ost, os1, os2, O_MU, t, b1, b2, mask, k_mu * y)
     if D_LAST & VARIANT:  # the weight of E[T-1] (the bootstrap state's), over gamma
-        store_out(outs, ost, os1, os2, 7, t, b1, b2, mask & at_end,
+        store_out(outs, ost, os1, os2, O_LAST, t, b1, b2, mask & at_end,
                   tl.where(term, 0.0, res))
+    if (D_Q | D_PI | D_ROWS) & VARIANT:
+        # slot t's action axis, in blocks on the transposed tile (as the forward's builder):
+        # d Q(s_t, .) = gamma he pi(. | s_t), plus dqa at a_t; d pi(. | s_t) alike
+        he = tl.where(off_b, 0.0, res_prev)  # the weight of E[t-1] in the loss, over gamma
+        g_he = tl.trans(gamma * he)[:, :, None]
+        dqa = tl.trans(-y * c - d_adv)[:, :, None]
+        dpia = tl.trans(y * k_pi)[:, :, None]
+        a_tr = tl.trans(a_t)[:, :, None]
+        in_tr = tl.trans(mask)[:, :, None]
+        q_row = tl.trans(offsets(t, b1, b2, st[G_Q], s1[G_Q], s2[G_Q]))[:, :, None]
+        pi_row = tl.trans(offsets(t, b1, b2, st[G_PI], s1[G_PI], s2[G_PI]))[:, :, None]
+        dq_row = tl.trans(offsets(t, b1, b2, ost[O_Q], os1[O_Q], os2[O_Q]))[:, :, None]
+        dpi_row = tl.trans(offsets(t, b1, b2, ost[O_PI], os1[O_PI], os2[O_PI]))[:, :, None]
+        # rows that start at a multiple of ACT_VEC actions load ACT_VEC at a time
+        # (`launch.action_vector`); the gradients' rows are contiguous, n_act long
+        if ACT_VEC > 1:
+            q_row = q_row // ACT_VEC * ACT_VEC
+            pi_row = pi_row // ACT_VEC * ACT_VEC
+            dq_row = dq_row // ACT_VEC * ACT_VEC
+            dpi_row = dpi_row // ACT_VEC * ACT_VEC
+        e_slot = tl.zeros([g_he.shape[0], g_he.shape[1], BLOCK_A], tl.float32)
+        for k in tl.static_range(ACT[1]):
+            a = k * BLOCK_A + tl.arange(0, BLOCK_A)[None, None, :]
+            in_a = tl.max_constancy(in_tr & (a < n_act), [1, 1, ACT_VEC])
+            taken = a == a_tr
+            q = tl.load(ins[G_Q] + (q_row + a * sa[G_Q]), mask=in_a, other=0.0).to(tl.float32)
+            p = tl.load(ins[G_PI] + (pi_row + a * sa[G_PI]), mask=in_a,
+                        other=0.0).to(tl.float32)
+            if D_Q & VARIANT:
+                dq = g_he * p + tl.where(taken, dqa, 0.0)
+                tl.store(outs[O_Q] + (dq_row + a), dq.to(outs[O_Q].dtype.element_ty),
+                         mask=in_a)
+            if D_PI & VARIANT:
+                dpi = g_he * q + tl.where(taken, dpia, 0.0)
+                tl.store(outs[O_PI] + (dpi_row + a), dpi.to(outs[O_PI].dtype.element_ty),
+                         mask=in_a)
+            if D_ROWS & VARIANT:
+                e_slot += q * p
+        if D_ROWS & VARIANT:  # d gamma: E[t-1] from slot t, and c[t] (G[t] - Q(s_t, a_t))
+            e = tl.trans(tl.sum(e_slot, axis=2))
+            store_out(outs, ost, os1, os2, O_GAMMA, t, b1, b2, mask,
+                      he * e + tl.where(stop_b, 0.0, res_prev * c_ahead))
+            store_out(outs, ost, os1, os2, O_LAM, t, b1, b2, mask, y * clip_ahead)
 
 
-GRAD_KERNEL = Kernel(grad_coef, grad_store, reverse=False, exclusive=True, aux=True)
+GRAD_KERNEL = Kernel(grad_coef, grad_store, reverse=False, exclusive=True, aux=True,
+                     action_slots=(G_Q.value, G_PI.value), action_outs=(O_Q.value, O_PI.value))
 
 
 def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra: Extras, needs):
     nr, nq, _, npi, nmu, _, _, nlq, nlpi, nrows = needs
     d_ret, d_adv = (*grads, None)[:2]  # one output unless return_advantages
-    n_act = x.q_values.shape[-1]
-    a = x.actions.long().clamp(0, n_act - 1).unsqueeze(-1)  # as the kernel: in range
-    q_a = x.q_values.gather(-1, a).squeeze(-1)
-    pi_a = x.target_probs.gather(-1, a).squeeze(-1)
-    need_he = nq or npi or nrows
-    need_last = nlq or nlpi or nrows
-    gx = GradInputs(x.terminated, x.truncated, q_a, pi_a, x.behavior_probs, outs[0], d_ret,
+    gx = GradInputs(x.terminated, x.truncated, x.q_values, x.actions, x.target_probs,
+                    x.behavior_probs, outs[0], d_ret,
                     d_adv if extra.return_advantages else None)
-    variant = bits(nr, need_he, nq, npi, nmu, nrows, need_last, d_ret is not None,
+    need_last = nlq or nlpi or nrows
+    variant = bits(nr, nq, npi, nmu, nrows, need_last, d_ret is not None,
                    gx.grad_advantages is not None)
-    dr, he, dqa, dpia, dmu, dgc, dlc, hl = run_backward(
-        OP.name, GRAD_KERNEL, gx, call, 7, 1, variant, s, rows, OP.row_params)
+    dr, dmu, dg, dl, dq, dpi, hl = run_backward(OP.name, GRAD_KERNEL, gx, call, 6, 1, variant, s,
+                                                rows, OP.row_params)
     gamma = rows[0] if rows is not None else s.gamma  # per row: [*batch]
-    td = call.time_dim
-    g_step = gamma.unsqueeze(td) if rows is not None else gamma
-    res = [like(dr, x.rewards) if nr else None, None, None, None,
-           like(dmu, x.behavior_probs) if nmu else None, None, None, None, None, None]
-    if nq:  # d Q(s_t, .) = gamma he[t] pi(. | s_t), plus dqa[t] at a_t
-        dq = (g_step * he).unsqueeze(-1) * x.target_probs.float()
-        res[1] = like(dq.scatter_add_(-1, a, dqa.unsqueeze(-1)), x.q_values)
-    if npi:
-        dpi = (g_step * he).unsqueeze(-1) * x.q_values.float()
-        res[3] = like(dpi.scatter_add_(-1, a, dpia.unsqueeze(-1)), x.target_probs)
     lq, lpi = x.last_q_values.float(), x.last_target_probs.float()
-    if nlq:
-        res[7] = like((gamma * hl).unsqueeze(-1) * lpi, x.last_q_values)
-    if nlpi:
-        res[8] = like((gamma * hl).unsqueeze(-1) * lq, x.last_target_probs)
-    if nrows:  # E[t-1] from slot t, E[T-1] from the bootstrap state
-        e_slot = (x.target_probs.float() * x.q_values.float()).sum(-1)
-        dg = (he * e_slot + dgc).sum(td) + hl * (lpi * lq).sum(-1)
-        res[9] = torch.stack([dg, dlc.sum(td)])
+    res = [like(dr, x.rewards) if nr else None, like(dq, x.q_values) if nq else None, None,
+           like(dpi, x.target_probs) if npi else None,
+           like(dmu, x.behavior_probs) if nmu else None, None, None,
+           like((gamma * hl).unsqueeze(-1) * lpi, x.last_q_values) if nlq else None,
+           like((gamma * hl).unsqueeze(-1) * lq, x.last_target_probs) if nlpi else None, None]
+    if nrows:  # E[T-1] from the bootstrap state
+        td = call.time_dim
+        res[9] = torch.stack([dg.sum(td) + hl * (lpi * lq).sum(-1), dl.sum(td)])
     return res
 
 

@@ -156,8 +156,8 @@ class GradInputs(NamedTuple):
 (G_TERM, G_TRUNC, G_R, G_V, G_TLP, G_BLP, G_LAST_V, G_NEXT_V, G_VS, G_DVS,
  G_DPG) = slots(GradInputs)
 # VARIANT bits
-(D_R, D_V, D_TLP, D_BLP, D_NEXT, D_ROWS, D_LAST, HAS_DVS, HAS_DPG,
- SLOT_SUCC) = (tl.constexpr(1 << i) for i in range(10))
+D_R, D_V, D_TLP, D_BLP, D_NEXT, D_ROWS, HAS_DVS, HAS_DPG, SLOT_SUCC = (
+    tl.constexpr(1 << i) for i in range(9))
 
 
 @triton.jit
@@ -165,8 +165,13 @@ def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
               HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
               VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
               ACT_VEC: tl.constexpr, after):
+    """alpha = dD[t], beta = gamma lam c[t-1] where the trace from t-1 went on. The aux: each
+    gradient at t as c0 + c1 * H[t] (+ c2 * H[t-1]), its coefficients formed here, so that the
+    scan holds those (8 per step without per-row discounts) rather than the 15 values behind
+    them (they spilled registers)."""
     gamma = params[0]
     lam = params[1]
+    rho_clip = params[2]
     c_clip = params[3]
     pg_rho_clip = params[4]
     zero = tl.zeros(mask.shape, tl.float32)
@@ -201,62 +206,62 @@ def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
         p_b = value_before(ins, st, s1, s2, G_DPG, t, b1, b2, mask, d_pg) * clip(ratio_b,
                                                                                  pg_rho_clip)
     alpha = d_vs + tl.where(stop_b, 0.0, gamma * lam * p_b)
-    rho_b = clip(ratio_b, params[2])
-    return alpha, beta, (d_vs, d_pg, p_b, rho_b, term_b | first, stop_b, r, v, term, cut,
-                         v_succ, vs_succ, ratio, d_after, t == T - 1)
+    # the gradients' coefficients; rho H[t] + p is d r[t] (p: d pg[t] / d its bracket)
+    rho = clip(ratio, rho_clip)
+    p = d_pg * clip(ratio, pg_rho_clip)
+    # d V[t] = dv0 - rho H[t] + dv2 H[t-1]
+    if SLOT_SUCC & VARIANT:  # V[t] = v'[t-1], and vs[t] = V[t] + D[t] = vs'[t-1]
+        off_b = term_b | first
+        dv0 = d_vs - p + tl.where(off_b, 0.0, gamma * p_b)
+        dv2 = tl.where(off_b, 0.0, gamma * clip(ratio_b, rho_clip))
+    else:  # vs'[t-1] only
+        dv0 = d_vs - p + tl.where(stop_b, 0.0, gamma * lam * p_b)
+        dv2 = zero
+    # d log ratio[t] = dl1 H[t] + dl0; ties count as below the clip, as torch.clamp's gradient
+    target = r + tl.where(term, 0.0, gamma * v_succ)
+    boot = tl.where(term, 0.0, lam * vs_succ + (1.0 - lam) * v_succ)
+    dl1 = ratio * (tl.where(ratio <= rho_clip, target - v, 0.0)
+                   + tl.where(ratio <= c_clip, gamma * lam * d_after, 0.0))
+    dl0 = ratio * tl.where(ratio <= pg_rho_clip, d_pg * (r + gamma * boot - v), 0.0)
+    # d v'[t] = dn1 H[t] + dn0 (next_values[t], or last_value at T-1)
+    dn1 = tl.where(term, 0.0, gamma * rho)
+    dn0 = tl.where(term, 0.0, gamma * p * tl.where(cut, 1.0, 1.0 - lam))
+    # per-row gamma and lam: dg1 H[t] + dg0, dm1 H[t] + dm0
+    c = clip(ratio, c_clip)
+    dg1 = rho * tl.where(term, 0.0, v_succ) + lam * c * d_after
+    dg0 = p * boot
+    dm1 = gamma * c * d_after
+    dm0 = p * tl.where(term, 0.0, gamma * (vs_succ - v_succ))
+    return alpha, beta, (rho, p, dv0, dv2, dl1, dl0, dn1, dn0, dg1, dg0, dm1, dm0)
 
 
 @triton.jit
 def grad_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
                VARIANT: tl.constexpr):
     """res = H[t], res_prev = H[t-1]: the inputs' gradients at t."""
-    gamma = params[0]
-    lam = params[1]
-    rho_clip = params[2]
-    c_clip = params[3]
-    pg_rho_clip = params[4]
-    (d_vs, d_pg, p_b, rho_b, term_b, stop_b, r, v, term, cut, v_succ, vs_succ, ratio, d_after,
-     at_end) = aux
-    rho = clip(ratio, rho_clip)
-    p = d_pg * clip(ratio, pg_rho_clip)  # d pg[t] / d (its bracket)
+    rho, p, dv0, dv2, dl1, dl0, dn1, dn0, dg1, dg0, dm1, dm0 = aux
     h_rho = res * rho
     if D_R & VARIANT:
         store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, h_rho + p)
     if D_V & VARIANT:
-        dv = d_vs - h_rho - p
-        if SLOT_SUCC & VARIANT:  # V[t] = v'[t-1], and vs[t] = V[t] + D[t] = vs'[t-1]
-            dv += tl.where(term_b, 0.0, gamma * (res_prev * rho_b + p_b))
-        else:  # vs'[t-1] only
-            dv += tl.where(stop_b, 0.0, gamma * lam * p_b)
+        dv = dv0 - h_rho
+        if SLOT_SUCC & VARIANT:
+            dv += dv2 * res_prev
         store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, dv)
     if (D_TLP | D_BLP) & VARIANT:
-        # ties count as below the clip, as torch.clamp's gradient does
-        bracket = r + tl.where(term, 0.0, gamma * (lam * vs_succ + (1.0 - lam) * v_succ)) - v
-        target = r + tl.where(term, 0.0, gamma * v_succ)
-        d_ratio = (tl.where(ratio <= rho_clip, res * (target - v), 0.0)
-                   + tl.where(ratio <= c_clip, res * gamma * lam * d_after, 0.0)
-                   + tl.where(ratio <= pg_rho_clip, d_pg * bracket, 0.0))
-        d_log = d_ratio * ratio
+        d_log = dl1 * res + dl0
         if D_TLP & VARIANT:
             store_out(outs, ost, os1, os2, 2, t, b1, b2, mask, d_log)
         if D_BLP & VARIANT:
             store_out(outs, ost, os1, os2, 3, t, b1, b2, mask, -d_log)
-    d_succ = tl.where(term, 0.0, gamma * (h_rho + p * tl.where(cut, 1.0, 1.0 - lam)))
     if D_NEXT & VARIANT:
-        store_out(outs, ost, os1, os2, 4, t, b1, b2, mask, d_succ)
+        store_out(outs, ost, os1, os2, 4, t, b1, b2, mask, dn1 * res + dn0)
     if D_ROWS & VARIANT:
-        c = clip(ratio, c_clip)
-        boot = tl.where(term, 0.0, lam * vs_succ + (1.0 - lam) * v_succ)
-        store_out(outs, ost, os1, os2, 5, t, b1, b2, mask,
-                  h_rho * tl.where(term, 0.0, v_succ) + res * lam * c * d_after + p * boot)
-        store_out(outs, ost, os1, os2, 6, t, b1, b2, mask,
-                  res * gamma * c * d_after
-                  + p * tl.where(term, 0.0, gamma * (vs_succ - v_succ)))
-    if D_LAST & VARIANT:
-        store_out(outs, ost, os1, os2, 7, t, b1, b2, mask & at_end, d_succ)
+        store_out(outs, ost, os1, os2, 5, t, b1, b2, mask, dg1 * res + dg0)
+        store_out(outs, ost, os1, os2, 6, t, b1, b2, mask, dm1 * res + dm0)
 
 
-GRAD_KERNEL = Kernel(grad_coef, grad_store, reverse=False, exclusive=True, aux=True)
+GRAD_KERNEL = Kernel(grad_coef, grad_store, reverse=False, exclusive=True, aux=True, heavy=True)
 
 
 def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra, needs):
@@ -264,10 +269,17 @@ def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra, needs):
     d_vs, d_pg = grads
     gx = GradInputs(x.terminated, x.truncated, x.rewards, x.values, x.target_log_probs,
                     x.behavior_log_probs, x.last_value, x.next_values, outs[0], d_vs, d_pg)
-    variant = bits(nr, nv, ntlp, nblp, nnext, nrows, nlast, d_vs is not None,
+    variant = bits(nr or nlast, nv, ntlp, nblp, nnext, nrows, d_vs is not None,
                    d_pg is not None, x.next_values is None)
-    dr, dv, dtlp, dblp, dnext, dg, dl, dlast = run_backward(
-        OP.name, GRAD_KERNEL, gx, call, 7, 1, variant, s, rows, OP.row_params)
+    dr, dv, dtlp, dblp, dnext, dg, dl = run_backward(
+        OP.name, GRAD_KERNEL, gx, call, 7, 0, variant, s, rows, OP.row_params)
+    dlast = None
+    if nlast:
+        # d last_value = d v'[T-1] = gamma (1 - terminated[T-1]) d r[T-1] (T-1 is a cut): from
+        # d r, as the kernel's store of one step per row with time stride 0 took 40 registers
+        td = call.time_dim
+        gamma = rows[0] if rows is not None else s.gamma
+        dlast = torch.where(x.terminated.select(td, -1) != 0, 0.0, gamma * dr.select(td, -1))
     return [like(dr, x.rewards) if nr else None, like(dv, x.values) if nv else None, None,
             like(dtlp, x.target_log_probs) if ntlp else None,
             like(dblp, x.behavior_log_probs) if nblp else None, None,

@@ -584,11 +584,20 @@ def finish_chunk(alphas, betas, auxs, ew_s, ewd_s, carry_w, scalars, FINISH: tl.
 
 @triton.jit
 def store_chunk(outs, ost, os1, os2, b1, b2, ts, masks, a_s, bb_s, ea_s, eb_s, auxs, carry,
-                scalars, STORE: tl.constexpr, VARIANT: tl.constexpr, SUB: tl.constexpr):
-    """The outputs of a tile scanned by `scan_chunk`, whose carry is now known."""
+                scalars, STORE: tl.constexpr, VARIANT: tl.constexpr, SUB: tl.constexpr, src,
+                ACT: tl.constexpr, STORE_INPUTS: tl.constexpr):
+    """The outputs of a tile scanned by `scan_chunk`, whose carry is now known. With
+    `STORE_INPUTS` the writer also reads inputs, as the builder sees them: `src` is
+    (ins, st, s1, s2, sa, n_act) and ACT (BLOCK_A, ACT_BLOCKS, ACT_VEC)."""
     for J in tl.static_range(SUB):
-        STORE(outs, ost, os1, os2, ts[J], b1, b2, masks[J], apply_map(a_s[J], bb_s[J], carry),
-              apply_map(ea_s[J], eb_s[J], carry), auxs[J], scalars, VARIANT)
+        res = apply_map(a_s[J], bb_s[J], carry)
+        res_prev = apply_map(ea_s[J], eb_s[J], carry)
+        if STORE_INPUTS:
+            STORE(outs, ost, os1, os2, ts[J], b1, b2, masks[J], res, res_prev, auxs[J], scalars,
+                  VARIANT, src, ACT)
+        else:
+            STORE(outs, ost, os1, os2, ts[J], b1, b2, masks[J], res, res_prev, auxs[J], scalars,
+                  VARIANT)
 
 
 # n_row_tiles is never specialized: as the stride between a look-back window's words it must not
@@ -609,7 +618,7 @@ def scan_kernel(
     BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_A: tl.constexpr,
     ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr, SUB: tl.constexpr, ROW_VEC: tl.constexpr,
     EVEN: tl.constexpr, ROW_PARAMS: tl.constexpr, MASK: tl.constexpr, W_PHASE: tl.constexpr,
-    BOOT: tl.constexpr, FINISH: tl.constexpr,
+    BOOT: tl.constexpr, FINISH: tl.constexpr, STORE_INPUTS: tl.constexpr,
 ):
     """One program per tile of `BLOCK_B` rows x `BLOCK_T` steps (`n_chunks` tiles along time),
     scanned once and kept in registers; with `LOOKBACK`, the tiles of a row run in parallel and
@@ -621,7 +630,8 @@ def scan_kernel(
     estimator's successor is then the next decision step, however far: with `W_PHASE` a second
     scan (`successors`) carries the successor's own value w across masked steps, with a carry
     and look-back of its own, before the main scan; `BOOT` gives both initial carries and
-    `FINISH` the coefficients from each step's successor w."""
+    `FINISH` the coefficients from each step's successor w. With `STORE_INPUTS` the writer
+    reads inputs too (`store_chunk`)."""
     # Reverse scans run forward over steps laid in decreasing t (module docstring). Retrace's
     # 3-D tiles too: they load along the action axis, whatever the order of their steps.
     FLIP: tl.constexpr = REVERSE and TIME_AXIS == 1 and BLOCK_T >= 8
@@ -644,6 +654,7 @@ def scan_kernel(
         st = multiples(st, ROW_VEC)
         ost = multiples(ost, ROW_VEC)
         B = B // ROW_VEC * ROW_VEC
+    src = (ins, st, s1, s2, sa, n_act)  # what a writer with STORE_INPUTS reads
     k = tl.program_id(0)
     order = k // n_row_tiles  # tiles before this one in scan order, along its rows
     pid_b = k % n_row_tiles
@@ -711,7 +722,8 @@ def scan_kernel(
                     TIME_AXIS, INT64, BLOCK_T, BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB,
                     EVEN, WHOLE, MASK)
             store_chunk(outs, ost, os1, os2, b1, b2, ts, masks, a_s, bb_s, ea_s, eb_s, auxs,
-                        carry, scalars, STORE, VARIANT, SUB)
+                        carry, scalars, STORE, VARIANT, SUB, src,
+                        (BLOCK_A, ACT_BLOCKS, ACT_VEC), STORE_INPUTS)
             # the tile's outgoing value: the carry into the next tile in scan order
             carry = apply_map(agg_a, agg_b, carry)
     else:
@@ -763,7 +775,8 @@ def scan_kernel(
                 tl.atomic_xchg(words_a + slot, pack(apply_map(agg_a, agg_b, carry), tag + 2),
                                sem="relaxed")
         store_chunk(outs, ost, os1, os2, b1, b2, ts, masks, a_s, bb_s, ea_s, eb_s, auxs, carry,
-                    scalars, STORE, VARIANT, SUB)
+                    scalars, STORE, VARIANT, SUB, src, (BLOCK_A, ACT_BLOCKS, ACT_VEC),
+                    STORE_INPUTS)
 
 
 @triton.jit

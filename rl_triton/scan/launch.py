@@ -32,6 +32,7 @@ class Kernel:
     reverse: bool
     exclusive: bool = False  # the writer needs A at the previous step in scan order
     aux: bool = False  # the writer takes per-step values of the builder (`tiles.choose`)
+    heavy: bool = False  # ... many of them (`tiles.choose`)
     # the bootstrap value enters as the scan's initial carry (the builder's VARIANT 1)
     carries_last: bool = False
     # (terminations, truncations) slots: time-major calls without truncation flags read the
@@ -41,6 +42,9 @@ class Kernel:
     # the builder for tiles that span their rows' whole window (each holds step T-1)
     coef_whole: object = None
     action_slots: tuple = ()  # slots with a trailing action axis (Retrace)
+    # outputs with that action axis (Retrace's backward: the gradients of the action slots),
+    # whose writer reads inputs (`kernel.store_chunk`)
+    action_outs: tuple = ()
     # masks (SPEC 7): the mask's input slot; for reverse estimators, whose successor is the next
     # decision step, `boot` (both initial carries) and `finish` (the coefficients from the
     # successor's value) turn on the kernel's W scan (`kernel.scan_kernel`)
@@ -144,6 +148,7 @@ class Launch:
         # written at one step)
         self.n_boot = n_boot
         self.boot_shape = tuple(out_shape[:time_dim]) + tuple(out_shape[time_dim + 1:])
+        self.action_outs = kernel.action_outs
         self.src, self.init_src = tuple(src), init_src
         self.device = device = next(x for x in ins if x is not None).device
         out_view = torch.empty(out_shape, device="meta").movedim(time_dim, 0)
@@ -167,15 +172,17 @@ class Launch:
                     tuple(0 if v is None else stride1[id(v)] for v in views),
                     tuple(0 if v is None else stride2[id(v)] for v in views))
 
-        n_act = max([ins[i].shape[-1] for i in action_slots] + [1])
+        n_act = self.n_act = max([ins[i].shape[-1] for i in action_slots] + [1])
         sa = tuple(ins[i].stride(-1) if i in action_slots else 0 for i in range(len(ins)))
         largest = max([_extent(v, (n_act - 1) * a) for v, a in zip(flat, sa) if v is not None]
-                      + [_extent(v) for v in present])
+                      + [_extent(v) for v in present]
+                      + [(_extent(out_view) + 1) * n_act - 1] * bool(kernel.action_outs))
         itemsize = max([x.element_size() for x in flat if x is not None
                         and x.is_floating_point()] or [4])
         cfg = tiles.choose(T, self.B, time_contiguous=time_contiguous, device=device,
                            n_act=n_act if action_slots else 0, exclusive=kernel.exclusive,
-                           reverse=kernel.reverse, aux=kernel.aux, itemsize=itemsize)
+                           reverse=kernel.reverse, aux=kernel.aux, itemsize=itemsize,
+                           heavy=kernel.heavy)
         n_chunks = cfg.chunks(T)
         n_row_tiles = triton.cdiv(self.B, cfg.block_b)
         self.lookback = n_chunks > 1 and not cfg.walk
@@ -185,7 +192,10 @@ class Launch:
         words = 4 if w_phase else 2
         self.state_size = words * self.grid[0] * cfg.block_b if self.lookback else 1
         in_strides = strides(flat) + (sa,)
-        out_strides = tuple(s * n_out + r * n_boot  # n_out alike, then n_boot alike
+        # n_out alike (those with an action axis contiguous along it: n_act times the strides),
+        # then n_boot alike
+        out_strides = tuple(tuple(x * (n_act if i in self.action_outs else 1)
+                                  for i, x in enumerate(s * n_out)) + r * n_boot
                             for s, r in zip(strides([out_view]), strides([row_view])))
         self.row_strides = (math.prod(bshape), stride1[id(row_view)], stride2[id(row_view)])
         init_strides = ((stride1[id(init_view)], stride2[id(init_view)])
@@ -209,7 +219,8 @@ class Launch:
                              self.B, time_contiguous, bool(action_slots)) else 1),
                          SUB=cfg.sub, EVEN=tiles.even(T, self.B, cfg), ROW_PARAMS=0,
                          MASK=kernel.mask_slot, W_PHASE=w_phase, BOOT=kernel.boot,
-                         FINISH=kernel.finish, num_warps=cfg.num_warps)
+                         FINISH=kernel.finish, STORE_INPUTS=bool(kernel.action_outs),
+                         num_warps=cfg.num_warps)
         if cfg.max_registers:
             self.meta["maxnreg"] = cfg.max_registers
         self.device_index = device.index
@@ -227,16 +238,20 @@ class Launch:
         `rows`: the per-row scalars, contiguous `[row_params, *batch]` float32."""
         # One allocation each: outputs that are views of one buffer would alias, which custom
         # ops (torch.compile) forbid.
-        shape, dtype, device = self.out_shape, self.out_dtype, self.device
-        outs = [torch.empty(shape, dtype=dtype, device=device) for _ in range(self.n_out)]
-        outs += [torch.empty(self.boot_shape, dtype=dtype, device=device)
-                 for _ in range(self.n_boot)]
+        outs = [torch.empty(s, dtype=self.out_dtype, device=self.device)
+                for s in self.output_shapes()]
         if self.cuda and self.device_index != _current_device():
-            with torch.cuda.device(device):
+            with torch.cuda.device(self.device):
                 self._launch(x, outs, scalars, rows)
         else:
             self._launch(x, outs, scalars, rows)
         return outs
+
+    def output_shapes(self) -> list:
+        """The `n_out` per-step outputs' shapes (with the action axis where `action_outs` says),
+        then the `n_boot` bootstrap outputs'."""
+        return ([self.out_shape + ((self.n_act,) if i in self.action_outs else ())
+                 for i in range(self.n_out)] + [self.boot_shape] * self.n_boot)
 
     def _state(self, stream):
         """The look-back scratch of `stream` and its address: zeroed once; the kernel tags what

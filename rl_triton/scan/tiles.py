@@ -14,7 +14,9 @@ tiles that find their carries by look-back (`scan.py`), or walked by one program
   SPAN_STEPS long (fewer look-back round trips);
 - values per thread set the warps; tiles that hold per-step values or look back cap their
   registers; time-major tiles run as sub-tiles (`sub_tiles`); the look-back window is laid out
-  as `window` says.
+  as `window` says;
+- writers that hold many values per step (`heavy`: V-trace's backward) take time-major tiles of
+  fewer values per thread, and a higher register cap where batch-major rows look back.
 """
 from __future__ import annotations
 
@@ -69,6 +71,10 @@ MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR = 80  # V-trace tm, >= 4 rows: 16384x1024 122
 MAX_REGISTERS_EXCLUSIVE_WIDE = 128  # V-trace, 16 per thread (span, walked): 4 programs, not 3
 MAX_REGISTERS_EXCLUSIVE_LOOKBACK = 80  # V-trace's one-warp look-back tiles: 25 programs per SM
 MAX_REGISTERS_LONG_ROWS = 64  # the others' look-back tiles, GAE's walked: 4x1048576 0.90
+# Writers holding many values per step (`heavy`: V-trace's backward, 6 or more beside the scan's
+# 4): time-major tiles on 8 warps (4 values per thread; 8 in span tiles: 512x4096 85 -> 50 µs)
+ELEMENTS_PER_THREAD_HEAVY_TIME_MAJOR = 4
+MAX_REGISTERS_HEAVY_LOOKBACK = 128  # ... its batch-major look-back tiles: 64x32768 121 -> 60 µs
 # Look-back
 WINDOW = 16  # tiles read per step of the look-back in the interpreter; on a GPU see `window`
 DEPTH_WIDE = 1  # words read per pass of a window of one word per thread: GAE 40.6 -> 37.1 µs
@@ -103,14 +109,15 @@ class TileConfig:
 
 def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
            n_act: int = 0, exclusive: bool = False, reverse: bool = False,
-           aux: bool = False, itemsize: int = 4) -> TileConfig:
+           aux: bool = False, itemsize: int = 4, heavy: bool = False) -> TileConfig:
     """The tile for T steps x B rows; `time_contiguous` for batch-major data, `n_act` > 0 for
     Retrace's action axis, `exclusive` for scans that also carry the exclusive value (V-trace),
     `reverse` for reverse scans, `aux` for writers that hold per-step values of the builder
-    through the scan (GAE, V-trace), `itemsize` the bytes of a floating-point input."""
+    through the scan (GAE, V-trace), `itemsize` the bytes of a floating-point input, `heavy` for
+    writers that hold many (V-trace's backward)."""
     sms = _multiprocessors(device)
     per_step = action_block(n_act, itemsize) if n_act else 1
-    flags = (per_step, n_act, exclusive, reverse, aux, itemsize)
+    flags = (per_step, n_act, exclusive, reverse, aux, itemsize, heavy)
     if time_contiguous:
         block_t, block_b, per_thread, walk, cap = _batch_major(T, B, sms, *flags)
     else:
@@ -125,12 +132,12 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     elif "sub" in _overrides:
         cfg = replace(cfg, sub=min(cfg.sub, cfg.block_t))
     elif vector_rows(B, time_contiguous, n_act > 0):
-        cfg = replace(cfg, sub=sub_tiles(cfg, exclusive))
+        cfg = replace(cfg, sub=sub_tiles(cfg, exclusive, heavy))
     win = window(cfg.window, cfg.block_b, cfg.num_warps, device)
     return replace(cfg, window=win, depth=min(win, cfg.depth or depth(win, cfg.block_b, device)))
 
 
-def _batch_major(T, B, sms, per_step, n_act, exclusive, reverse, aux, itemsize):
+def _batch_major(T, B, sms, per_step, n_act, exclusive, reverse, aux, itemsize, heavy):
     """Batch-major rows (`[N, T]`): block_t, block_b, values per thread, walk, register cap."""
     elements = (TILE_STEPS_ACTIONS * per_step if n_act
                 else TILE_ELEMENTS_SMALL if exclusive else TILE_ELEMENTS)
@@ -148,14 +155,15 @@ def _batch_major(T, B, sms, per_step, n_act, exclusive, reverse, aux, itemsize):
                   else ELEMENTS_PER_THREAD * HALF_PRECISION_SCALE
                   if itemsize <= 2 and many and not exclusive  # as many bytes as 4-byte inputs
                   else ELEMENTS_PER_THREAD)
-    cap = (MAX_REGISTERS_EXCLUSIVE_LOOKBACK if exclusive and looks_back
+    cap = (MAX_REGISTERS_HEAVY_LOOKBACK if heavy and looks_back
+           else MAX_REGISTERS_EXCLUSIVE_LOOKBACK if exclusive and looks_back
            else MAX_REGISTERS_EXCLUSIVE_WIDE if exclusive and walk
            else MAX_REGISTERS_LONG_ROWS if long_rows and not n_act and (aux or looks_back)
            else 0)
     return block_t, block_b, per_thread, walk, cap
 
 
-def _time_major(T, B, sms, per_step, n_act, exclusive, reverse, aux, itemsize):
+def _time_major(T, B, sms, per_step, n_act, exclusive, reverse, aux, itemsize, heavy):
     """Time-major rows (`[T, N]`): block_t, block_b, values per thread, register cap."""
     narrow = not n_act and B <= MAX_ROWS_NARROW
     held = exclusive or (aux and not narrow)  # per-step values held through the scan
@@ -171,6 +179,7 @@ def _time_major(T, B, sms, per_step, n_act, exclusive, reverse, aux, itemsize):
         block_b = _fewer_rows(T, B, block_t, min(_pow2(B), SPAN_ROWS), SPAN_MIN_ROWS, sms)
     few = T > block_t and _tiles(T, B, block_t, block_b) <= SPAN_FEW_PROGRAMS_PER_SM * sms
     per_thread = (min(ELEMENTS_PER_THREAD_ACTIONS, per_step) if n_act
+                  else ELEMENTS_PER_THREAD_HEAVY_TIME_MAJOR if heavy
                   else SPAN_ELEMENTS_PER_THREAD_AUX if span and (aux or few)
                   else SPAN_ELEMENTS_PER_THREAD if span
                   else ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_VECTOR_TIME_MAJOR
@@ -244,15 +253,17 @@ def vector_rows(B: int, time_contiguous: bool, actions: bool) -> bool:
     return not time_contiguous and not actions and B >= 4
 
 
-def sub_tiles(cfg: TileConfig, exclusive: bool) -> int:
+def sub_tiles(cfg: TileConfig, exclusive: bool, heavy: bool = False) -> int:
     """Sub-tiles of a time-major tile (`scan.scan_chunk`), so that a thread holds consecutive
     steps: its steps (rows along lanes, up to 4 per thread), at most SUB_TILES_TIME_MAJOR; at
     least SUB_TILES_MIN_TIME_MAJOR (SUB_TILES_MIN_WIDE in tiles of SUB_TILES_WIDE_ROWS rows), down
-    to 2 rows per thread, but in tiles of fewer than 32 steps whose scan is not `exclusive`."""
+    to 2 rows per thread, but in tiles of fewer than 32 steps whose scan is not `exclusive`, and
+    in `heavy` tiles (`choose`: their rows stay 4 per thread)."""
     per_thread = cfg.block_t * cfg.block_b // (32 * cfg.num_warps)
     steps = per_thread // min(4, cfg.block_b)
     least = SUB_TILES_MIN_WIDE if cfg.block_b >= SUB_TILES_WIDE_ROWS else SUB_TILES_MIN_TIME_MAJOR
-    least = min(least, per_thread // 2) if exclusive or cfg.block_t >= 2 * MIN_BLOCK_T else 1
+    least = (min(least, per_thread // 2) if (exclusive or cfg.block_t >= 2 * MIN_BLOCK_T)
+             and not heavy else 1)
     return max(1, min(SUB_TILES_TIME_MAJOR, max(steps, least), cfg.block_t))
 
 
