@@ -210,10 +210,11 @@ def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
 
 
 OP = Op("lambda_returns", Inputs, Scalars,
-        check=lambda x, td, extra: value_args(x, td, values_optional=x.next_values is not None),
+        check=lambda x, td, extra, segments=None: value_args(
+            x, td, values_optional=x.next_values is not None, segments=segments),
         plan=lambda x, call, out_dtype, extra: scan_plan(
             KERNEL if x.mask is None else KERNEL_MASKED, x, call, 1, out_dtype),
-        masked_kernels=lambda x: True,
+        masked_kernels=lambda x: True, packed_kernels=lambda x: True,
         torch=torch_impl, loop=loop_impl, row_params=2, backward=backward)
 
 
