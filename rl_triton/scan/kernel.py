@@ -371,7 +371,15 @@ def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n
     `after`: the builder's aux at steps t + 1 (the op's builder, `rl_triton.ops`), or None.
     `window`: None, or for packed rows what the builder sees instead of the input slots, T and
     the rows whose window ends here (`segment_windows`)."""
-    t = tile_steps(chunk, J, TIME_AXIS, INT64, BLOCK_T, FLIP, DESC, SUB)
+    # the steps of `tile_steps`, inline: as a call, unpacked kernels compiled to other SASS
+    j = tl.arange(0, BLOCK_T // SUB) * SUB + J
+    if FLIP:
+        j = (BLOCK_T // 8 - 1 - j // 8) * 8 + j % 8
+    if DESC:
+        j = BLOCK_T - 1 - j
+    t = chunk * BLOCK_T + spread(j, TIME_AXIS)
+    if INT64:
+        t = t.to(tl.int64)
     if EVEN:  # no step past T: the constant mask_b (`scan_kernel`), broadcast over the steps
         mask = tl.full(t.shape, 1, tl.int1) & mask_b
     else:
@@ -383,7 +391,7 @@ def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n
                                 scalars, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A,
                                 ACT_BLOCKS, ACT_VEC, after)
     else:
-        w_ins, w_T, w_ends = window
+        w_ins, w_T, w_ends, _ = window
         alpha, beta, aux = COEF(w_ins, st, s1, s2, sa, t, b1, b2, mask, mask & w_ends, w_T,
                                 n_act, scalars, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A,
                                 ACT_BLOCKS, ACT_VEC, after)
@@ -653,27 +661,29 @@ def tile_segments(cu, last, t0, t1):
 def step_segments(cu, t, first, last, REVERSE: tl.constexpr):
     """(seg, bound) for steps t of a tile whose first and last steps lie in segments
     first <= last: each step's segment and its end cu[seg + 1] (REVERSE) or its start cu[seg].
-    A binary search per step over cu[first + 1..last], in tiles that hold a segment boundary."""
+    In tiles that hold a segment boundary, a binary search per step over cu[first + 1..last]
+    (one index per step: the largest i with cu[i] <= t, in steps of powers of two)."""
     seg = tl.zeros(t.shape, tl.int32) + first
     if REVERSE:
-        bound = tl.zeros(t.shape, tl.int32) + tl.load(cu + last + 1)
+        bound = tl.zeros(t.shape, t.dtype) + tl.load(cu + last + 1).to(t.dtype)
     else:
-        bound = tl.zeros(t.shape, tl.int32) + tl.load(cu + first)
+        bound = tl.zeros(t.shape, t.dtype) + tl.load(cu + first).to(t.dtype)
     if last > first:
-        lo = seg
-        hi = tl.zeros(t.shape, tl.int32) + last
         d = last - first
-        while d > 0:  # [lo, hi] halves: bit_length(last - first) rounds
-            mid = (lo + hi + 1) // 2
-            below = tl.load(cu + mid) <= t
-            lo = tl.where(below, mid, lo)
-            hi = tl.where(below, hi, mid - 1)
-            d = d // 2
-        seg = lo
+        step = 1
+        while step * 2 <= d:
+            step = step * 2
+        while step > 0:
+            ahead = seg + step
+            inside = ahead <= last
+            seg = tl.where(inside & (tl.load(cu + ahead, mask=inside, other=0) <= t), ahead, seg)
+            step = step // 2
         if REVERSE:
-            bound = tl.where(seg < last, tl.load(cu + seg + 1, mask=seg < last, other=0), bound)
+            bound = tl.where(seg < last, tl.load(cu + seg + 1, mask=seg < last,
+                                                 other=0).to(t.dtype), bound)
         else:
-            bound = tl.where(seg > first, tl.load(cu + seg, mask=seg > first, other=0), bound)
+            bound = tl.where(seg > first, tl.load(cu + seg, mask=seg > first,
+                                                  other=0).to(t.dtype), bound)
     return seg, bound
 
 
@@ -693,12 +703,15 @@ def segment_slots(ins, st, seg, SLOTS: tl.constexpr):
 @triton.jit
 def segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS: tl.constexpr, INT64: tl.constexpr,
                     BLOCK_T: tl.constexpr, FLIP: tl.constexpr, DESC: tl.constexpr,
-                    SUB: tl.constexpr, REVERSE: tl.constexpr, SLOTS: tl.constexpr):
-    """Per sub-tile of tile `chunk` of packed rows, the window its builders see
-    (`tile_coefficients`): the input slots with the bootstraps (SLOTS) read at each step's
-    segment; T, for reverse scans each step's segment end (so that `t == T - 1` is the window
-    end of the unmasked builders); and the heads, where the scan restarts: each segment's last
-    step (reverse scans) or first step (forward scans)."""
+                    SUB: tl.constexpr, REVERSE: tl.constexpr, SLOTS: tl.constexpr,
+                    RESTART: tl.constexpr):
+    """Per sub-tile of tile `chunk` of packed rows: (the input slots, T and the heads its
+    builders see (`tile_coefficients`), each step's segment). The heads are where the scan
+    restarts: each segment's last step (reverse scans) or first step (forward scans).
+    Unmasked reverse builders see each step's segment end as T (so that `t == T - 1` is its
+    window end) and read the bootstraps (SLOTS) at its segment; with `RESTART` the builders see
+    the plain row, and the scan restarts at the heads from the boot carries
+    (`segment_restarts`)."""
     t0 = chunk * BLOCK_T
     first, last = tile_segments(cu, n_seg - 1, t0, tl.minimum(t0 + BLOCK_T, T) - 1)
     windows = ()
@@ -709,23 +722,27 @@ def segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS: tl.constexpr, INT64
             seg = seg.to(tl.int64)
         if REVERSE:
             bound = tl.minimum(bound, T)  # no read past the stream, whatever cu holds
-            windows = windows + ((segment_slots(ins, st, seg, SLOTS), bound, t == bound - 1),)
+            head = t == bound - 1
         else:
-            windows = windows + ((segment_slots(ins, st, seg, SLOTS), T, t == bound),)
+            head = t == bound
+        if RESTART:
+            windows = windows + ((ins, T, head, seg),)
+        else:
+            windows = windows + ((segment_slots(ins, st, seg, SLOTS), bound, head, seg),)
     return windows
 
 
 @triton.jit
 def segment_restarts(windows, st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars,
                      BOOT: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-                     VARIANT: tl.constexpr, SUB: tl.constexpr):
+                     VARIANT: tl.constexpr, SUB: tl.constexpr, SLOTS: tl.constexpr):
     """Per sub-tile of packed rows: (its heads, the scan's carry there and the W scan's): the
     carries past each head's segment, `BOOT` read at the segment."""
     out = ()
     for J in tl.static_range(SUB):
-        w_ins, _, head = windows[J]
-        a, w = BOOT(w_ins, st, s1, s2, sa, b1, b2, mask_b & head, T, n_act, scalars, HAS_NEXT,
-                    HAS_LAST, VARIANT)
+        ins, _, head, seg = windows[J]
+        a, w = BOOT(segment_slots(ins, st, seg, SLOTS), st, s1, s2, sa, b1, b2, mask_b & head,
+                    T, n_act, scalars, HAS_NEXT, HAS_LAST, VARIANT)
         out = out + ((head, a, w),)
     return out
 
@@ -880,19 +897,18 @@ def scan_kernel(
         for i in range(n_chunks):
             chunk = n_chunks - 1 - i if REVERSE else i
             windows = None
-            restarts = None
             if SEGMENTS:
                 windows = segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS, INT64,
-                                          BLOCK_T, FLIP, DESC, SUB, REVERSE, BOOT_SLOTS)
-                if BOOT is not None:
-                    restarts = segment_restarts(windows, st, s1, s2, sa, b1, b2, mask_b, T,
-                                                n_act, scalars, BOOT, HAS_NEXT, HAS_LAST,
-                                                VARIANT, SUB)
+                                          BLOCK_T, FLIP, DESC, SUB, REVERSE, BOOT_SLOTS,
+                                          BOOT is not None)
             if W_PHASE:
                 ts, masks, als, bes, auxs = chunk_coefficients(
                     ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
                     COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T,
                     BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, MASK, True, windows)
+                restarts = None if windows is None else segment_restarts(
+                    windows, st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars, BOOT, HAS_NEXT,
+                    HAS_LAST, VARIANT, SUB, BOOT_SLOTS)
                 ew_s, ewd_s, agg_w, agg_wd = successors(als, auxs, SCAN_REVERSE, TIME_AXIS, FLIP,
                                                         BLOCK_T, SUB, WHOLE, restarts)
                 als, bes, auxs = finish_chunk(als, bes, auxs, ew_s, ewd_s, carry_w, scalars,
@@ -902,11 +918,14 @@ def scan_kernel(
                 if restarts is not None and EXCLUSIVE:
                     ea_s, eb_s = restart_exclusive(ea_s, eb_s, restarts, 1, SUB)
                 carry_w = apply_map(agg_w, agg_wd, carry_w)
-            elif restarts is not None:  # packed forward scans: restarted at segment starts
+            elif SEGMENTS and BOOT is not None:  # packed forward scans: restart at starts
                 ts, masks, als, bes, auxs = chunk_coefficients(
                     ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
                     COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T,
                     BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, MASK, False, windows)
+                restarts = None if windows is None else segment_restarts(
+                    windows, st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars, BOOT, HAS_NEXT,
+                    HAS_LAST, VARIANT, SUB, BOOT_SLOTS)
                 als, bes = restart_chunk(als, bes, restarts, SUB)
                 a_s, bb_s, ea_s, eb_s, agg_a, agg_b = compose(
                     als, bes, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, FLIP, BLOCK_T, SUB, WHOLE)
@@ -925,18 +944,17 @@ def scan_kernel(
     else:
         chunk = n_chunks - 1 - order if REVERSE else order
         windows = None
-        restarts = None
         if SEGMENTS:
             windows = segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS, INT64, BLOCK_T,
-                                      FLIP, DESC, SUB, REVERSE, BOOT_SLOTS)
-            if BOOT is not None:
-                restarts = segment_restarts(windows, st, s1, s2, sa, b1, b2, mask_b, T, n_act,
-                                            scalars, BOOT, HAS_NEXT, HAS_LAST, VARIANT, SUB)
+                                      FLIP, DESC, SUB, REVERSE, BOOT_SLOTS, BOOT is not None)
         if W_PHASE:
             ts, masks, als, bes, auxs = chunk_coefficients(
                 ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
                 HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
                 ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, MASK, True, windows)
+            restarts = None if windows is None else segment_restarts(
+                windows, st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars, BOOT, HAS_NEXT,
+                HAS_LAST, VARIANT, SUB, BOOT_SLOTS)
             ew_s, ewd_s, agg_w, agg_wd = successors(als, auxs, SCAN_REVERSE, TIME_AXIS, FLIP,
                                                     BLOCK_T, SUB, WHOLE, restarts)
             # both initial carries: read by the first tile in scan order only (as HAS_INIT's)
@@ -959,11 +977,14 @@ def scan_kernel(
                 als, bes, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, FLIP, BLOCK_T, SUB, WHOLE)
             if restarts is not None and EXCLUSIVE:
                 ea_s, eb_s = restart_exclusive(ea_s, eb_s, restarts, 1, SUB)
-        elif restarts is not None:  # packed forward scans: restarted at segment starts
+        elif SEGMENTS and BOOT is not None:  # packed forward scans: restart at segment starts
             ts, masks, als, bes, auxs = chunk_coefficients(
                 ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
                 HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
                 ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, MASK, False, windows)
+            restarts = None if windows is None else segment_restarts(
+                windows, st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars, BOOT, HAS_NEXT,
+                HAS_LAST, VARIANT, SUB, BOOT_SLOTS)
             als, bes = restart_chunk(als, bes, restarts, SUB)
             a_s, bb_s, ea_s, eb_s, agg_a, agg_b = compose(
                 als, bes, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, FLIP, BLOCK_T, SUB, WHOLE)
