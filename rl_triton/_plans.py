@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 import os
 import typing
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -35,6 +36,8 @@ Tensor = torch.Tensor
 _PLANS: dict = {}
 OPS: dict = {}  # every Op, by name
 _MAX_PLANS = 4096
+_CHECKED_OFFSETS: dict = {}  # id -> (weak reference, (version, L)): offsets whose values were read
+_MAX_CHECKED_OFFSETS = 64
 DISCOUNTS = ("gamma", "lam")  # the scalars that may be tensors (one per row)
 SECOND_ORDER = ("rl_triton computes first-order gradients only: a backward pass with "
                 "create_graph=True (second-order gradients) through it is not supported")
@@ -169,9 +172,9 @@ class Op:
         a window end; bootstraps are `[S, ...]`. On the Triton backend, where the op's kernels
         run packed rows (`packed_kernels`), the [L] stream is scanned in place as one long row
         whose segment ends are window ends (`scan.kernel.segment_windows`): no copy, and no
-        host sync but the offsets' check (one read of three values; none inside torch.compile
-        or CUDA-graph capture). Otherwise (gradients, per-row discounts, torch.compile, ops
-        without such kernels, the torch and loop backends) as padded rows (`_padded`)."""
+        host sync but the offsets' check (`_offsets`: once per offsets tensor). Otherwise
+        (gradients, per-row discounts, torch.compile, ops without such kernels, the torch and
+        loop backends) as padded rows (`_padded`)."""
         if self._mask is None:
             raise TypeError(f"{self.name} takes no cu_seqlens")
         fields = self.inputs._fields
@@ -183,9 +186,8 @@ class Op:
             raise ValueError(f"with cu_seqlens the per-step tensors are packed [L, ...] with "
                              f"time on axis 0; got time_dim={time_dim!r}")
         if self._in_place(x, s, backend, ref.device):
-            cu = check_offsets(cu_seqlens, ref.shape[0], ref.device, data=not _unreadable(),
-                               dtypes=(torch.int32, torch.int64)).contiguous()
-            return self._packed_launch(x, s, out_dtype, extra, cu)
+            return self._packed_launch(x, s, out_dtype, extra,
+                                       _offsets(cu_seqlens, ref.shape[0], ref.device))
         return self._padded(x, s, backend, out_dtype, extra,
                             check_offsets(cu_seqlens, ref.shape[0], ref.device))
 
@@ -307,6 +309,25 @@ def cached_plan(key: tuple, build: Callable, x: tuple, copy: Callable, row_param
             _PLANS.clear()
         _PLANS[key] = plan.per_row(row_params)
     return plan, x
+
+
+def _offsets(cu_seqlens, L: int, device) -> Tensor:
+    """`check_offsets` for packed rows in place: int32 or int64, contiguous, on `device`. The
+    values are read (one device sync where they lie on a GPU) once per offsets tensor and
+    version: a call on offsets already checked and unchanged since (no in-place write) reads
+    nothing, nor does one inside torch.compile or CUDA-graph capture. The kernels read only
+    inside the offsets, whatever they hold."""
+    key = id(cu_seqlens)
+    seen = _CHECKED_OFFSETS.get(key)
+    stamp = (cu_seqlens._version, L) if isinstance(cu_seqlens, Tensor) else None
+    read = not (seen is not None and seen[0]() is cu_seqlens and seen[1] == stamp) and (
+        not _unreadable())
+    cu = check_offsets(cu_seqlens, L, device, data=read, dtypes=(torch.int32, torch.int64))
+    if read:
+        if len(_CHECKED_OFFSETS) >= _MAX_CHECKED_OFFSETS:
+            _CHECKED_OFFSETS.clear()
+        _CHECKED_OFFSETS[key] = (weakref.ref(cu_seqlens), stamp)
+    return cu.contiguous()
 
 
 def _unreadable() -> bool:
