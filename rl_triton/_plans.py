@@ -11,6 +11,8 @@ picks the backend and runs it:
   implementation is the eager path above and whose fake gives the outputs' shapes;
 - torch and loop: the implementation on time-major views, copied into outputs in the caller's
   layout.
+Packed rows (SPEC 7, `cu_seqlens`): on the Triton backend, in place, where the op's kernels take
+them (`Op._packed`); otherwise as padded rows.
 Gradients (SPEC 6): where an input requires grad, the Triton path runs the custom op, whose
 autograd calls the op's backward (Triton kernels, through a second custom op,
 `torch.ops.rl_triton.<name>_backward`); the torch and loop backends are differentiated by

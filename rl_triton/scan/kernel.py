@@ -629,9 +629,12 @@ def finish_chunk(alphas, betas, auxs, ew_s, ewd_s, carry_w, scalars, FINISH: tl.
 # A packed call scans its [L] stream as one row split over tiles as any long row. Each tile finds
 # the segments of its first and last steps by a search over the offsets (S + 1 integers, read
 # from L2 by every tile), each step its own segment by a binary search over the few segments
-# between them (none in most tiles); builders see each step's window as a row of its own (its
-# end as T, its segment's bootstrap), and the scan restarts at each segment's head (its last
-# step in scan order). No pass over the stream but the scan's own, and nothing on the host.
+# between them (none in most tiles: segments longer than a tile). Unmasked reverse builders see
+# each step's segment as a row of its own (its end as T, its bootstrap read there); masked and
+# forward scans restart at each segment's head (its first step in scan order) from their boot
+# carries there, the W scan too. No pass over the stream but the scan's own, nothing on the
+# host. (A per-step segment word built by a kernel beforehand would cost a launch and 1-4 bytes
+# per step read again; the search costs two L2 round trips per tile and no bytes per step.)
 
 SEGMENT_PROBES = tl.constexpr(64)  # offsets read per round of `tile_segments`' search
 
