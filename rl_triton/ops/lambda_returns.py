@@ -97,9 +97,9 @@ def boot_masked(ins, st, s1, s2, sa, b1, b2, rows, T, n_act, params, HAS_NEXT: t
                 HAS_LAST: tl.constexpr, VARIANT: tl.constexpr):
     """(G, w) past the window: last_value for both (the last decision step's G reads
     (1 - lam) v' + lam G[t+1] = last_value unless cut), or 0 with next_values."""
-    if HAS_NEXT:
-        return tl.zeros(b1.shape, tl.float32), tl.zeros(b1.shape, tl.float32)
-    last = row_value(ins, st, s1, s2, LAST_V, b1, b2, rows)
+    last = tl.zeros(b1.shape, tl.float32)
+    if not HAS_NEXT:  # (one return: Triton 3.6 checks both where rows are packed rows' steps)
+        last = row_value(ins, st, s1, s2, LAST_V, b1, b2, rows)
     return last, last
 
 
