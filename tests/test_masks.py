@@ -493,3 +493,15 @@ def test_packed_offsets_read_once(device, in_place, monkeypatch):
     rl_triton.gae(**steps, **extra, cu_seqlens=cu.clone().fill_(0).add_(torch.tensor(
         [0, 2, 6], device=device)), backend="triton")
     assert reads[-1] is True
+
+
+@pytest.mark.parametrize("name", PACKED)
+def test_packed_kernel_empty_stream(name, device, in_place):
+    """No step at all (every segment empty): empty outputs, no launch."""
+    steps, extra, cu = packed_inputs(name, [2, 1], True, device=device)
+    steps = {k: None if v is None else v[:0] for k, v in steps.items()}
+    cu = torch.zeros(4, dtype=torch.int64, device=device)
+    extra = {k: (torch.cat([v, v[:1]]) if k in BOOTS else v) for k, v in extra.items()}
+    got = getattr(rl_triton, name)(**steps, **extra, cu_seqlens=cu, backend="triton")
+    for o in got if isinstance(got, tuple) else (got,):
+        assert o.shape[0] == 0
