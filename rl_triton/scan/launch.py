@@ -185,7 +185,7 @@ class Launch:
         cfg = tiles.choose(T, self.B, time_contiguous=time_contiguous, device=device,
                            n_act=n_act if action_slots else 0, exclusive=kernel.exclusive,
                            reverse=kernel.reverse, aux=kernel.aux, itemsize=itemsize,
-                           restarted=segments is not None and kernel.finish is not None)
+                           packed=segments is not None)
         n_chunks = cfg.chunks(T)
         n_row_tiles = triton.cdiv(self.B, cfg.block_b)
         self.lookback = n_chunks > 1 and not cfg.walk
