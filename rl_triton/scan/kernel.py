@@ -900,18 +900,21 @@ def scan_kernel(
         for i in range(n_chunks):
             chunk = n_chunks - 1 - i if REVERSE else i
             windows = None
-            if SEGMENTS:
+            if SEGMENTS and BOOT is None:  # the builders see each step's segment
                 windows = segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS, INT64,
-                                          BLOCK_T, FLIP, DESC, SUB, REVERSE, BOOT_SLOTS,
-                                          BOOT is not None)
+                                          BLOCK_T, FLIP, DESC, SUB, REVERSE, BOOT_SLOTS, False)
             if W_PHASE:
                 ts, masks, als, bes, auxs = chunk_coefficients(
                     ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
                     COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T,
                     BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, MASK, True, windows)
-                restarts = None if windows is None else segment_restarts(
-                    windows, st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars, BOOT, HAS_NEXT,
-                    HAS_LAST, VARIANT, SUB, BOOT_SLOTS)
+                restarts = None
+                if SEGMENTS:  # found after the coefficients' loads are issued: they overlap
+                    restarts = segment_restarts(
+                        segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS, INT64,
+                                        BLOCK_T, FLIP, DESC, SUB, REVERSE, BOOT_SLOTS, True),
+                        st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars, BOOT, HAS_NEXT,
+                        HAS_LAST, VARIANT, SUB, BOOT_SLOTS)
                 ew_s, ewd_s, agg_w, agg_wd = successors(als, auxs, SCAN_REVERSE, TIME_AXIS, FLIP,
                                                         BLOCK_T, SUB, WHOLE, restarts)
                 als, bes, auxs = finish_chunk(als, bes, auxs, ew_s, ewd_s, carry_w, scalars,
@@ -926,9 +929,13 @@ def scan_kernel(
                     ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
                     COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T,
                     BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, MASK, False, windows)
-                restarts = None if windows is None else segment_restarts(
-                    windows, st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars, BOOT, HAS_NEXT,
-                    HAS_LAST, VARIANT, SUB, BOOT_SLOTS)
+                restarts = None
+                if SEGMENTS:  # found after the coefficients' loads are issued: they overlap
+                    restarts = segment_restarts(
+                        segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS, INT64,
+                                        BLOCK_T, FLIP, DESC, SUB, REVERSE, BOOT_SLOTS, True),
+                        st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars, BOOT, HAS_NEXT,
+                        HAS_LAST, VARIANT, SUB, BOOT_SLOTS)
                 als, bes = restart_chunk(als, bes, restarts, SUB)
                 a_s, bb_s, ea_s, eb_s, agg_a, agg_b = compose(
                     als, bes, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, FLIP, BLOCK_T, SUB, WHOLE)
@@ -947,17 +954,21 @@ def scan_kernel(
     else:
         chunk = n_chunks - 1 - order if REVERSE else order
         windows = None
-        if SEGMENTS:
+        if SEGMENTS and BOOT is None:  # the builders see each step's segment
             windows = segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS, INT64, BLOCK_T,
-                                      FLIP, DESC, SUB, REVERSE, BOOT_SLOTS, BOOT is not None)
+                                      FLIP, DESC, SUB, REVERSE, BOOT_SLOTS, False)
         if W_PHASE:
             ts, masks, als, bes, auxs = chunk_coefficients(
                 ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
                 HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
                 ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, MASK, True, windows)
-            restarts = None if windows is None else segment_restarts(
-                windows, st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars, BOOT, HAS_NEXT,
-                HAS_LAST, VARIANT, SUB, BOOT_SLOTS)
+            restarts = None
+            if SEGMENTS:  # found after the coefficients' loads are issued: they overlap
+                restarts = segment_restarts(
+                    segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS, INT64, BLOCK_T,
+                                    FLIP, DESC, SUB, REVERSE, BOOT_SLOTS, True),
+                    st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars, BOOT, HAS_NEXT,
+                    HAS_LAST, VARIANT, SUB, BOOT_SLOTS)
             ew_s, ewd_s, agg_w, agg_wd = successors(als, auxs, SCAN_REVERSE, TIME_AXIS, FLIP,
                                                     BLOCK_T, SUB, WHOLE, restarts)
             # both initial carries: read by the first tile in scan order only (as HAS_INIT's)
@@ -985,9 +996,13 @@ def scan_kernel(
                 ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
                 HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
                 ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, MASK, False, windows)
-            restarts = None if windows is None else segment_restarts(
-                windows, st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars, BOOT, HAS_NEXT,
-                HAS_LAST, VARIANT, SUB, BOOT_SLOTS)
+            restarts = None
+            if SEGMENTS:  # found after the coefficients' loads are issued: they overlap
+                restarts = segment_restarts(
+                    segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS, INT64, BLOCK_T,
+                                    FLIP, DESC, SUB, REVERSE, BOOT_SLOTS, True),
+                    st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars, BOOT, HAS_NEXT,
+                    HAS_LAST, VARIANT, SUB, BOOT_SLOTS)
             als, bes = restart_chunk(als, bes, restarts, SUB)
             a_s, bb_s, ea_s, eb_s, agg_a, agg_b = compose(
                 als, bes, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, FLIP, BLOCK_T, SUB, WHOLE)
