@@ -505,3 +505,34 @@ def test_packed_kernel_empty_stream(name, device, in_place):
     got = getattr(rl_triton, name)(**steps, **extra, cu_seqlens=cu, backend="triton")
     for o in got if isinstance(got, tuple) else (got,):
         assert o.shape[0] == 0
+
+
+@pytest.mark.parametrize("name", ["gae", "lambda_returns", "discounted_returns", "vtrace"])
+def test_packed_kernel_feature_axes(name, device, in_place):
+    """Per-step tensors [L, D] (time-major tiles, rows along D; bootstraps [S, D]), with a mask
+    [L, D] and without, split over tiles of 16 steps, against each segment alone."""
+    from rl_triton.testing import make_inputs
+    lengths = torch.tensor(SPLIT)
+    S, D, L = len(SPLIT), 3, int(sum(SPLIT))
+    steps, extra = make_inputs(name, int(lengths.max()), (S, D), device=device, seed=8)
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(device)
+    seg = torch.repeat_interleave(torch.arange(S), lengths).to(device)
+    pos = torch.arange(L, device=device) - cu[:-1][seg]
+    steps = {k: None if v is None else v[pos, seg] for k, v in steps.items()}
+    fn, ref = getattr(rl_triton, name), getattr(rl_triton.reference, name)
+    boots = {k: v for k, v in extra.items() if k in BOOTS}
+    scalars = {k: v for k, v in extra.items() if k not in BOOTS}
+    for mask in (None, torch.rand(L, D, generator=torch.Generator().manual_seed(1)) < 0.7):
+        mask = None if mask is None else mask.to(device)
+        with tiles.override(block_t=16, sub=4):
+            got = fn(**steps, **extra, mask=mask, cu_seqlens=cu, backend="triton")
+        got = got if isinstance(got, tuple) else (got,)
+        want = [torch.zeros(L, D, dtype=torch.float64) for _ in got]
+        for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            if e > s:
+                row = {k: None if v is None else v[s:e].cpu() for k, v in steps.items()}
+                res = ref(**row, **{k: v[i].cpu() for k, v in boots.items()}, **scalars,
+                          mask=None if mask is None else mask[s:e].cpu())
+                for w, r in zip(want, res if isinstance(res, tuple) else (res,)):
+                    w[s:e] = r
+        assert_close(got, want)
