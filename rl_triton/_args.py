@@ -109,13 +109,15 @@ class Call:
     `step_shape` followed by their own trailing axes; bootstrap tensors the batch shape (the step
     shape without its time axis) followed by theirs. `key` is the calls's signature so far.
     With `time_dim=None` (an elementwise op: the losses) there is no time axis, and `ref` may
-    have any shape, 0-d included.
+    have any shape, 0-d included. With `segments` (packed rows, SPEC 7: S segments of `ref`'s
+    time axis) bootstraps have one entry per segment: `[S, *batch, *trailing]`.
     """
 
     __slots__ = ("ref_name", "time_dim", "step_shape", "T", "batch_shape", "device", "index",
-                 "key", "grad", "needs_grad", "float64")
+                 "key", "grad", "needs_grad", "float64", "segments")
 
-    def __init__(self, ref_name: str, ref, time_dim, kind: str = VALUE):
+    def __init__(self, ref_name: str, ref, time_dim, kind: str = VALUE, segments=None):
+        self.segments = segments
         if not isinstance(ref, Tensor):
             raise TypeError(f"{ref_name} must be a torch.Tensor, got {type(ref).__name__}")
         if time_dim is None:  # an elementwise op (the losses, SPEC 9): any shape, no time axis
@@ -208,6 +210,12 @@ class Call:
             raise ValueError(f"{name} is required")
         x = self._check(name, x, kind)
         want = self.batch_shape + tuple(trailing_shape) if trailing_shape else self.batch_shape
+        if self.segments is not None:
+            want = torch.Size((self.segments,)) + want
+            if x.shape != want:
+                raise ValueError(f"{name} has shape {tuple(x.shape)} but cu_seqlens has "
+                                 f"{self.segments} segments; {name} must have shape "
+                                 f"{_fmt_shape(tuple(want))} (one per segment)")
         if x.shape != want:
             raise ValueError(f"{name} has shape {tuple(x.shape)} but {self.ref_name} has shape "
                              f"{tuple(self.step_shape)} with time_dim={self.time_dim}; {name} "
@@ -278,23 +286,24 @@ def _fmt_shape(shape) -> str:
     return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
-def check_offsets(cu, L: int, device: torch.device, *, data: bool = True) -> Tensor:
-    """`cu_seqlens` (SPEC 7) checked, as int64 on `device`: an integer tensor [S + 1] with
-    0 = cu[0] <= ... <= cu[S] = L. Its values cost one device sync; `data=False` checks only its
-    type and shape (inside torch.compile and CUDA-graph capture, where the host cannot read the
-    device)."""
+def check_offsets(cu, L: int, device: torch.device, *, data: bool = True,
+                  dtypes: tuple = (torch.int64,)) -> Tensor:
+    """`cu_seqlens` (SPEC 7) checked, on `device`, in its own dtype where that is one of
+    `dtypes`, else as int64: an integer tensor [S + 1] with 0 = cu[0] <= ... <= cu[S] = L. Its
+    values cost one device sync where it is on a GPU (none where it is on the CPU); `data=False`
+    checks only its type and shape (inside torch.compile and CUDA-graph capture, where the host
+    cannot read the device)."""
     if not isinstance(cu, Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype is torch.bool:
         raise TypeError(f"cu_seqlens has dtype {cu.dtype}; expected an integer dtype")
     if cu.ndim != 1 or cu.shape[0] < 1:
         raise ValueError(f"cu_seqlens must have shape (S + 1,); got {tuple(cu.shape)}")
-    cu = cu.to(device, torch.int64)
-    if not data:
-        return cu
-    first, last, rising = torch.stack([cu[0], cu[-1], (cu[1:] >= cu[:-1]).all()]).tolist()
-    if first != 0 or last != L or not rising:
-        raise ValueError(f"cu_seqlens must start at 0, end at L = {L} (the packed "
-                         f"steps) and never decrease; got cu[0] = {first}, cu[-1] = {last}"
-                         + ("" if rising else ", and it decreases"))
-    return cu
+    if data:  # read where it lies: a CPU tensor without waiting for the GPU
+        first, last, rising = torch.stack([cu[0].long(), cu[-1].long(),
+                                           (cu[1:] >= cu[:-1]).all().long()]).tolist()
+        if first != 0 or last != L or not rising:
+            raise ValueError(f"cu_seqlens must start at 0, end at L = {L} (the packed "
+                             f"steps) and never decrease; got cu[0] = {first}, cu[-1] = {last}"
+                             + ("" if rising else ", and it decreases"))
+    return cu.to(device, cu.dtype if cu.dtype in dtypes else torch.int64)

@@ -11,6 +11,8 @@ picks the backend and runs it:
   implementation is the eager path above and whose fake gives the outputs' shapes;
 - torch and loop: the implementation on time-major views, copied into outputs in the caller's
   layout.
+Packed rows (SPEC 7, `cu_seqlens`): on the Triton backend, in place, where the op's kernels take
+them (`Op._packed`); otherwise as padded rows.
 Gradients (SPEC 6): where an input requires grad, the Triton path runs the custom op, whose
 autograd calls the op's backward (Triton kernels, through a second custom op,
 `torch.ops.rl_triton.<name>_backward`); the torch and loop backends are differentiated by
@@ -24,6 +26,7 @@ from __future__ import annotations
 import inspect
 import os
 import typing
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -35,6 +38,8 @@ Tensor = torch.Tensor
 _PLANS: dict = {}
 OPS: dict = {}  # every Op, by name
 _MAX_PLANS = 4096
+_CHECKED_OFFSETS: dict = {}  # id -> (weak reference, (version, L)): offsets whose values were read
+_MAX_CHECKED_OFFSETS = 64
 DISCOUNTS = ("gamma", "lam")  # the scalars that may be tensors (one per row)
 SECOND_ORDER = ("rl_triton computes first-order gradients only: a backward pass with "
                 "create_graph=True (second-order gradients) through it is not supported")
@@ -76,6 +81,9 @@ class Op:
         An input named `mask` (SPEC 7) is not among the inputs `backward` sees.
     masked_kernels(x): whether the Triton plan of inputs `x` reads their mask; masked calls
         it does not read, and masked calls that need gradients, run on the torch backend.
+    packed_kernels(x): whether the Triton plan of inputs `x` runs packed rows (`cu_seqlens`,
+        SPEC 7) in place (`check` then takes `segments`, the plan sees `call.segments`); other
+        packed calls run as padded rows (`_padded`).
     """
 
     def __init__(self, name: str, inputs: type, scalars: type, *, check: Callable,
@@ -83,7 +91,8 @@ class Op:
                  extras: Optional[type] = None, n_out: Optional[Callable] = None,
                  copy: Optional[Callable] = None, runtime_check: Optional[Callable] = None,
                  kernel_scalars: Callable = tuple, backward: Optional[Callable] = None,
-                 row_params: int = 0, masked_kernels: Callable = lambda x: False):
+                 row_params: int = 0, masked_kernels: Callable = lambda x: False,
+                 packed_kernels: Callable = lambda x: False):
         self.name, self.inputs, self.scalars, self.extras = name, inputs, scalars, extras
         self.backward, self.row_params = backward, row_params
         self.discounts = tuple(f for f in scalars._fields if f in DISCOUNTS)
@@ -102,6 +111,7 @@ class Op:
         # masked_kernels(x): whether the op's Triton plan reads the mask of inputs x (else
         # masked calls run on the torch backend)
         self.masked_kernels = masked_kernels
+        self.packed_kernels = packed_kernels
         self.custom_op = _register(self)
         self.grad_op = _register_backward(self)
         OPS[name] = self
@@ -161,8 +171,12 @@ class Op:
     def _packed(self, x, s, time_dim, backend, out_dtype, extra, cu_seqlens):
         """Packed variable-length rows (SPEC 7, FlashAttention's `cu_seqlens`): each segment
         [cu[i], cu[i+1]) of the per-step tensors `[L, ...]` is a row of its own, its last step
-        a window end; bootstraps are `[S, ...]`. Run as padded rows `[S, max length, ...]`
-        whose padding is masked out (with the caller's mask), then packed back."""
+        a window end; bootstraps are `[S, ...]`. On the Triton backend, where the op's kernels
+        run packed rows (`packed_kernels`), the [L] stream is scanned in place as one long row
+        whose segment ends are window ends (`scan.kernel.segment_windows`): no copy, and no
+        host sync but the offsets' check (`_offsets`: once per offsets tensor). Otherwise
+        (gradients, per-row discounts, torch.compile, ops without such kernels, the torch and
+        loop backends) as padded rows (`_padded`)."""
         if self._mask is None:
             raise TypeError(f"{self.name} takes no cu_seqlens")
         fields = self.inputs._fields
@@ -173,7 +187,43 @@ class Op:
                 0, -ref.ndim):
             raise ValueError(f"with cu_seqlens the per-step tensors are packed [L, ...] with "
                              f"time on axis 0; got time_dim={time_dim!r}")
-        cu = check_offsets(cu_seqlens, ref.shape[0], ref.device)
+        if self._in_place(x, s, backend, ref.device):
+            return self._packed_launch(x, s, out_dtype, extra,
+                                       _offsets(cu_seqlens, ref.shape[0], ref.device))
+        return self._padded(x, s, backend, out_dtype, extra,
+                            check_offsets(cu_seqlens, ref.shape[0], ref.device))
+
+    def _in_place(self, x, s, backend, device) -> bool:
+        """Whether a packed call runs in place: the Triton backend and its packed kernels, no
+        gradient, scalar discounts, not compiling (the custom ops take no offsets)."""
+        if backend_for(check_backend(backend), device) != "triton" or not self.packed_kernels(x):
+            return False
+        if torch.compiler.is_compiling() or any(isinstance(v, Tensor) for v in s):
+            return False
+        return not (torch.is_grad_enabled()
+                    and any(isinstance(t, Tensor) and t.requires_grad for t in x))
+
+    def _packed_launch(self, x, s, out_dtype, extra, cu):
+        """The packed rows' Triton launch: the checks (bootstraps one per segment), then the
+        plan cached under the call's signature and the offsets' (their values are read by the
+        kernel)."""
+        out_dtype = check_out_dtype(out_dtype)
+        x, call = self.check(x, 0, extra, segments=cu.shape[0] - 1)
+        n = self.n_out(extra)
+        if call.empty():
+            return _result([torch.empty(x[0].shape, dtype=out_dtype, device=call.device)
+                            for _ in range(n)])
+        if self.runtime_check is not None:
+            self.runtime_check(x, extra)
+        call.key.append(("cu_seqlens", cu.shape, cu.dtype, cu.data_ptr() % 16 == 0))
+        return _result(self._launch(x, s, call, out_dtype, extra, cu=cu)[:n])
+
+    def _padded(self, x, s, backend, out_dtype, extra, cu):
+        """Packed rows run as padded rows `[S, max length, ...]` whose padding is masked out
+        (with the caller's mask), then packed back: one host sync (the longest segment), a
+        scatter in and a gather out; differentiable through every backend."""
+        fields = self.inputs._fields
+        ref_name, ref = fields[0], x[0]
         L = ref.shape[0]
         lengths = cu[1:] - cu[:-1]
         n_seg = lengths.shape[0]
@@ -237,12 +287,15 @@ class Op:
             params.append(p)
         return torch.stack(params)
 
-    def _launch(self, x, s, call: Call, out_dtype, extra, rows=None) -> list:
-        """The eager Triton path: the cached plan of this signature, or a new one."""
+    def _launch(self, x, s, call: Call, out_dtype, extra, rows=None, cu=None) -> list:
+        """The eager Triton path: the cached plan of this signature, or a new one (`cu`: packed
+        rows' offsets)."""
         k = self.row_params if rows is not None else 0
         plan, x = cached_plan((self.name, out_dtype, extra, k, *call.key),
                               lambda y: self.plan(y, call, out_dtype, extra), x, self.copy, k)
-        return plan.run(x, self.kernel_scalars(s), rows)
+        if cu is None:
+            return plan.run(x, self.kernel_scalars(s), rows)
+        return plan.run(x, self.kernel_scalars(s), rows, cu)
 
 
 def cached_plan(key: tuple, build: Callable, x: tuple, copy: Callable, row_params: int = 0):
@@ -258,6 +311,31 @@ def cached_plan(key: tuple, build: Callable, x: tuple, copy: Callable, row_param
             _PLANS.clear()
         _PLANS[key] = plan.per_row(row_params)
     return plan, x
+
+
+def _offsets(cu_seqlens, L: int, device) -> Tensor:
+    """`check_offsets` for packed rows in place: int32 or int64, contiguous, on `device`. The
+    values are read (one device sync where they lie on a GPU) once per offsets tensor and
+    version: a call on offsets already checked and unchanged since (no in-place write) reads
+    nothing, nor does one inside torch.compile or CUDA-graph capture. The kernels read only
+    inside the offsets, whatever they hold."""
+    key = id(cu_seqlens)
+    seen = _CHECKED_OFFSETS.get(key)
+    stamp = (cu_seqlens._version, L) if isinstance(cu_seqlens, Tensor) else None
+    read = not (seen is not None and seen[0]() is cu_seqlens and seen[1] == stamp) and (
+        not _unreadable())
+    cu = check_offsets(cu_seqlens, L, device, data=read, dtypes=(torch.int32, torch.int64))
+    if read:
+        if len(_CHECKED_OFFSETS) >= _MAX_CHECKED_OFFSETS:
+            _CHECKED_OFFSETS.clear()
+        _CHECKED_OFFSETS[key] = (weakref.ref(cu_seqlens), stamp)
+    return cu.contiguous()
+
+
+def _unreadable() -> bool:
+    """Whether the host cannot read device data now (tracing, CUDA-graph capture)."""
+    return torch.compiler.is_compiling() or (
+        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _result(outs: list):

@@ -19,7 +19,8 @@ bytes, and `fwd+bwd` forward plus backward, against autograd through the torch b
 through TorchRL's estimators (where TorchRL has one and is installed).
 It writes `bench.json`, `bench.md` and `bench.png` into `--out`.
 `--suite tokens` times LLM token rows instead (`run_tokens`): GAE and discounted returns on
-dense, padded, multi-turn and packed rows against the unmasked call and the same-bytes copy,
+dense, padded, multi-turn and packed rows (with and without their mask) against the unmasked call
+and the same-bytes copy,
 verl's and OpenRLHF's own token loops beside rl_triton's drop-ins, masked_whiten and
 group_advantages; its plot is `tokens.png`.
 `--suite losses` times SPEC 9's losses (`run_losses`): PPO's surrogate, the value loss, the KL
@@ -635,7 +636,8 @@ class TokenRow:
     call: str  # rl_triton's function, or the framework's
     shape: str  # B x T (packed: the padded rows'); group_advantages: scores x groups
     dtype: str  # of the inputs (outputs are float32)
-    kind: str  # testing.TOKEN_KINDS, or "dense-packed" (packed's tokens as one unmasked row);
+    kind: str  # testing.TOKEN_KINDS, "dense-packed" (packed's tokens as one unmasked row) or
+    #            "packed-unmasked" (packed without its mask);
     #            group_advantages: "group_size" or "group_index" (shuffled ids)
     impl: str  # "rl_triton", "drop-in" (rl_triton.integrations.<framework>) or the framework
     tokens: int
@@ -668,16 +670,19 @@ def token_cells(B, T, dtype, device, seed=0):
     (call, kind, fn, tokens, minimal bytes, fn's result in float64 to check it against). Every
     kind holds the same tokens (`testing.token_rows`)."""
     refs = {}
-    for kind in testing.TOKEN_KINDS + ("dense-packed",):
-        rows = testing.token_rows(B, T, "packed" if kind == "dense-packed" else kind, dtype,
-                                  device, seed)
+    for kind in testing.TOKEN_KINDS + ("dense-packed", "packed-unmasked"):
+        rows = testing.token_rows(B, T, "packed" if kind in ("dense-packed", "packed-unmasked")
+                                  else kind, dtype, device, seed)
         if kind == "dense-packed":  # the unmasked call on packed's tokens: one row [L]
             rows = dict(rows, mask=None, cu_seqlens=None)
+        if kind == "packed-unmasked":  # the segments alone: packed's call without its mask
+            rows = dict(rows, mask=None)
         for name in TOKEN_PARAMS:
             kw, nbytes = token_kwargs(name, rows)
-            if kind == "packed":  # the multi-turn rows without their padding
+            if kind in ("packed", "packed-unmasked"):  # the padded rows without their padding
                 response = torch.arange(T, device=device) < rows["cu_seqlens"].diff()[:, None]
-                ref = tuple(r[response] for r in refs["multi-turn", name])
+                padded = "multi-turn" if kind == "packed" else "padded"
+                ref = tuple(r[response] for r in refs[padded, name])
             else:
                 ref = refs[kind, name] = tuple(r.movedim(0, kw["time_dim"])
                                                for r in float64_result(name, kw))
@@ -1228,13 +1233,16 @@ TOKEN_TABLE = """Token-level suite (`--suite tokens`): B LLM responses x T token
 (time_dim=1), gamma=1, lam=0.95, `last_value=0`, no termination. Kinds \
 (`rl_triton.testing.token_rows`, the same tokens in each): dense (no mask), padded \
 (right-padded responses of T/2 to T tokens), multi-turn (padded, and 2-4 masked observation spans \
-inside each response), packed (the multi-turn responses concatenated into [L] with cu_seqlens; \
-the call syncs once, inside its device time), dense-packed (packed's tokens as one unmasked row \
-[L]).
+inside each response), packed (the multi-turn responses concatenated into [L] with cu_seqlens, \
+scanned in place; the offsets' values are read once per offsets tensor, so the timed calls, which \
+reuse theirs, never sync: a trainer with new offsets every step syncs once per step), \
+packed-unmasked (packed without its mask: the segments alone), dense-packed (packed's tokens as \
+one unmasked row [L]).
 
 Columns: device µs (L2 flushed, the GPU held) and full-call µs, medians; of copy: the device \
 time of a copy of the call's minimal bytes over the call's; vs dense: the call's time over the \
-dense call's on the same tokens (dense for padded and multi-turn, dense-packed for packed), \
+dense call's on the same tokens (dense for padded and multi-turn, dense-packed for packed and \
+packed-unmasked), \
 device / full call; framework µs: the framework's own token loop, full call, on the float32 \
 multi-turn rows (one warm-up, then the median of up to %d calls); speedup: framework / \
 rl_triton's drop-in (`rl_triton.integrations.<framework>`, its full call in the full-call \
@@ -1261,8 +1269,8 @@ def token_markdown(result) -> str:
     loops = [r for r in rows if r["impl"] not in ("rl_triton", "drop-in")]  # by shape, as run
     for r in calls + loops:
         if r["impl"] == "rl_triton":
-            dense = mine.get((r["call"], r["shape"], r["dtype"],
-                              "dense-packed" if r["kind"] == "packed" else "dense"))
+            dense = mine.get((r["call"], r["shape"], r["dtype"], "dense-packed"
+                              if r["kind"] in ("packed", "packed-unmasked") else "dense"))
             vs = ("" if dense is None or r["kind"] in ("dense", "dense-packed") else
                   f"{r['device_us'] / dense['device_us']:.2f} / "
                   f"{r['full_us'] / dense['full_us']:.2f}")

@@ -76,6 +76,22 @@ def make_inputs(name, T, batch=(5,), *, dtype=torch.float32, flag_dtype=torch.bo
     return steps, extra
 
 
+def make_packed_inputs(name, lengths, **kw):
+    """Inputs of `rl_triton.<name>` on packed rows (SPEC 7): `(steps, extra, cu_seqlens)`, the
+    per-step tensors `[L, ...]` (the rows of `make_inputs(name, max length, (S,), **kw)`, each cut
+    to its length and concatenated), the bootstraps `[S, ...]` and the scalars, and the int64
+    offsets [S + 1] of the S = len(lengths) segments."""
+    lengths = torch.as_tensor(lengths, dtype=torch.int64)
+    steps, extra = make_inputs(name, max(int(lengths.max()), 1) if len(lengths) else 1,
+                               (len(lengths),), **kw)
+    device = kw.get("device", "cpu")
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(device)
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(device)
+    pos = torch.arange(int(cu[-1]), device=device) - cu[:-1][seg]
+    steps = {k: None if v is None else v[pos, seg] for k, v in steps.items()}
+    return steps, extra, cu
+
+
 def public_name(name: str) -> str:
     return "linear_scan" if name.startswith("linear_scan") else name
 

@@ -20,6 +20,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from cases import make_case  # noqa: E402
 import rl_triton  # noqa: E402
+from rl_triton.testing import make_packed_inputs  # noqa: E402
 from rl_triton import _plans  # noqa: E402
 from rl_triton.ops import _group  # noqa: E402
 from rl_triton.ops import _losses  # noqa: E402
@@ -32,29 +33,51 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 def plans_of(case, layout, grad=False, per_row=False):
     """The launch plans the call would run (with `grad`, its forward's, then its backward's),
-    built on CPU tensors (the launches intercepted): [(plan, (tensors, scalars, rows))]."""
-    seen = []
-
-    def intercept(plan, tensors, scalars, rows=None):
-        seen.append((plan, (tensors, scalars, rows)))
-        return [torch.empty(s, dtype=plan.out_dtype) for s in plan.output_shapes()]
-
-    run, os.environ["TRITON_INTERPRET"] = launch.Launch.run, "1"  # lets backend="triton" take CPU
-    launch.Launch.run = intercept
-    try:
-        _plans._PLANS.clear()
-        if grad or per_row:
-            case = differentiable(case, per_row)
+    built on CPU tensors (the launches intercepted): [(plan, (tensors, scalars, rows, cu))]."""
+    def call():
         out = case.call(layout, backend="triton")
         if grad:
             # output gradients laid out as the outputs, as the benchmark's (a sum's gradient has
             # stride 0: loads that nothing vectorizes, which set another layout for the scan)
             out = [o for o in out if o.requires_grad]
             torch.autograd.backward(out, [torch.ones_like(o) for o in out])
+
+    if grad or per_row:
+        case = differentiable(case, per_row)
+    return launches_of(call)
+
+
+def launches_of(call):
+    """The launch plans that `call()` runs (on CPU tensors, the launches intercepted)."""
+    seen = []
+
+    def intercept(plan, tensors, scalars, rows=None, cu=None):
+        seen.append((plan, (tensors, scalars, rows, cu)))
+        return [torch.empty(s, dtype=plan.out_dtype) for s in plan.output_shapes()]
+
+    run, os.environ["TRITON_INTERPRET"] = launch.Launch.run, "1"  # lets backend="triton" take CPU
+    launch.Launch.run = intercept
+    try:
+        _plans._PLANS.clear()
+        call()
     finally:
         launch.Launch.run = run
         del os.environ["TRITON_INTERPRET"]
     return seen
+
+
+def packed_plans(name, lengths, mask=False, **kw):
+    """The launch plans of a packed call (SPEC 7) on segments of `lengths` (`kw`: as
+    `make_inputs`'; `features`: per-step tensors `[L, *features]`; `transposed`: as a view
+    `[L, D]` of `[D, L]` memory), with a mask of ~70% decision steps or none."""
+    transposed = kw.pop("transposed", False)
+    steps, extra, cu = make_packed_inputs(name, lengths, **kw)
+    if transposed:
+        steps = {k: None if v is None else v.t().contiguous().t() for k, v in steps.items()}
+    if mask:
+        steps["mask"] = torch.rand(int(cu[-1]), generator=torch.Generator().manual_seed(0)) < 0.7
+    fn = getattr(rl_triton, name)
+    return launches_of(lambda: fn(**steps, **extra, cu_seqlens=cu, backend="triton"))
 
 
 def differentiable(case, per_row):
@@ -116,13 +139,13 @@ def compile_kernel(fn, args, kwargs):
                    options=options.__dict__)
 
 
-def compile_plan(plan, tensors, scalars, rows=None):
+def compile_plan(plan, tensors, scalars, rows=None, cu=None):
     """The scan kernel of a launch plan, compiled for TARGET."""
     outs = tuple(torch.empty(s, dtype=plan.out_dtype) for s in plan.output_shapes())
     ptrs = tuple(outs[0] if i is None else tensors[i] for i in plan.src)
     init = outs[0] if plan.init_src is None else tensors[plan.init_src]
     state = torch.zeros(plan.state_size, dtype=torch.int64)
-    args = plan._args(ptrs, outs, init, state, scalars, outs[0] if rows is None else rows)
+    args = plan._args(ptrs, outs, init, state, scalars, outs[0] if rows is None else rows, cu)
     return compile_kernel(kernel.scan_kernel, args, plan.meta)
 
 
@@ -289,6 +312,35 @@ def mask_variants():
             name, 4096, (4,), dtype=torch.bfloat16, bootstrap="next_values")), "batch-major"
     yield "masked eligibility traces of vectors", masked(make_case(
         "eligibility_traces", 4096, (4,), features=(3,))), "time-major"
+
+
+def packed_variants():
+    """(label, plans): packed rows (SPEC 7) of every estimator whose kernels run them in place,
+    with and without a mask: the [L] stream (look-back over many tiles, segments of 1 to 4096
+    steps), bf16 and next_values, feature axes (time-major tiles), walked rows (a transposed
+    view of many feature rows), and many short segments (the search's third round)."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 4097, (64,), generator=g).tolist()
+    for name in ["gae", "lambda_returns", "discounted_returns", "vtrace", "eligibility_traces",
+                 "episodic_cumsum"]:
+        for mask in (False, True):
+            label = f"packed {name}{' masked' if mask else ''}"
+            yield label, lambda n=name, m=mask: packed_plans(n, lengths, m)
+    for name in ["gae", "lambda_returns", "discounted_returns"]:
+        yield f"packed {name} masked next_values bf16", lambda n=name: packed_plans(
+            n, lengths, True, dtype=torch.bfloat16, bootstrap="next_values")
+    yield "packed vtrace next_values", lambda: packed_plans("vtrace", lengths,
+                                                            bootstrap="next_values")
+    yield "packed discounted_returns, no bootstrap", lambda: packed_plans(
+        "discounted_returns", lengths, True, bootstrap=None)
+    for mask in (False, True):
+        yield f"packed eligibility traces of vectors{' masked' if mask else ''}", \
+            lambda m=mask: packed_plans("eligibility_traces", lengths[:8], m, features=(8,))
+        yield f"packed episodic sums, walked{' masked' if mask else ''}", \
+            lambda m=mask: packed_plans("episodic_cumsum", [2048] * 4, m, features=(300,),
+                                        transposed=True)
+        yield f"packed gae, 300000 segments{' masked' if mask else ''}", \
+            lambda m=mask: packed_plans("gae", [3] * 300000, m)
 
 
 def grad_variants():
@@ -519,6 +571,20 @@ def compile_scans():
         t0 = time.time()
         try:
             ((plan, args),) = plans_of(case, layout)
+            kernel = compile_plan(plan, *args)
+            problem = check_look_back(plan, kernel) or check_register_cap(plan, kernel)
+            if problem:
+                raise AssertionError(problem)
+            print(f"ok      {label} ({time.time() - t0:.1f} s)", flush=True)
+        except Exception as e:  # noqa: BLE001 - report every failure, then fail
+            failed += 1
+            print(f"FAILED  {label}: {type(e).__name__}: {str(e)[-400:]}", flush=True)
+    # packed rows (SPEC 7): they compile and keep the look-back's and the register cap's rules
+    for label, plans in packed_variants():
+        t0 = time.time()
+        try:
+            ((plan, args),) = plans()
+            assert plan.meta["SEGMENTS"], "not the packed kernel"
             kernel = compile_plan(plan, *args)
             problem = check_look_back(plan, kernel) or check_register_cap(plan, kernel)
             if problem:

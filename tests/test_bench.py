@@ -233,11 +233,12 @@ def test_token_rows(B, T, seed, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_token_cells_check(dtype):
     """Every call of the token suite gives its float64 result (packed: the multi-turn one
-    without padding), and the check refuses a wrong one; minimal bytes as documented."""
+    without padding; packed-unmasked: the padded one), and the check refuses a wrong one;
+    minimal bytes as documented."""
     B, T = 5, 48
     cells = list(bench.token_cells(B, T, dtype, "cpu", seed=3))
     assert [(c[0], c[1]) for c in cells] == [
-        (call, kind) for kind in testing.TOKEN_KINDS + ("dense-packed",)
+        (call, kind) for kind in testing.TOKEN_KINDS + ("dense-packed", "packed-unmasked")
         for call in ("gae", "discounted_returns") + (("masked_whiten",) if kind == "multi-turn"
                                                      else ())]
     size = 2 if dtype is torch.bfloat16 else 4
@@ -247,14 +248,14 @@ def test_token_cells_check(dtype):
         with pytest.raises(SystemExit, match="not timing a wrong result"):
             wrong = out[0] if isinstance(out, tuple) else out
             bench.check_result(bench.rel_err(wrong + 1e-2, ref[:1], 0), 1e-5, call)
-        packed = kind in ("packed", "dense-packed")
+        packed = kind in ("packed", "dense-packed", "packed-unmasked")
         assert tokens == (B * T if not packed else int(testing.token_rows(
             B, T, "packed", seed=3)["cu_seqlens"][-1]))
-        mask = kind not in ("dense", "dense-packed")
+        mask = kind not in ("dense", "dense-packed", "packed-unmasked")
         per_token = {"gae": 2 * size + 8, "discounted_returns": size + 4,
                      "masked_whiten": size + 4}[call] + mask
         rows = (1 if kind == "dense-packed" else B) if call == "gae" else 0  # last_value
-        cu = 4 * (B + 1) if kind == "packed" else 0
+        cu = 4 * (B + 1) if kind in ("packed", "packed-unmasked") else 0
         assert nbytes == tokens * per_token + 4 * rows + cu, (call, kind)
     groups = list(bench.group_cells("cpu", n=96, groups=12))
     assert [g[0] for g in groups] == ["group_size", "group_index"]

@@ -3,8 +3,10 @@ row, look-back over many tiles, walked rows) against the torch backend in float6
 import pytest
 import torch
 
+import rl_triton
 from cases import make_case, rel_err, to_layout
 from rl_triton import testing
+from rl_triton.scan import tiles
 
 NAMES = ["gae", "lambda_returns", "discounted_returns", "vtrace", "eligibility_traces",
          "episodic_cumsum"]
@@ -50,3 +52,68 @@ def test_packed_large(name):
     got = got if isinstance(got, tuple) else (got,)
     for o, p in zip(got, padded):
         assert rel_err(o, p[pos, seg]) < 1e-6
+
+
+def random_lengths(S, total, seed, empty_every=0):
+    """S segment lengths of random sizes summing to `total` (every `empty_every`-th empty)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(S, generator=g) ** 3 + 0.01
+    if empty_every:
+        w[::empty_every] = 0
+    lengths = (w / w.sum() * total).floor().long()
+    lengths[torch.argmax(w)] += total - lengths.sum()
+    return lengths
+
+
+def packed_against_float64(name, lengths, masked, dtype=torch.float32, features=(), **kw):
+    """The in-place packed call against the float64 torch implementation on the same rows
+    padded and masked; returns the relative errors."""
+    steps, extra, cu = testing.make_packed_inputs(name, lengths, device="cuda", dtype=dtype,
+                                                  features=features, seed=5, **kw)
+    L, S = int(cu[-1]), len(lengths)
+    g = torch.Generator().manual_seed(6)
+    user = (torch.rand(L, generator=g) < 0.7).cuda() if masked else None
+    got = getattr(rl_triton, name)(**steps, **extra, mask=user, cu_seqlens=cu, backend="triton")
+    got = got if isinstance(got, tuple) else (got,)
+    longest = int(lengths.max())
+    seg = torch.repeat_interleave(torch.arange(S), lengths).cuda()
+    pos = torch.arange(L).cuda() - cu[:-1][seg]
+    rows = {}
+    for k, v in steps.items():
+        if v is not None:
+            rows[k] = v.new_zeros((longest, S) + v.shape[1:])
+            rows[k][pos, seg] = v
+    valid = torch.zeros(longest, S, dtype=torch.bool, device="cuda")
+    valid[pos, seg] = True if user is None else user
+    want = testing.vectorized(name, **rows, **extra, mask=valid)
+    return [rel_err(o, w[pos, seg]) for o, w in zip(got, want)]
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("name", NAMES)
+def test_packed_in_place_large(name, masked):
+    """512 segments of random lengths summing to 512 x 4096 tokens (every 37th empty), one
+    stream of look-back tiles, against float64."""
+    lengths = random_lengths(512, 512 * 4096, seed=2, empty_every=37)
+    assert all(e < 1e-5 for e in packed_against_float64(name, lengths, masked))
+
+
+@pytest.mark.parametrize("name", ["gae", "episodic_cumsum"])
+def test_packed_in_place_many_short_segments(name):
+    """2^17 segments of 0 to 31 tokens (the offsets' search in three rounds, many segments per
+    tile), with a mask."""
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(0, 32, (2**17,), generator=g)
+    assert all(e < 1e-5 for e in packed_against_float64(name, lengths, True))
+
+
+def test_packed_in_place_bf16_features_and_walk():
+    """bf16 GAE with next_values; eligibility traces of 16-vectors (time-major tiles); episodic
+    sums walked (tiles forced to walk one row)."""
+    lengths = random_lengths(64, 2**20, seed=4, empty_every=9)
+    assert all(e < 1e-5 for e in packed_against_float64(
+        "gae", lengths, True, dtype=torch.bfloat16, bootstrap="next_values"))
+    assert all(e < 1e-5 for e in packed_against_float64("eligibility_traces", lengths[:16],
+                                                        True, features=(16,)))
+    with tiles.override(walk=True):
+        assert all(e < 1e-5 for e in packed_against_float64("episodic_cumsum", lengths, True))

@@ -281,3 +281,258 @@ def test_packed_gradients_flow(device):
     want = torch.autograd.grad(total, (r, v, lv))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+# ---- packed rows in place (the Triton kernels, SPEC 7): segment ends as window ends ----------
+
+PACKED = ["gae", "lambda_returns", "discounted_returns", "vtrace", "eligibility_traces",
+          "episodic_cumsum"]
+# empty segments first, last and consecutive; one segment; segments of one step; L = 1
+LENGTHS = {"empties": [0, 5, 0, 0, 1, 17, 3, 0], "one": [37], "ones": [1] * 37, "L=1": [1],
+           "long": [150, 0, 1, 182]}
+# one stream of 333 steps cut into tiles of 16: segments across tiles, on tile edges, short
+SPLIT = [0, 40, 1, 1, 0, 0, 30, 3, 0, 150, 16, 16, 76]
+
+
+@pytest.fixture
+def in_place(monkeypatch):
+    """Packed calls must not fall back to padded rows."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("packed rows ran as padded rows")
+    monkeypatch.setattr(rl_triton._plans.Op, "_padded", refuse)
+
+
+def packed_inputs(name, lengths, masked, seed=2, **kw):
+    """(steps [L, ...] with the mask, bootstraps and scalars, cu) of a packed call."""
+    from rl_triton.testing import make_packed_inputs
+    features = (3,) if name == "eligibility_traces" else ()
+    steps, extra, cu = make_packed_inputs(name, lengths, features=features, seed=seed, **kw)
+    L = int(cu[-1])
+    steps["mask"] = (torch.rand(L, generator=torch.Generator().manual_seed(seed + 1)) < 0.7
+                     if masked else None)
+    return steps, extra, cu
+
+
+def per_segment(name, steps, extra, cu):
+    """Each segment called alone on the float64 reference (zeros where it is empty)."""
+    fn = getattr(rl_triton.reference, name)
+    boots = {k: v for k, v in extra.items() if k in BOOTS}
+    scalars = {k: v for k, v in extra.items() if k not in BOOTS}
+    ref = steps["rewards" if "rewards" in steps else "x"]
+    outs = [torch.zeros(ref.shape, dtype=torch.float64)
+            for _ in range(2 if name in ("gae", "vtrace") else 1)]
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if e == s:
+            continue
+        row = {k: None if v is None else v[s:e, None].cpu() for k, v in steps.items()}
+        res = fn(**row, **{k: v[i:i + 1].cpu() for k, v in boots.items()}, **scalars)
+        for o, r in zip(outs, res if isinstance(res, tuple) else (res,)):
+            o[s:e] = r[:, 0]
+    return tuple(outs)
+
+
+def padded(name, steps, extra, cu, **kw):
+    """The same rows padded to [longest, S, ...] and masked (the unpacked masked kernels),
+    packed back."""
+    lengths = (cu[1:] - cu[:-1]).cpu()
+    S, L, longest = len(lengths), int(cu[-1]), int(lengths.max())
+    seg = torch.repeat_interleave(torch.arange(S), lengths)
+    pos = torch.arange(L) - cu[:-1].cpu()[seg]
+    rows = {}
+    for k, v in steps.items():
+        if v is not None and k != "mask":
+            rows[k] = v.new_zeros((longest, S) + v.shape[1:])
+            rows[k][pos, seg] = v
+    valid = torch.zeros(longest, S, dtype=torch.bool)
+    valid[pos, seg] = True if steps["mask"] is None else steps["mask"].cpu()
+    out = getattr(rl_triton, name)(**rows, **extra, mask=valid, **kw)
+    return tuple(o[pos, seg] for o in (out if isinstance(out, tuple) else (out,)))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+@pytest.mark.parametrize("name", PACKED)
+def test_packed_kernel_matches_segments_and_padding(name, lengths, masked, device, in_place):
+    """The in-place kernels on packed rows against each segment alone (float64) and against
+    the same rows padded and masked (the unpacked kernels)."""
+    steps, extra, cu = packed_inputs(name, LENGTHS[lengths], masked, device=device)
+    got = getattr(rl_triton, name)(**steps, **extra, cu_seqlens=cu, backend="triton")
+    got = got if isinstance(got, tuple) else (got,)
+    assert_close(got, per_segment(name, steps, extra, cu))
+    assert_close(got, padded(name, steps, extra, cu, backend="triton"), tol=1e-6)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("name", PACKED)
+def test_packed_rows_split_across_programs(name, masked, device, in_place):
+    """A stream of 333 steps in tiles of 16: segment carries by look-back (windows of 1 and
+    16 tiles, read 1 or 3 deep), by walking, and on time-major sub-tiles (feature axes); the
+    same plan launched twice (its look-back scratch reused)."""
+    steps, extra, cu = packed_inputs(name, SPLIT, masked, device=device)
+    want = per_segment(name, steps, extra, cu)
+    runs = [dict(window=1, depth=0, walk=False), dict(window=16, depth=3, walk=False),
+            dict(window=16, depth=0, walk=True)]
+    if name == "eligibility_traces":  # [L, 3]: time-major tiles
+        runs += [dict(sub=4, walk=False)]
+    for i, run in enumerate(runs):
+        with tiles.override(block_t=16, block_b=2 if name == "eligibility_traces" else 1, **run):
+            for _ in range(1 + (i == 0)):
+                got = getattr(rl_triton, name)(**steps, **extra, cu_seqlens=cu, backend="triton")
+                assert_close(got if isinstance(got, tuple) else (got,), want)
+
+
+@pytest.mark.parametrize("name", PACKED)
+def test_packed_kernel_bf16_and_next_values(name, device, in_place):
+    """bf16 inputs (float32 math), `next_values` (V-trace: without a mask; with one it runs
+    padded), int32 offsets, with and without a mask."""
+    kw = {"bootstrap": "next_values"} if name in ("gae", "lambda_returns", "discounted_returns",
+                                                  "vtrace") else {}
+    for masked in (False, True) if name != "vtrace" else (False,):
+        steps, extra, cu = packed_inputs(name, SPLIT, masked, device=device,
+                                         dtype=torch.bfloat16, **kw)
+        got = getattr(rl_triton, name)(**steps, **extra, cu_seqlens=cu.int(), backend="triton")
+        got = got if isinstance(got, tuple) else (got,)
+        assert_close(got, per_segment(name, steps, extra, cu), tol=1e-5)
+
+
+def test_packed_discounted_returns_without_bootstrap(device, in_place):
+    """A missing bootstrap is zero at every segment end (discounted returns only)."""
+    for masked in (False, True):
+        steps, extra, cu = packed_inputs("discounted_returns", SPLIT, masked, device=device,
+                                         bootstrap=None)
+        got = rl_triton.discounted_returns(**steps, **extra, cu_seqlens=cu, backend="triton")
+        assert_close((got,), per_segment("discounted_returns", steps, extra, cu))
+
+
+@pytest.mark.parametrize("name", PACKED)
+def test_packed_nan_stays_in_its_segment(name, device, in_place):
+    """A NaN input in one segment leaves every other segment's outputs exact."""
+    steps, extra, cu = packed_inputs(name, SPLIT, True, device=device)
+    key = "rewards" if "rewards" in steps else "x"
+    bad = cu[9].item() + 70  # inside the long segment 9
+    steps[key] = steps[key].clone()
+    steps[key][bad] = float("nan")
+    steps["mask"][bad] = True
+    want = per_segment(name, {k: v for k, v in steps.items()}, extra, cu)
+    with tiles.override(block_t=16, block_b=2 if name == "eligibility_traces" else 1):
+        got = getattr(rl_triton, name)(**steps, **extra, cu_seqlens=cu, backend="triton")
+    got = got if isinstance(got, tuple) else (got,)
+    s, e = cu[9].item(), cu[10].item()
+    outside = torch.ones(int(cu[-1]), dtype=torch.bool)
+    outside[s:e] = False
+    for o, w in zip(got, want):
+        assert torch.isfinite(o[outside.to(o.device)]).all()
+        assert_close([o[outside.to(o.device)]], [w[outside]])
+
+
+def test_packed_kernel_offsets_are_checked(device, in_place):
+    """Bad offsets raise ValueError naming cu_seqlens on the in-place path too, before any
+    kernel; offsets of any integer dtype are read."""
+    steps, extra, cu = packed_inputs("gae", [3, 3], False, device=device)
+    for bad in ([1, 3, 6], [0, 3, 5], [0, 4, 3, 6]):
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            rl_triton.gae(**steps, last_value=torch.zeros(len(bad) - 1, device=device),
+                          cu_seqlens=torch.tensor(bad), backend="triton")
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        rl_triton.gae(**steps, **extra, cu_seqlens=cu.float(), backend="triton")
+    with pytest.raises(ValueError, match="last_value"):
+        rl_triton.gae(**{**steps, "truncated": None}, last_value=torch.zeros(3, device=device),
+                      cu_seqlens=cu, backend="triton")
+    want = rl_triton.gae(**steps, **extra, cu_seqlens=cu, backend="triton")
+    for dtype in (torch.int16, torch.int32, torch.uint8):
+        for a, b in zip(rl_triton.gae(**steps, **extra, cu_seqlens=cu.to(dtype),
+                                      backend="triton"), want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_packed_gradients_keep_the_padded_route(device):
+    """A packed call that needs gradients runs as padded rows (the kernels' backward does not
+    take segments yet): gradients reach the packed inputs on the Triton backend as on torch."""
+    steps, extra, cu = packed_inputs("gae", [4, 0, 7, 2], True, device=device)
+    steps = dict(steps, rewards=steps["rewards"].double().requires_grad_())
+    grads = []
+    for backend in ("triton", "torch"):
+        adv, _ = rl_triton.gae(**steps, **extra, cu_seqlens=cu, backend=backend)
+        grads.append(torch.autograd.grad(adv.square().sum(), steps["rewards"])[0])
+    torch.testing.assert_close(grads[0], grads[1])
+    assert grads[0].abs().sum() > 0
+
+
+def test_packed_per_row_discounts_keep_the_padded_route(device):
+    """gamma per segment (a tensor) runs as padded rows, as each segment alone."""
+    steps, extra, cu = packed_inputs("gae", [4, 0, 7, 2], False, device=device)
+    gamma = torch.tensor([0.9, 0.8, 0.7, 0.6], device=device)
+    got = rl_triton.gae(**steps, **{**extra, "gamma": gamma}, cu_seqlens=cu, backend="triton")
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if e > s:
+            row = {k: None if v is None else v[s:e, None] for k, v in steps.items()}
+            want = rl_triton.gae(**row, last_value=extra["last_value"][i:i + 1],
+                                 gamma=gamma[i].item(), lam=extra["lam"], backend="torch")
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a[s:e], b[:, 0])
+
+
+def test_packed_offsets_read_once(device, in_place, monkeypatch):
+    """The offsets' values are read once per tensor: a second call on the same offsets reads
+    nothing; an in-place write to them, or other offsets, is read (and checked) again."""
+    steps, extra, cu = packed_inputs("gae", [3, 3], False, device=device)
+    reads = []
+    real = rl_triton._args.check_offsets
+
+    def spy(*args, data=True, **kwargs):
+        reads.append(data)
+        return real(*args, data=data, **kwargs)
+
+    monkeypatch.setattr(rl_triton._plans, "check_offsets", spy)
+    for _ in range(3):
+        rl_triton.gae(**steps, **extra, cu_seqlens=cu, backend="triton")
+    assert reads == [True, False, False]
+    cu[1] = 7  # past L: refused once read again
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        rl_triton.gae(**steps, **extra, cu_seqlens=cu, backend="triton")
+    rl_triton.gae(**steps, **extra, cu_seqlens=cu.clone().fill_(0).add_(torch.tensor(
+        [0, 2, 6], device=device)), backend="triton")
+    assert reads[-1] is True
+
+
+@pytest.mark.parametrize("name", PACKED)
+def test_packed_kernel_empty_stream(name, device, in_place):
+    """No step at all (every segment empty): empty outputs, no launch."""
+    steps, extra, cu = packed_inputs(name, [2, 1], True, device=device)
+    steps = {k: None if v is None else v[:0] for k, v in steps.items()}
+    cu = torch.zeros(4, dtype=torch.int64, device=device)
+    extra = {k: (torch.cat([v, v[:1]]) if k in BOOTS else v) for k, v in extra.items()}
+    got = getattr(rl_triton, name)(**steps, **extra, cu_seqlens=cu, backend="triton")
+    for o in got if isinstance(got, tuple) else (got,):
+        assert o.shape[0] == 0
+
+
+@pytest.mark.parametrize("name", ["gae", "lambda_returns", "discounted_returns", "vtrace"])
+def test_packed_kernel_feature_axes(name, device, in_place):
+    """Per-step tensors [L, D] (time-major tiles, rows along D; bootstraps [S, D]), with a mask
+    [L, D] and without, split over tiles of 16 steps, against each segment alone."""
+    from rl_triton.testing import make_inputs
+    lengths = torch.tensor(SPLIT)
+    S, D, L = len(SPLIT), 3, int(sum(SPLIT))
+    steps, extra = make_inputs(name, int(lengths.max()), (S, D), device=device, seed=8)
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(device)
+    seg = torch.repeat_interleave(torch.arange(S), lengths).to(device)
+    pos = torch.arange(L, device=device) - cu[:-1][seg]
+    steps = {k: None if v is None else v[pos, seg] for k, v in steps.items()}
+    fn, ref = getattr(rl_triton, name), getattr(rl_triton.reference, name)
+    boots = {k: v for k, v in extra.items() if k in BOOTS}
+    scalars = {k: v for k, v in extra.items() if k not in BOOTS}
+    for mask in (None, torch.rand(L, D, generator=torch.Generator().manual_seed(1)) < 0.7):
+        mask = None if mask is None else mask.to(device)
+        with tiles.override(block_t=16, sub=4):
+            got = fn(**steps, **extra, mask=mask, cu_seqlens=cu, backend="triton")
+        got = got if isinstance(got, tuple) else (got,)
+        want = [torch.zeros(L, D, dtype=torch.float64) for _ in got]
+        for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            if e > s:
+                row = {k: None if v is None else v[s:e].cpu() for k, v in steps.items()}
+                res = ref(**row, **{k: v[i].cpu() for k, v in boots.items()}, **scalars,
+                          mask=None if mask is None else mask[s:e].cpu())
+                for w, r in zip(want, res if isinstance(res, tuple) else (res,)):
+                    w[s:e] = r
+        assert_close(got, want)

@@ -9,7 +9,9 @@ with the cuobjdump that Triton ships.
 An argument is estimator:NxT:tm|bm, then optionally :bf16, :notrunc (no truncation flags),
 :adv (Retrace's advantages too; the benchmark times its targets only), :bwd (the backward
 kernel, every floating input requiring grad, output gradients laid out as the outputs, as the
-benchmark's) and :field=value,...
+benchmark's), :mask (a mask of ~70% decision steps, SPEC 7), :packed (the N rows of T steps
+packed into one [N*T] stream with cu_seqlens, SPEC 7; the layout is then that stream's) and
+:field=value,...
 (tile fields forced as with `python -m rl_triton.bench --tiles`). Registers match ncu's on the
 H200 when the installed Triton is the GPU machine's (docs/dev/tuning-log.md; `PYTHONPATH=.ci/triton-oldest python tools/registers.py ...` runs Triton 3.6, the GPU machine's).
 Load rounds: the global loads of the SASS in the order an in-order warp issues them, a new round
@@ -46,12 +48,12 @@ def as_on_the_gpu():
     tiles.depth = lambda win, block_b, device: depth(win, block_b, cuda)
 
 
-def compiled(plan, tensors, scalars, meta, rows=None):
+def compiled(plan, tensors, scalars, meta, rows=None, cu=None):
     """The plan's kernel for sm_90 with `meta` (now the plan's), with its registers per thread
     as `n_regs` (as a kernel loaded on a GPU has them) and its stack bytes per thread as
     `stack` (values spilled from registers: a register cap too low spills)."""
     plan.meta = meta
-    kernel = compile_sm90.compile_plan(plan, tensors, scalars, rows)
+    kernel = compile_sm90.compile_plan(plan, tensors, scalars, rows, cu)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -102,13 +104,20 @@ def report(spec: str) -> str:
     if name == "retrace":  # targets only, as `python -m rl_triton.bench` times it
         case.extra["return_advantages"] = "adv" in rest
     with tiles.override(**forced):
-        plans = compile_sm90.plans_of(case, "time-major" if layout == "tm" else "batch-major",
-                                      grad="bwd" in rest)
-    plan, (tensors, scalars, rows) = plans[-1]  # :bwd: the backward's (after the forward's)
+        if "packed" in rest:
+            plans = compile_sm90.packed_plans(
+                name, [t] * n, "mask" in rest, trunc="notrunc" not in rest,
+                dtype=torch.bfloat16 if "bf16" in rest else torch.float32)
+        else:
+            if "mask" in rest:
+                case.steps["mask"] = torch.rand(t, n) < 0.7
+            plans = compile_sm90.plans_of(case, "time-major" if layout == "tm" else "batch-major",
+                                          grad="bwd" in rest)
+    plan, (tensors, scalars, rows, cu) = plans[-1]  # :bwd: the backward's (after the forward's)
     built = {}  # kernels by EVEN: the choice below compiles both
 
     def build(meta):
-        built[meta["EVEN"]] = compiled(plan, tensors, scalars, meta, rows)
+        built[meta["EVEN"]] = compiled(plan, tensors, scalars, meta, rows, cu)
         return built[meta["EVEN"]]
 
     m = dict(plan.meta)

@@ -13,11 +13,13 @@ from ..scan.launch import Kernel, Launch, over_time, tm
 Tensor = torch.Tensor
 
 
-def value_args(x, time_dim, *, values_optional: bool = False, bootstrap: bool = True):
+def value_args(x, time_dim, *, values_optional: bool = False, bootstrap: bool = True,
+               segments: Optional[int] = None):
     """Check the fields that GAE, lambda-returns, discounted returns and V-trace share (and any
-    `*_log_probs`): the per-step values, the flags, `next_values` and `last_value`. Returns the
-    checked inputs (same NamedTuple) and the `Call`."""
-    call = Call("rewards", x.rewards, time_dim)
+    `*_log_probs`): the per-step values, the flags, `next_values` and `last_value` (with
+    `segments`, packed rows: one per segment). Returns the checked inputs (same NamedTuple) and
+    the `Call`."""
+    call = Call("rewards", x.rewards, time_dim, segments=segments)
     step, optional = call.step, _OPTIONAL[values_optional]
     checked = type(x)(*[
         call.bootstrap(name, t) if name == "last_value" else
@@ -43,15 +45,22 @@ def scan_plan(kernel: Kernel, x, call: Call, n_out: int, out_dtype: torch.dtype,
     enters as the scan's initial carry instead of a slot (`initial`, or `last_value` for
     discounted returns); `expand_flags` names a flag tensor broadcast over input 0's trailing
     feature axes (and so is the mask, where there is one); `n_boot` outputs without time axis
-    follow the `n_out` per-step ones. None when the strides cannot describe the batch axes."""
+    follow the `n_out` per-step ones. None when the strides cannot describe the batch axes.
+    Packed rows (`call.segments`, SPEC 7): the bootstraps `[S, ...]` are read at each step's
+    segment (`Launch`'s `segments`)."""
     fields = x._fields
     T = call.T
     ins = []
-    for name, t in zip(fields, x):
+    boots = {}
+    for i, (name, t) in enumerate(zip(fields, x)):
         if t is None or name == carried:
             ins.append(None)
         elif name.startswith("last_") or name == "initial":
-            ins.append(over_time(t, T))
+            if call.segments is None:
+                ins.append(over_time(t, T))
+            else:  # the first segment's over time, the others a segment stride away
+                ins.append(over_time(t[0], T))
+                boots[i] = (t.stride(0), sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
         else:
             ins.append(tm(t, call.time_dim))
     # a mask broadcasts over the feature axes as the flags do
@@ -67,7 +76,8 @@ def scan_plan(kernel: Kernel, x, call: Call, n_out: int, out_dtype: torch.dtype,
                has_trunc=getattr(x, "truncated", None) is not None,
                has_next=getattr(x, "next_values", None) is not None,
                has_last=carried != "last_value" and getattr(x, "last_value", None) is not None,
-               variant=variant, n_boot=n_boot)
+               variant=variant, n_boot=n_boot,
+               segments=None if call.segments is None else (call.segments, boots))
     return p if p.ok else None
 
 

@@ -199,15 +199,17 @@ def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
 def _plan(x, call, out_dtype, extra):
     if x.mask is not None:
         return scan_plan(KERNEL_MASKED, x, call, 1, out_dtype)
-    carried = x.last_value is not None and x.next_values is None
+    # last_value as the initial carry: one row's (packed rows read one per segment)
+    carried = x.last_value is not None and x.next_values is None and call.segments is None
     return scan_plan(KERNEL, x, call, 1, out_dtype, variant=int(carried),
                      carried="last_value" if carried else None)
 
 
 OP = Op("discounted_returns", Inputs, Scalars,
-        check=lambda x, td, extra: value_args(x, td, bootstrap=False), plan=_plan,
+        check=lambda x, td, extra, segments=None: value_args(x, td, bootstrap=False,
+                                                             segments=segments), plan=_plan,
         torch=torch_impl, loop=loop_impl, row_params=1, backward=backward,
-        masked_kernels=lambda x: True)
+        masked_kernels=lambda x: True, packed_kernels=lambda x: True)
 
 
 def discounted_returns(rewards, terminated, truncated=None, *, last_value=None, next_values=None,

@@ -11,7 +11,7 @@ from .._plans import OPS, Op
 from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import load_flag, load_step, offsets, single_store, store_out
+from ..scan.kernel import load_flag, load_step, offsets, row_value, single_store, store_out
 from ..scan.launch import Kernel
 from ._common import bits, like, run_backward, scan_plan
 
@@ -79,6 +79,33 @@ def store_masked(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, param
 
 KERNEL_MASKED = Kernel(coef_masked, store_masked, reverse=False, exclusive=True, aux=True,
                        mask_slot=MASK)
+
+
+# ---- packed rows (SPEC 7): the scan of Y (each step's own coefficients, as with a mask),
+# restarted at every segment's first step from Y = `initial` of that segment -----------------
+
+@triton.jit
+def boot_packed(ins, st, s1, s2, sa, b1, b2, rows, T, n_act, params, HAS_NEXT: tl.constexpr,
+                HAS_LAST: tl.constexpr, VARIANT: tl.constexpr):
+    """Y before a segment's first step: its `initial` (VARIANT 1), else 0 (done[-1] = 0)."""
+    y = tl.zeros(b1.shape, tl.float32)
+    if VARIANT == 1:
+        y = row_value(ins, st, s1, s2, INITIAL, b1, b2, rows)
+    return y, y
+
+
+@triton.jit
+def store_packed(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
+                 VARIANT: tl.constexpr):
+    keep = params[0]
+    z = aux + tl.where(keep == 0, 0.0, keep * res_prev)  # as `store_masked`, every step kept
+    store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, z)
+
+
+KERNEL_PACKED = Kernel(coef_masked, store_packed, reverse=False, exclusive=True, aux=True,
+                       boot=boot_packed)
+KERNEL_PACKED_MASKED = Kernel(coef_masked, store_masked, reverse=False, exclusive=True,
+                              aux=True, mask_slot=MASK, boot=boot_packed)
 
 
 # ---- backward: H[t] = dA[t] + keep * (1 - done[t]) * H[t+1], a reverse scan ------------------
@@ -169,8 +196,8 @@ def _scan_torch(xs, dones, mask, init, scale):
     return torch_scan.zero_masked(z, m)
 
 
-def _check(x: Inputs, time_dim, extra):
-    call = Call("dones", x.dones, time_dim, kind=FLAG)
+def _check(x: Inputs, time_dim, extra, segments=None):
+    call = Call("dones", x.dones, time_dim, kind=FLAG, segments=segments)
     trailing = max(0, x.x.ndim - x.dones.ndim) if isinstance(x.x, Tensor) else 0
     xs = call.step("x", x.x, trailing=trailing)
     d = call.step("dones", x.dones, FLAG)
@@ -179,6 +206,9 @@ def _check(x: Inputs, time_dim, extra):
 
 
 def _plan(x, call, out_dtype, extra):
+    if call.segments is not None:  # packed rows: `initial` is read per segment, not carried
+        return scan_plan(KERNEL_PACKED if x.mask is None else KERNEL_PACKED_MASKED, x, call, 1,
+                         out_dtype, variant=int(x.initial is not None), expand_flags="dones")
     return scan_plan(KERNEL if x.mask is None else KERNEL_MASKED, x, call, 1, out_dtype,
                      carried="initial" if x.initial is not None else None, expand_flags="dones")
 
@@ -206,12 +236,13 @@ def _cumsum_torch(x: Inputs, s: NoScalars, extra=(), dtype=torch.float32):
 
 TRACES = Op("eligibility_traces", Inputs, TraceScalars, check=_check, plan=_plan, copy=_copy,
             kernel_scalars=lambda s: (s.gamma * s.lam,), torch=_traces_torch, row_params=1,
-            masked_kernels=lambda x: True,
+            masked_kernels=lambda x: True, packed_kernels=lambda x: True,
             loop=lambda x, s, extra, dtype: reference.eligibility_traces(
                 *x[:2], initial=x.initial, mask=x.mask, **s._asdict(), dtype=dtype),
             backward=_backward("eligibility_traces", 1))
 CUMSUM = Op("episodic_cumsum", Inputs, NoScalars, check=_check, plan=_plan, copy=_copy,
             kernel_scalars=lambda s: (1.0,), torch=_cumsum_torch, masked_kernels=lambda x: True,
+            packed_kernels=lambda x: True,
             loop=lambda x, s, extra, dtype: reference.episodic_cumsum(
                 *x[:2], initial=x.initial, mask=x.mask, dtype=dtype),
             backward=_backward("episodic_cumsum", 0))

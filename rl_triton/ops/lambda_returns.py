@@ -97,9 +97,9 @@ def boot_masked(ins, st, s1, s2, sa, b1, b2, rows, T, n_act, params, HAS_NEXT: t
                 HAS_LAST: tl.constexpr, VARIANT: tl.constexpr):
     """(G, w) past the window: last_value for both (the last decision step's G reads
     (1 - lam) v' + lam G[t+1] = last_value unless cut), or 0 with next_values."""
-    if HAS_NEXT:
-        return tl.zeros(b1.shape, tl.float32), tl.zeros(b1.shape, tl.float32)
-    last = row_value(ins, st, s1, s2, LAST_V, b1, b2, rows)
+    last = tl.zeros(b1.shape, tl.float32)
+    if not HAS_NEXT:  # (one return: Triton 3.6 checks both where rows are packed rows' steps)
+        last = row_value(ins, st, s1, s2, LAST_V, b1, b2, rows)
     return last, last
 
 
@@ -210,10 +210,11 @@ def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
 
 
 OP = Op("lambda_returns", Inputs, Scalars,
-        check=lambda x, td, extra: value_args(x, td, values_optional=x.next_values is not None),
+        check=lambda x, td, extra, segments=None: value_args(
+            x, td, values_optional=x.next_values is not None, segments=segments),
         plan=lambda x, call, out_dtype, extra: scan_plan(
             KERNEL if x.mask is None else KERNEL_MASKED, x, call, 1, out_dtype),
-        masked_kernels=lambda x: True,
+        masked_kernels=lambda x: True, packed_kernels=lambda x: True,
         torch=torch_impl, loop=loop_impl, row_params=2, backward=backward)
 
 

@@ -311,10 +311,12 @@ def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
     return reference.vtrace(**x._asdict(), **s._asdict(), dtype=dtype)
 
 
-OP = Op("vtrace", Inputs, Scalars, outputs=2, check=lambda x, td, extra: value_args(x, td),
+OP = Op("vtrace", Inputs, Scalars, outputs=2,
+        check=lambda x, td, extra, segments=None: value_args(x, td, segments=segments),
         plan=lambda x, call, out_dtype, extra: scan_plan(
             KERNEL if x.mask is None else KERNEL_MASKED, x, call, 2, out_dtype),
         masked_kernels=lambda x: x.next_values is None,
+        packed_kernels=lambda x: x.mask is None or x.next_values is None,
         torch=torch_impl, loop=loop_impl, row_params=2, backward=backward)
 
 

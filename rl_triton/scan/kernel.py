@@ -159,13 +159,14 @@ def step_after(v, ins, st, s1, s2, V: tl.constexpr, t, b1, b2, mask, T):
     by one step within groups of 8 steps (split and join, which stay in registers where a
     thread holds 8 consecutive steps), plus one load per group for the step after it; 0 past
     the end. Loading values[t+1] directly is 8 unaligned scalar loads per thread, 10% slower
-    (docs/dev/tuning-log.md)."""
+    (docs/dev/tuning-log.md). T: the window end, or one per step (packed rows)."""
     BB: tl.constexpr = v.shape[0]
     BT: tl.constexpr = v.shape[1]
     G: tl.constexpr = BT // 8
     t_after = last_of_8(t, 1, G) + 1
+    ends = last_of_8(T, 1, G) if len(T.shape) == 2 else T
     after = load_step(ins, st, s1, s2, V, t_after, b1, b2,
-                      last_of_8(mask, BB, G) & (t_after < T))
+                      last_of_8(mask, BB, G) & (t_after < ends))
     e1, o1 = tl.split(tl.reshape(v, (BB, G, 4, 2)))  # steps 0 2 4 6 | 1 3 5 7 of each group
     e2, o2 = tl.split(tl.reshape(e1, (BB, G, 2, 2)))  # 0 4 | 2 6
     _, o3 = tl.split(tl.reshape(e2, (BB, G, 1, 2)))  # 4
@@ -335,13 +336,29 @@ def look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry_i
 
 
 @triton.jit
+def tile_steps(chunk, J: tl.constexpr, TIME_AXIS: tl.constexpr, INT64: tl.constexpr,
+               BLOCK_T: tl.constexpr, FLIP: tl.constexpr, DESC: tl.constexpr, SUB: tl.constexpr):
+    """The steps of sub-tile J of tile `chunk`, laid as `tile_coefficients` says."""
+    j = tl.arange(0, BLOCK_T // SUB) * SUB + J
+    if FLIP:
+        j = (BLOCK_T // 8 - 1 - j // 8) * 8 + j % 8
+    if DESC:
+        j = BLOCK_T - 1 - j
+    t = chunk * BLOCK_T + spread(j, TIME_AXIS)
+    if INT64:
+        t = t.to(tl.int64)
+    return t
+
+
+@triton.jit
 def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
                       COEF: tl.constexpr, HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr,
                       HAS_LAST: tl.constexpr, VARIANT: tl.constexpr, TIME_AXIS: tl.constexpr,
                       INT64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr,
                       ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr, FLIP: tl.constexpr,
                       DESC: tl.constexpr, J: tl.constexpr, SUB: tl.constexpr,
-                      EVEN: tl.constexpr, MASK: tl.constexpr, W_PHASE: tl.constexpr, after):
+                      EVEN: tl.constexpr, MASK: tl.constexpr, W_PHASE: tl.constexpr, after,
+                      window):
     """The steps `t` of sub-tile J of tile `chunk` (along the time axis), their mask, and the
     estimator's coefficients there; padding steps are the identity map (they pass the carry
     through), and so are masked steps (input slot MASK >= 0: SPEC 7), whose aux is then
@@ -351,7 +368,10 @@ def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n
     Position p holds step p of the chunk; with `FLIP`, step (G - 1 - p // 8) * 8 + p % 8 of
     its G groups of 8; with `DESC`, step BLOCK_T - 1 - p.
     With `EVEN` every tile is full (T and B multiples of the tile) and the mask is a constant.
-    `after`: the builder's aux at steps t + 1 (the op's builder, `rl_triton.ops`), or None."""
+    `after`: the builder's aux at steps t + 1 (the op's builder, `rl_triton.ops`), or None.
+    `window`: None, or for packed rows what the builder sees instead of the input slots, T and
+    the rows whose window ends here (`segment_windows`)."""
+    # the steps of `tile_steps`, inline: as a call, unpacked kernels compiled to other SASS
     j = tl.arange(0, BLOCK_T // SUB) * SUB + J
     if FLIP:
         j = (BLOCK_T // 8 - 1 - j // 8) * 8 + j % 8
@@ -366,9 +386,15 @@ def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n
         mask = (t < T) & mask_b
     # the rows whose step T-1 (the bootstrap step) is in this tile
     end_rows = tl.where(chunk == n_chunks - 1, mask_b, False)
-    alpha, beta, aux = COEF(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, scalars,
-                            HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A, ACT_BLOCKS,
-                            ACT_VEC, after)
+    if window is None:
+        alpha, beta, aux = COEF(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act,
+                                scalars, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A,
+                                ACT_BLOCKS, ACT_VEC, after)
+    else:
+        w_ins, w_T, w_ends, _ = window
+        alpha, beta, aux = COEF(w_ins, st, s1, s2, sa, t, b1, b2, mask, mask & w_ends, w_T,
+                                n_act, scalars, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A,
+                                ACT_BLOCKS, ACT_VEC, after)
     # one return: Triton 3.6 checks every return's types, even under a constant condition
     if MASK >= 0:
         keep = load_step_flag(ins, st, s1, s2, MASK, t, b1, b2, mask)
@@ -420,7 +446,7 @@ def scan_chunk(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, s
                BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
                ACT_VEC: tl.constexpr, FLIP: tl.constexpr, DESC: tl.constexpr,
                SUB: tl.constexpr, EVEN: tl.constexpr, WHOLE: tl.constexpr,
-               MASK: tl.constexpr):
+               MASK: tl.constexpr, windows):
     """Tile `chunk` scanned from a zero carry, as SUB sub-tiles (`tile_coefficients`): tuples
     of their (t, mask, a, bb, ea, eb, aux) as `scan_tile` returns them, and the tile's whole
     composition (agg_a, agg_b).
@@ -434,7 +460,8 @@ def scan_chunk(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, s
         t, mask, alpha, beta, aux = tile_coefficients(
             ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
             HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
-            ACT_BLOCKS, ACT_VEC, FLIP, DESC, 0, 1, EVEN, MASK, False, None)
+            ACT_BLOCKS, ACT_VEC, FLIP, DESC, 0, 1, EVEN, MASK, False, None,
+            None if windows is None else windows[0])
         a, bb, ea, eb = scan_tile(alpha, beta, SCAN_REVERSE, EXCLUSIVE, TIME_AXIS, FLIP)
         agg_a = edge(a, TIME_AXIS, BLOCK_T, WHOLE)
         agg_b = edge(bb, TIME_AXIS, BLOCK_T, WHOLE)
@@ -451,7 +478,8 @@ def scan_chunk(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, s
             t, mask, alpha, beta, aux = tile_coefficients(
                 ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
                 HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
-                ACT_BLOCKS, ACT_VEC, FLIP, DESC, J, SUB, EVEN, MASK, False, after)
+                ACT_BLOCKS, ACT_VEC, FLIP, DESC, J, SUB, EVEN, MASK, False, after,
+                None if windows is None else windows[J])
             if J > 0:
                 alpha, beta = combine(As[J - 1], Bs[J - 1], alpha, beta)
             ts = ts + (t,)
@@ -522,9 +550,9 @@ def chunk_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, 
                        INT64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr,
                        ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr, FLIP: tl.constexpr,
                        DESC: tl.constexpr, SUB: tl.constexpr, EVEN: tl.constexpr,
-                       MASK: tl.constexpr):
-    """A masked tile's steps, masks, builder coefficients (w, pieces), betas and auxes, per
-    sub-tile (`tile_coefficients` with W_PHASE)."""
+                       MASK: tl.constexpr, W_PHASE: tl.constexpr, windows):
+    """A tile's steps, masks, builder coefficients, betas and auxes, per sub-tile, not yet
+    scanned (`tile_coefficients`; with W_PHASE, the masked builders' (w, pieces))."""
     ts = ()
     masks = ()
     alphas = ()
@@ -534,7 +562,8 @@ def chunk_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, 
         t, mask, alpha, beta, aux = tile_coefficients(
             ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
             HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
-            ACT_BLOCKS, ACT_VEC, FLIP, DESC, J, SUB, EVEN, MASK, True, None)
+            ACT_BLOCKS, ACT_VEC, FLIP, DESC, J, SUB, EVEN, MASK, W_PHASE, None,
+            None if windows is None else windows[J])
         ts = ts + (t,)
         masks = masks + (mask,)
         alphas = alphas + (alpha,)
@@ -546,28 +575,37 @@ def chunk_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, 
 @triton.jit
 def successors(alphas, auxs, SCAN_REVERSE: tl.constexpr, TIME_AXIS: tl.constexpr,
                FLIP: tl.constexpr, BLOCK_T: tl.constexpr, SUB: tl.constexpr,
-               WHOLE: tl.constexpr):
+               WHOLE: tl.constexpr, restarts):
     """The W scan of a masked tile (SPEC 7): W[t] = w[t] at decision steps, W[t+1] (in scan
     order) at masked ones, as maps (w, 0) and (0, 1) of the same scan. Returns the exclusive
-    maps (each step's successor W as a map of the carry) and the tile's composition."""
+    maps (each step's successor W as a map of the carry) and the tile's composition.
+    `restarts`: None, or per sub-tile (heads, A's and W's carries there) of packed rows
+    (`segment_restarts`): W restarts from its carry at every segment's last step."""
     ws = ()
     ds = ()
     for J in tl.static_range(SUB):
         w, _ = alphas[J]
         _, keep = auxs[J]
+        d = tl.where(keep, 0.0, 1.0)
+        if restarts is not None:
+            head, _, w_boot = restarts[J]
+            w, d = restart(w, d, head, w_boot)
         ws = ws + (w,)
-        ds = ds + (tl.where(keep, 0.0, 1.0),)
+        ds = ds + (d,)
     _, _, ew_s, ewd_s, agg_w, agg_wd = compose(ws, ds, True, SCAN_REVERSE, TIME_AXIS, FLIP,
                                                BLOCK_T, SUB, WHOLE)
+    if restarts is not None:  # a segment's last step: its successor's W is the carry
+        ew_s, ewd_s = restart_exclusive(ew_s, ewd_s, restarts, 2, SUB)
     return ew_s, ewd_s, agg_w, agg_wd
 
 
 @triton.jit
 def finish_chunk(alphas, betas, auxs, ew_s, ewd_s, carry_w, scalars, FINISH: tl.constexpr,
-                 HAS_NEXT: tl.constexpr, VARIANT: tl.constexpr, SUB: tl.constexpr):
+                 HAS_NEXT: tl.constexpr, VARIANT: tl.constexpr, SUB: tl.constexpr, restarts):
     """A masked tile's coefficients once the W carry into it is known: the builder's pieces
     finished with each step's successor W (`FINISH`), masked steps the identity; the auxes
-    become (the builder's aux, the decision steps, the successor W)."""
+    become (the builder's aux, the decision steps, the successor W). With `restarts` (packed
+    rows), each segment's last step composed with A's carry past the segment."""
     out_a = ()
     out_b = ()
     out_x = ()
@@ -576,10 +614,173 @@ def finish_chunk(alphas, betas, auxs, ew_s, ewd_s, carry_w, scalars, FINISH: tl.
         aux, keep = auxs[J]
         wn = apply_map(ew_s[J], ewd_s[J], carry_w)
         alpha, beta = FINISH(pieces, betas[J], wn, scalars, HAS_NEXT, VARIANT)
-        out_a = out_a + (tl.where(keep, alpha, 0.0),)
-        out_b = out_b + (tl.where(keep, beta, 1.0),)
+        alpha = tl.where(keep, alpha, 0.0)
+        beta = tl.where(keep, beta, 1.0)
+        if restarts is not None:
+            head, a_boot, _ = restarts[J]
+            alpha, beta = restart(alpha, beta, head, a_boot)
+        out_a = out_a + (alpha,)
+        out_b = out_b + (beta,)
         out_x = out_x + ((aux, keep, wn),)
     return out_a, out_b, out_x
+
+
+# ---- packed rows (SPEC 7, `cu_seqlens`): one long row whose segment ends are window ends ------
+# A packed call scans its [L] stream as one row split over tiles as any long row. Each tile finds
+# the segments of its first and last steps by a search over the offsets (S + 1 integers, read
+# from L2 by every tile), each step its own segment by a binary search over the few segments
+# between them (none in most tiles: segments longer than a tile). Unmasked reverse builders see
+# each step's segment as a row of its own (its end as T, its bootstrap read there); masked and
+# forward scans restart at each segment's head (its first step in scan order) from their boot
+# carries there, the W scan too. No pass over the stream but the scan's own, nothing on the
+# host. (A per-step segment word built by a kernel beforehand would cost a launch and 1-4 bytes
+# per step read again; the search costs two L2 round trips per tile and no bytes per step.)
+
+SEGMENT_PROBES = tl.constexpr(64)  # offsets read per round of `tile_segments`' search
+
+
+@triton.jit
+def tile_segments(cu, last, t0, t1):
+    """The segments of steps t0 <= t1 of packed rows (offsets `cu`, ascending, segments 0 to
+    `last`): for each, the largest i with cu[i] <= t, found for both at once in rounds of
+    SEGMENT_PROBES reads (two rounds up to 4096 segments). Reads stay inside cu[0..last]
+    whatever it holds."""
+    which = tl.arange(0, 2)[:, None]
+    t = tl.where(which == 0, t0, t1)
+    lo = tl.zeros((2, 1), tl.int32)
+    hi = lo + last
+    k = tl.arange(0, SEGMENT_PROBES)[None, :] + 1
+    while tl.max(hi - lo) > 0:
+        step = tl.maximum((hi - lo + SEGMENT_PROBES - 1) // SEGMENT_PROBES, 1)
+        probe = lo + step * k
+        inside = probe <= hi
+        below = inside & (tl.load(cu + probe, mask=inside, other=0) <= t)
+        lo = lo + step * tl.sum(below.to(tl.int32), axis=1, keep_dims=True)
+        hi = tl.minimum(hi, lo + step - 1)
+    return tl.sum(tl.where(which == 0, lo, 0)), tl.sum(tl.where(which == 1, lo, 0))
+
+
+@triton.jit
+def step_segments(cu, t, first, last, REVERSE: tl.constexpr):
+    """(seg, bound) for steps t of a tile whose first and last steps lie in segments
+    first <= last: each step's segment and its end cu[seg + 1] (REVERSE) or its start cu[seg].
+    In tiles that hold a segment boundary, a binary search per step over cu[first + 1..last]
+    (one index per step: the largest i with cu[i] <= t, in steps of powers of two)."""
+    seg = tl.zeros(t.shape, tl.int32) + first
+    if REVERSE:
+        bound = tl.zeros(t.shape, t.dtype) + tl.load(cu + last + 1).to(t.dtype)
+    else:
+        bound = tl.zeros(t.shape, t.dtype) + tl.load(cu + first).to(t.dtype)
+    if last > first:
+        d = last - first
+        step = 1
+        while step * 2 <= d:
+            step = step * 2
+        while step > 0:
+            ahead = seg + step
+            inside = ahead <= last
+            seg = tl.where(inside & (tl.load(cu + ahead, mask=inside, other=0) <= t), ahead, seg)
+            step = step // 2
+        if REVERSE:
+            bound = tl.where(seg < last, tl.load(cu + seg + 1, mask=seg < last,
+                                                 other=0).to(t.dtype), bound)
+        else:
+            bound = tl.where(seg > first, tl.load(cu + seg, mask=seg > first,
+                                                  other=0).to(t.dtype), bound)
+    return seg, bound
+
+
+@triton.jit
+def segment_slots(ins, st, seg, SLOTS: tl.constexpr):
+    """The input slots, those of bit i set in SLOTS (bootstraps, their time stride the segment
+    stride) at each step's segment."""
+    out = ()
+    for i in tl.static_range(len(ins)):
+        if (SLOTS >> i) & 1:
+            out = out + (ins[i] + seg * st[i],)
+        else:
+            out = out + (ins[i],)
+    return out
+
+
+@triton.jit
+def segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS: tl.constexpr, INT64: tl.constexpr,
+                    BLOCK_T: tl.constexpr, FLIP: tl.constexpr, DESC: tl.constexpr,
+                    SUB: tl.constexpr, REVERSE: tl.constexpr, SLOTS: tl.constexpr,
+                    RESTART: tl.constexpr):
+    """Per sub-tile of tile `chunk` of packed rows: (the input slots, T and the heads its
+    builders see (`tile_coefficients`), each step's segment). The heads are where the scan
+    restarts: each segment's last step (reverse scans) or first step (forward scans).
+    Unmasked reverse builders see each step's segment end as T (so that `t == T - 1` is its
+    window end) and read the bootstraps (SLOTS) at its segment; with `RESTART` the builders see
+    the plain row, and the scan restarts at the heads from the boot carries
+    (`segment_restarts`)."""
+    t0 = chunk * BLOCK_T
+    first, last = tile_segments(cu, n_seg - 1, t0, tl.minimum(t0 + BLOCK_T, T) - 1)
+    windows = ()
+    for J in tl.static_range(SUB):
+        t = tile_steps(chunk, J, TIME_AXIS, INT64, BLOCK_T, FLIP, DESC, SUB)
+        seg, bound = step_segments(cu, t, first, last, REVERSE)
+        if INT64:
+            seg = seg.to(tl.int64)
+        if REVERSE:
+            bound = tl.minimum(bound, T)  # no read past the stream, whatever cu holds
+            head = t == bound - 1
+        else:
+            head = t == bound
+        if RESTART:
+            windows = windows + ((ins, T, head, seg),)
+        else:
+            windows = windows + ((segment_slots(ins, st, seg, SLOTS), bound, head, seg),)
+    return windows
+
+
+@triton.jit
+def segment_restarts(windows, st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars,
+                     BOOT: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+                     VARIANT: tl.constexpr, SUB: tl.constexpr, SLOTS: tl.constexpr):
+    """Per sub-tile of packed rows: (its heads, the scan's carry there and the W scan's): the
+    carries past each head's segment, `BOOT` read at the segment."""
+    out = ()
+    for J in tl.static_range(SUB):
+        ins, _, head, seg = windows[J]
+        a, w = BOOT(segment_slots(ins, st, seg, SLOTS), st, s1, s2, sa, b1, b2, mask_b & head,
+                    T, n_act, scalars, HAS_NEXT, HAS_LAST, VARIANT)
+        out = out + ((head, a, w),)
+    return out
+
+
+@triton.jit
+def restart(a, b, head, carry):
+    """A step's map (a, b), at the heads composed with the carry the scan restarts from:
+    (a + b * carry, 0), a constant map."""
+    return tl.where(head, apply_map(a, b, carry), a), tl.where(head, 0.0, b)
+
+
+@triton.jit
+def restart_chunk(alphas, betas, restarts, SUB: tl.constexpr):
+    """A tile's maps (per sub-tile) restarted at their heads with the scan's carry."""
+    out_a = ()
+    out_b = ()
+    for J in tl.static_range(SUB):
+        head, a_boot, _ = restarts[J]
+        a, b = restart(alphas[J], betas[J], head, a_boot)
+        out_a = out_a + (a,)
+        out_b = out_b + (b,)
+    return out_a, out_b
+
+
+@triton.jit
+def restart_exclusive(ea_s, eb_s, restarts, WHICH: tl.constexpr, SUB: tl.constexpr):
+    """Exclusive maps (the carry into each step), at the heads the constant carry
+    restarts[J][WHICH] (1: the scan's, 2: the W scan's)."""
+    out_a = ()
+    out_b = ()
+    for J in tl.static_range(SUB):
+        head = restarts[J][0]
+        out_a = out_a + (tl.where(head, restarts[J][WHICH], ea_s[J]),)
+        out_b = out_b + (tl.where(head, 0.0, eb_s[J]),)
+    return out_a, out_b
 
 
 @triton.jit
@@ -611,6 +812,7 @@ def scan_kernel(
     scalars,  # the estimator's float scalars (gamma, lambda, clips): runtime values
     row_ptr, row_sk, row_s1, row_s2,  # per-row values of the first ROW_PARAMS scalars
     T, B, B2, n_act, n_row_tiles, n_chunks,
+    cu, n_seg,  # packed rows: the segments' offsets and count (None otherwise)
     COEF: tl.constexpr, STORE: tl.constexpr, REVERSE: tl.constexpr, EXCLUSIVE: tl.constexpr,
     HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
     HAS_INIT: tl.constexpr, VARIANT: tl.constexpr, LOOKBACK: tl.constexpr, WALK: tl.constexpr,
@@ -618,7 +820,8 @@ def scan_kernel(
     BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_A: tl.constexpr,
     ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr, SUB: tl.constexpr, ROW_VEC: tl.constexpr,
     EVEN: tl.constexpr, ROW_PARAMS: tl.constexpr, MASK: tl.constexpr, W_PHASE: tl.constexpr,
-    BOOT: tl.constexpr, FINISH: tl.constexpr, STORE_INPUTS: tl.constexpr,
+    BOOT: tl.constexpr, FINISH: tl.constexpr, SEGMENTS: tl.constexpr, BOOT_SLOTS: tl.constexpr,
+    STORE_INPUTS: tl.constexpr,
 ):
     """One program per tile of `BLOCK_B` rows x `BLOCK_T` steps (`n_chunks` tiles along time),
     scanned once and kept in registers; with `LOOKBACK`, the tiles of a row run in parallel and
@@ -631,7 +834,12 @@ def scan_kernel(
     scan (`successors`) carries the successor's own value w across masked steps, with a carry
     and look-back of its own, before the main scan; `BOOT` gives both initial carries and
     `FINISH` the coefficients from each step's successor w. With `STORE_INPUTS` the writer
-    reads inputs too (`store_chunk`)."""
+    reads inputs too (`store_chunk`).
+
+    With `SEGMENTS` (packed rows, SPEC 7) the one row of T steps holds n_seg segments (offsets
+    `cu`), each a row of its own (`segment_windows`): the bootstrap slots (bits of BOOT_SLOTS)
+    are read at each step's segment, and with `BOOT` the scan (and the W scan) restarts at every
+    segment's head from BOOT's carries there (`segment_restarts`)."""
     # Reverse scans run forward over steps laid in decreasing t (module docstring). Retrace's
     # 3-D tiles too: they load along the action axis, whatever the order of their steps.
     FLIP: tl.constexpr = REVERSE and TIME_AXIS == 1 and BLOCK_T >= 8
@@ -703,24 +911,54 @@ def scan_kernel(
                                   HAS_NEXT, HAS_LAST, VARIANT)
         for i in range(n_chunks):
             chunk = n_chunks - 1 - i if REVERSE else i
+            windows = None
+            if SEGMENTS and BOOT is None:  # the builders see each step's segment
+                windows = segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS, INT64,
+                                          BLOCK_T, FLIP, DESC, SUB, REVERSE, BOOT_SLOTS, False)
             if W_PHASE:
                 ts, masks, als, bes, auxs = chunk_coefficients(
                     ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
                     COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T,
-                    BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, MASK)
+                    BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, MASK, True, windows)
+                restarts = None
+                if SEGMENTS:  # found after the coefficients' loads are issued: they overlap
+                    restarts = segment_restarts(
+                        segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS, INT64,
+                                        BLOCK_T, FLIP, DESC, SUB, REVERSE, BOOT_SLOTS, True),
+                        st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars, BOOT, HAS_NEXT,
+                        HAS_LAST, VARIANT, SUB, BOOT_SLOTS)
                 ew_s, ewd_s, agg_w, agg_wd = successors(als, auxs, SCAN_REVERSE, TIME_AXIS, FLIP,
-                                                        BLOCK_T, SUB, WHOLE)
+                                                        BLOCK_T, SUB, WHOLE, restarts)
                 als, bes, auxs = finish_chunk(als, bes, auxs, ew_s, ewd_s, carry_w, scalars,
-                                              FINISH, HAS_NEXT, VARIANT, SUB)
+                                              FINISH, HAS_NEXT, VARIANT, SUB, restarts)
                 a_s, bb_s, ea_s, eb_s, agg_a, agg_b = compose(
                     als, bes, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, FLIP, BLOCK_T, SUB, WHOLE)
+                if restarts is not None and EXCLUSIVE:
+                    ea_s, eb_s = restart_exclusive(ea_s, eb_s, restarts, 1, SUB)
                 carry_w = apply_map(agg_w, agg_wd, carry_w)
+            elif SEGMENTS and BOOT is not None:  # packed forward scans: restart at starts
+                ts, masks, als, bes, auxs = chunk_coefficients(
+                    ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
+                    COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T,
+                    BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, MASK, False, windows)
+                restarts = None
+                if SEGMENTS:  # found after the coefficients' loads are issued: they overlap
+                    restarts = segment_restarts(
+                        segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS, INT64,
+                                        BLOCK_T, FLIP, DESC, SUB, REVERSE, BOOT_SLOTS, True),
+                        st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars, BOOT, HAS_NEXT,
+                        HAS_LAST, VARIANT, SUB, BOOT_SLOTS)
+                als, bes = restart_chunk(als, bes, restarts, SUB)
+                a_s, bb_s, ea_s, eb_s, agg_a, agg_b = compose(
+                    als, bes, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, FLIP, BLOCK_T, SUB, WHOLE)
+                if EXCLUSIVE:
+                    ea_s, eb_s = restart_exclusive(ea_s, eb_s, restarts, 1, SUB)
             else:
                 ts, masks, a_s, bb_s, ea_s, eb_s, auxs, agg_a, agg_b = scan_chunk(
                     ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
                     COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, EXCLUSIVE, SCAN_REVERSE,
                     TIME_AXIS, INT64, BLOCK_T, BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB,
-                    EVEN, WHOLE, MASK)
+                    EVEN, WHOLE, MASK, windows)
             store_chunk(outs, ost, os1, os2, b1, b2, ts, masks, a_s, bb_s, ea_s, eb_s, auxs,
                         carry, scalars, STORE, VARIANT, SUB, src,
                         (BLOCK_A, ACT_BLOCKS, ACT_VEC), STORE_INPUTS)
@@ -728,13 +966,24 @@ def scan_kernel(
             carry = apply_map(agg_a, agg_b, carry)
     else:
         chunk = n_chunks - 1 - order if REVERSE else order
+        windows = None
+        if SEGMENTS and BOOT is None:  # the builders see each step's segment
+            windows = segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS, INT64, BLOCK_T,
+                                      FLIP, DESC, SUB, REVERSE, BOOT_SLOTS, False)
         if W_PHASE:
             ts, masks, als, bes, auxs = chunk_coefficients(
                 ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
                 HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
-                ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, MASK)
+                ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, MASK, True, windows)
+            restarts = None
+            if SEGMENTS:  # found after the coefficients' loads are issued: they overlap
+                restarts = segment_restarts(
+                    segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS, INT64, BLOCK_T,
+                                    FLIP, DESC, SUB, REVERSE, BOOT_SLOTS, True),
+                    st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars, BOOT, HAS_NEXT,
+                    HAS_LAST, VARIANT, SUB, BOOT_SLOTS)
             ew_s, ewd_s, agg_w, agg_wd = successors(als, auxs, SCAN_REVERSE, TIME_AXIS, FLIP,
-                                                    BLOCK_T, SUB, WHOLE)
+                                                    BLOCK_T, SUB, WHOLE, restarts)
             # both initial carries: read by the first tile in scan order only (as HAS_INIT's)
             carry, carry_w = BOOT(ins, st, s1, s2, sa, b1, b2, tl.where(order == 0, mask_b, False),
                                   T, n_act, scalars, HAS_NEXT, HAS_LAST, VARIANT)
@@ -750,14 +999,34 @@ def scan_kernel(
                                    pack(apply_map(agg_w, agg_wd, carry_w), tag + 2),
                                    sem="relaxed")
             als, bes, auxs = finish_chunk(als, bes, auxs, ew_s, ewd_s, carry_w, scalars, FINISH,
-                                          HAS_NEXT, VARIANT, SUB)
+                                          HAS_NEXT, VARIANT, SUB, restarts)
             a_s, bb_s, ea_s, eb_s, agg_a, agg_b = compose(
                 als, bes, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, FLIP, BLOCK_T, SUB, WHOLE)
+            if restarts is not None and EXCLUSIVE:
+                ea_s, eb_s = restart_exclusive(ea_s, eb_s, restarts, 1, SUB)
+        elif SEGMENTS and BOOT is not None:  # packed forward scans: restart at segment starts
+            ts, masks, als, bes, auxs = chunk_coefficients(
+                ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
+                HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
+                ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, MASK, False, windows)
+            restarts = None
+            if SEGMENTS:  # found after the coefficients' loads are issued: they overlap
+                restarts = segment_restarts(
+                    segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS, INT64, BLOCK_T,
+                                    FLIP, DESC, SUB, REVERSE, BOOT_SLOTS, True),
+                    st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars, BOOT, HAS_NEXT,
+                    HAS_LAST, VARIANT, SUB, BOOT_SLOTS)
+            als, bes = restart_chunk(als, bes, restarts, SUB)
+            a_s, bb_s, ea_s, eb_s, agg_a, agg_b = compose(
+                als, bes, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, FLIP, BLOCK_T, SUB, WHOLE)
+            if EXCLUSIVE:
+                ea_s, eb_s = restart_exclusive(ea_s, eb_s, restarts, 1, SUB)
         else:
             ts, masks, a_s, bb_s, ea_s, eb_s, auxs, agg_a, agg_b = scan_chunk(
                 ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
                 HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS,
-                INT64, BLOCK_T, BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, WHOLE, MASK)
+                INT64, BLOCK_T, BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, WHOLE, MASK,
+                windows)
         if HAS_INIT:
             # read by the first tile in scan order only, after its scan (not held through it):
             # a tile after it never reaches the initial carry in its look-back, since the first

@@ -47,7 +47,8 @@ class Kernel:
     action_outs: tuple = ()
     # masks (SPEC 7): the mask's input slot; for reverse estimators, whose successor is the next
     # decision step, `boot` (both initial carries) and `finish` (the coefficients from the
-    # successor's value) turn on the kernel's W scan (`kernel.scan_kernel`)
+    # successor's value) turn on the kernel's W scan (`kernel.scan_kernel`); on packed rows
+    # `boot` gives the carries each segment restarts from (with or without `finish`)
     mask_slot: int = -1
     boot: object = None
     finish: object = None
@@ -126,14 +127,21 @@ class Launch:
     and stream and reused by every later launch there: launches on one stream never overlap.
     Two CUDA graphs that captured the same call on the same stream share it, and must not be
     replayed concurrently.
+
+    Packed rows (SPEC 7, `segments`: (S, {slot: (segment stride, extent)} of the bootstrap
+    slots)): the per-step slots are one row `[L, *batch]` (T = L), the
+    bootstrap slots `[S, *batch]` are seen as `[L, *batch]` views of their first segment whose
+    time stride becomes the segment stride (`kernel.segment_slots`), and `run` takes the
+    offsets `cu`.
     """
 
     def __init__(self, kernel: Kernel, T: int, bshape: tuple, ins: list, out_shape: tuple,
                  time_dim: int, n_out: int, out_dtype: torch.dtype, *,
                  init: Optional[Tensor] = None, init_src: Optional[int] = None,
                  has_trunc: bool = False, has_next: bool = False, has_last: bool = False,
-                 variant: int = 0, n_boot: int = 0):
+                 variant: int = 0, n_boot: int = 0, segments: Optional[tuple] = None):
         src = [None if x is None else i for i, x in enumerate(ins)]
+        self.n_seg, boots = segments if segments is not None else (None, {})
         action_slots = kernel.action_slots
         # batch-major tiles where the steps are contiguous (slot 0), else time-major
         time_contiguous = ins[0].stride(0) == 1 and T > 1
@@ -176,22 +184,26 @@ class Launch:
         sa = tuple(ins[i].stride(-1) if i in action_slots else 0 for i in range(len(ins)))
         largest = max([_extent(v, (n_act - 1) * a) for v, a in zip(flat, sa) if v is not None]
                       + [_extent(v) for v in present]
-                      + [(_extent(out_view) + 1) * n_act - 1] * bool(kernel.action_outs))
+                      + [(_extent(out_view) + 1) * n_act - 1] * bool(kernel.action_outs)
+                      + [extent for _, extent in boots.values()])
         itemsize = max([x.element_size() for x in flat if x is not None
                         and x.is_floating_point()] or [4])
         cfg = tiles.choose(T, self.B, time_contiguous=time_contiguous, device=device,
                            n_act=n_act if action_slots else 0, exclusive=kernel.exclusive,
                            reverse=kernel.reverse, aux=kernel.aux, itemsize=itemsize,
-                           heavy=kernel.heavy)
+                           heavy=kernel.heavy, packed=segments is not None)
         n_chunks = cfg.chunks(T)
         n_row_tiles = triton.cdiv(self.B, cfg.block_b)
         self.lookback = n_chunks > 1 and not cfg.walk
         self.grid = (n_row_tiles * (n_chunks if self.lookback else 1), 1)
         # look-back scratch: two words per (tile, row), four with the W scan of masks
-        w_phase = kernel.boot is not None
+        w_phase = kernel.finish is not None
         words = 4 if w_phase else 2
         self.state_size = words * self.grid[0] * cfg.block_b if self.lookback else 1
         in_strides = strides(flat) + (sa,)
+        if boots:  # bootstraps: the segment stride in place of the (zero) time stride
+            in_strides = (tuple(boots[i][0] if i in boots else x
+                                for i, x in enumerate(in_strides[0])),) + in_strides[1:]
         # n_out alike (those with an action axis contiguous along it: n_act times the strides),
         # then n_boot alike
         out_strides = tuple(tuple(x * (n_act if i in self.action_outs else 1)
@@ -219,7 +231,9 @@ class Launch:
                              self.B, time_contiguous, bool(action_slots)) else 1),
                          SUB=cfg.sub, EVEN=tiles.even(T, self.B, cfg), ROW_PARAMS=0,
                          MASK=kernel.mask_slot, W_PHASE=w_phase, BOOT=kernel.boot,
-                         FINISH=kernel.finish, STORE_INPUTS=bool(kernel.action_outs),
+                         FINISH=kernel.finish, SEGMENTS=segments is not None,
+                         BOOT_SLOTS=sum(1 << i for i in boots),
+                         STORE_INPUTS=bool(kernel.action_outs),
                          num_warps=cfg.num_warps)
         if cfg.max_registers:
             self.meta["maxnreg"] = cfg.max_registers
@@ -233,18 +247,20 @@ class Launch:
         self.meta["ROW_PARAMS"] = k
         return self
 
-    def run(self, x: tuple, scalars: tuple, rows: Optional[Tensor] = None) -> list:
+    def run(self, x: tuple, scalars: tuple, rows: Optional[Tensor] = None,
+            cu: Optional[Tensor] = None) -> list:
         """Allocate the outputs and launch on the call's inputs `x` (the op's input tuple);
-        `rows`: the per-row scalars, contiguous `[row_params, *batch]` float32."""
+        `rows`: the per-row scalars, contiguous `[row_params, *batch]` float32; `cu`: packed
+        rows' offsets, contiguous int32 or int64 `[S + 1]` (S fixed by the plan's signature)."""
         # One allocation each: outputs that are views of one buffer would alias, which custom
         # ops (torch.compile) forbid.
         outs = [torch.empty(s, dtype=self.out_dtype, device=self.device)
                 for s in self.output_shapes()]
         if self.cuda and self.device_index != _current_device():
             with torch.cuda.device(self.device):
-                self._launch(x, outs, scalars, rows)
+                self._launch(x, outs, scalars, rows, cu)
         else:
-            self._launch(x, outs, scalars, rows)
+            self._launch(x, outs, scalars, rows, cu)
         return outs
 
     def output_shapes(self) -> list:
@@ -262,7 +278,7 @@ class Launch:
             state = self.states[stream] = (t, t.data_ptr())
         return state
 
-    def _launch(self, x, outs, scalars, rows):
+    def _launch(self, x, outs, scalars, rows, cu=None):
         stream = _stream(self.device_index) if self.cuda else None
         state, state_ptr = self._state(stream)
         kernel = self.compiled
@@ -271,7 +287,7 @@ class Launch:
             out0 = outs[0]  # unused slots get a valid pointer; the kernel never reads them
             args = self._args(tuple(out0 if i is None else x[i] for i in src), tuple(outs),
                               out0 if init_src is None else x[init_src], state, scalars,
-                              out0 if rows is None else rows)
+                              out0 if rows is None else rows, cu)
             if self.meta["EVEN"] and self.cuda:
                 self.meta["EVEN"] = even_keeps_occupancy(args, self.grid, self.meta)
             compiled = scan_kernel[self.grid](*args, **self.meta)
@@ -282,7 +298,8 @@ class Launch:
         args = self._args(tuple([0 if i is None else x[i].data_ptr() for i in src]),
                           tuple([o.data_ptr() for o in outs]),
                           0 if init_src is None else x[init_src].data_ptr(), state_ptr, scalars,
-                          0 if rows is None else rows.data_ptr())
+                          0 if rows is None else rows.data_ptr(),
+                          None if cu is None else cu.data_ptr())
         # What JITFunction.run does once it has found the kernel in its cache, minus
         # re-deriving the specialization key (the plan's signature fixes it, pointer alignment
         # included). Launch hooks (profilers) are honoured as JITFunction.run honours them.
@@ -292,11 +309,12 @@ class Launch:
         kernel.run(self.grid[0], self.grid[1], 1, stream, kernel.function, kernel.packed_metadata,
                    meta, enter, leave, *args, *self.tail)
 
-    def _args(self, ptrs, outs, init, state, scalars, rows) -> tuple:
-        """`scan_kernel`'s positional arguments, in its order."""
+    def _args(self, ptrs, outs, init, state, scalars, rows, cu=None) -> tuple:
+        """`scan_kernel`'s positional arguments, in its order (`cu`: packed rows' offsets,
+        None for other calls: no argument of the compiled kernel)."""
         in_strides, out_strides, init_strides, ints = self.strides
         return (ptrs, *in_strides, outs, *out_strides, init, *init_strides, state, scalars,
-                rows, *self.row_strides, *ints)
+                rows, *self.row_strides, *ints, cu, self.n_seg)
 
 
 def even_keeps_occupancy(args: tuple, grid: tuple, meta: dict, compile=None) -> bool:

@@ -51,6 +51,11 @@ SPAN_FEW_PROGRAMS_PER_SM = 4  # ... and the others' that look back in grids of <
 MAX_WARPS = 8
 ELEMENTS_PER_THREAD = 8  # batch-major tiles: the scan runs along each thread's own values
 ELEMENTS_PER_THREAD_LOOKBACK = 16  # ... that look back: discounted returns 28.4 -> 21.2 µs
+# ... of packed rows (each step's segment, its window end and bootstrap, the restarts): at 16
+# per thread GAE's 512-step tiles spill 440 B per thread, 1.1 KB with a mask (Triton 3.6 and
+# 3.9); at 4 (4 warps) 0-80 B (tools/registers.py gae:512x4096:bm:packed; H200 time not
+# measured yet)
+ELEMENTS_PER_THREAD_PACKED_LOOKBACK = 4
 HALF_PRECISION_SCALE = 2  # ... of 2-byte inputs in grids of many: bf16 GAE 71.8 -> 63.8 µs
 MANY_PROGRAMS_PER_SM = 32  # a grid of many programs, per SM (4-8 per SM: twice 3-9% slower)
 ELEMENTS_PER_THREAD_TIME_MAJOR = 32  # time-major forward scans in grids of few programs
@@ -109,17 +114,21 @@ class TileConfig:
 
 def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
            n_act: int = 0, exclusive: bool = False, reverse: bool = False,
-           aux: bool = False, itemsize: int = 4, heavy: bool = False) -> TileConfig:
+           aux: bool = False, itemsize: int = 4, heavy: bool = False,
+           packed: bool = False) -> TileConfig:
     """The tile for T steps x B rows; `time_contiguous` for batch-major data, `n_act` > 0 for
     Retrace's action axis, `exclusive` for scans that also carry the exclusive value (V-trace),
     `reverse` for reverse scans, `aux` for writers that hold per-step values of the builder
     through the scan (GAE, V-trace), `itemsize` the bytes of a floating-point input, `heavy` for
-    writers that hold many (V-trace's backward)."""
+    writers that hold many (V-trace's backward), `packed` for packed rows (SPEC 7: segments
+    inside the row)."""
     sms = _multiprocessors(device)
     per_step = action_block(n_act, itemsize) if n_act else 1
     flags = (per_step, n_act, exclusive, reverse, aux, itemsize, heavy)
     if time_contiguous:
         block_t, block_b, per_thread, walk, cap = _batch_major(T, B, sms, *flags)
+        if packed and T > block_t and not walk and not n_act:
+            per_thread = min(per_thread, ELEMENTS_PER_THREAD_PACKED_LOOKBACK)
     else:
         block_t, block_b, per_thread, cap = _time_major(T, B, sms, *flags)
         walk = False  # time-major tiles look back: 17-30% faster than walking at 16384x1024

@@ -1,0 +1,56 @@
+"""A digest of the SASS of every scan-kernel variant that tests/compile_sm90.py builds (forward,
+masked, backward and per-row), compiled for sm_90 without a GPU: to show that a change leaves
+the compiled code of the variants it does not target as it was.
+
+    python tools/sass_digest.py > before.txt; (change); python tools/sass_digest.py > after.txt
+    diff before.txt after.txt
+
+One line per kernel: its label, its instruction count and a hash of its SASS instructions (cuobjdump
+-sass; line information is not in it). Run without TRITON_INTERPRET."""
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import compile_sm90 as c  # noqa: E402
+import registers  # noqa: E402
+
+def sass(kernel) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([registers.CUOBJDUMP, "-sass", f.name], capture_output=True,
+                              text=True, check=True).stdout
+
+def instructions(text: str) -> str:
+    """The instruction lines of a SASS dump (with their encodings), nothing else."""
+    return "\n".join(m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(.*)", text))
+
+def labelled():
+    for label, case, layout in c.variants():
+        yield label, case, layout, False, False
+    for label, case, layout in c.mask_variants():
+        yield label, case, layout, False, False
+    for label, case, layout, per_row in c.grad_variants():
+        yield label, case, layout, True, per_row
+
+def main():
+    assert os.environ.get("TRITON_INTERPRET") != "1", "run without TRITON_INTERPRET"
+    registers.as_on_the_gpu()
+    only = sys.argv[1] if len(sys.argv) > 1 else ""
+    for label, case, layout, grad, per_row in labelled():
+        if only not in label:
+            continue
+        for i, (plan, args) in enumerate(c.plans_of(case, layout, grad=grad, per_row=per_row)):
+            kernel = c.compile_plan(plan, *args)
+            text = instructions(sass(kernel))
+            digest = hashlib.sha1(text.encode()).hexdigest()[:16]
+            print(f"{label} [{i}]: {len(text.splitlines())} instructions {digest}", flush=True)
+
+if __name__ == "__main__":
+    main()
