@@ -5,7 +5,8 @@ the last 100 episodes, against environment steps.
     python examples/plot_learning_curves.py runs/h200_gymnax/* --out curves.png --by-group
 
 With --by-group, one panel per (environment, experiment name) of the run folders' names, one
-line per run (the average of the last 100 episodes), coloured by credit backend. Prints, per run, the final average over the last 100 episodes and the first step where it reached
+line per run (the average of the last 100 episodes), coloured by credit backend. Prints, per
+run, the final average over the last 100 episodes and the first step where it reached
 `--threshold` (if given).
 """
 import argparse

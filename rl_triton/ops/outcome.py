@@ -112,7 +112,7 @@ def group_advantages(scores, group_index=None, *, group_size=None, baseline="mea
         if group_size < 1 or B % group_size:
             raise ValueError(f"group_size={group_size} must be positive and divide the number "
                              f"of scores, {B}")
-        ids, n_groups = torch.arange(B, device=s.device) // group_size, B // group_size
+        ids, n_groups = None, B // group_size  # arange(B) // group_size where needed
     else:
         gi = _tensor("group_index", group_index, s.device)
         if gi.is_floating_point() or gi.dtype is torch.bool:
@@ -129,14 +129,17 @@ def group_advantages(scores, group_index=None, *, group_size=None, baseline="mea
                              f"{B}, the number of scores")
     args = dict(baseline=baseline, scale=scale, eps=eps, std_correction=correction)
     backend = backend_for(backend, s.device)
-    if backend == "loop":
-        a = reference.group_advantages(s, ids, **args, dtype=_float(s))
-    elif (backend == "triton" and group_size is not None and _group.usable(s, group_size)
-          and not (s.requires_grad and torch.is_grad_enabled())
-          and not torch.compiler.is_compiling()):
-        # one kernel (_group); scores that need gradients, float64 ones, groups by index and
-        # traced calls run the torch ops below (differentiable by autograd)
+    # one kernel (_group); scores that need gradients, float64 ones, groups by index and
+    # traced calls run the torch ops (differentiable by autograd)
+    fused = (backend == "triton" and group_size is not None and _group.usable(s, group_size)
+             and not (s.requires_grad and torch.is_grad_enabled())
+             and not torch.compiler.is_compiling())
+    if ids is None and not fused:
+        ids = torch.arange(B, device=s.device) // group_size
+    if fused:
         a = _group.group_advantages(s, group_size, **args)
+    elif backend == "loop":
+        a = reference.group_advantages(s, ids, **args, dtype=_float(s))
     else:
         a = _group_advantages_torch(s.to(_float(s)), ids, n_groups, **args)
     if mask is not None:
