@@ -552,62 +552,47 @@ def compile_scans():
     tiles.window = lambda least, block_b, warps, device: gpu_window(  # plans: any window)
         least, block_b, warps, torch.device("cuda"))
     tiles.depth = lambda window, block_b, device: gpu_depth(window, block_b, torch.device("cuda"))
+    forward = (check_look_back, check_loads, check_register_cap, check_reverse_scans)
+    rules = (check_look_back, check_register_cap)  # loads not tuned yet where only these apply
     failed = 0
     for label, case, layout in variants():
-        t0 = time.time()
-        try:
-            ((plan, args),) = plans_of(case, layout)
-            kernel = compile_plan(plan, *args)
-            problem = (check_look_back(plan, kernel) or check_loads(plan, kernel)
-                       or check_register_cap(plan, kernel) or check_reverse_scans(plan, kernel))
-            if problem:
-                raise AssertionError(problem)
-            print(f"ok      {label} ({time.time() - t0:.1f} s)", flush=True)
-        except Exception as e:  # noqa: BLE001 - report every failure, then fail
-            failed += 1
-            print(f"FAILED  {label}: {type(e).__name__}: {str(e)[-400:]}", flush=True)
-    # masked kernels (SPEC 7): they compile and keep the look-back's and the register cap's rules
+        failed += compile_checked(label, lambda: one(plans_of(case, layout)), forward)
+    # masked kernels and packed rows (SPEC 7)
     for label, case, layout in mask_variants():
-        t0 = time.time()
-        try:
-            ((plan, args),) = plans_of(case, layout)
-            kernel = compile_plan(plan, *args)
-            problem = check_look_back(plan, kernel) or check_register_cap(plan, kernel)
-            if problem:
-                raise AssertionError(problem)
-            print(f"ok      {label} ({time.time() - t0:.1f} s)", flush=True)
-        except Exception as e:  # noqa: BLE001 - report every failure, then fail
-            failed += 1
-            print(f"FAILED  {label}: {type(e).__name__}: {str(e)[-400:]}", flush=True)
-    # packed rows (SPEC 7): they compile and keep the look-back's and the register cap's rules
+        failed += compile_checked(label, lambda: one(plans_of(case, layout)), rules)
     for label, plans in packed_variants():
-        t0 = time.time()
-        try:
-            ((plan, args),) = plans()
-            assert plan.meta["SEGMENTS"], "not the packed kernel"
-            kernel = compile_plan(plan, *args)
-            problem = check_look_back(plan, kernel) or check_register_cap(plan, kernel)
-            if problem:
-                raise AssertionError(problem)
-            print(f"ok      {label} ({time.time() - t0:.1f} s)", flush=True)
-        except Exception as e:  # noqa: BLE001 - report every failure, then fail
-            failed += 1
-            print(f"FAILED  {label}: {type(e).__name__}: {str(e)[-400:]}", flush=True)
-    # backward kernels, and forward kernels with per-row discounts: they compile and keep the
-    # look-back's and the register cap's rules (their loads are not tuned yet)
+        failed += compile_checked(label, lambda: one(plans()), (check_packed, *rules))
+    # backward kernels, and forward kernels with per-row discounts
     for label, case, layout, per_row in grad_variants():
-        t0 = time.time()
-        try:
-            for i, (plan, args) in enumerate(plans_of(case, layout, grad=True, per_row=per_row)):
-                kernel = compile_plan(plan, *args)
-                problem = check_look_back(plan, kernel) or check_register_cap(plan, kernel)
-                if problem:
-                    raise AssertionError(f"plan {i}: {problem}")
-            print(f"ok      {label} ({time.time() - t0:.1f} s)", flush=True)
-        except Exception as e:  # noqa: BLE001 - report every failure, then fail
-            failed += 1
-            print(f"FAILED  {label}: {type(e).__name__}: {str(e)[-400:]}", flush=True)
+        failed += compile_checked(
+            label, lambda: plans_of(case, layout, grad=True, per_row=per_row), rules)
     return failed
+
+
+def one(plans: list) -> list:
+    assert len(plans) == 1, f"{len(plans)} plans, expected one"
+    return plans
+
+
+def check_packed(plan, kernel):
+    return None if plan.meta["SEGMENTS"] else "not the packed kernel"
+
+
+def compile_checked(label, plans, checks) -> int:
+    """Compile every launch plan of `plans()` for TARGET and apply `checks` (each
+    (plan, kernel) -> a problem or None); print the outcome; 1 if anything failed."""
+    t0 = time.time()
+    try:
+        for i, (plan, args) in enumerate(plans()):
+            kernel = compile_plan(plan, *args)
+            problem = next(filter(None, (check(plan, kernel) for check in checks)), None)
+            if problem:
+                raise AssertionError(f"plan {i}: {problem}")
+        print(f"ok      {label} ({time.time() - t0:.1f} s)", flush=True)
+        return 0
+    except Exception as e:  # noqa: BLE001 - report every failure, then fail
+        print(f"FAILED  {label}: {type(e).__name__}: {str(e)[-400:]}", flush=True)
+        return 1
 
 
 if __name__ == "__main__":
