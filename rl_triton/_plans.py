@@ -323,7 +323,7 @@ def _offsets(cu_seqlens, L: int, device) -> Tensor:
     seen = _CHECKED_OFFSETS.get(key)
     stamp = (cu_seqlens._version, L) if isinstance(cu_seqlens, Tensor) else None
     read = not (seen is not None and seen[0]() is cu_seqlens and seen[1] == stamp) and (
-        not _unreadable())
+        not unreadable())
     cu = check_offsets(cu_seqlens, L, device, data=read, dtypes=(torch.int32, torch.int64))
     if read:
         if len(_CHECKED_OFFSETS) >= _MAX_CHECKED_OFFSETS:
@@ -332,8 +332,9 @@ def _offsets(cu_seqlens, L: int, device) -> Tensor:
     return cu.contiguous()
 
 
-def _unreadable() -> bool:
-    """Whether the host cannot read device data now (tracing, CUDA-graph capture)."""
+def unreadable() -> bool:
+    """Whether the host cannot read device data now (tracing, CUDA-graph capture): offsets'
+    values are then not checked (the kernels read only inside their tensors)."""
     return torch.compiler.is_compiling() or (
         torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 

@@ -40,7 +40,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from .._args import FLAG, check_choice, check_offsets
-from .._plans import SECOND_ORDER, _FirstOrder, backend_for
+from .._plans import SECOND_ORDER, _FirstOrder, backend_for, unreadable
 from ..scan.jit import tl, triton
 
 Tensor = torch.Tensor
@@ -72,14 +72,6 @@ def aggregation_args(call, aggregation, mask, cu_seqlens):
                          f"[B, T] inputs or the segments of cu_seqlens; {call.ref_name} has "
                          f"shape {shape}")
     return aggregation, mask, cu
-
-
-def unreadable() -> bool:
-    """Whether the host cannot read device data now (tracing, CUDA-graph capture): the
-    offsets' values are then not checked (the kernels read inside their tensors whatever
-    they hold)."""
-    return torch.compiler.is_compiling() or (
-        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def counted(mask: Optional[Tensor]) -> Optional[Tensor]:
