@@ -293,8 +293,6 @@ class Op:
         k = self.row_params if rows is not None else 0
         plan, x = cached_plan((self.name, out_dtype, extra, k, *call.key),
                               lambda y: self.plan(y, call, out_dtype, extra), x, self.copy, k)
-        if cu is None:
-            return plan.run(x, self.kernel_scalars(s), rows)
         return plan.run(x, self.kernel_scalars(s), rows, cu)
 
 
