@@ -19,10 +19,9 @@ bytes, and `fwd+bwd` forward plus backward, against autograd through the torch b
 through TorchRL's estimators (where TorchRL has one and is installed).
 It writes `bench.json`, `bench.md` and `bench.png` into `--out`.
 `--suite tokens` times LLM token rows instead (`run_tokens`): GAE and discounted returns on
-dense, padded, multi-turn and packed rows (with and without their mask) against the unmasked call
-and the same-bytes copy,
-verl's and OpenRLHF's own token loops beside rl_triton's drop-ins, masked_whiten and
-group_advantages; its plot is `tokens.png`.
+dense, padded, multi-turn and packed rows (with and without their mask) against the unmasked
+call and the same-bytes copy, verl's and OpenRLHF's own token loops beside rl_triton's drop-ins,
+masked_whiten and group_advantages; its plot is `tokens.png`.
 `--suite losses` times SPEC 9's losses (`run_losses`): PPO's surrogate, the value loss, the KL
 penalty, SAC's targets and CRR's weights, forward plus backward where differentiable, against
 their formula in eager PyTorch and under `torch.compile` and the same-bytes copy; its plot is
