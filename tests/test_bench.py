@@ -94,7 +94,7 @@ def test_ab_tool_checks_every_variant_and_names_its_plan():
     """tools/ab.py (A/B device times of variants of the tile rule, on the GPU): without one it
     builds each variant's plan, checks its result against float64 and prints the plan; a
     forced tile that changes the plan shows in it, and a malformed problem is refused; with
-    :bwd, the backward pass's (its gradients checked)."""
+    :bwd, the backward pass's (its gradients checked); with :mask, a masked call."""
     import os
     import subprocess
     import sys
@@ -122,6 +122,11 @@ def test_ab_tool_checks_every_variant_and_names_its_plan():
     base, cut = done.stdout.strip().split("\n")
     assert "vtrace:3x40:time-major:float32:bwd base: relative error" in base
     assert "LOOKBACK=False" in base and "LOOKBACK=True" in cut and "BLOCK_T=16" in cut, cut
+    # :mask, a masked call (SPEC 7) checked against the float64 reference of the same mask
+    done = subprocess.run([sys.executable, str(tool), "gae:3x40:bm:mask", "--", "base"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "gae:3x40:batch-major:float32:mask base: relative error" in done.stdout
 
 
 @pytest.mark.parametrize("name", bench.ESTIMATORS)

@@ -4,9 +4,9 @@ rl_triton/scan/tiles.py against measurements: docs/dev/tile-rule.md):
     python tools/ab.py [--rounds 5] retrace:1024x1024:bm vtrace:4x1048576:bm:bf16:notrunc \\
         -- base 'walk|rule:WALK_PROGRAMS_PER_SM_ACTIONS=1' 'w2|tiles:num_warps=2,max_registers=0'
 
-A problem is estimator:NxT:tm|bm, then optionally :bf16, :notrunc (no truncation flags) and :bwd
-(the backward pass alone, every floating input requiring grad, as `python -m rl_triton.bench
---modes bwd` times it), as for `tools/registers.py`; its inputs are the benchmark's
+A problem is estimator:NxT:tm|bm, then optionally :bf16, :notrunc (no truncation flags), :mask
+(a mask of ~70% decision steps, SPEC 7) and :bwd (the backward pass alone, every floating input
+requiring grad, as `python -m rl_triton.bench --modes bwd` times it), as for `tools/registers.py`; its inputs are the benchmark's
 (`rl_triton.bench.make_inputs`). A
 variant is a label, then optionally |rule:NAME=value,... (constants of the rule, as
 `python -m rl_triton.bench --rule`) and |tiles:field=value,... (tile fields forced, as
@@ -36,13 +36,13 @@ PLAN_FIELDS = ("BLOCK_T", "BLOCK_B", "num_warps", "maxnreg", "WALK", "LOOKBACK",
 
 def parse_problem(s):
     name, shape, layout, *extra = s.split(":")
-    if layout not in ("tm", "bm") or not set(extra) <= {"bf16", "notrunc", "bwd"}:
+    if layout not in ("tm", "bm") or not set(extra) <= {"bf16", "notrunc", "mask", "bwd"}:
         raise argparse.ArgumentTypeError(
-            f"{s!r} is not estimator:NxT:tm|bm[:bf16][:notrunc][:bwd]")
+            f"{s!r} is not estimator:NxT:tm|bm[:bf16][:notrunc][:mask][:bwd]")
     N, T = bench.parse_shape(shape)
     return dict(name=name, N=N, T=T, layout="time-major" if layout == "tm" else "batch-major",
                 dtype=torch.bfloat16 if "bf16" in extra else torch.float32,
-                truncation="notrunc" not in extra, bwd="bwd" in extra)
+                truncation="notrunc" not in extra, mask="mask" in extra, bwd="bwd" in extra)
 
 
 def parse_variant(s):
@@ -85,9 +85,14 @@ def main(argv=None):
     for prob in args.problems:
         spec = (f"{prob['name']}:{prob['N']}x{prob['T']}:{prob['layout']}:"
                 f"{str(prob['dtype'])[6:]}{'' if prob['truncation'] else ':notrunc'}"
-                f"{':bwd' if prob['bwd'] else ''}")
+                f"{':mask' if prob['mask'] else ''}{':bwd' if prob['bwd'] else ''}")
         kw, nbytes = bench.make_inputs(prob["name"], prob["N"], prob["T"], prob["layout"],
                                        prob["dtype"], prob["truncation"], device, seed=1)
+        if prob["mask"]:  # one byte a step more
+            first = kw.get("rewards", next(iter(kw.values())))
+            kw["mask"] = torch.rand(first.shape, generator=torch.Generator(device).manual_seed(2),
+                                    device=device) < 0.7
+            nbytes += kw["mask"].numel()
         name = prob["name"]
         call = functools.partial(getattr(rl_triton, name), **({} if gpu else
                                                                {"backend": "triton"}))
