@@ -185,3 +185,22 @@ def test_group_advantages_kernel(B, n, scale, baseline):
     assert len(seen) == 1
     want = rl_triton.group_advantages(s.double(), **kw, backend="torch", out_dtype=torch.float64)
     assert rel_err(got, want) < 1e-5
+
+
+def test_group_advantages_kernel_specializations():
+    """The kernel's compiled launch (`scan.launch.launch`) keys on what Triton specializes:
+    strided and misaligned scores, groups of one and of 16, group counts of 1 and of 16, in
+    turns (a kernel replayed on arguments it was not compiled for would give wrong results)."""
+    g = torch.Generator(device=DEV).manual_seed(7)
+    base = torch.randn(4 * 4096 + 64, generator=g, device=DEV)
+    cases = [(base[:4096], 8), (base[1:4097], 8), (base[::2][:4096], 8), (base[::16][:64], 4),
+             (base[:51], 3), (base[:16], 1), (base[:16], 16), (base[3:3 + 16 * 16], 16),
+             (base[:2 ** 12 * 3], 3)]
+    for _ in range(2):
+        for s, n in cases:
+            for scale in ("std", "batch_std"):
+                kw = dict(group_size=n, scale=scale, baseline="leave_one_out" if n > 1 else "mean")
+                got = rl_triton.group_advantages(s, **kw)
+                want = rl_triton.group_advantages(s.double(), **kw, backend="torch",
+                                                  out_dtype=torch.float64)
+                assert rel_err(got, want) < 1e-5, (s.stride(), s.storage_offset(), n, scale)

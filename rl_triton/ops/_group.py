@@ -4,14 +4,15 @@ Each program holds a tile of whole groups, [groups, group_size] (the size padded
 two), and computes every group's sum, mean and centered sum of squares in registers, then the
 advantages: no index_add round trips, no host sync. Arithmetic is float32 (bfloat16 / float16
 scores are widened). `scale="batch_std"` divides by the std of all scores, one torch reduction
-before the launch, read by the kernel from the device.
+before the launch, read by the kernel from the device. Launched as the scans are
+(`scan.launch.launch`: the compiled kernel after the first call).
 """
 from __future__ import annotations
 
 import torch
 
 from ..scan.jit import tl, triton
-from ._whiten import _on
+from ..scan.launch import launch
 
 Tensor = torch.Tensor
 MAX_GROUP = 1024  # larger groups keep the torch path (one tile holds a whole group)
@@ -63,9 +64,8 @@ def group_advantages(s: Tensor, group_size: int, *, baseline: str, scale: str, e
     G = B // group_size
     block_n = triton.next_power_of_2(group_size)
     block_g = max(1, TILE // block_n)
-    with _on(s.device):
-        _group_kernel[(triton.cdiv(G, block_g),)](
-            s, s.stride(0), denom, out, G, group_size, eps, float(std_correction),
-            LOO=baseline == "leave_one_out", SCALE=SCALES[scale], BLOCK_G=block_g,
-            BLOCK_N=block_n, num_warps=WARPS)
+    launch(_group_kernel, triton.cdiv(G, block_g),
+           (s, s.stride(0), denom, out, G, group_size, float(eps), float(std_correction)),
+           s.device, WARPS, LOO=baseline == "leave_one_out", SCALE=SCALES[scale],
+           BLOCK_G=block_g, BLOCK_N=block_n)
     return out

@@ -9,6 +9,7 @@ is given, about 1 µs each; an integer it takes as it is).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass
@@ -315,6 +316,49 @@ class Launch:
         in_strides, out_strides, init_strides, ints = self.strides
         return (ptrs, *in_strides, outs, *out_strides, init, *init_strides, state, scalars,
                 rows, *self.row_strides, *ints, cu, self.n_seg)
+
+
+def launch(fn, grid: int, args: tuple, device: torch.device, num_warps: int, **constexprs):
+    """`fn[(grid,)](*args, num_warps=num_warps, **constexprs)` for a kernel other than the scan
+    (`args`: its leading arguments, tensors and numbers; `constexprs`: the rest, by name), with
+    the host path `Launch` has: after the first launch of a specialization, its compiled kernel
+    with the tensors' addresses as integers. The key holds what Triton specializes on (`_spec`)."""
+    on = device.type == "cuda" and device.index != _current_device()
+    if device.type != "cuda" or not HAS_TRITON:  # Triton's interpreter
+        fn[(grid,)](*args, num_warps=num_warps, **constexprs)
+        return
+    key = (fn, device.index, num_warps, *constexprs.items(), *map(_spec, args))
+    hit = _COMPILED.get(key)
+    if hit is None:
+        with torch.cuda.device(device) if on else contextlib.nullcontext():
+            compiled = fn[(grid,)](*args, num_warps=num_warps, **constexprs)
+        if len(_COMPILED) >= _MAX_COMPILED:
+            _COMPILED.clear()
+        _COMPILED[key] = (compiled, tuple(constexprs[n] for n in fn.arg_names[len(args):]))
+        return
+    kernel, tail = hit
+    args = tuple(a.data_ptr() if isinstance(a, Tensor) else a for a in args)
+    stream = _stream(device.index)
+    enter, leave = _launch_hooks()
+    meta = (kernel.launch_metadata((grid, 1, 1), stream, *args, *tail)
+            if enter is not None else None)
+    with torch.cuda.device(device) if on else contextlib.nullcontext():
+        kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, meta, enter,
+                   leave, *args, *tail)
+
+
+def _spec(a):
+    """What Triton specializes an argument on: a tensor's dtype and 16-byte alignment; an
+    integer's value 1, divisibility by 16 and width."""
+    if isinstance(a, Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, int) and not isinstance(a, bool):
+        return int, a == 1, a % 16 == 0, -2**31 <= a <= INT32_MAX
+    return type(a)
+
+
+_COMPILED: dict = {}
+_MAX_COMPILED = 256
 
 
 def even_keeps_occupancy(args: tuple, grid: tuple, meta: dict, compile=None) -> bool:
