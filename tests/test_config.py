@@ -322,3 +322,39 @@ def test_full_tiles_keep_their_masks_where_registers_cannot_be_read(monkeypatch)
     assert len(warned) == 1
     assert launch.registers(SimpleNamespace(n_regs=56, metadata=SimpleNamespace(shared=0))) \
         == (56, 0)
+
+
+def test_compiled_launch_keys_on_what_triton_specializes(monkeypatch):
+    """`scan.launch.launch` (the losses', whitening's and group kernel's launches): the first
+    launch of a specialization goes through Triton's JIT, a repeat replays its compiled kernel
+    with the addresses as integers; another dtype, alignment, integer class (1, a multiple of
+    16) or constexpr is another specialization, so it goes through the JIT again."""
+    from rl_triton.scan import launch as L
+    calls = []
+
+    class Compiled:
+        function = packed_metadata = None
+
+        def run(self, *args):
+            calls.append(("run", args))
+
+    class Fn:
+        arg_names = ["x", "n", "BLOCK"]
+
+        def __getitem__(self, grid):
+            def jit(*args, **meta):
+                calls.append(("jit", args, meta))
+                return Compiled()
+            return jit
+
+    monkeypatch.setattr(L, "_stream", lambda index: 7)
+    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    monkeypatch.setattr(L, "_launch_hooks", lambda: (None, None))
+    monkeypatch.setattr(L, "_COMPILED", {})
+    fn, dev, x = Fn(), torch.device("cuda", 0), torch.zeros(64)
+    for args, meta in [((x, 5), 4), ((x, 7), 4), ((x, 16), 4), ((x, 1), 4), ((x[1:], 7), 4),
+                       ((x.double(), 7), 4), ((x, 7), 8), ((x[4:], 9), 4)]:
+        L.launch(fn, 3, args, dev, BLOCK=meta, num_warps=2)
+    assert [c[0] for c in calls] == ["jit", "run", "jit", "jit", "jit", "jit", "jit", "run"]
+    assert calls[1][1][:4] == (3, 1, 1, 7) and calls[1][1][-3:] == (x.data_ptr(), 7, 4)
+    assert calls[-1][1][-3:] == (x[4:].data_ptr(), 9, 4)  # 16 bytes in: aligned

@@ -66,6 +66,6 @@ def group_advantages(s: Tensor, group_size: int, *, baseline: str, scale: str, e
     block_g = max(1, TILE // block_n)
     launch(_group_kernel, triton.cdiv(G, block_g),
            (s, s.stride(0), denom, out, G, group_size, float(eps), float(std_correction)),
-           s.device, WARPS, LOO=baseline == "leave_one_out", SCALE=SCALES[scale],
-           BLOCK_G=block_g, BLOCK_N=block_n)
+           s.device, LOO=baseline == "leave_one_out", SCALE=SCALES[scale], BLOCK_G=block_g,
+           BLOCK_N=block_n, num_warps=WARPS)
     return out

@@ -32,7 +32,6 @@ the first: no graph break.
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import typing
 from typing import Callable, NamedTuple, Optional
@@ -42,6 +41,7 @@ import torch
 from .._args import FLAG, check_choice, check_offsets
 from .._plans import SECOND_ORDER, _FirstOrder, backend_for, unreadable
 from ..scan.jit import tl, triton
+from ..scan.launch import launch as compiled_launch
 
 Tensor = torch.Tensor
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "sum", "none")
@@ -179,18 +179,12 @@ def block(n: int) -> int:
 
 
 def launch(kernel, programs: int, *args, **meta) -> None:
-    """`kernel` on `programs` programs, on the device of the tensors (`meta`: constexprs)."""
+    """`kernel` on `programs` programs, on the device of the tensors (`meta`: constexprs), by
+    `scan.launch.launch` (the compiled kernel after the first call)."""
     if programs == 0:
         return
     device = next(a.device for a in args if isinstance(a, Tensor))
-    with _on(device):
-        kernel[(programs,)](*args, **meta)
-
-
-def _on(device: torch.device):
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
+    compiled_launch(kernel, programs, args, device, **meta)
 
 
 # ---- the kernels' shared pieces ------------------------------------------------------------------

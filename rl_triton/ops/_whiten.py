@@ -24,7 +24,7 @@ import torch
 
 from .._plans import SECOND_ORDER
 from ..scan.jit import tl, triton
-from ..scan.launch import _current_device
+from ..scan.launch import _current_device, launch
 
 Tensor = torch.Tensor
 # memory-bound passes on the H200: 8192 elements per program of the reductions keeps the
@@ -318,15 +318,17 @@ def _forward(x: Tensor, mask, opts) -> tuple:
                        device=x.device)
     stats = torch.empty(3, dtype=torch.float64, device=x.device)
     if N:
-        _stats_kernel[(P,)](xf, mf, part, N, P, **meta, BLOCK=BLOCK, num_warps=WARPS)
-    _combine_kernel[(1,)](part, stats, P, SUMS=group is not None, BLOCK=COMBINE_BLOCK,
-                          num_warps=WARPS)
+        launch(_stats_kernel, P, (xf, mf, part, N, P), x.device, **meta, BLOCK=BLOCK,
+               num_warps=WARPS)
+    launch(_combine_kernel, 1, (part, stats, P), x.device, SUMS=group is not None,
+           BLOCK=COMBINE_BLOCK, num_warps=WARPS)
     _all_reduce(stats, group)  # on every rank, even one without data
     y = torch.empty(N, dtype=out_dtype, device=x.device)
     if N:
-        _apply_kernel[(triton.cdiv(N, APPLY_BLOCK),)](
-            xf, mf, stats, y, N, float(correction), eps, **meta, SUMS=group is not None,
-            SHIFT=shift_mean, BLOCK=APPLY_BLOCK, num_warps=APPLY_WARPS)
+        launch(_apply_kernel, triton.cdiv(N, APPLY_BLOCK),
+               (xf, mf, stats, y, N, float(correction), float(eps)), x.device, **meta,
+               SUMS=group is not None, SHIFT=shift_mean, BLOCK=APPLY_BLOCK,
+               num_warps=APPLY_WARPS)
     return _unflat(y, x, order), stats
 
 
@@ -338,15 +340,17 @@ def _backward(x: Tensor, mask, stats: Tensor, g: Tensor, opts) -> Tensor:
     part = torch.empty(2, P, dtype=torch.float64 if meta["F64"] else torch.float32,
                        device=x.device)
     if N:
-        _grad_stats_kernel[(P,)](xf, mf, gf, stats, part, N, P, float(correction), eps, **meta,
-                                 SUMS=group is not None, BLOCK=BLOCK, num_warps=WARPS)
+        launch(_grad_stats_kernel, P, (xf, mf, gf, stats, part, N, P, float(correction),
+                                       float(eps)), x.device, **meta,
+               SUMS=group is not None, BLOCK=BLOCK, num_warps=WARPS)
     totals = part.sum(dim=1, dtype=torch.float64)  # (A, B); (0, 0) without data
     _all_reduce(totals, group)
     dx = torch.empty(N, dtype=x.dtype, device=x.device)
     if N:
-        _grad_apply_kernel[(triton.cdiv(N, APPLY_BLOCK),)](
-            xf, mf, gf, stats, totals, dx, N, float(correction), eps, **meta,
-            SUMS=group is not None, SHIFT=shift_mean, BLOCK=APPLY_BLOCK, num_warps=APPLY_WARPS)
+        launch(_grad_apply_kernel, triton.cdiv(N, APPLY_BLOCK),
+               (xf, mf, gf, stats, totals, dx, N, float(correction), float(eps)), x.device,
+               **meta, SUMS=group is not None, SHIFT=shift_mean, BLOCK=APPLY_BLOCK,
+               num_warps=APPLY_WARPS)
     return _unflat(dx, x, order)
 
 

@@ -318,32 +318,33 @@ class Launch:
                 rows, *self.row_strides, *ints, cu, self.n_seg)
 
 
-def launch(fn, grid: int, args: tuple, device: torch.device, num_warps: int, **constexprs):
-    """`fn[(grid,)](*args, num_warps=num_warps, **constexprs)` for a kernel other than the scan
-    (`args`: its leading arguments, tensors and numbers; `constexprs`: the rest, by name), with
-    the host path `Launch` has: after the first launch of a specialization, its compiled kernel
-    with the tensors' addresses as integers. The key holds what Triton specializes on (`_spec`)."""
+def launch(fn, grid: int, args: tuple, device: torch.device, **meta) -> None:
+    """`fn[(grid,)](*args, **meta)` for a kernel other than the scan (`args`: its leading
+    arguments, tensors and numbers; `meta`: its other arguments by name, constexprs, and launch
+    options such as num_warps), with the host path `Launch` has: after the first launch of a
+    specialization, its compiled kernel with the tensors' addresses as integers. The key holds
+    what Triton specializes on (`_spec`)."""
     on = device.type == "cuda" and device.index != _current_device()
     if device.type != "cuda" or not HAS_TRITON:  # Triton's interpreter
-        fn[(grid,)](*args, num_warps=num_warps, **constexprs)
+        fn[(grid,)](*args, **meta)
         return
-    key = (fn, device.index, num_warps, *constexprs.items(), *map(_spec, args))
+    key = (fn, device.index, *meta.items(), *map(_spec, args))
     hit = _COMPILED.get(key)
     if hit is None:
         with torch.cuda.device(device) if on else contextlib.nullcontext():
-            compiled = fn[(grid,)](*args, num_warps=num_warps, **constexprs)
+            compiled = fn[(grid,)](*args, **meta)
         if len(_COMPILED) >= _MAX_COMPILED:
             _COMPILED.clear()
-        _COMPILED[key] = (compiled, tuple(constexprs[n] for n in fn.arg_names[len(args):]))
+        _COMPILED[key] = (compiled, tuple(meta[n] for n in fn.arg_names[len(args):]))
         return
     kernel, tail = hit
     args = tuple(a.data_ptr() if isinstance(a, Tensor) else a for a in args)
     stream = _stream(device.index)
     enter, leave = _launch_hooks()
-    meta = (kernel.launch_metadata((grid, 1, 1), stream, *args, *tail)
+    info = (kernel.launch_metadata((grid, 1, 1), stream, *args, *tail)
             if enter is not None else None)
     with torch.cuda.device(device) if on else contextlib.nullcontext():
-        kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, meta, enter,
+        kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, info, enter,
                    leave, *args, *tail)
 
 
