@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..scan.jit import tl, triton
+from ..scan.jit import cdiv, next_power_of_2, tl, triton
 from ..scan.launch import launch
 
 Tensor = torch.Tensor
@@ -62,9 +62,9 @@ def group_advantages(s: Tensor, group_size: int, *, baseline: str, scale: str, e
     if scale == "batch_std":
         denom = (torch.std(s.float(), correction=std_correction) + eps).reshape(1)
     G = B // group_size
-    block_n = triton.next_power_of_2(group_size)
+    block_n = next_power_of_2(group_size)
     block_g = max(1, TILE // block_n)
-    launch(_group_kernel, triton.cdiv(G, block_g),
+    launch(_group_kernel, cdiv(G, block_g),
            (s, s.stride(0), denom, out, G, group_size, float(eps), float(std_correction)),
            s.device, LOO=baseline == "leave_one_out", SCALE=SCALES[scale], BLOCK_G=block_g,
            BLOCK_N=block_n, num_warps=WARPS)

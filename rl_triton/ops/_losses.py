@@ -40,7 +40,7 @@ import torch
 
 from .._args import FLAG, check_choice, check_offsets
 from .._plans import SECOND_ORDER, _FirstOrder, backend_for, unreadable
-from ..scan.jit import tl, triton
+from ..scan.jit import next_power_of_2, tl, triton
 from ..scan.launch import launch as compiled_launch
 
 Tensor = torch.Tensor
@@ -175,7 +175,7 @@ def layout(shape: tuple, *xs: Optional[Tensor]) -> Layout:
 
 
 def block(n: int) -> int:
-    return max(16, min(MAX_BLOCK, triton.next_power_of_2(max(n, 1))))
+    return max(16, min(MAX_BLOCK, next_power_of_2(max(n, 1))))
 
 
 def launch(kernel, programs: int, *args, **meta) -> None:

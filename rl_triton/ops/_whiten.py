@@ -23,7 +23,7 @@ import contextlib
 import torch
 
 from .._plans import SECOND_ORDER
-from ..scan.jit import tl, triton
+from ..scan.jit import cdiv, tl, triton
 from ..scan.launch import _current_device, launch
 
 Tensor = torch.Tensor
@@ -312,7 +312,7 @@ def _forward(x: Tensor, mask, opts) -> tuple:
     shift_mean, eps, correction, group, out_dtype = opts
     order, (xf, mf), meta = _operands(x, mask)
     N = xf.numel()
-    P = triton.cdiv(N, BLOCK)
+    P = cdiv(N, BLOCK)
     # one partial at least: the combining program takes its pointer even when P is 0
     part = torch.empty(4 * max(P, 1), dtype=torch.float64 if meta["F64"] else torch.float32,
                        device=x.device)
@@ -325,7 +325,7 @@ def _forward(x: Tensor, mask, opts) -> tuple:
     _all_reduce(stats, group)  # on every rank, even one without data
     y = torch.empty(N, dtype=out_dtype, device=x.device)
     if N:
-        launch(_apply_kernel, triton.cdiv(N, APPLY_BLOCK),
+        launch(_apply_kernel, cdiv(N, APPLY_BLOCK),
                (xf, mf, stats, y, N, float(correction), float(eps)), x.device, **meta,
                SUMS=group is not None, SHIFT=shift_mean, BLOCK=APPLY_BLOCK,
                num_warps=APPLY_WARPS)
@@ -336,7 +336,7 @@ def _backward(x: Tensor, mask, stats: Tensor, g: Tensor, opts) -> Tensor:
     shift_mean, eps, correction, group, _ = opts
     order, (xf, mf, gf), meta = _operands(x, mask, g)
     N = xf.numel()
-    P = triton.cdiv(N, BLOCK)
+    P = cdiv(N, BLOCK)
     part = torch.empty(2, P, dtype=torch.float64 if meta["F64"] else torch.float32,
                        device=x.device)
     if N:
@@ -347,7 +347,7 @@ def _backward(x: Tensor, mask, stats: Tensor, g: Tensor, opts) -> Tensor:
     _all_reduce(totals, group)
     dx = torch.empty(N, dtype=x.dtype, device=x.device)
     if N:
-        launch(_grad_apply_kernel, triton.cdiv(N, APPLY_BLOCK),
+        launch(_grad_apply_kernel, cdiv(N, APPLY_BLOCK),
                (xf, mf, gf, stats, totals, dx, N, float(correction), float(eps)), x.device,
                **meta, SUMS=group is not None, SHIFT=shift_mean, BLOCK=APPLY_BLOCK,
                num_warps=APPLY_WARPS)

@@ -8,7 +8,7 @@ import torch
 
 from .. import reference
 from .._args import Call, check_backend, check_choice, check_out_dtype, check_scalar
-from ..scan.jit import tl, triton
+from ..scan.jit import cdiv, next_power_of_2, tl, triton
 from . import _losses as L
 
 Tensor = torch.Tensor
@@ -66,9 +66,9 @@ def forward(x: Inputs, o: Options):
         qv, sv = q.reshape(N), sampled.reshape(N, J)
     extent = max((N - 1) * abs(qv.stride(0)), (N - 1) * abs(sv.stride(0))
                  + (J - 1) * abs(sv.stride(1))) + 1
-    block_j = min(triton.next_power_of_2(J), 64)
-    block_n = max(16, min(1024 // block_j, triton.next_power_of_2(max(N, 1))))
-    L.launch(forward_kernel, triton.cdiv(N, block_n), qv, sv, out, N, J, qv.stride(0),
+    block_j = min(next_power_of_2(J), 64)
+    block_n = max(16, min(1024 // block_j, next_power_of_2(max(N, 1))))
+    L.launch(forward_kernel, cdiv(N, block_n), qv, sv, out, N, J, qv.stride(0),
              *sv.stride(), o.beta, o.max_weight, EXP=o.kind == "exp", MEAN=o.baseline == "mean",
              INT64=max(extent, N * J) > L.INT32_MAX, BLOCK_N=block_n, BLOCK_J=block_j,
              num_warps=4)

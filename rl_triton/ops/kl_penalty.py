@@ -8,7 +8,7 @@ import torch
 
 from .. import reference
 from .._args import Call, check_backend, check_choice, check_out_dtype, check_scalar
-from ..scan.jit import tl, triton
+from ..scan.jit import cdiv, tl, triton
 from . import _losses as L
 
 Tensor = torch.Tensor
@@ -84,7 +84,7 @@ def forward(x: Inputs, o: Options):
     lay = L.layout(tuple(lp.shape), lp, x.ref_log_probs)
     N = lp.numel()
     meta = _meta(o, lay, N)
-    L.launch(forward_kernel, triton.cdiv(N, meta["BLOCK"]), *lay.tensors, out, N, lay.C,
+    L.launch(forward_kernel, cdiv(N, meta["BLOCK"]), *lay.tensors, out, N, lay.C,
              *lay.strides, 0.0 if o.clamp is None else o.clamp, **meta)
     return [out], []
 
@@ -96,7 +96,7 @@ def backward(x: Inputs, o: Options, saved, grads, needs):
     lay = L.layout(tuple(lp.shape), lp, ref, grads[0])
     N = lp.numel()
     meta = _meta(o, lay, N)
-    L.launch(backward_kernel, triton.cdiv(N, meta["BLOCK"]), *lay.tensors,
+    L.launch(backward_kernel, cdiv(N, meta["BLOCK"]), *lay.tensors,
              *(lay.tensors[0] if t is None else t for t in outs), N, lay.C, *lay.strides,
              0.0 if o.clamp is None else o.clamp, D_LP=needs[0], D_REF=needs[1], **meta)
     return outs

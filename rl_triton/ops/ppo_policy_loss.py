@@ -8,7 +8,7 @@ import torch
 
 from .. import reference
 from .._args import Call, check_backend, check_out_dtype, check_scalar
-from ..scan.jit import tl, triton
+from ..scan.jit import cdiv, tl, triton
 from . import _losses as L
 
 Tensor = torch.Tensor
@@ -151,7 +151,7 @@ def forward(x: Inputs, o: Options):
     inv = torch.empty((), dtype=torch.float32, device=dev)
     lay = L.layout(tuple(lp.shape), lp, x.old_log_probs, x.advantages, x.mask)
     bl = L.block(N)
-    programs = triton.cdiv(N, bl)
+    programs = cdiv(N, bl)
     parts = torch.empty((programs, 4), dtype=torch.float32, device=dev)
     L.launch(forward_kernel, programs, *lay.tensors, scale, cu, loss, parts,
              N, lay.C, S, steps, *lay.strides, *_scalars(o), HAS_MASK=x.mask is not None,
@@ -179,7 +179,7 @@ def backward(x: Inputs, o: Options, saved, grads, needs):
     bl = L.block(N)
     dummy = lay.tensors[0]
     g = dummy if g_loss is None else lay.tensors[4] if per_position else g_loss
-    L.launch(backward_kernel, triton.cdiv(N, bl), *lay.tensors[:4], scale, cu, g,
+    L.launch(backward_kernel, cdiv(N, bl), *lay.tensors[:4], scale, cu, g,
              dummy if g_kl is None else g_kl, inv, *(dummy if t is None else t for t in outs),
              N, lay.C, S, steps, *lay.strides, *_scalars(o), HAS_MASK=x.mask is not None,
              SEQ=seq, DUAL=o.dual_clip is not None, PER_POSITION=per_position,

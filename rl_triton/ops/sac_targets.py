@@ -9,7 +9,7 @@ import torch
 
 from .. import reference
 from .._args import FLAG, Call, check_backend, check_out_dtype, check_scalar
-from ..scan.jit import tl, triton
+from ..scan.jit import cdiv, next_power_of_2, tl, triton
 from . import _losses as L
 
 Tensor = torch.Tensor
@@ -160,9 +160,9 @@ def _views(x: Inputs) -> _Views:
 
 
 def _blocks(N: int, A: int) -> dict:
-    block_a = min(triton.next_power_of_2(A), 64)
+    block_a = min(next_power_of_2(A), 64)
     return dict(BLOCK_A=block_a,
-                BLOCK_N=max(16, min(1024 // block_a, triton.next_power_of_2(max(N, 1)))),
+                BLOCK_N=max(16, min(1024 // block_a, next_power_of_2(max(N, 1)))),
                 num_warps=4)
 
 
@@ -175,7 +175,7 @@ def forward(x: Inputs, o: Options):
     y = torch.empty(x.rewards.shape, dtype=o.out_dtype, device=x.rewards.device)
     meta = _blocks(vw.N, vw.A)
     alpha_t, alpha = _alpha(x, o, y)
-    L.launch(forward_kernel, triton.cdiv(vw.N, meta["BLOCK_N"]), *vw.tensors, alpha_t, y, vw.N,
+    L.launch(forward_kernel, cdiv(vw.N, meta["BLOCK_N"]), *vw.tensors, alpha_t, y, vw.N,
              vw.A, vw.K, *vw.strides, o.gamma, alpha, HAS_PROBS=x.next_probs is not None,
              ALPHA_TENSOR=x.alpha is not None, INT64=vw.INT64, **meta)
     return [y], []
@@ -189,7 +189,7 @@ def backward(x: Inputs, o: Options, saved, grads, needs):
                            for t, need in zip((x.rewards, x.next_q_values, x.next_log_probs,
                                                x.next_probs), (n_r, n_q, n_lp, n_p)))
     meta = _blocks(vw.N, vw.A)
-    programs = triton.cdiv(vw.N, meta["BLOCK_N"])
+    programs = cdiv(vw.N, meta["BLOCK_N"])
     parts = torch.empty(programs if n_alpha else 0, dtype=torch.float32,
                         device=x.rewards.device)
     discrete = x.next_probs is not None

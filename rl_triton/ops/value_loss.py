@@ -8,7 +8,7 @@ import torch
 
 from .. import reference
 from .._args import Call, check_backend, check_choice, check_out_dtype, check_scalar
-from ..scan.jit import tl, triton
+from ..scan.jit import cdiv, tl, triton
 from . import _losses as L
 
 Tensor = torch.Tensor
@@ -150,7 +150,7 @@ def forward(x: Inputs, o: Options):
     inv = torch.empty((), dtype=torch.float32, device=dev)
     lay = L.layout(tuple(v.shape), v, x.returns, x.old_values, x.mask)
     bl = L.block(N)
-    programs = triton.cdiv(N, bl)
+    programs = cdiv(N, bl)
     parts = torch.empty((programs, 2), dtype=torch.float32, device=dev)
     L.launch(forward_kernel, programs, *lay.tensors, scale, cu, loss, parts, N, lay.C, S, steps,
              *lay.strides, *_scalars(o), **_flags(x, o), FLAT=lay.FLAT, INT64=lay.INT64,
@@ -176,7 +176,7 @@ def backward(x: Inputs, o: Options, saved, grads, needs):
     N = v.numel()
     bl = L.block(N)
     dummy = lay.tensors[0]
-    L.launch(backward_kernel, triton.cdiv(N, bl), *lay.tensors[:4], scale, cu,
+    L.launch(backward_kernel, cdiv(N, bl), *lay.tensors[:4], scale, cu,
              lay.tensors[4] if per_position else g_loss, inv,
              *(dummy if t is None else t for t in outs), N, lay.C, S, steps, *lay.strides,
              *_scalars(o), **_flags(x, o), MEAN=o.aggregation == "token-mean", D_V=n_v,
