@@ -307,9 +307,12 @@ def mask_variants():
             for layout in ("time-major", "batch-major"):
                 yield f"masked {name} T={T} N={n} {layout}", masked(make_case(name, T, (n,))), \
                     layout
-    for name in ["gae", "lambda_returns", "discounted_returns"]:
+    for name in ["gae", "lambda_returns", "discounted_returns", "vtrace"]:
         yield f"masked {name} next_values bf16", masked(make_case(
             name, 4096, (4,), dtype=torch.bfloat16, bootstrap="next_values")), "batch-major"
+    for T, n in [(4096, 4), (64, 8448)]:
+        yield f"masked vtrace next_values T={T} N={n} time-major", masked(make_case(
+            "vtrace", T, (n,), bootstrap="next_values")), "time-major"
     yield "masked eligibility traces of vectors", masked(make_case(
         "eligibility_traces", 4096, (4,), features=(3,))), "time-major"
 
@@ -326,7 +329,7 @@ def packed_variants():
         for mask in (False, True):
             label = f"packed {name}{' masked' if mask else ''}"
             yield label, lambda n=name, m=mask: packed_plans(n, lengths, m)
-    for name in ["gae", "lambda_returns", "discounted_returns"]:
+    for name in ["gae", "lambda_returns", "discounted_returns", "vtrace"]:
         yield f"packed {name} masked next_values bf16", lambda n=name: packed_plans(
             n, lengths, True, dtype=torch.bfloat16, bootstrap="next_values")
     yield "packed vtrace next_values", lambda: packed_plans("vtrace", lengths,

@@ -34,6 +34,35 @@ def test_masked_large(name, shape, layout):
         assert rel_err(o, w) < 1e-5
 
 
+def refuse(*args, **kwargs):
+    raise AssertionError("not the kernel")
+
+
+@pytest.mark.parametrize("shape", [(512, 4096), (4, 1048576), (16384, 64)])
+@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
+def test_masked_vtrace_next_values_large(shape, layout, monkeypatch):
+    """V-trace with a mask and next_values: its kernel (the torch backend refused) against
+    float64."""
+    from rl_triton.ops import vtrace
+    N, T = shape
+    case = make_case("vtrace", T, (N,), device="cuda", seed=N, bootstrap="next_values")
+    mask = multi_turn(T, N).cuda()
+    want = testing.vectorized("vtrace", **case.steps, **case.extra, mask=mask)
+    monkeypatch.setattr(vtrace.OP, "torch", refuse)
+    got = case.call(layout, mask=to_layout(mask, layout), backend="triton")
+    for o, w in zip(got, want):
+        assert rel_err(o, w) < 1e-5
+
+
+def test_packed_vtrace_next_values_large(monkeypatch):
+    """Packed V-trace with a mask and next_values, in place (padded rows refused): 512
+    segments summing to 512 x 4096 tokens (every 37th empty) against float64."""
+    monkeypatch.setattr(rl_triton._plans.Op, "_padded", refuse)
+    lengths = random_lengths(512, 512 * 4096, seed=7, empty_every=37)
+    assert all(e < 1e-5 for e in packed_against_float64("vtrace", lengths, True,
+                                                        bootstrap="next_values"))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_packed_large(name):
     """512 packed responses of 1 to 4096 tokens against the same rows padded and masked."""

@@ -383,11 +383,10 @@ def test_packed_rows_split_across_programs(name, masked, device, in_place):
 
 @pytest.mark.parametrize("name", PACKED)
 def test_packed_kernel_bf16_and_next_values(name, device, in_place):
-    """bf16 inputs (float32 math), `next_values` (V-trace: without a mask; with one it runs
-    padded), int32 offsets, with and without a mask."""
+    """bf16 inputs (float32 math), `next_values`, int32 offsets, with and without a mask."""
     kw = {"bootstrap": "next_values"} if name in ("gae", "lambda_returns", "discounted_returns",
                                                   "vtrace") else {}
-    for masked in (False, True) if name != "vtrace" else (False,):
+    for masked in (False, True):
         steps, extra, cu = packed_inputs(name, SPLIT, masked, device=device,
                                          dtype=torch.bfloat16, **kw)
         got = getattr(rl_triton, name)(**steps, **extra, cu_seqlens=cu.int(), backend="triton")
@@ -536,3 +535,104 @@ def test_packed_kernel_feature_axes(name, device, in_place):
                 for w, r in zip(want, res if isinstance(res, tuple) else (res,)):
                     w[s:e] = r
         assert_close(got, want)
+
+
+# ---- V-trace with a mask and next_values: vs' is next_values at the last decision step --------
+
+def refuse_vtrace_torch(monkeypatch):
+    """V-trace's torch backend raises from here on: masked calls must run the kernel."""
+    from rl_triton.ops import vtrace
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("masked V-trace ran on the torch backend")
+    monkeypatch.setattr(vtrace.OP, "torch", refuse)
+
+
+@pytest.fixture
+def vtrace_kernel(monkeypatch):
+    refuse_vtrace_torch(monkeypatch)
+
+
+@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
+@pytest.mark.parametrize("T, N", [(1, 5), (37, 1), (37, 9), (333, 50)])
+def test_masked_vtrace_next_values_kernel(T, N, layout, device, vtrace_kernel):
+    """The kernel against deletion: masks in the middle, at the start, at the end, all masked,
+    none masked, one decision step (its own window end, then vs' = next_values)."""
+    case = make_case("vtrace", T, (N,), bootstrap="next_values", device=device, seed=T + N)
+    mask = mask_rows(T, max(N, 2), seed=T)[:, -N:].to(device)  # N = 1: a mask with spans
+    got = case.call(layout, mask=to_layout(mask, layout), backend="triton")
+    assert_close(got, deleted(case, mask))
+
+
+@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
+def test_masked_vtrace_next_values_split_across_programs(layout, device, vtrace_kernel):
+    """Six tiles per row: whether a decision step follows (the W carry's NaN) crosses tiles by
+    look-back (windows of 1 and 16) and by walking, and through tiles of no decision step."""
+    T, N = 5 * 16 + 7, 5
+    case = make_case("vtrace", T, (N,), seed=13, bootstrap="next_values", device=device)
+    mask = long_masks(T, N, seed=7).to(device)
+    want = deleted(case, mask)
+    runs = [dict(window=1, depth=0, walk=False), dict(window=16, depth=3, walk=False),
+            dict(window=16, depth=0, walk=True)]
+    if layout == "time-major":
+        runs += [dict(sub=4, walk=False)]
+    for i, run in enumerate(runs):
+        with tiles.override(block_t=16, block_b=2, **run):
+            for _ in range(1 + (i == 0)):
+                assert_close(case.call(layout, mask=to_layout(mask, layout), backend="triton"),
+                             want)
+
+
+@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
+def test_masked_vtrace_next_values_nan(layout, device, monkeypatch):
+    """Non-finite values at decision steps (NaN and inf, also past tile ends and where no
+    decision step follows) and next_values give the torch backend's outputs, NaN and inf
+    included, and the deletion's NaN pattern and values wherever it is finite."""
+    T, N = 5 * 16 + 7, 5
+    case = make_case("vtrace", T, (N,), seed=21, bootstrap="next_values", device=device)
+    mask = long_masks(T, N, seed=9).to(device)
+    values, nv = case.steps["values"].clone(), case.steps["next_values"].clone()
+    for n in range(N):  # a decision step's value NaN, another's inf, one next_value NaN
+        steps = mask[:, n].nonzero().squeeze(1).tolist()
+        if len(steps) > 2:
+            values[steps[len(steps) // 2], n] = float("nan")
+            values[steps[1], n] = float("inf")
+            nv[steps[-2], n] = float("nan")
+        elif steps:
+            values[steps[0], n] = float("nan")
+    values[~mask] = float("nan")  # masked steps are ignored
+    case.steps.update(values=values, next_values=nv)
+    want = case.call(layout, mask=to_layout(mask, layout), backend="torch")
+    ref = deleted(case, mask)
+    refuse_vtrace_torch(monkeypatch)
+    with tiles.override(block_t=16, block_b=2):
+        got = case.call(layout, mask=to_layout(mask, layout), backend="triton")
+    for g, w, r in zip(got, want, ref):
+        torch.testing.assert_close(g, w, equal_nan=True, rtol=1e-5, atol=1e-5)
+        assert torch.equal(g.isnan(), r.isnan().to(g.device))
+        fine = torch.isfinite(r).to(g.device)
+        assert fine.sum() > N  # most steps are untouched
+        assert_close([g[fine]], [r.to(g.device)[fine]])
+
+
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+def test_packed_masked_vtrace_next_values(lengths, device, in_place, vtrace_kernel):
+    """Packed rows in place, with a mask and next_values (empty segments, segments of one
+    step, L = 1), against each segment alone."""
+    steps, extra, cu = packed_inputs("vtrace", LENGTHS[lengths], True, device=device,
+                                     bootstrap="next_values")
+    got = rl_triton.vtrace(**steps, **extra, cu_seqlens=cu, backend="triton")
+    assert_close(got, per_segment("vtrace", steps, extra, cu))
+
+
+def test_packed_masked_vtrace_next_values_split(device, in_place, vtrace_kernel):
+    """A stream of 333 steps in tiles of 16, a mask and next_values: segment ends (a restart
+    of both carries) inside tiles and on their edges, carries by look-back and walking."""
+    steps, extra, cu = packed_inputs("vtrace", SPLIT, True, device=device,
+                                     bootstrap="next_values")
+    want = per_segment("vtrace", steps, extra, cu)
+    for run in [dict(window=1, depth=0, walk=False), dict(window=16, depth=3, walk=False),
+                dict(window=16, depth=0, walk=True)]:
+        with tiles.override(block_t=16, block_b=1, **run):
+            assert_close(rl_triton.vtrace(**steps, **extra, cu_seqlens=cu, backend="triton"),
+                         want)

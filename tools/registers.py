@@ -10,8 +10,8 @@ An argument is estimator:NxT:tm|bm, then optionally :bf16, :notrunc (no truncati
 :adv (Retrace's advantages too; the benchmark times its targets only), :bwd (the backward
 kernel, every floating input requiring grad, output gradients laid out as the outputs, as the
 benchmark's), :mask (a mask of ~70% decision steps, SPEC 7), :packed (the N rows of T steps
-packed into one [N*T] stream with cu_seqlens, SPEC 7; the layout is then that stream's) and
-:field=value,...
+packed into one [N*T] stream with cu_seqlens, SPEC 7; the layout is then that stream's), :next
+(next_values instead of last_value) and :field=value,...
 (tile fields forced as with `python -m rl_triton.bench --tiles`). Registers match ncu's on the
 H200 when the installed Triton is the GPU machine's (docs/dev/tuning-log.md; `PYTHONPATH=.ci/triton-oldest python tools/registers.py ...` runs Triton 3.6, the GPU machine's).
 Load rounds: the global loads of the SASS in the order an in-order warp issues them, a new round
@@ -99,15 +99,16 @@ def report(spec: str) -> str:
         if "=" in part:
             forced.update({k: int(v) for k, v in (kv.split("=") for kv in part.split(","))})
     n, t = map(int, shape.split("x"))
+    boot = {"bootstrap": "next_values"} if "next" in rest else {}
     case = make_case(name, t, (n,), n_act=18, trunc="notrunc" not in rest,
-                     dtype=torch.bfloat16 if "bf16" in rest else torch.float32)
+                     dtype=torch.bfloat16 if "bf16" in rest else torch.float32, **boot)
     if name == "retrace":  # targets only, as `python -m rl_triton.bench` times it
         case.extra["return_advantages"] = "adv" in rest
     with tiles.override(**forced):
         if "packed" in rest:
             plans = compile_sm90.packed_plans(
                 name, [t] * n, "mask" in rest, trunc="notrunc" not in rest,
-                dtype=torch.bfloat16 if "bf16" in rest else torch.float32)
+                dtype=torch.bfloat16 if "bf16" in rest else torch.float32, **boot)
         else:
             if "mask" in rest:
                 case.steps["mask"] = torch.rand(t, n) < 0.7

@@ -1,6 +1,6 @@
 """A digest of the SASS of every scan-kernel variant that tests/compile_sm90.py builds (forward,
-masked, backward and per-row), compiled for sm_90 without a GPU: to show that a change leaves
-the compiled code of the variants it does not target as it was.
+masked, packed, backward and per-row), compiled for sm_90 without a GPU: to show that a change
+leaves the compiled code of the variants it does not target as it was.
 
     python tools/sass_digest.py > before.txt; (change); python tools/sass_digest.py > after.txt
     diff before.txt after.txt
@@ -32,21 +32,22 @@ def instructions(text: str) -> str:
     return "\n".join(m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(.*)", text))
 
 def labelled():
-    for label, case, layout in c.variants():
-        yield label, case, layout, False, False
-    for label, case, layout in c.mask_variants():
-        yield label, case, layout, False, False
+    """(label, plans()) of every variant: forward, masked, packed, backward."""
+    for label, case, layout in [*c.variants(), *c.mask_variants()]:
+        yield label, lambda case=case, layout=layout: c.plans_of(case, layout)
+    yield from c.packed_variants()
     for label, case, layout, per_row in c.grad_variants():
-        yield label, case, layout, True, per_row
+        yield label, lambda case=case, layout=layout, per_row=per_row: c.plans_of(
+            case, layout, grad=True, per_row=per_row)
 
 def main():
     assert os.environ.get("TRITON_INTERPRET") != "1", "run without TRITON_INTERPRET"
     registers.as_on_the_gpu()
     only = sys.argv[1] if len(sys.argv) > 1 else ""
-    for label, case, layout, grad, per_row in labelled():
+    for label, plans in labelled():
         if only not in label:
             continue
-        for i, (plan, args) in enumerate(c.plans_of(case, layout, grad=grad, per_row=per_row)):
+        for i, (plan, args) in enumerate(plans()):
             kernel = c.compile_plan(plan, *args)
             text = instructions(sass(kernel))
             digest = hashlib.sha1(text.encode()).hexdigest()[:16]

@@ -91,7 +91,8 @@ def coef_masked(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params
                 HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
                 VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
                 ACT_VEC: tl.constexpr, after):
-    """w = V[t]; delta = rho (r - V) + rho gamma (1 - term) w' (`finish_linear`)."""
+    """w = V[t]; delta = rho (r - V) + rho gamma (1 - term) w' (`finish_linear`), or with
+    next_values rho (r + gamma (1 - term) v' - V) (c = 0), v' in the aux."""
     gamma = params[0]
     lam = params[1]
     rho_clip = params[2]
@@ -102,16 +103,35 @@ def coef_masked(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params
     ratio = tl.exp(load_step(ins, st, s1, s2, TARGET_LP, t, b1, b2, mask)
                    - load_step(ins, st, s1, s2, BEHAVIOR_LP, t, b1, b2, mask))
     rho = clip(ratio, rho_clip)
-    c = tl.where(term, 0.0, rho * gamma)  # NaN with a NaN ratio: alpha NaN
+    if HAS_NEXT:
+        nv = load_step(ins, st, s1, s2, NEXT_V, t, b1, b2, mask)
+        c = tl.zeros(mask.shape, tl.float32)
+    else:
+        c = tl.where(term, 0.0, rho * gamma)  # NaN with a NaN ratio: alpha NaN
     beta = tl.where(cut | (ratio != ratio), 0.0, gamma * lam * clip(ratio, c_clip))
-    return (v, (rho * (r - v), c)), beta, (r, v, term, cut, ratio)
+    # (one return: Triton 3.6 checks every return's types)
+    if HAS_NEXT:
+        a = rho * (r + tl.where(term, 0.0, gamma * nv) - v)
+        own = (r, v, term, cut, ratio, nv)
+    else:
+        a = rho * (r - v)
+        own = (r, v, term, cut, ratio)
+    return (v, (a, c)), beta, own
 
 
 @triton.jit
 def boot_masked(ins, st, s1, s2, sa, b1, b2, rows, T, n_act, params, HAS_NEXT: tl.constexpr,
                 HAS_LAST: tl.constexpr, VARIANT: tl.constexpr):
-    """(D, w) past the window: 0, and last_value."""
-    return tl.zeros(b1.shape, tl.float32), row_value(ins, st, s1, s2, LAST_V, b1, b2, rows)
+    """(D, w) past the window: 0, and last_value; with next_values w = NaN, which marks the
+    last decision step (`store_masked`)."""
+    if HAS_NEXT:
+        w = tl.full(b1.shape, float("nan"), tl.float32)
+    else:
+        w = row_value(ins, st, s1, s2, LAST_V, b1, b2, rows)
+    return tl.zeros(b1.shape, tl.float32), w
+
+
+NEXT = tl.constexpr(1)  # the masked kernel's VARIANT bit: next_values (no HAS_NEXT in writers)
 
 
 @triton.jit
@@ -120,18 +140,26 @@ def store_masked(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, param
     gamma = params[0]
     lam = params[1]
     pg_rho_clip = params[4]
-    own, keep, v_succ = aux  # (no nested unpacking: Triton 3.6)
-    r, v, term, cut, ratio = own
+    own, keep, wn = aux  # (no nested unpacking: Triton 3.6)
+    if NEXT & VARIANT:
+        r, v, term, cut, ratio, v_succ = own
+    else:
+        r, v, term, cut, ratio = own
+        v_succ = wn
     store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, tl.where(keep, v + res, 0.0))
     # vs' = vs at the next decision step = its value (w') + its D (the exclusive scan)
-    vs_succ = tl.where(cut, v_succ, v_succ + res_prev)
+    if NEXT & VARIANT:
+        # past the last decision step w' is the boot's NaN and D' is 0; elsewhere w' is V at
+        # the next decision step, and a NaN there makes its D NaN: the window end, vs' = v'
+        end = (wn != wn) & (res_prev == res_prev)
+        vs_succ = tl.where(cut | end, v_succ, wn + res_prev)
+    else:
+        vs_succ = tl.where(cut, v_succ, v_succ + res_prev)
     pg = clip(ratio, pg_rho_clip) * (
         r + tl.where(term, 0.0, gamma * (lam * vs_succ + (1.0 - lam) * v_succ)) - v)
     store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, tl.where(keep, pg, 0.0))
 
 
-# without next_values: with them the window end (the last decision step) would need a
-# scan of its own, and such calls run on the torch backend
 KERNEL_MASKED = Kernel(coef_masked, store_masked, reverse=True, exclusive=True, aux=True,
                        mask_slot=MASK, boot=boot_masked, finish=finish_linear)
 
@@ -314,9 +342,9 @@ def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
 OP = Op("vtrace", Inputs, Scalars, outputs=2,
         check=lambda x, td, extra, segments=None: value_args(x, td, segments=segments),
         plan=lambda x, call, out_dtype, extra: scan_plan(
-            KERNEL if x.mask is None else KERNEL_MASKED, x, call, 2, out_dtype),
-        masked_kernels=lambda x: x.next_values is None,
-        packed_kernels=lambda x: x.mask is None or x.next_values is None,
+            KERNEL if x.mask is None else KERNEL_MASKED, x, call, 2, out_dtype,
+            variant=int(x.mask is not None and x.next_values is not None)),
+        masked_kernels=lambda x: True, packed_kernels=lambda x: True,
         torch=torch_impl, loop=loop_impl, row_params=2, backward=backward)
 
 
