@@ -308,8 +308,8 @@ def packed_inputs(name, lengths, masked, seed=2, **kw):
     features = (3,) if name == "eligibility_traces" else ()
     steps, extra, cu = make_packed_inputs(name, lengths, features=features, seed=seed, **kw)
     L = int(cu[-1])
-    steps["mask"] = (torch.rand(L, generator=torch.Generator().manual_seed(seed + 1)) < 0.7
-                     if masked else None)
+    steps["mask"] = ((torch.rand(L, generator=torch.Generator().manual_seed(seed + 1)) < 0.7)
+                     .to(cu.device) if masked else None)
     return steps, extra, cu
 
 
