@@ -556,11 +556,12 @@ def retrace_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize("n_act", [1, 3, 18])
-@pytest.mark.parametrize("T, N", [(1, 1), (1, 50), (37, 1), (37, 5), (333, 5), (333, 50)])
+@pytest.mark.parametrize("T, N", [(1, 1), (1, 50), (37, 1), (37, 50), (333, 5)])
 @pytest.mark.parametrize("layout", ["time-major", "batch-major"])
 def test_masked_retrace_runs_its_kernel(layout, T, N, n_act, device, retrace_kernel):
-    """Odd shapes, 1 to 18 actions, masks in the middle, at the start, at the end, all masked
-    and none (`mask_rows`), against the deletion of the masked steps."""
+    """Odd shapes (333 x 50 is left to the GPU tests: minutes in the interpreter), 1 to 18
+    actions, masks in the middle, at the start, at the end, all masked and none
+    (`mask_rows`), against the deletion of the masked steps."""
     case = make_case("retrace", T, (N,), n_act=n_act, seed=T + N + n_act, device=device)
     mask = mask_rows(T, N, seed=T + n_act).to(device)
     assert_close(case.call(layout, mask=to_layout(mask, layout), backend="triton"),
