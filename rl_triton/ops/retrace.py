@@ -539,6 +539,8 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
     `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
     per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
     own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
+    On the Triton backend both run on the masked kernel, packed rows in place (calls that need
+    gradients: the torch backend, and padded rows).
 
     Example::
 
