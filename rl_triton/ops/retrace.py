@@ -484,9 +484,20 @@ def _check(x: Inputs, time_dim, extra, segments=None):
     if segments is not None and checked.mask is None:
         # packed rows run on the masked kernel (its W scan restarts at every segment's end):
         # without a mask, one of ones, a single byte seen at every step (no pass, no copy)
-        checked = checked._replace(mask=torch.ones((), dtype=torch.bool, device=call.device)
-                                   .expand(r.shape))
+        checked = checked._replace(mask=_ones(call.device).expand(r.shape))
     return checked, call
+
+
+_ONES: dict = {}  # a bool one per device: packed calls' mask where they give none
+
+
+def _ones(device) -> Tensor:
+    one = _ONES.get(device)
+    if one is None:
+        one = torch.ones((), dtype=torch.bool, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _ONES[device] = one  # (one made in a capture is filled at its replays only)
+    return one
 
 
 def _check_actions(x: Inputs, extra: Extras):
