@@ -644,3 +644,19 @@ def test_packed_retrace_runs_its_kernel(masked, n_act, device, retrace_kernel):
             assert_close(rl_triton.retrace(**steps, **extra, cu_seqlens=cu, backend="triton"),
                          want)
     assert_close(rl_triton.retrace(**steps, **extra, cu_seqlens=cu, backend="triton"), want)
+
+
+def test_masked_and_packed_retrace_need_the_bootstrap_state(device):
+    """Retrace's bootstrap state is required with a mask and with packed rows too (no silent
+    zero bootstrap), and checked per segment."""
+    steps, extra, cu = packed_inputs("retrace", [3, 0, 4], True, device=device)
+    for missing in ("last_q_values", "last_target_probs"):
+        kw = {k: v for k, v in extra.items() if k != missing}
+        with pytest.raises(ValueError, match=missing):  # one row of 7 steps: [A] bootstraps
+            rl_triton.retrace(**steps, **{k: v[0] if k in BOOTS else v for k, v in kw.items()},
+                              backend="triton")
+        with pytest.raises(ValueError, match=missing):
+            rl_triton.retrace(**steps, **kw, cu_seqlens=cu, backend="triton")
+    with pytest.raises(ValueError, match="last_q_values"):
+        rl_triton.retrace(**steps, **{**extra, "last_q_values": extra["last_q_values"][:2]},
+                          cu_seqlens=cu, backend="triton")
