@@ -544,9 +544,8 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
 
     `mask` (SPEC 7; bool, integer or float, the shape of `rewards`): the decision steps. The
     recurrence runs over them only, as if the other steps were deleted from each row: a step's
-    successor state is that of the next decision step, each row's last decision step is its window end, and
-    outputs at masked steps are 0
-    (their actions are ignored).
+    successor state is that of the next decision step, each row's last decision step is its
+    window end, and outputs at masked steps are 0 (their actions are ignored).
     `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
     per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
     own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
