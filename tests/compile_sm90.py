@@ -301,12 +301,19 @@ def mask_variants():
         case.steps["mask"] = torch.rand(shape, generator=torch.Generator().manual_seed(0)) < 0.7
         return case
 
-    for name in ["gae", "lambda_returns", "discounted_returns", "vtrace", "eligibility_traces",
-                 "episodic_cumsum"]:
+    for name in ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
+                 "eligibility_traces", "episodic_cumsum"]:
         for T, n in [(4096, 4), (16, 64), (64, 8448)]:
             for layout in ("time-major", "batch-major"):
                 yield f"masked {name} T={T} N={n} {layout}", masked(make_case(name, T, (n,))), \
                     layout
+    for n_act in (1, 18):  # Retrace: one action block, several, without the advantages
+        for layout in ("time-major", "batch-major"):
+            case = masked(make_case("retrace", 4096, (4,), n_act=n_act))
+            case.extra["return_advantages"] = False
+            yield f"masked retrace {n_act} actions, no advantages {layout}", case, layout
+    yield "masked retrace bf16", masked(make_case("retrace", 4096, (4,), n_act=18,
+                                                  dtype=torch.bfloat16)), "batch-major"
     for name in ["gae", "lambda_returns", "discounted_returns", "vtrace"]:
         yield f"masked {name} next_values bf16", masked(make_case(
             name, 4096, (4,), dtype=torch.bfloat16, bootstrap="next_values")), "batch-major"
@@ -324,8 +331,8 @@ def packed_variants():
     view of many feature rows), and many short segments (the search's third round)."""
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 4097, (64,), generator=g).tolist()
-    for name in ["gae", "lambda_returns", "discounted_returns", "vtrace", "eligibility_traces",
-                 "episodic_cumsum"]:
+    for name in ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
+                 "eligibility_traces", "episodic_cumsum"]:
         for mask in (False, True):
             label = f"packed {name}{' masked' if mask else ''}"
             yield label, lambda n=name, m=mask: packed_plans(n, lengths, m)

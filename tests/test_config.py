@@ -20,6 +20,7 @@ KERNELS = {
     "lambda_returns": dict(reverse=True),  # discounted returns, the reverse linear scan alike
     "vtrace": dict(reverse=True, exclusive=True, aux=True),
     "retrace": dict(reverse=True, n_act=18),
+    "retrace_masked": dict(reverse=True, exclusive=True, aux=True, n_act=18),
     "forward": dict(),  # eligibility traces, episodic sums, the forward linear scan
     "backward": dict(exclusive=True, aux=True),  # GAE's, lambda-returns', discounted returns'
     "vtrace_backward": dict(exclusive=True, aux=True, heavy=True),

@@ -8,8 +8,8 @@ from cases import make_case, rel_err, to_layout
 from rl_triton import testing
 from rl_triton.scan import tiles
 
-NAMES = ["gae", "lambda_returns", "discounted_returns", "vtrace", "eligibility_traces",
-         "episodic_cumsum"]
+NAMES = ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
+         "eligibility_traces", "episodic_cumsum"]
 
 
 def multi_turn(T, N, seed=0):

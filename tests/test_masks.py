@@ -285,8 +285,9 @@ def test_packed_gradients_flow(device):
 
 # ---- packed rows in place (the Triton kernels, SPEC 7): segment ends as window ends ----------
 
-PACKED = ["gae", "lambda_returns", "discounted_returns", "vtrace", "eligibility_traces",
-          "episodic_cumsum"]
+PACKED = ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
+          "eligibility_traces", "episodic_cumsum"]
+TWO_OUTPUTS = ("gae", "vtrace", "retrace")  # retrace: with return_advantages (make_inputs)
 # empty segments first, last and consecutive; one segment; segments of one step; L = 1
 LENGTHS = {"empties": [0, 5, 0, 0, 1, 17, 3, 0], "one": [37], "ones": [1] * 37, "L=1": [1],
            "long": [150, 0, 1, 182]}
@@ -317,10 +318,10 @@ def per_segment(name, steps, extra, cu):
     """Each segment called alone on the float64 reference (zeros where it is empty)."""
     fn = getattr(rl_triton.reference, name)
     boots = {k: v for k, v in extra.items() if k in BOOTS}
-    scalars = {k: v for k, v in extra.items() if k not in BOOTS}
+    scalars = {k: v for k, v in extra.items() if k not in BOOTS and k != "return_advantages"}
     ref = steps["rewards" if "rewards" in steps else "x"]
     outs = [torch.zeros(ref.shape, dtype=torch.float64)
-            for _ in range(2 if name in ("gae", "vtrace") else 1)]
+            for _ in range(2 if name in TWO_OUTPUTS else 1)]
     for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         if e == s:
             continue
@@ -506,7 +507,8 @@ def test_packed_kernel_empty_stream(name, device, in_place):
         assert o.shape[0] == 0
 
 
-@pytest.mark.parametrize("name", ["gae", "lambda_returns", "discounted_returns", "vtrace"])
+@pytest.mark.parametrize("name", ["gae", "lambda_returns", "discounted_returns", "vtrace",
+                                  "retrace"])
 def test_packed_kernel_feature_axes(name, device, in_place):
     """Per-step tensors [L, D] (time-major tiles, rows along D; bootstraps [S, D]), with a mask
     [L, D] and without, split over tiles of 16 steps, against each segment alone."""
@@ -520,7 +522,7 @@ def test_packed_kernel_feature_axes(name, device, in_place):
     steps = {k: None if v is None else v[pos, seg] for k, v in steps.items()}
     fn, ref = getattr(rl_triton, name), getattr(rl_triton.reference, name)
     boots = {k: v for k, v in extra.items() if k in BOOTS}
-    scalars = {k: v for k, v in extra.items() if k not in BOOTS}
+    scalars = {k: v for k, v in extra.items() if k not in BOOTS and k != "return_advantages"}
     for mask in (None, torch.rand(L, D, generator=torch.Generator().manual_seed(1)) < 0.7):
         mask = None if mask is None else mask.to(device)
         with tiles.override(block_t=16, sub=4):
@@ -636,3 +638,125 @@ def test_packed_masked_vtrace_next_values_split(device, in_place, vtrace_kernel)
         with tiles.override(block_t=16, block_b=1, **run):
             assert_close(rl_triton.vtrace(**steps, **extra, cu_seqlens=cu, backend="triton"),
                          want)
+
+
+# ---- Retrace's masked kernel: masked and packed calls run on it, never on the torch backend ---
+
+@pytest.fixture
+def retrace_kernel(monkeypatch):
+    """Masked and packed Retrace calls must run its Triton kernel: neither the torch backend
+    (where masked calls without a kernel go) nor padded rows."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("retrace ran on the torch backend")
+
+    def refuse_padded(*args, **kwargs):
+        raise AssertionError("packed rows ran as padded rows")
+    monkeypatch.setattr(rl_triton.ops.retrace.OP, "torch", refuse)
+    monkeypatch.setattr(rl_triton._plans.Op, "_padded", refuse_padded)
+
+
+@pytest.mark.parametrize("n_act", [1, 3, 18])
+@pytest.mark.parametrize("T, N", [(1, 1), (1, 50), (37, 1), (37, 50), (333, 5)])
+@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
+def test_masked_retrace_runs_its_kernel(layout, T, N, n_act, device, retrace_kernel):
+    """Odd shapes (333 x 50 is left to the GPU tests: minutes in the interpreter), 1 to 18
+    actions, masks in the middle, at the start, at the end, all masked and none
+    (`mask_rows`), against the deletion of the masked steps."""
+    case = make_case("retrace", T, (N,), n_act=n_act, seed=T + N + n_act, device=device)
+    mask = mask_rows(T, N, seed=T + n_act).to(device)
+    assert_close(case.call(layout, mask=to_layout(mask, layout), backend="triton"),
+                 deleted(case, mask))
+
+
+@pytest.mark.parametrize("n_act", [1, 18])
+@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
+def test_masked_retrace_split_across_programs(layout, n_act, device, retrace_kernel):
+    """Rows of 87 steps in tiles of 16 (masked spans that cover whole tiles): the carries of
+    the scan and of the successor's expectation by look-back and by walking."""
+    T, N = 5 * 16 + 7, 5
+    case = make_case("retrace", T, (N,), n_act=n_act, seed=3, device=device)
+    mask = long_masks(T, N, seed=9).to(device)
+    want = deleted(case, mask)
+    runs = [dict(window=1, depth=0, walk=False), dict(window=16, depth=3, walk=False),
+            dict(window=16, depth=0, walk=True)]
+    if layout == "time-major":
+        runs += [dict(sub=4, walk=False)]
+    for run in runs:
+        with tiles.override(block_t=16, block_b=2, **run):
+            assert_close(case.call(layout, mask=to_layout(mask, layout), backend="triton"),
+                         want)
+
+
+def assert_same_non_finite(got, want):
+    """The same non-finite pattern (NaN and inf alike) and the finite values close."""
+    for o, w in zip(got, want):
+        o, w = o.double().cpu(), w.double().cpu()
+        fin = torch.isfinite(w)
+        assert torch.equal(torch.isfinite(o), fin)
+        assert_close([o[fin]], [w[fin]])
+
+
+@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
+def test_masked_retrace_non_finite_stays_in_its_episode(layout, device, retrace_kernel):
+    """NaN and inf at decision steps (a reward, a Q value, a probability, a behaviour
+    probability, the bootstrap state; a NaN reward where pi(a_t) = 0 cuts the trace), in rows
+    split over tiles: the float64 reference's pattern exactly, on the kernel and the torch
+    backend."""
+    T, N = 70, 8
+    case = make_case("retrace", T, (N,), n_act=3, seed=5, device=device)
+    mask = mask_rows(T, N, seed=2).to(device)
+    steps = {k: None if v is None else v.clone() for k, v in case.steps.items()}
+    extra = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.extra.items()}
+    steps["rewards"][40, 0] = float("nan")
+    steps["q_values"][30, 2, steps["actions"][30, 2]] = float("inf")
+    steps["target_probs"][50, 3, 1] = float("nan")
+    steps["behavior_probs"][20, 4] = float("nan")
+    steps["target_probs"][25, 7, steps["actions"][25, 7]] = 0.0  # c = 0: the trace is cut
+    steps["rewards"][25, 7] = float("nan")
+    extra["last_q_values"][6, 0] = float("nan")
+    mask[[40, 30, 50, 20, 25], [0, 2, 3, 4, 7]] = True
+    noref = {k: v for k, v in extra.items() if k != "return_advantages"}
+    want = rl_triton.reference.retrace(**steps, **noref, mask=mask)
+    assert all(not torch.isfinite(w).all() for w in want)
+    with tiles.override(block_t=16, block_b=2):
+        got = rl_triton.retrace(**{k: to_layout(v, layout) for k, v in steps.items()}, **extra,
+                                mask=to_layout(mask, layout),
+                                time_dim=0 if layout == "time-major" else 1, backend="triton")
+    assert_same_non_finite([o if layout == "time-major" else o.movedim(1, 0) for o in got],
+                           want)
+    # the torch backend's own (the fixture refuses it through the public function)
+    op = rl_triton.ops.retrace
+    x = op.Inputs(**steps, last_q_values=extra["last_q_values"],
+                  last_target_probs=extra["last_target_probs"], mask=mask)
+    s = op.Scalars(extra["gamma"], extra["lam"], extra["c_clip"])
+    assert_same_non_finite(op.torch_impl(x, s, op.Extras(True, True)), want)
+
+
+@pytest.mark.parametrize("n_act", [1, 18])
+@pytest.mark.parametrize("masked", [False, True])
+def test_packed_retrace_runs_its_kernel(masked, n_act, device, retrace_kernel):
+    """Packed rows with empty segments, split over tiles of 16 (look-back and walk), 1 and 18
+    actions, against each segment alone."""
+    steps, extra, cu = packed_inputs("retrace", SPLIT, masked, device=device, n_act=n_act)
+    want = per_segment("retrace", steps, extra, cu)
+    for run in (dict(window=16, depth=3, walk=False), dict(window=16, depth=0, walk=True)):
+        with tiles.override(block_t=16, block_b=1, **run):
+            assert_close(rl_triton.retrace(**steps, **extra, cu_seqlens=cu, backend="triton"),
+                         want)
+    assert_close(rl_triton.retrace(**steps, **extra, cu_seqlens=cu, backend="triton"), want)
+
+
+def test_masked_and_packed_retrace_need_the_bootstrap_state(device):
+    """Retrace's bootstrap state is required with a mask and with packed rows too (no silent
+    zero bootstrap), and checked per segment."""
+    steps, extra, cu = packed_inputs("retrace", [3, 0, 4], True, device=device)
+    for missing in ("last_q_values", "last_target_probs"):
+        kw = {k: v for k, v in extra.items() if k != missing}
+        with pytest.raises(ValueError, match=missing):  # one row of 7 steps: [A] bootstraps
+            rl_triton.retrace(**steps, **{k: v[0] if k in BOOTS else v for k, v in kw.items()},
+                              backend="triton")
+        with pytest.raises(ValueError, match=missing):
+            rl_triton.retrace(**steps, **kw, cu_seqlens=cu, backend="triton")
+    with pytest.raises(ValueError, match="last_q_values"):
+        rl_triton.retrace(**steps, **{**extra, "last_q_values": extra["last_q_values"][:2]},
+                          cu_seqlens=cu, backend="triton")

@@ -12,8 +12,8 @@ from .._plans import Op
 from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import (clip, cut_flags, flags_before, load_step, load_value, offsets,
-                           store_out)
+from ..scan.kernel import (clip, cut_flags, finish_linear, flags_before, load_step, load_value,
+                           offsets, store_out)
 from ..scan.launch import Kernel
 from ._common import bits, like, run_backward, scan_plan
 
@@ -189,6 +189,95 @@ def store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
 KERNEL = Kernel(coef, store, reverse=True, trunc_slot_always=(TERM.value, TRUNC.value),
                 coef_whole=coef_whole, action_slots=(Q.value, PI.value, LAST_Q.value,
                                                      LAST_PI.value))
+
+
+# ---- with a mask (SPEC 7): the successor is the next decision step (the kernel's W scan) ----
+# With D = G - Q(s_t, a_t), own-step e[t] = sum_a pi(a | s_t) Q(s_t, a) and c[t] (SPEC 3),
+# G[t] = r[t] + gamma (1 - term[t]) (e[n] + (1 - cut[t]) U[n]), n the next decision step, where
+# U = c D (a select where c = 0, as the trace's: U[n] = -c[n] Q(s_n, a_n) there) is a reverse
+# scan with own-step coefficients: U[t] = c (r - Q_a) + c gamma (1 - term) e[n] + gamma c
+# (1 - cut) U[n]. The W scan carries w = e across masked steps; the writer forms G from e[n]
+# (w') and U[n] (the exclusive scan). Past the window: U = 0, w = the bootstrap state's e.
+
+@triton.jit
+def coef_masked(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
+                HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
+                VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+                ACT_VEC: tl.constexpr, after):
+    """w = e[t]; alpha = c (r - Q_a) + c gamma (1 - term) w' (`finish_linear`), beta = gamma c
+    where the trace goes on. Slot t's action axis in blocks, on the transposed tile, as `terms`
+    walks slot t+1's."""
+    gamma = params[0]
+    lam = params[1]
+    c_clip = params[2]
+    a_t = tl.trans(load_action(ins, st, s1, s2, t, b1, b2, mask, n_act))
+    r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
+    term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
+    mu = tl.where(mask, load_step(ins, st, s1, s2, MU, t, b1, b2, mask), 1.0)
+    q_row = tl.trans(offsets(t, b1, b2, st[Q], s1[Q], s2[Q]))
+    pi_row = tl.trans(offsets(t, b1, b2, st[PI], s1[PI], s2[PI]))
+    mask_tr = tl.trans(mask)
+    if ACT_VEC > 1:  # rows that start at a multiple of ACT_VEC actions (`action_vector`)
+        q_row = q_row // ACT_VEC * ACT_VEC
+        pi_row = pi_row // ACT_VEC * ACT_VEC
+    q_a = tl.trans(load_value(ins[Q], q_row + a_t * sa[Q], mask_tr))
+    pi_a = tl.trans(load_value(ins[PI], pi_row + a_t * sa[PI], mask_tr))
+    expected = tl.zeros(mask_tr.shape, tl.float32)
+    for k in tl.static_range(ACT_BLOCKS):
+        a = k * BLOCK_A + tl.arange(0, BLOCK_A)[None, None, :]
+        in_a = tl.max_constancy(mask_tr[:, :, None] & (a < n_act), [1, 1, ACT_VEC])
+        q = tl.load(ins[Q] + (q_row[:, :, None] + a * sa[Q]), mask=in_a,
+                    other=0.0).to(tl.float32)
+        p = tl.load(ins[PI] + (pi_row[:, :, None] + a * sa[PI]), mask=in_a,
+                    other=0.0).to(tl.float32)
+        expected += tl.sum(q * p, axis=2)
+    c = lam * clip(pi_a / mu, c_clip)
+    # c = 0 keeps -c Q_a (NaN with a NaN Q_a, as the reference's c Q') and drops r
+    a_own = c * (tl.where(c == 0, 0.0, r) - q_a)
+    k_own = tl.where(term, 0.0, gamma * c)  # NaN with a NaN c: alpha NaN
+    # a NaN trace coefficient makes alpha NaN; beta stays finite (the scan's combine relies on it)
+    beta = tl.where(cut | (c != c), 0.0, gamma * c)
+    return (tl.trans(expected), (a_own, k_own)), beta, (r, term, cut, q_a)
+
+
+BOOT_BLOCK_A = tl.constexpr(4)  # actions per load of the bootstrap state (`boot_masked`)
+
+
+@triton.jit
+def boot_masked(ins, st, s1, s2, sa, b1, b2, rows, T, n_act, params, HAS_NEXT: tl.constexpr,
+                HAS_LAST: tl.constexpr, VARIANT: tl.constexpr):
+    """(U, w) past the window: 0, and sum_a pi(a | s_T) Q(s_T, a) from the bootstrap state
+    (read where `rows` is set: the first tile in scan order, or packed rows' segment ends)."""
+    lq = ins[LAST_Q] + offsets(0, b1, b2, st[LAST_Q], s1[LAST_Q], s2[LAST_Q])
+    lpi = ins[LAST_PI] + offsets(0, b1, b2, st[LAST_PI], s1[LAST_PI], s2[LAST_PI])
+    end = tl.zeros(rows.shape, tl.float32)
+    for a0 in range(0, n_act, BOOT_BLOCK_A):
+        a = a0 + tl.arange(0, BOOT_BLOCK_A)[None, None, :]
+        in_a = rows[:, :, None] & (a < n_act)
+        end += tl.sum(tl.load(lq[:, :, None] + a * sa[LAST_Q], mask=in_a, other=0.0)
+                      .to(tl.float32)
+                      * tl.load(lpi[:, :, None] + a * sa[LAST_PI], mask=in_a, other=0.0)
+                      .to(tl.float32), axis=2)
+    return tl.zeros(rows.shape, tl.float32), end
+
+
+@triton.jit
+def store_masked(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
+                 VARIANT: tl.constexpr):
+    """G = r + gamma (1 - term) (e' + (1 - cut) U'), U' the exclusive scan (0 past the window)."""
+    gamma = params[0]
+    own, keep, e_succ = aux  # (no nested unpacking: Triton 3.6)
+    r, term, cut, q_a = own
+    g = r + tl.where(term, 0.0, gamma * (e_succ + tl.where(cut, 0.0, res_prev)))
+    store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, tl.where(keep, g, 0.0))
+    if VARIANT == 1:
+        store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, tl.where(keep, g - q_a, 0.0))
+
+
+KERNEL_MASKED = Kernel(coef_masked, store_masked, reverse=True, exclusive=True, aux=True,
+                       trunc_slot_always=(TERM.value, TRUNC.value),
+                       action_slots=(Q.value, PI.value, LAST_Q.value, LAST_PI.value),
+                       mask_slot=MASK, boot=boot_masked, finish=finish_linear)
 
 
 # ---- backward: H[t] = dA[t] + gamma * c[t] * (1 - cut[t-1]) * H[t-1], a forward scan --------
@@ -374,8 +463,8 @@ def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
     return reference.retrace(**x._asdict(), **s._asdict(), dtype=dtype)
 
 
-def _check(x: Inputs, time_dim, extra):
-    call = Call("rewards", x.rewards, time_dim)
+def _check(x: Inputs, time_dim, extra, segments=None):
+    call = Call("rewards", x.rewards, time_dim, segments=segments)
     r = call.step("rewards", x.rewards)
     q = call.step("q_values", x.q_values, trailing=1)
     n_act = q.shape[-1]
@@ -392,7 +481,23 @@ def _check(x: Inputs, time_dim, extra):
         call.bootstrap("last_target_probs", x.last_target_probs, VALUE,
                        trailing_shape=(n_act,), optional=False),
         call.step("mask", x.mask, FLAG, optional=True))
+    if segments is not None and checked.mask is None:
+        # packed rows run on the masked kernel (its W scan restarts at every segment's end):
+        # without a mask, one of ones, a single byte seen at every step (no pass, no copy)
+        checked = checked._replace(mask=_ones(call.device).expand(r.shape))
     return checked, call
+
+
+_ONES: dict = {}  # a bool one per device: packed calls' mask where they give none
+
+
+def _ones(device) -> Tensor:
+    one = _ONES.get(device)
+    if one is None:
+        one = torch.ones((), dtype=torch.bool, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _ONES[device] = one  # (one made in a capture is filled at its replays only)
+    return one
 
 
 def _check_actions(x: Inputs, extra: Extras):
@@ -404,10 +509,11 @@ def _check_actions(x: Inputs, extra: Extras):
 
 OP = Op("retrace", Inputs, Scalars, outputs=2, extras=Extras, check=_check,
         plan=lambda x, call, out_dtype, extra: scan_plan(
-            KERNEL, x, call, 1 + extra.return_advantages, out_dtype,
-            variant=int(extra.return_advantages)),
+            KERNEL if x.mask is None else KERNEL_MASKED, x, call, 1 + extra.return_advantages,
+            out_dtype, variant=int(extra.return_advantages)),
         torch=torch_impl, loop=loop_impl, n_out=lambda extra: 1 + extra.return_advantages,
-        runtime_check=_check_actions, row_params=2, backward=backward)
+        runtime_check=_check_actions, row_params=2, backward=backward,
+        masked_kernels=lambda x: True, packed_kernels=lambda x: True)
 
 
 def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated, truncated=None,
@@ -438,12 +544,13 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
 
     `mask` (SPEC 7; bool, integer or float, the shape of `rewards`): the decision steps. The
     recurrence runs over them only, as if the other steps were deleted from each row: a step's
-    successor state is that of the next decision step, each row's last decision step is its window end, and
-    outputs at masked steps are 0
-    (their actions are ignored).
+    successor state is that of the next decision step, each row's last decision step is its
+    window end, and outputs at masked steps are 0 (their actions are ignored).
     `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
     per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
     own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
+    On the Triton backend both run on the masked kernel, packed rows in place (calls that need
+    gradients: the torch backend, and padded rows).
 
     Example::
 
