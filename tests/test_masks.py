@@ -346,7 +346,7 @@ def padded(name, steps, extra, cu, **kw):
             rows[k][pos, seg] = v
     valid = torch.zeros(longest, S, dtype=torch.bool)
     valid[pos, seg] = True if steps["mask"] is None else steps["mask"].cpu()
-    out = getattr(rl_triton, name)(**rows, **extra, mask=valid, **kw)
+    out = getattr(rl_triton, name)(**rows, **extra, mask=valid.to(cu.device), **kw)
     return tuple(o[pos, seg] for o in (out if isinstance(out, tuple) else (out,)))
 
 
