@@ -324,10 +324,10 @@ def launch(fn, grid: int, args: tuple, device: torch.device, **meta) -> None:
     options such as num_warps), with the host path `Launch` has: after the first launch of a
     specialization, its compiled kernel with the tensors' addresses as integers. The key holds
     what Triton specializes on (`_spec`)."""
-    on = device.type == "cuda" and device.index != _current_device()
     if device.type != "cuda" or not HAS_TRITON:  # Triton's interpreter
         fn[(grid,)](*args, **meta)
         return
+    on = device.index != _current_device()  # Triton launches on the current device
     key = (fn, device.index, *meta.items(), *map(_spec, args))
     hit = _COMPILED.get(key)
     if hit is None:
