@@ -784,6 +784,36 @@ def restart_exclusive(ea_s, eb_s, restarts, WHICH: tl.constexpr, SUB: tl.constex
 
 
 @triton.jit
+def packed_forward_chunk(ins, st, s1, s2, sa, cu, n_seg, chunk, n_chunks, b1, b2, mask_b, T, n_act,
+                         scalars, COEF: tl.constexpr, BOOT: tl.constexpr, HAS_TRUNC: tl.constexpr,
+                         HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr, VARIANT: tl.constexpr,
+                         EXCLUSIVE: tl.constexpr, SCAN_REVERSE: tl.constexpr,
+                         REVERSE: tl.constexpr, TIME_AXIS: tl.constexpr, INT64: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
+                         ACT_VEC: tl.constexpr, FLIP: tl.constexpr, DESC: tl.constexpr,
+                         SUB: tl.constexpr, EVEN: tl.constexpr, WHOLE: tl.constexpr,
+                         MASK: tl.constexpr, BOOT_SLOTS: tl.constexpr):
+    """`scan_chunk` for packed forward scans: the tile's maps restarted at its segments'
+    starts from `BOOT`'s carries, then composed."""
+    ts, masks, als, bes, auxs = chunk_coefficients(
+        ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
+        HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A, ACT_BLOCKS,
+        ACT_VEC, FLIP, DESC, SUB, EVEN, MASK, False, None)
+    # found after the coefficients' loads are issued: they overlap
+    restarts = segment_restarts(
+        segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS, INT64, BLOCK_T, FLIP, DESC,
+                        SUB, REVERSE, BOOT_SLOTS, True),
+        st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars, BOOT, HAS_NEXT, HAS_LAST, VARIANT,
+        SUB, BOOT_SLOTS)
+    als, bes = restart_chunk(als, bes, restarts, SUB)
+    a_s, bb_s, ea_s, eb_s, agg_a, agg_b = compose(
+        als, bes, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, FLIP, BLOCK_T, SUB, WHOLE)
+    if EXCLUSIVE:
+        ea_s, eb_s = restart_exclusive(ea_s, eb_s, restarts, 1, SUB)
+    return ts, masks, a_s, bb_s, ea_s, eb_s, auxs, agg_a, agg_b
+
+
+@triton.jit
 def store_chunk(outs, ost, os1, os2, b1, b2, ts, masks, a_s, bb_s, ea_s, eb_s, auxs, carry,
                 scalars, STORE: tl.constexpr, VARIANT: tl.constexpr, SUB: tl.constexpr, src,
                 ACT: tl.constexpr, STORE_INPUTS: tl.constexpr):
@@ -937,22 +967,11 @@ def scan_kernel(
                     ea_s, eb_s = restart_exclusive(ea_s, eb_s, restarts, 1, SUB)
                 carry_w = apply_map(agg_w, agg_wd, carry_w)
             elif SEGMENTS and BOOT is not None:  # packed forward scans: restart at starts
-                ts, masks, als, bes, auxs = chunk_coefficients(
-                    ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
-                    COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T,
-                    BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, MASK, False, windows)
-                restarts = None
-                if SEGMENTS:  # found after the coefficients' loads are issued: they overlap
-                    restarts = segment_restarts(
-                        segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS, INT64,
-                                        BLOCK_T, FLIP, DESC, SUB, REVERSE, BOOT_SLOTS, True),
-                        st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars, BOOT, HAS_NEXT,
-                        HAS_LAST, VARIANT, SUB, BOOT_SLOTS)
-                als, bes = restart_chunk(als, bes, restarts, SUB)
-                a_s, bb_s, ea_s, eb_s, agg_a, agg_b = compose(
-                    als, bes, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, FLIP, BLOCK_T, SUB, WHOLE)
-                if EXCLUSIVE:
-                    ea_s, eb_s = restart_exclusive(ea_s, eb_s, restarts, 1, SUB)
+                ts, masks, a_s, bb_s, ea_s, eb_s, auxs, agg_a, agg_b = packed_forward_chunk(
+                    ins, st, s1, s2, sa, cu, n_seg, chunk, n_chunks, b1, b2, mask_b, T, n_act,
+                    scalars, COEF, BOOT, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, EXCLUSIVE,
+                    SCAN_REVERSE, REVERSE, TIME_AXIS, INT64, BLOCK_T, BLOCK_A, ACT_BLOCKS, ACT_VEC,
+                    FLIP, DESC, SUB, EVEN, WHOLE, MASK, BOOT_SLOTS)
             else:
                 ts, masks, a_s, bb_s, ea_s, eb_s, auxs, agg_a, agg_b = scan_chunk(
                     ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
@@ -1004,23 +1023,12 @@ def scan_kernel(
                 als, bes, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, FLIP, BLOCK_T, SUB, WHOLE)
             if restarts is not None and EXCLUSIVE:
                 ea_s, eb_s = restart_exclusive(ea_s, eb_s, restarts, 1, SUB)
-        elif SEGMENTS and BOOT is not None:  # packed forward scans: restart at segment starts
-            ts, masks, als, bes, auxs = chunk_coefficients(
-                ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
-                HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
-                ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, MASK, False, windows)
-            restarts = None
-            if SEGMENTS:  # found after the coefficients' loads are issued: they overlap
-                restarts = segment_restarts(
-                    segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS, INT64, BLOCK_T,
-                                    FLIP, DESC, SUB, REVERSE, BOOT_SLOTS, True),
-                    st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars, BOOT, HAS_NEXT,
-                    HAS_LAST, VARIANT, SUB, BOOT_SLOTS)
-            als, bes = restart_chunk(als, bes, restarts, SUB)
-            a_s, bb_s, ea_s, eb_s, agg_a, agg_b = compose(
-                als, bes, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, FLIP, BLOCK_T, SUB, WHOLE)
-            if EXCLUSIVE:
-                ea_s, eb_s = restart_exclusive(ea_s, eb_s, restarts, 1, SUB)
+        elif SEGMENTS and BOOT is not None:  # packed forward scans: restart at starts
+            ts, masks, a_s, bb_s, ea_s, eb_s, auxs, agg_a, agg_b = packed_forward_chunk(
+                ins, st, s1, s2, sa, cu, n_seg, chunk, n_chunks, b1, b2, mask_b, T, n_act,
+                scalars, COEF, BOOT, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, EXCLUSIVE,
+                SCAN_REVERSE, REVERSE, TIME_AXIS, INT64, BLOCK_T, BLOCK_A, ACT_BLOCKS, ACT_VEC,
+                FLIP, DESC, SUB, EVEN, WHOLE, MASK, BOOT_SLOTS)
         else:
             ts, masks, a_s, bb_s, ea_s, eb_s, auxs, agg_a, agg_b = scan_chunk(
                 ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
