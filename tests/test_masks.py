@@ -191,6 +191,21 @@ def long_masks(T, N, seed):
     return m
 
 
+def assert_split_rows(case, mask, layout, want):
+    """The masked call in tiles of 16 steps x 2 rows: carries (and the successor's value across
+    masked tiles) by look-back with windows of 1 and 16 tiles, or by walking; time-major
+    sub-tiles; the first run launched twice, on the same scratch."""
+    runs = [dict(window=1, depth=0, walk=False), dict(window=16, depth=3, walk=False),
+            dict(window=16, depth=0, walk=True)]
+    if layout == "time-major":
+        runs += [dict(sub=4, walk=False)]
+    for i, run in enumerate(runs):
+        with tiles.override(block_t=16, block_b=2, **run):
+            for _ in range(1 + (i == 0)):
+                assert_close(case.call(layout, mask=to_layout(mask, layout), backend="triton"),
+                             want)
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("layout", ["time-major", "batch-major"])
 def test_masked_rows_split_across_programs(name, layout, device):
@@ -200,16 +215,7 @@ def test_masked_rows_split_across_programs(name, layout, device):
     features = (3,) if name == "eligibility_traces" else ()
     case = make_case(name, T, (N,), seed=13, features=features, device=device)
     mask = long_masks(T, N, seed=7).to(device)
-    want = deleted(case, mask)
-    runs = [dict(window=1, depth=0, walk=False), dict(window=16, depth=3, walk=False),
-            dict(window=16, depth=0, walk=True)]
-    if layout == "time-major":
-        runs += [dict(sub=4, walk=False)]
-    for i, run in enumerate(runs):
-        with tiles.override(block_t=16, block_b=2, **run):
-            for _ in range(1 + (i == 0)):  # a second launch, on the same scratch
-                assert_close(case.call(layout, mask=to_layout(mask, layout), backend="triton"),
-                             want)
+    assert_split_rows(case, mask, layout, deleted(case, mask))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -573,16 +579,7 @@ def test_masked_vtrace_next_values_split_across_programs(layout, device, vtrace_
     T, N = 5 * 16 + 7, 5
     case = make_case("vtrace", T, (N,), seed=13, bootstrap="next_values", device=device)
     mask = long_masks(T, N, seed=7).to(device)
-    want = deleted(case, mask)
-    runs = [dict(window=1, depth=0, walk=False), dict(window=16, depth=3, walk=False),
-            dict(window=16, depth=0, walk=True)]
-    if layout == "time-major":
-        runs += [dict(sub=4, walk=False)]
-    for i, run in enumerate(runs):
-        with tiles.override(block_t=16, block_b=2, **run):
-            for _ in range(1 + (i == 0)):
-                assert_close(case.call(layout, mask=to_layout(mask, layout), backend="triton"),
-                             want)
+    assert_split_rows(case, mask, layout, deleted(case, mask))
 
 
 @pytest.mark.parametrize("layout", ["time-major", "batch-major"])
@@ -676,15 +673,7 @@ def test_masked_retrace_split_across_programs(layout, n_act, device, retrace_ker
     T, N = 5 * 16 + 7, 5
     case = make_case("retrace", T, (N,), n_act=n_act, seed=3, device=device)
     mask = long_masks(T, N, seed=9).to(device)
-    want = deleted(case, mask)
-    runs = [dict(window=1, depth=0, walk=False), dict(window=16, depth=3, walk=False),
-            dict(window=16, depth=0, walk=True)]
-    if layout == "time-major":
-        runs += [dict(sub=4, walk=False)]
-    for run in runs:
-        with tiles.override(block_t=16, block_b=2, **run):
-            assert_close(case.call(layout, mask=to_layout(mask, layout), backend="triton"),
-                         want)
+    assert_split_rows(case, mask, layout, deleted(case, mask))
 
 
 def assert_same_non_finite(got, want):
