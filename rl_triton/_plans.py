@@ -124,10 +124,11 @@ class Op:
         out_dtype = check_out_dtype(out_dtype)
         x, call = self.check(x, time_dim, extra)
         rows = None
-        if self.discounts:
+        if self.discounts and any(isinstance(getattr(s, f), Tensor) for f in self.discounts):
+            # a new tuple only where a discount is a tensor: torch 2.11's dynamo loses the
+            # fields of a traced `_replace` across a graph break (Retrace's actions check)
             s = s._replace(**{f: call.discount(f, getattr(s, f)) for f in self.discounts})
-            if any(isinstance(getattr(s, f), Tensor) for f in self.discounts):
-                rows = self._rows(s, x[0], call)
+            rows = self._rows(s, x[0], call)
         n = self.n_out(extra)
         if call.empty():
             return _result([torch.empty(x[0].shape, dtype=out_dtype, device=call.device)

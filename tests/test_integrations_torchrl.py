@@ -1,7 +1,4 @@
 """TorchRL integration: rl_triton's estimators equal TorchRL's on the same TensorDict."""
-import os
-
-
 import pytest
 import torch
 from torch import nn
@@ -19,7 +16,6 @@ from rl_triton.integrations.torchrl import (RLTritonGAE, RLTritonTD1Estimator,  
                                             RLTritonTDLambdaEstimator, RLTritonVTrace,
                                             revert_rl_triton, use_rl_triton)
 
-triton_ok = os.environ.get("TRITON_INTERPRET") == "1"
 OBS = 3
 LOG_PROB = VTrace(gamma=0.9, value_network=None, actor_network=None).tensor_keys.sample_log_prob
 
@@ -211,14 +207,14 @@ def test_falls_back_to_torchrl_where_rl_triton_has_no_kernel(spy):
         use_rl_triton(torch.nn.Linear(2, 2))
 
 
-@pytest.mark.skipif(not triton_ok, reason="Triton's interpreter was not enabled before import")
 @pytest.mark.parametrize("theirs_cls,ours_cls,kwargs,fn", PAIRS[:2] + [
     (VTrace, RLTritonVTrace, {"gamma": 0.96, "rho_thresh": 1.5, "c_thresh": 0.9}, "vtrace")])
-def test_triton_backend_under_interpreter(theirs_cls, ours_cls, kwargs, fn, spy):
-    data = _data((3,), -1, seed=10)
+def test_triton_backend(theirs_cls, ours_cls, kwargs, fn, spy, device):
+    """The kernels (on the GPU, or in Triton's interpreter) behind TorchRL's estimators."""
+    data = _data((3,), -1, seed=10).to(device)
     if fn == "vtrace":
-        kwargs = {**kwargs, "actor_network": _actor()}
-    net = _value_net()
+        kwargs = {**kwargs, "actor_network": _actor().to(device)}
+    net = _value_net().to(device)
     ours = ours_cls(value_network=net, backend="triton", **kwargs)(data.clone())
     _assert_same(ours, theirs_cls(value_network=net, **kwargs)(data.clone()))
     assert spy == [(fn, "triton")]
