@@ -32,6 +32,7 @@ from typing import Callable, Optional
 import torch
 
 from ._args import Call, check_backend, check_offsets, check_out_dtype
+from .scan import jit
 from .scan.jit import HAS_TRITON
 
 Tensor = torch.Tensor
@@ -57,7 +58,13 @@ def backend_for(backend: str, device: torch.device) -> str:
         if not HAS_TRITON:
             raise RuntimeError("backend='triton' needs Triton, which is not installed here; use "
                                "backend='torch'")
-        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        if device.type == "cpu" and not jit.INTERPRETER:
+            if os.environ.get("TRITON_INTERPRET") == "1":
+                raise ValueError("backend='triton' on CPU tensors: TRITON_INTERPRET=1 was set "
+                                 "after rl_triton was imported, and Triton reads it when the "
+                                 "kernels are defined; set it before `import rl_triton` (in "
+                                 "the shell, or at the top of the script), or use "
+                                 "backend='torch'")
             raise ValueError("backend='triton' on CPU tensors runs Triton's interpreter: set "
                              "TRITON_INTERPRET=1 before triton is imported, or use "
                              "backend='torch'")

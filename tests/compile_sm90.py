@@ -26,7 +26,9 @@ from rl_triton.ops import _group  # noqa: E402
 from rl_triton.ops import _losses  # noqa: E402
 from rl_triton.ops import _whiten  # noqa: E402
 from rl_triton.ops import linear_scan as linear_scan_op  # noqa: E402
-from rl_triton.scan import kernel, launch, tiles  # noqa: E402
+from rl_triton.scan import jit, kernel, launch, tiles  # noqa: E402
+
+jit.INTERPRETER = True  # backend="triton" takes CPU tensors here: their launches are intercepted
 
 TARGET = GPUTarget("cuda", 90, 32)
 
