@@ -194,6 +194,30 @@ def test_a2c_loss_with_td_lambda(spy):
     assert [c[0] for c in spy] == ["lambda_returns"]
 
 
+@pytest.mark.parametrize("theirs_cls,ours_cls,kwargs,fn", PAIRS)
+def test_values_that_carry_gradients_get_them(theirs_cls, ours_cls, kwargs, fn, spy):
+    """`value_estimate` on values that require grad: rl_triton computes the call and its
+    backward, and the values' gradients equal TorchRL's."""
+    data = _data((5,), -1, seed=12)
+    g = torch.Generator().manual_seed(5)
+    values = torch.randn(5, 29, 1, generator=g)
+    grads = []
+    for cls in (theirs_cls, ours_cls):
+        v, nv = values.clone().requires_grad_(), values.roll(-1, 1).clone().requires_grad_()
+        td = data.clone()
+        td["state_value"], td["next", "state_value"] = v, nv
+        est = cls(value_network=None, **kwargs)
+        out = est.value_estimate(td) if fn == "gae" else est.value_estimate(td, next_value=nv)
+        (out * torch.linspace(-1, 2, out.numel()).view_as(out)).sum().backward()
+        grads.append([v.grad, nv.grad])  # TD(lambda) given next_value does not read v
+    assert spy and all(c[0] == fn for c in spy)
+    assert grads[0][1] is not None
+    for ours, theirs in zip(grads[1], grads[0]):
+        assert (ours is None) == (theirs is None)
+        if ours is not None:
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
 def test_falls_back_to_torchrl_where_rl_triton_has_no_kernel(spy):
     data = _data((3,), -1, seed=9).apply(lambda t: t.double() if t.is_floating_point() else t)
     torch.manual_seed(0)
