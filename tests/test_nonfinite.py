@@ -12,13 +12,17 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Optional
 
 import pytest
 import torch
 
+import rl_triton
 from rl_triton import _plans
 from rl_triton.scan import tiles as tiles_rule
+from rl_triton.testing import make_inputs, make_packed_inputs
 from cases import BACKENDS, Case, make_case, subprocess_env
 
 # numpy's warnings on inf - inf and 0 * inf in Triton's interpreter
@@ -341,3 +345,308 @@ def test_look_back_ends_and_selects():
         want = {"nan map": math.nan, "cut": 1.0 + 2.0 * 2.0, "inf before a cut": 0.5 + 0.5 * 7.0}
         for v in values:
             assert (math.isnan(v) and math.isnan(want[label])) or v == want[label], line
+
+
+# --- 5. What a mask, a clamp or a zero probability removes reaches nothing ------------------------
+#
+# Wherever a mask (estimators, SPEC 7; losses, group advantages and whitening, SPEC 8 and 9), a
+# clamp that binds (KL penalties, PPO's log-ratio clamp, CRR's max_weight), a zero probability or
+# a termination (SAC's discrete expectation and its bootstrap) removes a position, a NaN or an
+# inf put there reaches neither an output nor a gradient: the outputs are those of the call with
+# a finite filler there, bit for bit, and so are the gradients of every differentiable input,
+# finite, and 0 at the removed positions. (The torch backend is where a NaN leaks most easily:
+# 0 * NaN in the backward of a product whose result a select dropped.)
+
+@dataclass
+class Removal:
+    """One call of an op. `run(inputs, backend)` returns its outputs (a tuple); `inputs` are
+    the floating tensors the sweep puts values into (finite: the clean call's), `diff` those
+    that get gradients, `removed[name]` where the call drops input `name` (the sweep's targets:
+    its keys); `values[name]` the non-finite values it is tried with there (all three by
+    default: what a clamp removes depends on the sign) and `filler(name, value)` the finite
+    value the clean call has at those positions (None: the random inputs' own)."""
+    run: Callable
+    inputs: dict
+    diff: tuple
+    removed: dict
+    values: dict = field(default_factory=dict)
+    filler: Optional[Callable] = None
+
+
+NONFINITE = {"nan": math.nan, "+inf": math.inf, "-inf": -math.inf}
+INFS = ("+inf", "-inf")
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _mask(shape, seed, device, p=0.6):
+    """A mask with some positions set and some not in every row."""
+    m = torch.rand(shape, generator=_gen(seed)) < p
+    m.view(-1, shape[-1])[:, 0] = True
+    m.view(-1, shape[-1])[:, 1] = False
+    return m.to(device)
+
+
+def _pattern(shape, device):
+    """Every third position, for the clamps."""
+    return (torch.arange(math.prod(shape)) % 3 == 1).view(shape).to(device)
+
+
+ESTIMATOR_SWEEP = [("gae", "last_value"), ("gae", "next_values"),
+                   ("lambda_returns", "last_value"), ("lambda_returns", "next_values"),
+                   ("discounted_returns", "last_value"), ("discounted_returns", "next_values"),
+                   ("vtrace", "last_value"), ("vtrace", "next_values"),
+                   ("retrace", "last_value"), ("eligibility_traces", "last_value"),
+                   ("episodic_cumsum", "last_value")]
+LENGTHS = [4, 0, 7, 1, 5]  # packed rows: five segments, one empty, one of one step
+
+
+def estimator_removal(name, bootstrap, packed, device):
+    """A masked call of estimator `name` on [7, 3] rows (eligibility traces: of 2-vectors), or
+    on packed rows with a mask: the masked steps of every per-step input are removed."""
+    kw = dict(device=device, seed=5, bootstrap=bootstrap, p_term=0.15, p_trunc=0.15)
+    if name == "eligibility_traces":
+        kw["features"] = (2,)
+    if packed:
+        steps, extra, cu = make_packed_inputs(name, LENGTHS, **kw)
+        extra["cu_seqlens"] = cu
+    else:
+        steps, extra = make_inputs(name, 7, (3,), **kw)
+    flag = steps.get("terminated", steps.get("dones"))
+    m = _mask(tuple(flag.shape) if not packed else (1, flag.shape[0]), 6, device)
+    m = m.view(flag.shape)
+    floats = {k: v for k, v in {**steps, **extra}.items()
+              if isinstance(v, torch.Tensor) and v.is_floating_point() and k not in FLAG_NAMES}
+    removed = {k: (~m).view(m.shape + (1,) * (floats[k].ndim - m.ndim)).expand(floats[k].shape)
+               for k in steps if k in floats}
+
+    def run(inputs, backend):
+        args = {**steps, **extra, **inputs}
+        out = getattr(rl_triton, name)(**args, mask=m, backend=backend)
+        return out if isinstance(out, tuple) else (out,)
+
+    return Removal(run, floats, tuple(floats), removed)
+
+
+def ppo_removal(kind, device):
+    shape = (21,) if kind == "packed" else (3, 7)
+    lp = 0.3 * torch.randn(shape, generator=_gen(1))
+    inputs = dict(log_probs=lp, old_log_probs=lp + 0.4 * torch.randn(shape, generator=_gen(2)),
+                  advantages=torch.randn(shape, generator=_gen(3)))
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    opts, mask = {}, None
+    if kind == "clamp":  # log-ratios beyond +-2: the clamp binds
+        opts = dict(log_ratio_clamp=2.0, aggregation="sum")
+        where = _pattern(shape, device)
+        removed = {"log_probs": where, "old_log_probs": where}
+    else:
+        mask = _mask(shape if kind != "packed" else (1, 21), 7, device).view(shape)
+        opts = {"mask": dict(aggregation="token-mean"),
+                "dual": dict(dual_clip=3.0, clip_high=0.3, aggregation="seq-mean-token-mean"),
+                "packed": dict(aggregation="seq-mean-token-sum",
+                               cu_seqlens=torch.tensor([0, 5, 5, 12, 14, 21], device=device))}[kind]
+        removed = {k: ~mask for k in inputs}
+
+    def run(x, backend):
+        return rl_triton.ppo_policy_loss(x["log_probs"], x["old_log_probs"], x["advantages"],
+                                         mask, **opts, backend=backend)
+
+    values = {k: INFS for k in removed} if kind == "clamp" else {}
+    return Removal(run, inputs, tuple(inputs), removed, values,
+                   (lambda name, v: math.copysign(10.0, v)) if kind == "clamp" else None)
+
+
+def value_removal(kind, device):
+    shape = (3, 7)
+    inputs = {k: torch.randn(shape, generator=_gen(i + 10)).to(device)
+              for i, k in enumerate(("values", "returns", "old_values"))}
+    mask = _mask(shape, 8, device)
+    opts = (dict(aggregation="seq-mean-token-mean") if kind == "mse" else
+            dict(clip=0.2, kind="huber", huber_delta=0.5, aggregation="none"))
+    if kind == "mse":
+        del inputs["old_values"]
+
+    def run(x, backend):
+        return (rl_triton.value_loss(x["values"], x["returns"], x.get("old_values"), mask,
+                                     **opts, backend=backend),)
+
+    return Removal(run, inputs, tuple(inputs), {k: ~mask for k in inputs})
+
+
+def kl_removal(kind, device):
+    """Log-ratios of +-inf (the filler: +-30) where k(d) is beyond the clamp, every kind."""
+    shape = (3, 7)
+    inputs = {"log_probs": torch.randn(shape, generator=_gen(20)).to(device),
+              "ref_log_probs": torch.randn(shape, generator=_gen(21)).to(device)}
+    where = _pattern(shape, device)
+
+    def run(x, backend):
+        return (rl_triton.kl_penalty(x["log_probs"], x["ref_log_probs"], kind, clamp=10.0,
+                                     backend=backend),)
+
+    return Removal(run, inputs, tuple(inputs), {k: where for k in inputs},
+                   {k: INFS for k in inputs}, lambda name, v: math.copysign(30.0, v))
+
+
+def sac_removal(kind, device):
+    """Discrete actions of probability 0 (`zero-prob`), or the next state of a terminal step
+    (`terminal`, continuous or discrete actions)."""
+    N, A, K = 7, 5, 2
+    discrete = kind != "terminal-continuous"
+    g = _gen(30)
+    term = torch.tensor([0, 1, 0, 0, 1, 0, 0], dtype=torch.bool)
+    if discrete:
+        probs = torch.softmax(torch.randn(N, A, generator=g), -1)
+        zero = _pattern((N, A), "cpu") | (torch.arange(A) == 3)
+        probs = torch.where(zero, 0.0, probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+        inputs = dict(rewards=torch.randn(N, generator=g),
+                      next_q_values=torch.randn(N, A, K, generator=g),
+                      next_log_probs=torch.where(zero, -5.0, probs.log()), next_probs=probs)
+    else:
+        inputs = dict(rewards=torch.randn(N, generator=g),
+                      next_q_values=torch.randn(N, K, generator=g),
+                      next_log_probs=torch.randn(N, generator=g))
+    inputs["alpha"] = torch.tensor(0.3)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    term = term.to(device)
+    if kind == "zero-prob":
+        zero = zero.to(device)
+        removed = {"next_q_values": zero[..., None].expand(N, A, K), "next_log_probs": zero}
+    else:
+        removed = {k: term.view((N,) + (1,) * (inputs[k].ndim - 1)).expand(inputs[k].shape)
+                   for k in ("next_q_values", "next_log_probs", "next_probs") if k in inputs}
+
+    def run(x, backend):
+        return (rl_triton.sac_targets(x["rewards"], term, x["next_q_values"], x["next_log_probs"],
+                                      gamma=0.9, alpha=x["alpha"], next_probs=x.get("next_probs"),
+                                      backend=backend),)
+
+    return Removal(run, inputs, tuple(inputs), removed)
+
+
+def crr_removal(device):
+    """Advantages of +inf (q_values +inf, or a sampled value -inf under the mean): the weight
+    is max_weight, whatever lies beyond (the filler: q 50, a sampled value -100)."""
+    g = _gen(40)
+    inputs = {"q_values": torch.randn(7, generator=g).to(device),
+              "sampled_q_values": torch.randn(7, 4, generator=g).to(device)}
+    rows = _pattern((7,), device)
+    first = torch.zeros(7, 4, dtype=torch.bool, device=device)
+    first[:, 0] = rows
+
+    def run(x, backend):
+        return (rl_triton.crr_weights(x["q_values"], x["sampled_q_values"], beta=1.0,
+                                      max_weight=20.0, backend=backend),)
+
+    return Removal(run, inputs, (), {"q_values": rows, "sampled_q_values": first},
+                   {"q_values": ("+inf",), "sampled_q_values": ("-inf",)},
+                   lambda name, v: 50.0 if name == "q_values" else -100.0)
+
+
+def whiten_removal(shift_mean, device):
+    x = (3.0 * torch.randn(5, 37, generator=_gen(50)) + 2.0).to(device)
+    mask = _mask((5, 37), 51, device)
+
+    def run(inputs, backend):
+        return (rl_triton.masked_whiten(inputs["x"], mask, shift_mean=shift_mean,
+                                        backend=backend),)
+
+    return Removal(run, {"x": x}, ("x",), {"x": ~mask})
+
+
+def group_removal(by, device):
+    """Response 3 alone in its group (baseline 0, scale 1) and masked out entirely: its score
+    reaches nothing. `by`: group ids, or group_size=1 (the Triton kernel's path)."""
+    scores = torch.randn(6, generator=_gen(60)).to(device)
+    mask = _mask((6, 5), 61, device)
+    mask[3] = False
+    kw = (dict(group_index=torch.tensor([0, 0, 1, 2, 1, 0], device=device)) if by == "index"
+          else dict(group_size=1))
+
+    def run(x, backend):
+        return (rl_triton.group_advantages(x["scores"], **kw, mask=mask, backend=backend),)
+
+    removed = torch.zeros(6, dtype=torch.bool, device=device)
+    removed[3] = True
+    return Removal(run, {"scores": scores}, ("scores",), {"scores": removed})
+
+
+REMOVALS = {
+    **{f"{name}-{boot}-{'packed' if packed else 'mask'}":
+       (lambda device, a=name, b=boot, p=packed: estimator_removal(a, b, p, device))
+       for name, boot in ESTIMATOR_SWEEP for packed in (False, True)},
+    **{f"group_advantages-{by}": (lambda device, b=by: group_removal(b, device))
+       for by in ("index", "size1")},
+    **{f"masked_whiten-shift_mean={s}": (lambda device, s=s: whiten_removal(s, device))
+       for s in (True, False)},
+    **{f"ppo_policy_loss-{k}": (lambda device, k=k: ppo_removal(k, device))
+       for k in ("mask", "dual", "packed", "clamp")},
+    **{f"value_loss-{k}": (lambda device, k=k: value_removal(k, device)) for k in ("mse", "clip")},
+    **{f"kl_penalty-{k}": (lambda device, k=k: kl_removal(k, device))
+       for k in ("k1", "abs", "k2", "k3")},
+    **{f"sac_targets-{k}": (lambda device, k=k: sac_removal(k, device))
+       for k in ("zero-prob", "terminal-discrete", "terminal-continuous")},
+    "crr_weights-max_weight": crr_removal,
+}
+
+
+def _sweep_cases():
+    cases = []
+    for label, build in REMOVALS.items():
+        r = build("cpu")
+        for name in r.removed:
+            for value in r.values.get(name, tuple(NONFINITE)):
+                cases.append((label, name, value))
+    return cases
+
+
+SWEEP = _sweep_cases()
+
+
+def _outputs_and_grads(r: Removal, inputs: dict, backend: str):
+    leaves = {k: v.clone().requires_grad_(k in r.diff) for k, v in inputs.items()}
+    outs = r.run(leaves, backend)
+    live = [o for o in outs if o.requires_grad]
+    grads = {}
+    if live and r.diff:
+        total = sum((o.double() * torch.randn(o.shape, generator=_gen(i), dtype=torch.float64)
+                     .to(o.device)).sum() for i, o in enumerate(live))
+        found = torch.autograd.grad(total, [leaves[k] for k in r.diff], allow_unused=True)
+        grads = {k: torch.zeros_like(inputs[k]) if d is None else d
+                 for k, d in zip(r.diff, found)}
+    return [o.detach() for o in outs], grads
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("label,target,value", SWEEP, ids=["-".join(c) for c in SWEEP])
+def test_removed_positions_reach_nothing(label, target, value, backend, device):
+    """A NaN, +inf or -inf at the positions of `target` that the call removes (a mask, a clamp
+    that binds, a zero probability, a termination): the outputs of the call with a finite value
+    there, bit for bit, without gradients (the Triton kernels, masked ones included) and with;
+    every gradient finite, equal to the clean call's, and 0 at the removed positions."""
+    r = REMOVALS[label](device)
+    v = NONFINITE[value]
+    where = r.removed[target]
+    clean = dict(r.inputs)
+    fill = r.filler(target, v) if r.filler is not None else None
+    if fill is not None:
+        clean[target] = clean[target].masked_fill(where, fill)
+    dirty = dict(clean, **{target: clean[target].masked_fill(where, v)})
+    with torch.no_grad():
+        want, got = r.run(clean, backend), r.run(dirty, backend)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.isfinite(w).all(), (i, w)
+        assert torch.equal(g, w), (f"output {i} without gradients", g, w)
+    want, want_grads = _outputs_and_grads(r, clean, backend)
+    got, got_grads = _outputs_and_grads(r, dirty, backend)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), (f"output {i}", g, w)
+    for name, w in want_grads.items():
+        g = got_grads[name]
+        assert torch.isfinite(g).all(), (name, g)
+        assert torch.equal(g, w), (name, g, w)
+        if name in r.removed:
+            assert (g[r.removed[name]] == 0).all(), (name, g)
