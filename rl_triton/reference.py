@@ -73,6 +73,16 @@ def _successor(next_values, last_value, t, end, v_next):
     return torch.where(end[t], last, v_next)
 
 
+def _decided(m, *xs, fill=0.0):
+    """`xs` with `fill` at the masked steps (`m`: the decision steps, broadcast over trailing
+    axes; None stays None): what a masked step holds enters no arithmetic, so that a NaN or inf
+    there reaches no gradient (0 * NaN in the backward of a product that a select dropped)."""
+    if m is None:
+        return list(xs)
+    return [None if x is None else torch.where(m.reshape(m.shape + (1,) * (x.ndim - m.ndim)),
+                                               x, fill) for x in xs]
+
+
 def _kept(m, new, old):
     """The state after step t: `new` at decision steps, `old` carried through masked ones."""
     return torch.where(m, new, old)
@@ -143,6 +153,7 @@ def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, tr
                                    last_value, next_values)
     term, trunc = _flags(terminated, truncated)
     m, end = _decisions(mask, r)
+    r, v, tlp, blp, nv = _decided(m, r, v, tlp, blp, nv)
     vs = torch.zeros_like(r)
     pg = torch.zeros_like(r)
     d_next = torch.zeros_like(r[0])
@@ -176,6 +187,8 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
                                   last_q_values, last_target_probs)
     term, trunc = _flags(terminated, truncated)
     m, end = _decisions(mask, r)
+    r, q, pi = _decided(m, r, q, pi)
+    (mu,) = _decided(m, mu, fill=1.0)  # pi / mu stays finite
     a = torch.where(m, actions.long(), 0).unsqueeze(-1)  # masked steps' actions: ignored
     G = torch.zeros_like(r)
     diff = torch.zeros_like(r)

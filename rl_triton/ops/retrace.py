@@ -9,7 +9,7 @@ from .. import reference
 from .._args import (FLAG, INDEX, VALUE, Call, check_actions, check_bool, check_discount,
                      check_scalar)
 from .._plans import Op
-from ..reference import _flags, _prep
+from ..reference import _decided, _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
 from ..scan.kernel import (clip, cut_flags, finish_linear, flags_before, load_step, load_value,
@@ -443,6 +443,8 @@ def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
                                   x.behavior_probs, x.last_q_values, x.last_target_probs)
     term, trunc = _flags(x.terminated, x.truncated)
     m, end = torch_scan.decisions(x.mask, r)
+    r, q, pi = _decided(m, r, q, pi)
+    (mu,) = _decided(m, mu, fill=1.0)  # pi / mu stays finite
     a = x.actions.long().clamp(0, q.shape[-1] - 1).unsqueeze(-1)  # as the kernel: in range
     q_a = q.gather(-1, a).squeeze(-1)
     pi_a = pi.gather(-1, a).squeeze(-1)

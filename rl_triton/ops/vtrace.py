@@ -8,7 +8,7 @@ import torch
 from .. import reference
 from .._args import check_discount, check_scalar
 from .._plans import Op
-from ..reference import _flags, _prep
+from ..reference import _decided, _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
 from ..scan.kernel import (clip, cut_flags, finish_linear, flags_before, load_step, row_value,
@@ -321,6 +321,7 @@ def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
                                    x.behavior_log_probs, x.last_value, x.next_values)
     term, trunc = _flags(x.terminated, x.truncated)
     m, end = torch_scan.decisions(x.mask, r)
+    r, v, tlp, blp, nv = _decided(m, r, v, tlp, blp, nv)
     v_succ = torch_scan.successor(v, nv, lv, r, m)
     cut = torch_scan.cut(term, trunc, end)
     ratio = torch.exp(tlp - blp)  # torch.clamp keeps a NaN ratio NaN
