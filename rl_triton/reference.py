@@ -326,6 +326,7 @@ def ppo_policy_loss(log_probs, old_log_probs, advantages, mask=None, *, cu_seqle
     loss above by -A * c."""
     lp, old, adv = _prep(dtype, log_probs, old_log_probs, advantages)
     keep = _selected(mask, lp)
+    lp, old, adv = _decided(keep, lp, old, adv)  # a masked position enters no arithmetic
     high = clip_low if clip_high is None else clip_high
     d = torch.clamp(lp - old, -log_ratio_clamp, log_ratio_clamp)
     ratio = torch.exp(d)
@@ -344,6 +345,8 @@ def ppo_policy_loss(log_probs, old_log_probs, advantages, mask=None, *, cu_seqle
 def value_loss(values, returns, old_values=None, mask=None, *, cu_seqlens=None, clip=None,
                kind="mse", huber_delta=1.0, aggregation="token-mean", dtype=torch.float64):
     v, ret, old = _prep(dtype, values, returns, old_values)
+    keep = _selected(mask, v)
+    v, ret, old = _decided(keep, v, ret, old)  # a masked position enters no arithmetic
 
     def error(e):  # 0.5 e^2, or Huber's: quadratic up to |e| = delta, linear beyond
         if kind == "mse":
@@ -354,7 +357,7 @@ def value_loss(values, returns, old_values=None, mask=None, *, cu_seqlens=None, 
     l = error(v - ret)
     if clip is not None:
         l = torch.maximum(l, error(old + torch.clamp(v - old, -clip, clip) - ret))
-    return _aggregate(l, _selected(mask, v), aggregation, cu_seqlens)
+    return _aggregate(l, keep, aggregation, cu_seqlens)
 
 
 def kl_penalty(log_probs, ref_log_probs, kind="k3", clamp=None, dtype=torch.float64):

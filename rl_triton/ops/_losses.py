@@ -123,6 +123,14 @@ def aggregate(l: Tensor, m: Optional[Tensor], aggregation: str, cu: Optional[Ten
     return (torch.zeros_like(c).index_add(0, segment_ids(cu, l.shape[0]), lm) * c).sum()
 
 
+def kept(m: Optional[Tensor], dtype: torch.dtype, *xs: Optional[Tensor]) -> list:
+    """`xs` in `dtype`, 0 where the mask `m` (bool or None) is not set (None stays None)."""
+    xs = [None if x is None else x.to(dtype) for x in xs]
+    if m is None:
+        return xs
+    return [None if x is None else torch.where(m, x, 0.0) for x in xs]
+
+
 def masked_mean(x: Tensor, m: Optional[Tensor]) -> Tensor:
     if m is None:
         return x.sum() / max(x.numel(), 1)

@@ -200,8 +200,10 @@ def fake(x: Inputs, o: Options):
 
 
 def torch_impl(x: Inputs, o: Options, dtype):
-    lp, old, adv = (t.to(dtype) for t in x[:3])
     m = L.counted(x.mask)
+    # a masked position's inputs enter no arithmetic: its NaN or inf would reach the gradients
+    # through 0 * NaN in the backward of the aggregation's select
+    lp, old, adv = L.kept(m, dtype, *x[:3])
     d = (lp - old).clamp(-o.log_ratio_clamp, o.log_ratio_clamp)
     ratio = d.exp()
     unclipped = -adv * ratio

@@ -110,14 +110,15 @@ def backward_kernel(values, returns, old, mask, scale, cu, g_loss, inv, d_v, d_r
         g = g * tl.load(inv)
     if SEQ != 0:
         g = g * L.seq_weight(scale, cu, i, C, S, inb, STEPS, SEQ)
-    g = tl.where(keep, g, 0.0)
+    # selects after the products: a masked position's NaN or inf (in f') stays out (0 * NaN)
     if D_V:
         dv = tl.where(plain, df, tl.where(inside, dfc, 0.0))
-        tl.store(d_v + i, (g * dv).to(d_v.dtype.element_ty), mask=inb)
+        tl.store(d_v + i, tl.where(keep, g * dv, 0.0).to(d_v.dtype.element_ty), mask=inb)
     if D_RET:
-        tl.store(d_ret + i, (-g * tl.where(plain, df, dfc)).to(d_ret.dtype.element_ty), mask=inb)
+        d_r = tl.where(keep, -g * tl.where(plain, df, dfc), 0.0)
+        tl.store(d_ret + i, d_r.to(d_ret.dtype.element_ty), mask=inb)
     if D_OLD:
-        d_o = tl.where(plain | inside, 0.0, g * dfc)
+        d_o = tl.where(keep & ~(plain | inside), g * dfc, 0.0)
         tl.store(d_old + i, d_o.to(d_old.dtype.element_ty), mask=inb)
 
 
@@ -194,7 +195,10 @@ def fake(x: Inputs, o: Options):
 
 
 def torch_impl(x: Inputs, o: Options, dtype):
-    v, ret = x.values.to(dtype), x.returns.to(dtype)
+    m = L.counted(x.mask)
+    # a masked position's values enter no arithmetic: its NaN or inf would reach the
+    # gradients through 0 * NaN in the backward of the aggregation's select
+    v, ret, old = L.kept(m, dtype, x.values, x.returns, x.old_values)
 
     def error(e):
         if o.kind == "mse":
@@ -205,9 +209,8 @@ def torch_impl(x: Inputs, o: Options, dtype):
 
     l = error(v - ret)
     if o.clip is not None:
-        old = x.old_values.to(dtype)
         l = torch.maximum(l, error(old + (v - old).clamp(-o.clip, o.clip) - ret))
-    return (L.aggregate(l, L.counted(x.mask), o.aggregation, x.cu_seqlens),)
+    return (L.aggregate(l, m, o.aggregation, x.cu_seqlens),)
 
 
 def loop_impl(x: Inputs, o: Options, dtype):
