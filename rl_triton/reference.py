@@ -360,9 +360,23 @@ def value_loss(values, returns, old_values=None, mask=None, *, cu_seqlens=None, 
     return _aggregate(l, keep, aggregation, cu_seqlens)
 
 
+def kl_bounds(kind, clamp):
+    """(low, high): log-ratios d beyond which k(d) is beyond the clamp c, whatever d holds there
+    (+-inf included): d is clamped to them first, so that the clamp's zero gradient never
+    multiplies an infinite derivative (0 * inf) and exp(-d) stays finite (k3 is above c below
+    d = -(c + 1), and so is its exp there up to c = 80)."""
+    if kind == "k2":
+        return -((2 * clamp) ** 0.5 + 1), (2 * clamp) ** 0.5 + 1
+    if kind == "k3":
+        return -(min(clamp, 80.0) + 1), clamp + 1
+    return -(clamp + 1), clamp + 1
+
+
 def kl_penalty(log_probs, ref_log_probs, kind="k3", clamp=None, dtype=torch.float64):
     lp, ref = _prep(dtype, log_probs, ref_log_probs)
     d = lp - ref
+    if clamp is not None:
+        d = d.clamp(*kl_bounds(kind, clamp))  # a NaN stays NaN
     if kind == "k1":
         k = d
     elif kind == "abs":
@@ -370,8 +384,6 @@ def kl_penalty(log_probs, ref_log_probs, kind="k3", clamp=None, dtype=torch.floa
     elif kind == "k2":
         k = d * d / 2
     else:
-        if clamp is not None:  # k3 > c below d = -(c + 1): there exp stays finite (and the
-            d = d.clamp(min=-(min(clamp, 80.0) + 1))  # clamp's zero gradient is not 0 * inf)
         k = torch.exp(-d) + d - 1
     return k if clamp is None else torch.clamp(k, -clamp, clamp)
 

@@ -39,6 +39,9 @@ def estimate(d, clamp, KIND: tl.constexpr, CLAMPED: tl.constexpr):
         k = 0.5 * d * d
         dk = d
     else:
+        if CLAMPED:  # k3 > clamp below d = -(clamp + 1): bounded there, exp(-d) stays finite
+            low = -(tl.minimum(clamp, 80.0) + 1.0)  # (d = -inf: inf - inf would be NaN)
+            d = tl.where(d < low, low, d)
         e = tl.exp(-d)
         k = e + d - 1.0
         dk = 1.0 - e
@@ -108,6 +111,10 @@ def fake(x: Inputs, o: Options):
 
 def torch_impl(x: Inputs, o: Options, dtype):
     d = x.log_probs.to(dtype) - x.ref_log_probs.to(dtype)
+    if o.clamp is not None:
+        # beyond these k is clamped (gradient 0) either way; bounding d keeps the derivatives
+        # that 0 multiplies finite (an infinite log-ratio's, exp(-d)'s): 0 * inf is NaN
+        d = d.clamp(*reference.kl_bounds(o.kind, o.clamp))
     if o.kind == "k1":
         k = d
     elif o.kind == "abs":
@@ -115,10 +122,6 @@ def torch_impl(x: Inputs, o: Options, dtype):
     elif o.kind == "k2":
         k = 0.5 * d * d
     else:
-        if o.clamp is not None:
-            # d below -(c + 1) gives k3 > c, clamped to c with gradient 0 either way: bounding d
-            # there keeps exp(-d) finite, whose infinite derivative times that 0 would be NaN
-            d = d.clamp(min=-(min(o.clamp, 80.0) + 1))
         k = torch.exp(-d) + d - 1
     return (k if o.clamp is None else k.clamp(-o.clamp, o.clamp),)
 
