@@ -397,11 +397,19 @@ def sac_targets(rewards, terminated, next_q_values, next_log_probs, *, gamma=0.9
     (term,) = _flags(terminated)
     if isinstance(alpha, torch.Tensor):
         alpha = alpha.to(dtype).reshape(())
+    # a terminal step's next state, and an action of probability 0, enter no arithmetic (they
+    # add 0, whatever they hold: -inf log-probabilities of invalid actions included)
+    live = ~term
+    if p is not None:
+        (p,) = _decided(live, p)
+        live = p != 0
+    q, logp = _decided(live, q, logp)
 
     def soft_value(q_a, logp_a):  # q_a [..., K]
         smallest = q_a[..., 0]
-        for k in range(1, q_a.shape[-1]):
-            smallest = torch.minimum(smallest, q_a[..., k])
+        for k in range(1, q_a.shape[-1]):  # the first of tied critics (its gradient), or NaN
+            smallest = torch.where((q_a[..., k] < smallest) | q_a[..., k].isnan(), q_a[..., k],
+                                   smallest)
         return smallest - alpha * logp_a
 
     if p is None:

@@ -525,6 +525,94 @@ def test_k3_clamp_far_below(backend, device):
     assert torch.equal(d[[0, 3]], torch.zeros(2, device=device)) and d.isfinite().all()
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # interpreter
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["k1", "abs", "k2", "k3"])
+def test_kl_clamp_binds_on_infinite_log_ratios(kind, backend, device):
+    """An infinite log-ratio (either input +-inf) is beyond the clamp of every estimator: the
+    value is the clamp's and both gradients are 0, never 0 * inf (k2's d, k3's exp(-d) on the
+    torch and loop backends) nor inf - inf (k3 at log_probs = -inf in the kernel)."""
+    inf = float("inf")
+    lp = torch.tensor([inf, -inf, 0.0, 0.0, 0.5], device=device, requires_grad=True)
+    ref = torch.tensor([0.0, 0.0, inf, -inf, 0.0], device=device, requires_grad=True)
+    k = rl_triton.kl_penalty(lp, ref, kind, clamp=10.0, backend=backend)
+    d_lp, d_ref = torch.autograd.grad(k.sum(), (lp, ref))
+    sign = {"k1": [1, -1, -1, 1], "abs": [1] * 4, "k2": [1] * 4, "k3": [1] * 4}[kind]
+    assert k[:4].tolist() == [10.0 * s for s in sign], k
+    assert (d_lp[:4] == 0).all() and (d_ref[:4] == 0).all(), (d_lp, d_ref)
+    assert d_lp[4] != 0 and d_lp.isfinite().all() and d_ref.isfinite().all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_non_finite_reaches_no_gradient(backend, device):
+    """An inf advantage (PPO) or a NaN return (value loss) at a masked position: the loss and
+    every gradient are those of a finite value there, the masked positions' gradients 0."""
+    lp, old, adv = ppo_case((3, 7), dtype=torch.float32, device=device)
+    mask = random_mask((3, 7), 4, device)
+    mask[1, 2] = False
+    for op, inputs, spoilt in [
+            (lambda x: rl_triton.ppo_policy_loss(*x, mask, backend=backend)[::2],
+             (lp, old, adv), 2),
+            (lambda x: (rl_triton.value_loss(*x, mask, clip=0.2, backend=backend),),
+             (lp, old, adv), 1)]:
+        results = []
+        for value in (0.5, float("inf"), float("nan")):
+            xs = [t.clone() for t in inputs]
+            xs[spoilt][1, 2] = value
+            xs = leaves(*xs)
+            outs = op(xs)
+            results.append([o.detach() for o in outs] + grads_of(outs, xs))
+        for got in results[1:]:
+            for a, b in zip(got, results[0]):
+                assert a.isfinite().all() and torch.equal(a, b), (a, b)
+        assert all((g[~mask] == 0).all() for g in results[0][-3:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("actions", [None, 3])
+def test_sac_tie_gradient_goes_to_the_first_critic(actions, backend, device):
+    """Critics that tie: the whole gradient goes to the first of them (as argmin picks it),
+    not half to each, on every backend."""
+    case = sac_case(5, 3, actions, device=device)
+    q = case["next_q_values"]
+    q[..., 1] = q[..., 2]  # critics 1 and 2 tie, and are the smallest
+    q[..., 0] = q[..., 1] + 1.0
+    q = q.requires_grad_()
+    y = rl_triton.sac_targets(**dict(case, next_q_values=q), gamma=0.9, backend=backend)
+    (d,) = torch.autograd.grad(y.sum(), q)
+    live = torch.where(case["terminated"], 0.0, 0.9)
+    if actions is not None:
+        live = live[:, None] * case["next_probs"]
+    assert torch.equal(d[..., 0], torch.zeros_like(live))
+    assert torch.allclose(d[..., 1], live) and torch.equal(d[..., 2], torch.zeros_like(live))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sac_zero_probability_contributes_nothing(backend, device):
+    """Invalid-action masking: actions of probability 0 with log-probability -inf (or NaN, or
+    anything) add 0 to the expectation, and every gradient is finite: that of a finite
+    log-probability there, 0 at those actions."""
+    case = sac_case(6, 2, 4, device=device)
+    zero = torch.zeros(6, 4, dtype=torch.bool, device=device)
+    zero[:, 1] = True
+    zero[2, 3] = True
+    logits = torch.where(zero, -float("inf"), torch.randn(6, 4, generator=gen(9)).to(device))
+    probs = torch.softmax(logits, -1)
+    results = []
+    for filler in (-7.0, -float("inf"), float("nan")):
+        lp = torch.where(zero, filler, torch.log_softmax(logits, -1))
+        xs = leaves(case["next_q_values"], lp, probs, torch.tensor(0.3, device=device))
+        y = rl_triton.sac_targets(case["rewards"], case["terminated"], xs[0], xs[1],
+                                  next_probs=xs[2], alpha=xs[3], backend=backend)
+        results.append([y.detach()] + grads_of([y], xs))
+    for got in results:
+        for a, b in zip(got, results[0]):
+            assert a.isfinite().all() and torch.equal(a, b), (a, b)
+    d_q, d_lp, d_p = results[0][1:4]
+    assert (d_q[zero] == 0).all() and (d_lp[zero] == 0).all() and (d_p[zero] == 0).all()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_inputs(backend, device):
     for shape in [(0,), (2, 0)]:

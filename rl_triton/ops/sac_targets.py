@@ -9,6 +9,7 @@ import torch
 
 from .. import reference
 from .._args import FLAG, Call, check_backend, check_out_dtype, check_scalar
+from ..reference import _decided, _prep
 from ..scan.jit import cdiv, next_power_of_2, tl, triton
 from . import _losses as L
 
@@ -72,7 +73,10 @@ def forward_kernel(rewards, term, q, logp, probs, alpha_t, y, N, A, K, r_n, t_n,
         ok = inb[:, None] & (a[None, :] < A)
         smallest, _, p, lp = soft_values(q, logp, probs, n, a, ok, A, K, q_n, q_a, q_k, lp_n,
                                          lp_a, p_n, p_a, alpha, HAS_PROBS)
-        v += tl.sum(tl.where(ok, p * (smallest - alpha * lp), 0.0), axis=1)
+        keep = ok
+        if HAS_PROBS:  # an action of probability 0 adds 0, whatever its log pi and Q hold
+            keep = ok & (p != 0)
+        v += tl.sum(tl.where(keep, p * (smallest - alpha * lp), 0.0), axis=1)
     r = tl.load(rewards + n * r_n, mask=inb, other=0.0).to(tl.float32)
     done = tl.load(term + n * t_n, mask=inb, other=0) != 0
     # a termination drops the bootstrap by a select: the next state's NaN stays out
@@ -88,7 +92,8 @@ def backward_kernel(term, q, logp, probs, alpha_t, g, d_r, d_q, d_lp, d_p, d_alp
                     INT64: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr):
     """With w = g gamma (1 - term) pi(a): dQ_k(a) = w where critic k is the smallest, dlog pi(a)
     = -alpha w, dpi(a) = g gamma (1 - term) (min Q(a) - alpha log pi(a)), d alpha = -sum of
-    w log pi(a) (this program's part of it), d r = g."""
+    w log pi(a) (this program's part of it), d r = g; 0 at terminal steps and at actions of
+    probability 0."""
     n, inb = L.positions(N, INT64, BLOCK_N)
     alpha = temperature(alpha_t, alpha, ALPHA_TENSOR)
     gy = tl.load(g + n * g_n, mask=inb, other=0.0).to(tl.float32)
@@ -102,7 +107,12 @@ def backward_kernel(term, q, logp, probs, alpha_t, g, d_r, d_q, d_lp, d_p, d_alp
         ok = inb[:, None] & (a[None, :] < A)
         smallest, which, p, lp = soft_values(q, logp, probs, n, a, ok, A, K, q_n, q_a, q_k,
                                              lp_n, lp_a, p_n, p_a, alpha, HAS_PROBS)
-        w = coef[:, None] * p
+        # what a termination or a zero probability drops is selected away, never multiplied
+        # by 0 (a NaN or inf there: 0 * inf is NaN)
+        live = ok & ~done[:, None]
+        if HAS_PROBS:
+            live = live & (p != 0)
+        w = tl.where(live, coef[:, None] * p, 0.0)
         if D_Q:
             base = d_q + n[:, None] * dq_n + a[None, :] * dq_a
             for k in range(K):
@@ -113,10 +123,10 @@ def backward_kernel(term, q, logp, probs, alpha_t, g, d_r, d_q, d_lp, d_p, d_alp
                      (-alpha * w).to(d_lp.dtype.element_ty), mask=ok)
         if D_P:
             tl.store(d_p + n[:, None] * dp_n + a[None, :] * dp_a,
-                     (coef[:, None] * (smallest - alpha * lp)).to(d_p.dtype.element_ty),
-                     mask=ok)
+                     tl.where(live, coef[:, None] * (smallest - alpha * lp), 0.0).to(
+                         d_p.dtype.element_ty), mask=ok)
         if D_ALPHA:
-            d_a += tl.sum(tl.where(ok, -w * lp, 0.0), axis=1)
+            d_a += tl.sum(tl.where(live, -w * lp, 0.0), axis=1)
     if D_ALPHA:
         tl.store(d_alpha + tl.program_id(0), tl.sum(d_a, axis=0))
 
@@ -212,12 +222,19 @@ def fake(x: Inputs, o: Options):
 
 
 def torch_impl(x: Inputs, o: Options, dtype):
-    r, q, lp = (t.to(dtype) for t in (x.rewards, x.next_q_values, x.next_log_probs))
+    r, q, lp, p = _prep(dtype, x.rewards, x.next_q_values, x.next_log_probs, x.next_probs)
     alpha = o.alpha_value if x.alpha is None else x.alpha.to(dtype).reshape(())
+    # what a termination (the bootstrap) or a zero probability (the action) drops is 0 before
+    # any arithmetic: a NaN or inf there would reach the gradients through 0 * NaN
+    live = x.terminated == 0
+    if p is not None:
+        (p,) = _decided(live, p)
+        live = p != 0
+    q, lp = _decided(live, q, lp)
     # the first minimal critic (argmin's), as the kernel: amin would split a tie's gradient
     v = q.gather(-1, q.argmin(-1, keepdim=True)).squeeze(-1) - alpha * lp
-    if x.next_probs is not None:
-        v = (x.next_probs.to(dtype) * v).sum(-1)
+    if p is not None:
+        v = (p * v).sum(-1)
     return (r + torch.where(x.terminated != 0, 0.0, o.gamma * v),)
 
 
@@ -247,7 +264,10 @@ def sac_targets(rewards, terminated, next_q_values, next_log_probs, *, gamma=0.9
 
     Only terminations drop the bootstrap (a truncation keeps it; flags are set where nonzero).
     `alpha` is a number or a one-element tensor (a learned temperature, read on the device).
-    Differentiable with respect to every floating input, `alpha` included (`d y / d alpha =
+    An action of probability 0 adds 0 to the expectation, whatever its log-probability (-inf
+    from invalid-action masking) and Q-values hold, and gets gradient 0; so do a terminal
+    step's next-state inputs. Differentiable with respect to every floating input, `alpha`
+    included (`d y / d alpha =
     -gamma (1 - terminated) log pi`, in expectation over the actions for discrete ones);
     targets are usually held fixed, as CleanRL computes them
     under `torch.no_grad()`: do so, or pass `alpha.detach()`, where the temperature must not
