@@ -272,15 +272,20 @@ def group_advantages(scores, ids, *, baseline="mean", scale="std", eps=1e-6, std
 
 
 def masked_whiten(x, mask, *, shift_mean=True, eps=1e-8, std_correction=1, dtype=torch.float64):
-    """(x - mean) * rsqrt(var + eps) over the positions where `mask` is set (SPEC 8)."""
-    xs = x.to(dtype)
+    """(x - mean) * rsqrt(var + eps) over the positions where `mask` is set (SPEC 8), in
+    float64 whatever `dtype` (the result's): a float32 mean and sum of squares lose the digits
+    that |mean| >> std cancels. Fewer than 1 + std_correction positions set: NaN there."""
+    xs = torch.where(mask, x.to(torch.float64), 0.0)  # a masked position enters no arithmetic
     kept = xs[mask]
-    mean = kept.mean()
-    var = ((kept - mean) ** 2).sum() / (kept.numel() - std_correction)
+    n = kept.numel()
+    mean = kept.sum() / max(n, 1)
+    var = ((kept - mean) ** 2).sum() / max(n - std_correction, 1)
+    if n <= std_correction:
+        var = torch.full_like(var, torch.nan)
     out = (xs - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return torch.where(mask, out, 0.0)
+    return torch.where(mask, out, 0.0).to(dtype)
 
 
 # ---- losses (SPEC 9): each position's formula, and the aggregation sequence by sequence ----------

@@ -24,7 +24,7 @@ from rl_triton.testing import make_packed_inputs  # noqa: E402
 from rl_triton import _plans  # noqa: E402
 from rl_triton.ops import _group  # noqa: E402
 from rl_triton.ops import _losses  # noqa: E402
-from rl_triton.ops import _whiten  # noqa: E402
+from rl_triton.ops import _whiten, outcome  # noqa: E402
 from rl_triton.ops import linear_scan as linear_scan_op  # noqa: E402
 from rl_triton.scan import jit, kernel, launch, tiles  # noqa: E402
 
@@ -101,7 +101,8 @@ def differentiable(case, per_row):
 def whiten_launches(x, mask, group=False, **kw):
     """The kernel launches (kernel, args, kwargs) of `masked_whiten(x, mask, **kw)` on the
     Triton backend, then of its backward, on CPU tensors (the launches intercepted); with
-    `group`, as for a process group (the all-reduce skipped)."""
+    `group`, as for a process group (the all-reduce skipped, and the check that `group` is one:
+    any object stands for it)."""
     seen = []
 
     class Intercept:
@@ -113,6 +114,7 @@ def whiten_launches(x, mask, group=False, **kw):
 
     kernels = {k: v for k, v in vars(_whiten).items() if k.endswith("_kernel")}
     all_reduce, _whiten._all_reduce = _whiten._all_reduce, lambda t, group: None
+    process_group, outcome._process_group = outcome._process_group, lambda group: group
     os.environ["TRITON_INTERPRET"] = "1"  # lets backend="triton" take CPU tensors
     for name, fn in kernels.items():
         setattr(_whiten, name, Intercept(fn))
@@ -125,6 +127,7 @@ def whiten_launches(x, mask, group=False, **kw):
         for name, fn in kernels.items():
             setattr(_whiten, name, fn)
         _whiten._all_reduce = all_reduce
+        outcome._process_group = process_group
         del os.environ["TRITON_INTERPRET"]
     return seen
 

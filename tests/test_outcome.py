@@ -63,6 +63,20 @@ def test_group_advantages_nan_stays_in_its_group():
     assert rl_triton.group_advantages(s, group_size=3, scale="batch_std").isnan().all()
 
 
+@pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_group_advantages_masked_tokens_stay_zero(bad, backend):
+    """A non-finite score makes its group's set tokens non-finite (the formula uses it), and
+    leaves its masked-out tokens 0 (a select, not NaN * 0), by group_size (the kernel) and by
+    group ids alike."""
+    s = torch.tensor([1.0, bad, 3.0, 4.0, 5.0, 7.0])
+    mask = torch.tensor([[1, 0], [0, 0], [1, 1], [1, 0], [0, 1], [1, 1]], dtype=torch.uint8)
+    for kw in (dict(group_size=3), dict(group_index=torch.tensor([0, 0, 0, 1, 1, 1]))):
+        a = rl_triton.group_advantages(s, **kw, mask=mask, backend=backend)
+        assert (a[mask == 0] == 0).all(), a
+        assert not a[:3][mask[:3] != 0].isfinite().any() and a[3:].isfinite().all(), a
+
+
 def test_group_advantages_broadcast_to_tokens():
     s = torch.tensor([1.0, 2.0, 3.0, 6.0])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 1, 1]], dtype=torch.uint8)
@@ -207,7 +221,7 @@ def test_masked_whiten_matches_reference(shift_mean, with_mask):
                                rtol=0)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
 def test_masked_whiten_ignores_masked_positions(backend):
     x = torch.randn(4, 9)
     mask = torch.rand(4, 9) > 0.5
@@ -217,7 +231,7 @@ def test_masked_whiten_ignores_masked_positions(backend):
     assert (out[~mask] == 0).all()
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
 def test_masked_whiten_masked_nan_stays_out_of_gradients(backend):
     """A NaN at a masked position reaches neither the output nor any gradient; with nothing
     masked in, every gradient is 0."""
@@ -236,7 +250,7 @@ def test_masked_whiten_masked_nan_stays_out_of_gradients(backend):
     assert (none.grad == 0).all()
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
 def test_masked_whiten_nan_masked_in_makes_the_statistics_nan(backend):
     x = torch.randn(4, 9)
     mask = torch.rand(4, 9) > 0.5
@@ -246,7 +260,7 @@ def test_masked_whiten_nan_masked_in_makes_the_statistics_nan(backend):
     assert out[mask].isnan().all() and (out[~mask] == 0).all()
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
 def test_masked_whiten_gradcheck(backend):
     x = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
     mask = torch.rand(3, 7) > 0.3
@@ -365,7 +379,7 @@ def test_masked_whiten_triton_gradcheck(shift_mean, blocks):
                                               out_dtype=torch.float64), (x,))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
 def test_masked_whiten_edge_cases(backend):
     """Nothing masked in: zeros, zero gradients; one element; an empty tensor; a 0-d one."""
     x = torch.randn(3, 5, requires_grad=True)
@@ -441,6 +455,52 @@ def test_masked_whiten_triton_refuses_second_order():
         torch.autograd.grad((y * y.detach()).sum(), x, create_graph=True)
 
 
+BACKENDS = ["torch", "loop", "triton"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("offset", [1e2, 1e4, -1e4])
+def test_masked_whiten_far_from_zero_mean(offset, backend):
+    """Float32 data whose mean is up to 1e4 times its spread: every backend matches the float64
+    whitening of the same float32 values to 1e-5 (a float32 sum of squares: 0.1 at 1e4)."""
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(5, 37, generator=g, dtype=torch.float64) * 0.7 + offset).float()
+    for mask in (None, torch.rand(5, 37, generator=g) < 0.6):
+        m = torch.ones(5, 37, dtype=torch.bool) if mask is None else mask
+        for shift_mean in (True, False):
+            want = rl_triton.reference.masked_whiten(x.double(), m, shift_mean=shift_mean)
+            got = rl_triton.masked_whiten(x, mask, shift_mean=shift_mean, backend=backend)
+            assert rel_err(got, want) < 1e-5, (shift_mean, rel_err(got, want))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_whiten_too_few_positions_is_nan(backend):
+    """Fewer than 1 + std_correction positions set: the variance is undefined, NaN at the set
+    positions (equal values or not), 0 elsewhere; enough of them: finite."""
+    x = torch.tensor([1.5, 1.5, -2.0, 4.0, 0.25])
+    for correction, n in itertools.product(range(4), range(5)):
+        mask = torch.arange(5) < n
+        y = rl_triton.masked_whiten(x, mask, std_correction=correction, backend=backend)
+        assert (y[~mask] == 0).all(), (correction, n, y)
+        if n <= correction:
+            assert y[mask].isnan().all(), (correction, n, y)
+        else:
+            assert y.isfinite().all(), (correction, n, y)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("group", ["WORLD", object(), 0], ids=["str", "object", "int"])
+def test_masked_whiten_group_must_be_a_process_group(group, backend, monkeypatch):
+    """A `group` that is not a process group: TypeError naming it, before any kernel."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a kernel ran")
+
+    monkeypatch.setattr(_whiten, "_forward", refuse)
+    with pytest.raises(TypeError, match="group must be a torch.distributed process group"):
+        rl_triton.masked_whiten(torch.randn(4, 5, requires_grad=True), group=group,
+                                backend=backend)
+
+
 def test_masked_whiten_errors():
     with pytest.raises(ValueError, match="mask"):
         rl_triton.masked_whiten(torch.randn(3, 4), torch.ones(3, 5, dtype=torch.bool))
@@ -462,6 +522,9 @@ def _whiten_rank(rank, world, path, out, backend):
                                 backend=backend, out_dtype=torch.float64).cpu()
     w = torch.randn(x.shape, generator=g, dtype=torch.float64)
     (y * w).sum().backward()
+    # float32 data whose mean is 1e4 times its spread: the sums are centered first
+    far = (torch.randn(4 + rank, 9, generator=g, dtype=torch.float64) + 1e4).float()
+    y_far = rl_triton.masked_whiten(far.to(dev), group=dist.group.WORLD, backend=backend).cpu()
     # a rank without data still takes part in both all-reduces
     alone = x.detach()[:0 if rank else None].clone().requires_grad_()
     y_alone = rl_triton.masked_whiten(alone.to(dev), mask[:alone.shape[0]].to(dev),
@@ -469,7 +532,8 @@ def _whiten_rank(rank, world, path, out, backend):
                                       out_dtype=torch.float64).cpu()
     (y_alone * w[:alone.shape[0]]).sum().backward()
     torch.save({"x": x.detach(), "mask": mask, "y": y.detach(), "w": w, "grad": x.grad,
-                "y_alone": y_alone.detach(), "grad_alone": alone.grad},
+                "y_alone": y_alone.detach(), "grad_alone": alone.grad, "far": far,
+                "y_far": y_far},
                os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -494,3 +558,6 @@ def test_masked_whiten_is_global_over_a_process_group(tmp_path, backend):
     torch.testing.assert_close(parts[0]["y_alone"], y.detach())
     torch.testing.assert_close(parts[0]["grad_alone"], first.grad)
     assert parts[1]["y_alone"].shape == (0, 11)
+    far = torch.cat([p["far"] for p in parts]).double()
+    want = rl_triton.reference.masked_whiten(far, torch.ones_like(far, dtype=torch.bool))
+    assert rel_err(torch.cat([p["y_far"] for p in parts]), want) < 1e-5

@@ -79,7 +79,8 @@ def _load_x(x_ptr, m_ptr, offs, N, HAS_MASK: tl.constexpr, F64: tl.constexpr,
 @triton.jit
 def _moments(stats_ptr, correction: tl.float64, eps: tl.float64, SUMS: tl.constexpr):
     """(n, mean, rsqrt(var + eps)) in float64 from the statistics: (n, mean, M2), or with SUMS
-    (a process group's all-reduced statistics) (n, sum, sum of squares)."""
+    (a process group's all-reduced statistics) (n, sum, sum of squares); rsqrt NaN where
+    n <= correction (the variance is undefined: not 0 / 0's luck, nor M2 / 0 = inf's 0)."""
     n = tl.load(stats_ptr)
     a = tl.load(stats_ptr + 1)
     b = tl.load(stats_ptr + 2)
@@ -90,7 +91,8 @@ def _moments(stats_ptr, correction: tl.float64, eps: tl.float64, SUMS: tl.conste
     else:
         mean = a
         m2 = b
-    return n, mean, 1.0 / tl.sqrt(m2 / (n - correction) + eps)
+    rstd = 1.0 / tl.sqrt(m2 / (n - correction) + eps)
+    return n, mean, tl.where(n > correction, rstd, float("nan"))
 
 
 @triton.jit

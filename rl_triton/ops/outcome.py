@@ -63,6 +63,18 @@ def _mask(mask, device):
     return mask
 
 
+def _process_group(group):
+    """`group` if it is None or a `torch.distributed` process group; else TypeError (before
+    any work: an all-reduce would fail only after the first kernels ran)."""
+    if group is None:
+        return None
+    dist = torch.distributed
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(f"group must be a torch.distributed process group (e.g. "
+                        f"torch.distributed.group.WORLD) or None, got {type(group).__name__}")
+    return group
+
+
 def _float(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype is torch.float64 else torch.float32
 
@@ -142,8 +154,8 @@ def group_advantages(scores, group_index=None, *, group_size=None, baseline="mea
         a = reference.group_advantages(s, ids, **args, dtype=_float(s))
     else:
         a = _group_advantages_torch(s.to(_float(s)), ids, n_groups, **args)
-    if mask is not None:
-        a = a[:, None] * (mask != 0).to(a.dtype)
+    if mask is not None:  # a select: a NaN or inf advantage stays out of masked-out tokens
+        a = torch.where(mask != 0, a[:, None], 0.0)
     return a.to(out_dtype)
 
 
@@ -152,18 +164,20 @@ def _group_advantages_torch(s, ids, n_groups, *, baseline, scale, eps, std_corre
         return torch.zeros(n_groups, dtype=s.dtype, device=s.device).index_add(0, ids, x)
 
     n = per_group(torch.ones_like(s))
-    total = per_group(s)
-    mu = total / n
-    dev = s - mu[ids]
-    # groups of one get baseline 0 and scale 1 (below); their statistics here are kept finite
-    # so that no NaN reaches the gradients of the others through the final select
     lone = n == 1
-    var = per_group(dev * dev) / torch.where(lone, 1.0, n - std_correction).clamp_min(0)
     alone = lone[ids]
+    # groups of one get baseline 0 and scale 1 (the final select): their scores enter no
+    # statistic, whose gradient would be 0 * NaN for a NaN or inf score, and the statistics
+    # are kept finite so that no NaN reaches the gradients of the others through that select
+    x = torch.where(alone, 0.0, s)
+    total = per_group(x)
+    mu = total / n
+    dev = x - mu[ids]
+    var = per_group(dev * dev) / torch.where(lone, 1.0, n - std_correction).clamp_min(0)
     if baseline == "mean":
         a = dev
     else:  # the mean of the others: (sum - s) / (n - 1)
-        a = s - (total[ids] - s) / torch.where(alone, 1.0, n[ids] - 1)
+        a = x - (total[ids] - x) / torch.where(alone, 1.0, n[ids] - 1)
     if scale == "std":
         a = a / (torch.where(lone, 1.0, var).sqrt()[ids] + eps)
     elif scale == "batch_std":
@@ -198,6 +212,7 @@ def masked_whiten(x, mask=None, *, shift_mean=True, eps=1e-8, std_correction=1, 
         raise TypeError(f"shift_mean must be a bool, got {type(shift_mean).__name__}")
     eps = float(_nonneg("eps", eps))
     correction = _nonneg("std_correction", std_correction, numbers.Integral)
+    group = _process_group(group)
     backend = backend_for(backend, x.device)
     if backend == "triton" and not torch.compiler.is_compiling():
         # under torch.compile the torch ops below are traced instead (no custom op yet)
@@ -210,18 +225,36 @@ def masked_whiten(x, mask=None, *, shift_mean=True, eps=1e-8, std_correction=1, 
         out = reference.masked_whiten(x, m, shift_mean=shift_mean, eps=eps,
                                       std_correction=correction, dtype=dtype)
         return out.to(out_dtype)
+    # from xs, not x: a NaN at a masked position would reach the gradients through d out / d var
     xs = torch.where(m, x.to(dtype), 0.0)
-    stats = torch.stack([m.sum().to(torch.float64), xs.sum(dtype=torch.float64),
-                         (xs * xs).sum(dtype=torch.float64)])
+    # float64 statistics, centered on this process's mean first (as the Triton path's): a
+    # float32 sum of squares loses (mean / std)^2 ulps, 0.1 relative at a mean of 1e4 std
+    count = m.sum().to(torch.float64)
+    total = xs.sum(dtype=torch.float64)
+    mean = total / count.clamp_min(1)
+    d = torch.where(m, _centered(xs, mean), 0.0)
+    m2 = (d * d).sum(dtype=torch.float64)
     if group is not None:
         import torch.distributed.nn.functional as dist_fn  # differentiable all-reduce
 
-        stats = dist_fn.all_reduce(stats, group=group)
-    count, total, squares = stats[0], stats[1], stats[2]
-    mean = total / count
-    var = (squares - total * mean).clamp_min(0) / (count - correction)
-    # from xs, not x: a NaN at a masked position would reach the gradients through d out / d var
-    out = (xs - mean.to(dtype)) * torch.rsqrt(var + eps).to(dtype)
+        # one all-reduce of (count, sum, sum of squares), each process's sum of squares from
+        # its centered M2: the cancellation below is in float64, 1e-8 relative at 1e4 std
+        count, total, squares = dist_fn.all_reduce(
+            torch.stack([count, total, m2 + total * mean]), group=group)
+        mean = total / count.clamp_min(1)
+        m2 = (squares - total * mean).clamp_min(0)
+    # fewer than 1 + std_correction positions: the variance is undefined, NaN (never 0 / 0's
+    # luck, nor a division whose backward is 0 / 0 where the select drops it)
+    valid = count > correction
+    var = torch.where(valid, m2 / torch.where(valid, count - correction, 1.0), torch.nan)
+    out = _centered(xs, mean) * torch.rsqrt(var + eps).to(dtype)
     if not shift_mean:
         out = out + mean.to(dtype)
     return torch.where(m, out, 0.0).to(out_dtype)
+
+
+def _centered(x: Tensor, mean: Tensor) -> Tensor:
+    """x - mean in x's dtype, the float64 mean as hi + lo: x - hi is exact near the mean, so
+    the digits that |mean| >> std would round away from x - mean.to(dtype) are kept."""
+    hi = mean.to(x.dtype)
+    return (x - hi) - (mean - hi.to(mean.dtype)).to(x.dtype)
