@@ -429,6 +429,45 @@ def test_empty_selection_is_zero(aggregation, backend, device):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("packed_rows,aggregation", [(False, a) for a in AGGREGATIONS]
+                         + [(True, a) for a in SEQ_MODES])
+def test_mask_is_binary(packed_rows, aggregation, backend, device):
+    """The mask is set where nonzero: 0.5, 2.0 and -3.0 count as 1 (a weight goes in through
+    the inputs, not the mask), the same losses, metrics and gradients bit for bit as a bool
+    mask; a sequence without a set position (a masked-out row or segment, an empty segment)
+    does not count in the mean over sequences."""
+    shape = (37,) if packed_rows else (4, 9)
+    lp, old, adv = ppo_case(shape, dtype=torch.float32, device=device)
+    mask = random_mask(shape, 3, device)
+    kw = dict(aggregation=aggregation)
+    if packed_rows:
+        kw["cu_seqlens"] = torch.tensor(CU, device=device)
+        mask[5:20] = False  # segment 2 (segment 1 is empty)
+    else:
+        mask[2] = False
+    weights = torch.tensor([0.5, 2.0, -3.0], device=device)[torch.arange(mask.numel(),
+                                                                         device=device) % 3]
+    results = []
+    for m in (mask, torch.where(mask, weights.view(shape), 0.0)):
+        xs = leaves(lp, old, adv)
+        outs = rl_triton.ppo_policy_loss(*xs, m, **kw, backend=backend)
+        v = leaves(lp, adv, old)
+        outs = (*outs, rl_triton.value_loss(*v, m, clip=0.2, **kw, backend=backend))
+        results.append([o.detach() for o in outs] + grads_of(outs, xs + v))
+    for a, b in zip(*results):
+        assert torch.equal(a, b), (a, b)
+    if aggregation in SEQ_MODES:  # the mean over the sequences with a set position
+        l = -adv * torch.exp(lp - old)
+        l = torch.maximum(l, -adv * torch.exp(lp - old).clamp(0.8, 1.2))
+        seqs = ([slice(a, b) for a, b in zip(CU[:-1], CU[1:])] if packed_rows
+                else [slice(b, b + 1) for b in range(4)])
+        per = [l[s][mask[s]].sum() / (mask[s].sum() if aggregation.endswith("mean") else 1)
+               for s in seqs if mask[s].any()]
+        assert len(per) < len(seqs)
+        assert abs(results[0][0].item() - (sum(per) / len(per)).item()) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_nan(backend, device):
     """A NaN at a position that counts gives NaN (a NaN ratio is never clipped); at a masked
     position it reaches nothing."""

@@ -459,12 +459,14 @@ def ppo_removal(kind, device):
 
 
 def value_removal(kind, device):
-    shape = (3, 7)
+    shape = (21,) if kind == "packed" else (3, 7)
     inputs = {k: torch.randn(shape, generator=_gen(i + 10)).to(device)
               for i, k in enumerate(("values", "returns", "old_values"))}
-    mask = _mask(shape, 8, device)
-    opts = (dict(aggregation="seq-mean-token-mean") if kind == "mse" else
-            dict(clip=0.2, kind="huber", huber_delta=0.5, aggregation="none"))
+    mask = _mask(shape if kind != "packed" else (1, 21), 8, device).view(shape)
+    opts = {"mse": dict(aggregation="seq-mean-token-mean"),
+            "clip": dict(clip=0.2, kind="huber", huber_delta=0.5, aggregation="none"),
+            "packed": dict(clip=0.2, aggregation="seq-mean-token-sum",
+                           cu_seqlens=torch.tensor([0, 5, 5, 12, 14, 21], device=device))}[kind]
     if kind == "mse":
         del inputs["old_values"]
 
@@ -584,7 +586,7 @@ REMOVALS = {
        for s in (True, False)},
     **{f"ppo_policy_loss-{k}": (lambda device, k=k: ppo_removal(k, device))
        for k in ("mask", "dual", "packed", "clamp")},
-    **{f"value_loss-{k}": (lambda device, k=k: value_removal(k, device)) for k in ("mse", "clip")},
+    **{f"value_loss-{k}": (lambda device, k=k: value_removal(k, device)) for k in ("mse", "clip", "packed")},
     **{f"kl_penalty-{k}": (lambda device, k=k: kl_removal(k, device))
        for k in ("k1", "abs", "k2", "k3")},
     **{f"sac_targets-{k}": (lambda device, k=k: sac_removal(k, device))
