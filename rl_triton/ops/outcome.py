@@ -95,7 +95,7 @@ def group_advantages(scores, group_index=None, *, group_size=None, baseline="mea
         scale="batch_std":        a / (std of all B scores + eps)
 
     A group of one gets baseline 0 and scale 1. With `mask[B, T]` the result is broadcast to
-    tokens, `a[:, None] * mask`. A NaN score makes its own group NaN and no other (with
+    tokens, `a[:, None]` where the mask is set and 0 elsewhere (whatever the score). A NaN score makes its own group NaN and no other (with
     `scale="batch_std"`, all). `group_index` costs one device sync (the ids are renumbered);
     `group_size` none.
 
@@ -194,7 +194,11 @@ def masked_whiten(x, mask=None, *, shift_mean=True, eps=1e-8, std_correction=1, 
     With `group` (a `torch.distributed` process group) mean and variance are global over its
     ranks, from one all-reduce of (count, sum, sum of squares) in float64: the result equals
     whitening the concatenation of every rank's data, and gradients flow across ranks (every
-    rank calls it with the same backend: the Triton backward all-reduces its own sums).
+    rank calls it with the same backend: the Triton backward all-reduces its own sums); a
+    `group` that is not a process group raises TypeError. Every backend accumulates in float64
+    around a first estimate of the mean, so float32 data far from zero (mean 1e4 std) keeps
+    float32 precision. Fewer than `1 + std_correction` positions set: NaN there. A NaN or inf
+    at a masked position reaches neither the result nor any gradient.
 
     Example::
 
