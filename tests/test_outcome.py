@@ -154,6 +154,8 @@ def test_group_kernel_inputs(monkeypatch, device):
 
 def test_group_advantages_errors():
     s = torch.randn(6)
+    with pytest.raises(RuntimeError, match="mask requires grad"):  # never a silent detach
+        rl_triton.group_advantages(s, group_size=2, mask=torch.ones(6, 3, requires_grad=True))
     with pytest.raises(ValueError, match="exactly one"):
         rl_triton.group_advantages(s)
     with pytest.raises(ValueError, match="group_size"):
@@ -502,6 +504,8 @@ def test_masked_whiten_group_must_be_a_process_group(group, backend, monkeypatch
 
 
 def test_masked_whiten_errors():
+    with pytest.raises(RuntimeError, match="mask requires grad"):  # never a silent detach
+        rl_triton.masked_whiten(torch.randn(3, 4), torch.ones(3, 4, requires_grad=True))
     with pytest.raises(ValueError, match="mask"):
         rl_triton.masked_whiten(torch.randn(3, 4), torch.ones(3, 5, dtype=torch.bool))
     with pytest.raises(TypeError, match="x"):

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from .. import reference
-from .._args import FLAG_DTYPES, check_backend, check_out_dtype
+from .._args import FLAG_DTYPES, _flag_grad_error, check_backend, check_out_dtype
 from .._plans import backend_for
 from . import _group, _whiten
 
@@ -60,6 +60,8 @@ def _mask(mask, device):
     mask = _tensor("mask", mask, device)
     if mask.dtype not in FLAG_DTYPES:
         raise TypeError(f"mask has dtype {mask.dtype}; expected bool, an integer or a float dtype")
+    if mask.requires_grad and torch.is_grad_enabled():  # never a silent detach
+        raise _flag_grad_error("mask")
     return mask
 
 
