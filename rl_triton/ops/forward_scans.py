@@ -249,7 +249,7 @@ CUMSUM = Op("episodic_cumsum", Inputs, NoScalars, check=_check, plan=_plan, copy
 
 
 def eligibility_traces(x, dones, *, gamma, lam, initial=None, mask=None, cu_seqlens=None,
-                       time_dim=0, backend="auto", out_dtype=torch.float32):
+                       check_offsets=True, time_dim=0, backend="auto", out_dtype=torch.float32):
     """Accumulating eligibility traces (forward in time). Returns `z`, shaped like `x`.
 
     ::
@@ -267,6 +267,11 @@ def eligibility_traces(x, dones, *, gamma, lam, initial=None, mask=None, cu_seql
     `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
     per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
     own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
+    Per-step tensors may carry batch axes after the packed one (`[L, N]`, bootstraps
+    `[S, N]`); a tensor discount is one per segment, `[S]` or `[S, N]`. The offsets must
+    start at 0, end at L and never decrease (else `ValueError`), checked on every call: free
+    on CPU offsets, one device sync on CUDA ones, which `check_offsets=False` skips (for
+    CUDA-graph capture; whatever the offsets hold, nothing is read outside the tensors).
 
     Example::
 
@@ -274,11 +279,11 @@ def eligibility_traces(x, dones, *, gamma, lam, initial=None, mask=None, cu_seql
     """
     return TRACES(Inputs(x, dones, initial, mask),
                   TraceScalars(check_discount("gamma", gamma), check_discount("lam", lam)),
-                  time_dim, backend, out_dtype, cu_seqlens=cu_seqlens)
+                  time_dim, backend, out_dtype, cu_seqlens=cu_seqlens, check_offsets=check_offsets)
 
 
-def episodic_cumsum(x, dones, *, initial=None, mask=None, cu_seqlens=None, time_dim=0,
-                    backend="auto", out_dtype=torch.float32):
+def episodic_cumsum(x, dones, *, initial=None, mask=None, cu_seqlens=None, check_offsets=True,
+                    time_dim=0, backend="auto", out_dtype=torch.float32):
     """Prefix sums that restart after every episode end (forward in time). Returns `C`.
 
     ::
@@ -294,10 +299,15 @@ def episodic_cumsum(x, dones, *, initial=None, mask=None, cu_seqlens=None, time_
     `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
     per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
     own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
+    Per-step tensors may carry batch axes after the packed one (`[L, N]`, `initial`
+    `[S, N]`). The offsets must
+    start at 0, end at L and never decrease (else `ValueError`), checked on every call: free
+    on CPU offsets, one device sync on CUDA ones, which `check_offsets=False` skips (for
+    CUDA-graph capture; whatever the offsets hold, nothing is read outside the tensors).
 
     Example::
 
         >>> episode_return_so_far = rl_triton.episodic_cumsum(rewards, dones)
     """
     return CUMSUM(Inputs(x, dones, initial, mask), NoScalars(), time_dim, backend, out_dtype,
-                  cu_seqlens=cu_seqlens)
+                  cu_seqlens=cu_seqlens, check_offsets=check_offsets)

@@ -518,8 +518,8 @@ OP = Op("retrace", Inputs, Scalars, outputs=2, extras=Extras, check=_check,
 
 def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated, truncated=None,
             *, last_q_values=None, last_target_probs=None, mask=None, cu_seqlens=None,
-            gamma=0.99, lam=1.0, c_clip=1.0, return_advantages=False, check_actions=True,
-            time_dim=0, backend="auto", out_dtype=torch.float32):
+            check_offsets=True, gamma=0.99, lam=1.0, c_clip=1.0, return_advantages=False,
+            check_actions=True, time_dim=0, backend="auto", out_dtype=torch.float32):
     """Retrace(lambda) Q targets for discrete actions. Returns `G`, or `(G, G - Q(s_t, a_t))`
     with `return_advantages=True`.
 
@@ -549,6 +549,11 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
     `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
     per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
     own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
+    Per-step tensors may carry batch axes after the packed one (`[L, N]`, bootstraps
+    `[S, N]`); a tensor discount is one per segment, `[S]` or `[S, N]`. The offsets must
+    start at 0, end at L and never decrease (else `ValueError`), checked on every call: free
+    on CPU offsets, one device sync on CUDA ones, which `check_offsets=False` skips (for
+    CUDA-graph capture; whatever the offsets hold, nothing is read outside the tensors).
     On the Triton backend both run on the masked kernel, packed rows in place (calls that need
     gradients: the torch backend, and padded rows).
 
@@ -564,4 +569,4 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
                    check_bool("check_actions", check_actions))
     return OP(Inputs(rewards, q_values, actions, target_probs, behavior_probs, terminated,
                      truncated, last_q_values, last_target_probs, mask), s, time_dim, backend,
-              out_dtype, extra, cu_seqlens=cu_seqlens)
+              out_dtype, extra, cu_seqlens=cu_seqlens, check_offsets=check_offsets)

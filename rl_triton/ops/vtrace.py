@@ -349,9 +349,9 @@ OP = Op("vtrace", Inputs, Scalars, outputs=2,
 
 
 def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, truncated=None, *,
-           last_value=None, next_values=None, mask=None, cu_seqlens=None, gamma=0.99, lam=1.0,
-           rho_clip=1.0, c_clip=1.0, pg_rho_clip=1.0, time_dim=0, backend="auto",
-           out_dtype=torch.float32):
+           last_value=None, next_values=None, mask=None, cu_seqlens=None, check_offsets=True,
+           gamma=0.99, lam=1.0, rho_clip=1.0, c_clip=1.0, pg_rho_clip=1.0, time_dim=0,
+           backend="auto", out_dtype=torch.float32):
     """V-trace targets (IMPALA). Returns `(vs, pg_advantages)`.
 
     With ratio[t] = exp(target_log_probs[t] - behavior_log_probs[t]) (log-probabilities of the
@@ -372,6 +372,11 @@ def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, tr
     `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
     per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
     own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
+    Per-step tensors may carry batch axes after the packed one (`[L, N]`, bootstraps
+    `[S, N]`); a tensor discount is one per segment, `[S]` or `[S, N]`. The offsets must
+    start at 0, end at L and never decrease (else `ValueError`), checked on every call: free
+    on CPU offsets, one device sync on CUDA ones, which `check_offsets=False` skips (for
+    CUDA-graph capture; whatever the offsets hold, nothing is read outside the tensors).
 
     Example::
 
@@ -384,4 +389,4 @@ def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, tr
                 check_scalar("pg_rho_clip", pg_rho_clip, **clip))
     return OP(Inputs(rewards, values, terminated, target_log_probs, behavior_log_probs, truncated,
                      last_value, next_values, mask), s, time_dim, backend, out_dtype,
-              cu_seqlens=cu_seqlens)
+              cu_seqlens=cu_seqlens, check_offsets=check_offsets)
