@@ -31,6 +31,7 @@ from typing import Callable, Optional
 import torch
 
 from ._args import Call, check_backend, check_bool, check_offsets, check_out_dtype
+from .scan import torch_scan
 from .scan.jit import HAS_TRITON
 
 Tensor = torch.Tensor
@@ -173,15 +174,18 @@ class Op:
         """Packed variable-length rows (SPEC 7, FlashAttention's `cu_seqlens`): each segment
         [cu[i], cu[i+1]) of the per-step tensors `[L, ...]` is a row of its own, its last step
         a window end; bootstraps are `[S, ...]`, a tensor discount `[S]` or `[S, *batch]`.
-        Every argument is checked against the caller's shapes (and the offsets' values, unless
-        `check` is False, or tracing or capture forbids the read) before any route:
-        - inside torch.compile: the op's packed custom op (`_register_packed`), whose
-          implementation is this eager path (tracing cannot read the offsets);
-        - on the Triton backend, where the op's kernels run packed rows (`packed_kernels`) and
-          nothing needs gradients nor per-row discounts: the [L] stream scanned in place as one
-          long row whose segment ends are window ends (`scan.kernel.segment_windows`): no copy
-          and no host sync but the offsets' check;
-        - otherwise as padded rows (`_padded`), differentiable on every backend."""
+        Every argument is checked against the caller's shapes, and the offsets' values unless
+        `check` is False or tracing or capture forbids the read, before any route:
+        - Triton, where nothing needs gradients and the discounts are scalars: the [L] stream
+          scanned in place as one long row whose segment ends are window ends
+          (`scan.kernel.segment_windows`): no copy, no host sync but the offsets' check;
+          inside torch.compile through the op's packed custom op (`_register_packed`), whose
+          implementation is this eager path;
+        - torch, and every call that needs gradients: the torch implementation on the same
+          long row (`_packed_torch`): no padding and no host read, so torch.compile traces it
+          and autograd differentiates it;
+        - loop, and Triton with per-row discounts: padded rows (`_padded`); the loop backend
+          inside torch.compile through the packed custom op (no gradients there)."""
         if self._mask is None:
             raise TypeError(f"{self.name} takes no cu_seqlens")
         check = check_bool("check_offsets", check)
@@ -192,7 +196,7 @@ class Op:
                 0, -ref.ndim) or ref.ndim == 0:
             raise ValueError(f"with cu_seqlens the per-step tensors are packed [L, ...] with "
                              f"time on axis 0; got time_dim={time_dim!r}")
-        backend = check_backend(backend)
+        backend = backend_for(check_backend(backend), ref.device)
         out_dtype = check_out_dtype(out_dtype)
         compiling = torch.compiler.is_compiling()
         cu = check_offsets(cu_seqlens, ref.shape[0], ref.device,
@@ -200,30 +204,40 @@ class Op:
                            dtypes=(torch.int32, torch.int64))
         checked, call = self.check(x, 0, extra, segments=cu.shape[0] - 1)
         ps = self._segment_discounts(s, call)
+        n = self.n_out(extra)
         if call.empty():
             return _result([torch.empty(checked[0].shape, dtype=out_dtype, device=call.device)
-                            for _ in range(self.n_out(extra))])
-        if compiling:
+                            for _ in range(n)])
+        per_row = ps is not s
+        in_place = (backend == "triton" and self.packed_kernels(x) and not per_row
+                    and not call.needs_grad)
+        if compiling and (in_place or backend == "loop"):
+            if call.needs_grad:
+                raise RuntimeError(
+                    f"{self.name} with cu_seqlens and backend='loop' inside torch.compile "
+                    "computes no gradients (it runs as one custom op); use backend='torch'")
             disc = [getattr(s, f) if isinstance(getattr(s, f), Tensor) else None
                     for f in self.discounts]
             outs = self.packed_op(*x, *self._floats(s), *disc, cu, backend, out_dtype, *extra,
                                   check)
-            n = self.n_out(extra)
             return _result(list(outs[:n]) if self.outputs > 1 else [outs])
-        if self._in_place(x, ps, backend, call.device):
+        if in_place:
             if self.runtime_check is not None:
                 self.runtime_check(checked, extra)
             cu = cu.contiguous()
             call.key.append(("cu_seqlens", cu.shape, cu.dtype, cu.data_ptr() % 16 == 0))
-            return _result(self._launch(checked, ps, call, out_dtype, extra,
-                                        cu=cu)[:self.n_out(extra)])
+            return _result(self._launch(checked, ps, call, out_dtype, extra, cu=cu)[:n])
+        if backend == "torch" or call.needs_grad or compiling:
+            return self._packed_torch(checked._replace(mask=x.mask), ps, out_dtype, extra, cu,
+                                      call)
         return self._padded(x, ps, backend, out_dtype, extra, cu, call)
 
     def _segment_discounts(self, s, call: Call):
         """Per-row discounts of packed rows (SPEC 6, 7): a tensor is one value per segment,
         its leading axis the segment axis (`[S]`, `[S, *batch]`, or 0-d: one for all),
-        returned shaped `[S, 1, ...]` so that it broadcasts over the padded rows' batch shape
-        `[S, *batch]` (a bare `[S]` would otherwise meet the last batch axis)."""
+        returned as float32 (float64) on the call's device, shaped `[S, 1, ...]` so that it
+        broadcasts over the batch shape `[S, *batch]` of padded rows (a bare `[S]` would
+        otherwise meet the last batch axis); `s` itself where every discount is a number."""
         if not self.discounts or not any(isinstance(getattr(s, f), Tensor)
                                          for f in self.discounts):
             return s
@@ -247,18 +261,43 @@ class Op:
                     f"{f} has shape {tuple(getattr(s, f).shape)} but cu_seqlens has {S} "
                     f"segments; with packed rows a per-row {f} has one value per segment: "
                     f"shape ({S},) or ({want}{',' if len(full) == 1 else ''})")
-            out[f] = v
+            if v.device != call.device and not (v.ndim == 0 and v.device.type == "cpu"):
+                raise ValueError(f"{f} is on {v.device} but {call.ref_name} is on "
+                                 f"{call.device}; all tensors must be on one device")
+            if v.requires_grad and call.grad:
+                call.needs_grad = True
+            if v.dtype is torch.float64:
+                call.float64 = True
+            out[f] = v.to(call.device, torch.float64 if v.dtype is torch.float64
+                          else torch.float32)
         return s._replace(**out)
 
-    def _in_place(self, x, s, backend, device) -> bool:
-        """Whether a packed call runs in place: the Triton backend and its packed kernels, no
-        gradient, scalar discounts."""
-        if backend_for(backend, device) != "triton" or not self.packed_kernels(x):
-            return False
-        if any(isinstance(v, Tensor) for v in s):
-            return False
-        return not (torch.is_grad_enabled()
-                    and any(isinstance(t, Tensor) and t.requires_grad for t in x))
+    def _packed_torch(self, x, s, out_dtype, extra, cu, call: Call):
+        """Packed rows on the torch implementation, as one long row `[L, *batch]`
+        (`torch_scan.packed_rows`): each segment's last decision step is a window end, its
+        bootstraps and discounts are read per step; every index is formed on the device (no
+        host read: traced by torch.compile, captured in a CUDA graph), and stays inside its
+        tensor whatever the offsets hold. Differentiable by autograd."""
+        seg, packed = torch_scan.packed_rows(cu, tuple(call.step_shape), x[self._mask])
+        tail = (1,) * (x[0].ndim - len(call.step_shape))
+        x = self.inputs(*(t if step or t is None else t[seg]
+                          for t, step in zip(x, self._steps)))
+        s = s._replace(**{f: v[seg].reshape(v[seg].shape + tail) if v.ndim else v
+                          for f in self.discounts
+                          for v in [getattr(s, f)] if isinstance(v, Tensor)})
+        if self.runtime_check is not None and not torch.compiler.is_compiling():
+            self.runtime_check(x, extra)  # (traced: unread, the implementation clamps)
+        dtype = torch.float64 if call.float64 else torch.float32
+        res = self.torch(x, s, extra, dtype, packed=packed)
+        res = res if isinstance(res, tuple) else (res,)
+        outs = []
+        for r in res[:self.n_out(extra)]:
+            out = torch.empty(x[0].shape, dtype=out_dtype, device=call.device)
+            out.copy_(r)
+            outs.append(out)
+        if call.needs_grad:
+            outs = list(_FirstOrder.apply(*outs))
+        return _result(outs)
 
     def _padded(self, x, s, backend, out_dtype, extra, cu, call: Call):
         """Packed rows run as padded rows `[S, longest, *batch, ...]` whose padding is masked
@@ -485,12 +524,12 @@ def _register_backward(op: Op):
 
 
 def _register_packed(op: Op):
-    """`torch.ops.rl_triton.<name>_packed`: a packed call (SPEC 7) as one custom op, so that
-    torch.compile traces it without reading the offsets: the op's inputs, its scalars (a
-    per-row discount 0.0, its tensor in `<discount>_rows`), the offsets, backend, out_dtype,
-    extras and check_offsets. Its implementation is the eager packed path (`Op._packed`);
-    its autograd, `<name>_packed_backward`, recomputes the call through the eager padded route
-    with autograd (the kernels' backward does not take segments)."""
+    """`torch.ops.rl_triton.<name>_packed`: a packed call (SPEC 7) that torch.compile must not
+    trace (the in-place kernels, or the loop backend's padded rows) as one custom op: the op's
+    inputs, its scalars (a per-row discount 0.0, its tensor in `<discount>_rows`), the offsets,
+    backend, out_dtype, extras and check_offsets. Its implementation is the eager packed path
+    (`Op._packed`, which checks the offsets' values at run time); no autograd: calls that need
+    gradients trace the torch implementation instead (`Op._packed_torch`)."""
     inputs = typing.get_type_hints(op.inputs)
     scalars = typing.get_type_hints(op.scalars)
     rows = {f + "_rows": Optional[Tensor] for f in op.discounts}
@@ -501,16 +540,14 @@ def _register_packed(op: Op):
     returns = Tensor if op.outputs == 1 else tuple[(Tensor,) * op.outputs]
 
     def unpack(args):
-        """(x, s with its tensor discounts, discounts, cu, backend, out_dtype, extra, rest)"""
         x = op.inputs(*args[:n_in])
         k = n_in + n_s
         s = op.scalars(*args[n_in:k])
-        disc = args[k:k + n_r]
-        s = s._replace(**{f: t for f, t in zip(op.discounts, disc) if t is not None})
+        s = s._replace(**{f: t for f, t in zip(op.discounts, args[k:k + n_r]) if t is not None})
         cu, backend, out_dtype = args[k + n_r:k + n_r + 3]
         k += n_r + 3
         extra = op.extras(*args[k:k + n_e]) if op.extras is not None else ()
-        return x, s, list(disc), cu, backend, out_dtype, extra, args[k + n_e:]
+        return x, s, cu, backend, out_dtype, extra, args[-1]
 
     def pad(outs, ref, out_dtype):
         outs = list(outs) + [ref.new_empty(0, dtype=out_dtype)
@@ -518,91 +555,19 @@ def _register_packed(op: Op):
         return outs[0] if op.outputs == 1 else tuple(outs)
 
     def impl(*args):
-        x, s, _, cu, backend, out_dtype, extra, (check,) = unpack(args)
+        x, s, cu, backend, out_dtype, extra, check = unpack(args)
         outs = op._packed(x, s, 0, backend, out_dtype, extra, cu, check)
         return pad(outs if isinstance(outs, tuple) else (outs,), x[0], out_dtype)
 
     def fake(*args):
-        x, s, _, cu, backend, out_dtype, extra, _ = unpack(args)
+        x, s, cu, backend, out_dtype, extra, check = unpack(args)
         return pad([torch.empty(x[0].shape, dtype=out_dtype, device=x[0].device)
                     for _ in range(op.n_out(extra))], x[0], out_dtype)
-
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[:n_in], *inputs[n_in + n_s:n_in + n_s + n_r + 1])
-        ctx.rest = inputs[n_in:n_in + n_s], inputs[n_in + n_s + n_r + 1:]
-
-    def backward(ctx, *grads):
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            raise RuntimeError(SECOND_ORDER)
-        saved = ctx.saved_tensors
-        (scal, (backend, out_dtype, *rest)) = ctx.rest
-        extra = rest[:n_e]
-        need = ctx.needs_input_grad
-        needs = list(need[:n_in]) + list(need[n_in + n_s:n_in + n_s + n_r])
-        res = grad_op(*saved[:n_in], *grads, *scal, *saved[n_in:n_in + n_r],
-                      saved[n_in + n_r], backend, out_dtype, *extra, needs)
-        res = [r if nd else None for r, nd in zip(res, needs)]
-        return (*res[:n_in], *(None,) * n_s, *res[n_in:], *(None,) * (3 + n_e + 1))
 
     impl.__signature__ = inspect.Signature(_parameters(hints), return_annotation=returns)
     impl.__name__ = op.name + "_packed"
     custom = torch.library.custom_op(f"rl_triton::{op.name}_packed", impl, mutates_args=())
     custom.register_fake(fake)
-
-    grads_h = {f"grad{i}": Optional[Tensor] for i in range(op.outputs)}
-    g_hints = [inputs, grads_h, scalars, rows, rest, extras, {"needs": list[bool]}]
-
-    def g_unpack(args):
-        x = op.inputs(*args[:n_in])
-        grads = args[n_in:n_in + op.outputs]
-        k = n_in + op.outputs
-        s = op.scalars(*args[k:k + n_s])
-        disc = list(args[k + n_s:k + n_s + n_r])
-        cu, backend, out_dtype = args[k + n_s + n_r:k + n_s + n_r + 3]
-        k += n_s + n_r + 3
-        extra = op.extras(*args[k:k + n_e]) if op.extras is not None else ()
-        return x, grads, s, disc, cu, backend, out_dtype, extra, args[-1]
-
-    def g_impl(*args):
-        x, grads, s, disc, cu, backend, out_dtype, extra, needs = g_unpack(args)
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() if nd else t
-                      for t, nd in zip((*x, *disc), needs)]
-            s = s._replace(**{f: t for f, t in zip(op.discounts, leaves[n_in:])
-                              if t is not None})
-            # offsets checked by the forward
-            outs = op._packed(op.inputs(*leaves[:n_in]), s, 0, backend, out_dtype, extra, cu,
-                              False)
-            outs = outs if isinstance(outs, tuple) else (outs,)
-            pairs = [(o, g) for o, g in zip(outs, grads)
-                     if g is not None and o.requires_grad]
-            wrt = [t for t, nd in zip(leaves, needs) if nd]
-            got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
-                                           allow_unused=True) if pairs and wrt else
-                       [None] * len(wrt))
-        res = []
-        for t, nd in zip(leaves, needs):
-            g = next(got) if nd else None
-            res.append(x[0].new_empty(0) if not nd else
-                       torch.zeros_like(t) if g is None else g)
-        return res
-
-    def g_fake(*args):
-        x, grads, s, disc, cu, backend, out_dtype, extra, needs = g_unpack(args)
-        return [torch.empty_like(t) if nd else x[0].new_empty(0)
-                for t, nd in zip((*x, *disc), needs)]
-
-    def refuse(ctx, *grads):
-        raise RuntimeError(SECOND_ORDER)
-
-    g_impl.__signature__ = inspect.Signature(_parameters(g_hints),
-                                             return_annotation=list[Tensor])
-    g_impl.__name__ = op.name + "_packed_backward"
-    grad_op = torch.library.custom_op(f"rl_triton::{op.name}_packed_backward", g_impl,
-                                      mutates_args=())
-    grad_op.register_fake(g_fake)
-    grad_op.register_autograd(refuse, setup_context=lambda ctx, inputs, output: None)
-    custom.register_autograd(backward, setup_context=setup_context)
     return custom
 
 

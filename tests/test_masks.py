@@ -626,6 +626,53 @@ def test_packed_batch_axes_and_segment_discounts(name, backend):
 
 
 @pytest.mark.parametrize("name", PACKED)
+def test_packed_torch_rows(name, device):
+    """The torch backend runs packed rows as one long row (no padding): bf16 and float32,
+    last_value, next_values or no bootstrap, with and without a mask, against each segment
+    alone; a NaN in one segment leaves the others exact; gradients as each segment alone."""
+    boots = ["last_value"] + (["next_values"] if name in TWO_OUTPUTS[:2] + (
+        "lambda_returns", "discounted_returns") else []) + (
+        [None] if name == "discounted_returns" else [])
+    for masked in (False, True):
+        for dtype in (torch.float32, torch.bfloat16):
+            for boot in boots:
+                steps, extra, cu = packed_inputs(name, SPLIT, masked, device=device,
+                                                 dtype=dtype, bootstrap=boot)
+                got = getattr(rl_triton, name)(**steps, **extra, cu_seqlens=cu, backend="torch")
+                got = got if isinstance(got, tuple) else (got,)
+                assert_close(got, per_segment(name, steps, extra, cu), tol=1e-5)
+    steps, extra, cu = packed_inputs(name, SPLIT, True, device=device)
+    key = "rewards" if "rewards" in steps else "x"
+    bad = cu[9].item() + 70  # inside the long segment 9
+    steps[key] = steps[key].clone()
+    steps[key][bad] = float("nan")
+    steps["mask"][bad] = True
+    got = getattr(rl_triton, name)(**steps, **extra, cu_seqlens=cu, backend="torch")
+    outside = torch.ones(int(cu[-1]), dtype=torch.bool)
+    outside[cu[9].item():cu[10].item()] = False
+    for o, w in zip(got if isinstance(got, tuple) else (got,),
+                    per_segment(name, steps, extra, cu)):
+        assert torch.isfinite(o[outside.to(o.device)]).all()
+        assert_close([o[outside.to(o.device)]], [w[outside]])
+    # gradients of every floating input (bootstraps per segment included)
+    steps, extra, cu = packed_inputs(name, [4, 0, 7, 1, 3], True, device=device,
+                                     dtype=torch.float64)
+    leaves = {k: v.requires_grad_() for k, v in {**steps, **extra}.items()
+              if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    got = getattr(rl_triton, name)(**steps, **extra, cu_seqlens=cu, backend="torch")
+    want = per_segment(name, steps, extra, cu)
+    weights = [torch.randn(w.shape, generator=torch.Generator().manual_seed(i), dtype=w.dtype)
+               for i, w in enumerate(want)]
+    got = got if isinstance(got, tuple) else (got,)
+    grads = torch.autograd.grad(sum((o * w.to(o.device)).sum() for o, w in zip(got, weights)),
+                                list(leaves.values()))
+    wants = torch.autograd.grad(sum((o * w).sum() for o, w in zip(want, weights)),
+                                list(leaves.values()), allow_unused=True)
+    for k, a, b in zip(leaves, grads, wants):
+        torch.testing.assert_close(a, torch.zeros_like(a) if b is None else b, msg=k)
+
+
+@pytest.mark.parametrize("name", PACKED)
 def test_packed_kernel_empty_stream(name, device, in_place):
     """No step at all (every segment empty): empty outputs, no launch."""
     steps, extra, cu = packed_inputs(name, [2, 1], True, device=device)

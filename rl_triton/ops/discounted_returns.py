@@ -180,11 +180,11 @@ def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra, needs):
             dg.sum(call.time_dim)[None] if nrows else None]
 
 
-def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
+def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32, packed=None):
     r, lv, nv = _prep(dtype, x.rewards, x.last_value, x.next_values)
     term, trunc = _flags(x.terminated, x.truncated)
-    m, end = torch_scan.decisions(x.mask, r)
-    v_succ = torch_scan.successor(None, nv, lv, r, m)
+    m, end = torch_scan.decisions(x.mask, r, packed)
+    v_succ = torch_scan.successor(None, nv, lv, r, m, packed)
     cut = torch_scan.cut(term, trunc, end)
     alpha = r + torch.where(cut & ~term, s.gamma * v_succ, 0.0)
     beta = torch_scan.keep(cut, s.gamma, dtype)

@@ -183,14 +183,22 @@ def _grad_copy(x: GradInputs):
                                                                          x.grad)))
 
 
-def _scan_torch(xs, dones, mask, init, scale):
+def _scan_torch(xs, dones, mask, init, scale, packed=None):
     """z[t] = x[t] + scale * (1 - done[t-1]) * z[t-1], done[-1] = 0, the flags (and the mask)
-    broadcast over x's feature axes; with a mask, t-1 is the previous decision step."""
-    d = dones.reshape(dones.shape + (1,) * (xs.ndim - dones.ndim))
+    broadcast over x's feature axes; with a mask, t-1 is the previous decision step. Packed
+    rows restart at each segment's first decision step from its `initial` (`init` per step)."""
+    tail = (1,) * (xs.ndim - dones.ndim)
+    d = dones.reshape(dones.shape + tail)
     m, _ = torch_scan.decisions(mask, xs)
     if m is not None:
         d = d.expand(xs.shape)
     before = torch_scan.shift_down(d, torch.zeros_like(d[0]), m)
+    if packed is not None:
+        starts = packed.starts.reshape(packed.starts.shape + tail)
+        before = before | starts
+        if init is not None:  # z = x + scale * initial there (a zero scale cuts, a select)
+            xs = xs + torch.where(starts & (scale != 0), scale * init, 0.0)
+            init = None
     z = torch_scan.scan(*torch_scan.masked(xs, torch_scan.keep(before, scale, xs.dtype), m),
                         reverse=False, initial=init)
     return torch_scan.zero_masked(z, m)
@@ -222,16 +230,16 @@ def _copy(x: Inputs):
                   None if m is None else m.expand(x.x.shape).contiguous())
 
 
-def _traces_torch(x: Inputs, s: TraceScalars, extra=(), dtype=torch.float32):
+def _traces_torch(x: Inputs, s: TraceScalars, extra=(), dtype=torch.float32, packed=None):
     xs, init = _prep(dtype, x.x, x.initial)
     (d,) = _flags(x.dones)
-    return _scan_torch(xs, d, x.mask, init, s.gamma * s.lam)
+    return _scan_torch(xs, d, x.mask, init, s.gamma * s.lam, packed)
 
 
-def _cumsum_torch(x: Inputs, s: NoScalars, extra=(), dtype=torch.float32):
+def _cumsum_torch(x: Inputs, s: NoScalars, extra=(), dtype=torch.float32, packed=None):
     xs, init = _prep(dtype, x.x, x.initial)
     (d,) = _flags(x.dones)
-    return _scan_torch(xs, d, x.mask, init, 1.0)
+    return _scan_torch(xs, d, x.mask, init, 1.0, packed)
 
 
 TRACES = Op("eligibility_traces", Inputs, TraceScalars, check=_check, plan=_plan, copy=_copy,

@@ -203,11 +203,11 @@ def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra, needs):
             like(dnext, x.next_values) if nnext else None, drows]
 
 
-def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
+def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32, packed=None):
     r, v, lv, nv = _prep(dtype, x.rewards, x.values, x.last_value, x.next_values)
     term, trunc = _flags(x.terminated, x.truncated)
-    m, end = torch_scan.decisions(x.mask, r)
-    v_succ = torch_scan.successor(v, nv, lv, r, m)
+    m, end = torch_scan.decisions(x.mask, r, packed)
+    v_succ = torch_scan.successor(v, nv, lv, r, m, packed)
     alpha = r + torch.where(term, 0.0, s.gamma * v_succ) - v
     beta = torch_scan.keep(torch_scan.cut(term, trunc, end), s.gamma * s.lam, dtype)
     adv = torch_scan.scan(*torch_scan.masked(alpha, beta, m), reverse=True)

@@ -193,11 +193,11 @@ def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra, needs):
             like(dnext, x.next_values) if nnext else None, drows]
 
 
-def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
+def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32, packed=None):
     r, v, lv, nv = _prep(dtype, x.rewards, x.values, x.last_value, x.next_values)
     term, trunc = _flags(x.terminated, x.truncated)
-    m, end = torch_scan.decisions(x.mask, r)
-    v_succ = torch_scan.successor(v, nv, lv, r, m)
+    m, end = torch_scan.decisions(x.mask, r, packed)
+    v_succ = torch_scan.successor(v, nv, lv, r, m, packed)
     keep = torch_scan.keep(torch_scan.cut(term, trunc, end), s.lam, dtype)  # 0 at terms too
     alpha = r + torch.where(term, 0.0, s.gamma * (1 - keep) * v_succ)
     beta = s.gamma * keep

@@ -438,16 +438,20 @@ def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra: Extras, need
     return res
 
 
-def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
+def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32, packed=None):
     r, q, pi, mu, lq, lpi = _prep(dtype, x.rewards, x.q_values, x.target_probs,
                                   x.behavior_probs, x.last_q_values, x.last_target_probs)
     term, trunc = _flags(x.terminated, x.truncated)
-    m, end = torch_scan.decisions(x.mask, r)
+    m, end = torch_scan.decisions(x.mask, r, packed)
     a = x.actions.long().clamp(0, q.shape[-1] - 1).unsqueeze(-1)  # as the kernel: in range
     q_a = q.gather(-1, a).squeeze(-1)
     pi_a = pi.gather(-1, a).squeeze(-1)
     zero = torch.zeros_like(r[0])
-    expected = torch_scan.shift_up((pi * q).sum(-1), (lpi * lq).sum(-1), m)
+    if packed is None:
+        expected = torch_scan.shift_up((pi * q).sum(-1), (lpi * lq).sum(-1), m)
+    else:  # the bootstrap state per step (its segment's), at each segment's end
+        expected = torch.where(packed.ends, (lpi * lq).sum(-1),
+                               torch_scan.shift_up((pi * q).sum(-1), zero, m))
     c_next = torch_scan.shift_up(s.lam * torch.clamp(pi_a / mu, max=s.c_clip), zero, m)
     q_a_next = torch_scan.shift_up(q_a, zero, m)
     cut = torch_scan.cut(term, trunc, end)

@@ -316,12 +316,12 @@ def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra, needs):
             torch.stack([dg.sum(call.time_dim), dl.sum(call.time_dim)]) if nrows else None]
 
 
-def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
+def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32, packed=None):
     r, v, tlp, blp, lv, nv = _prep(dtype, x.rewards, x.values, x.target_log_probs,
                                    x.behavior_log_probs, x.last_value, x.next_values)
     term, trunc = _flags(x.terminated, x.truncated)
-    m, end = torch_scan.decisions(x.mask, r)
-    v_succ = torch_scan.successor(v, nv, lv, r, m)
+    m, end = torch_scan.decisions(x.mask, r, packed)
+    v_succ = torch_scan.successor(v, nv, lv, r, m, packed)
     cut = torch_scan.cut(term, trunc, end)
     ratio = torch.exp(tlp - blp)  # torch.clamp keeps a NaN ratio NaN
     target = r + torch.where(term, 0.0, s.gamma * v_succ)
