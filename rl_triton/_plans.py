@@ -11,8 +11,10 @@ picks the backend and runs it:
   implementation is the eager path above and whose fake gives the outputs' shapes;
 - torch and loop: the implementation on time-major views, copied into outputs in the caller's
   layout.
-Packed rows (SPEC 7, `cu_seqlens`): on the Triton backend, in place, where the op's kernels take
-them (`Op._packed`); otherwise as padded rows.
+Packed rows (SPEC 7, `cu_seqlens`, `Op._packed`): on the Triton backend in place (inside
+`torch.compile` through `torch.ops.rl_triton.<name>_packed`); on the torch backend, and wherever
+gradients are needed, the torch implementation on the same packed row (traced by torch.compile);
+the loop backend, and Triton calls with per-row discounts, as padded rows.
 Gradients (SPEC 6): where an input requires grad, the Triton path runs the custom op, whose
 autograd calls the op's backward (Triton kernels, through a second custom op,
 `torch.ops.rl_triton.<name>_backward`); the torch and loop backends are differentiated by
@@ -181,9 +183,10 @@ class Op:
           (`scan.kernel.segment_windows`): no copy, no host sync but the offsets' check;
           inside torch.compile through the op's packed custom op (`_register_packed`), whose
           implementation is this eager path;
-        - torch, and every call that needs gradients: the torch implementation on the same
-          long row (`_packed_torch`): no padding and no host read, so torch.compile traces it
-          and autograd differentiates it;
+        - torch, Triton calls that need gradients, and (inside torch.compile) Triton calls
+          with per-row discounts: the torch implementation on the same long row
+          (`_packed_torch`): no padding and no host read, so torch.compile traces it and
+          autograd differentiates it;
         - loop, and Triton with per-row discounts: padded rows (`_padded`); the loop backend
           inside torch.compile through the packed custom op (no gradients there)."""
         if self._mask is None:
@@ -227,7 +230,7 @@ class Op:
             cu = cu.contiguous()
             call.key.append(("cu_seqlens", cu.shape, cu.dtype, cu.data_ptr() % 16 == 0))
             return _result(self._launch(checked, ps, call, out_dtype, extra, cu=cu)[:n])
-        if backend == "torch" or call.needs_grad or compiling:
+        if backend != "loop" and (backend == "torch" or call.needs_grad or compiling):
             return self._packed_torch(checked._replace(mask=x.mask), ps, out_dtype, extra, cu,
                                       call)
         return self._padded(x, ps, backend, out_dtype, extra, cu, call)
@@ -302,9 +305,9 @@ class Op:
     def _padded(self, x, s, backend, out_dtype, extra, cu, call: Call):
         """Packed rows run as padded rows `[S, longest, *batch, ...]` whose padding is masked
         out (with the caller's mask), then packed back: one host read (the longest segment), a
-        scatter in and a gather out; differentiable through every backend. `x` and the offsets
-        `cu` are checked (`call`); whatever the offsets hold (`check_offsets=False`) every
-        index stays inside its tensor."""
+        scatter in and a gather out; differentiable (the loop backend's gradients). `x` and
+        the offsets `cu` are checked (`call`); whatever the offsets hold (`check_offsets=False`)
+        every index stays inside its tensor."""
         L, S, batch = call.T, call.segments, tuple(call.batch_shape)
         cu = cu.long()
         longest = max(int((cu[1:] - cu[:-1]).max()), 1)

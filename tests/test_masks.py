@@ -451,9 +451,10 @@ def test_packed_kernel_offsets_are_checked(device, in_place):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_packed_gradients_keep_the_padded_route(device):
-    """A packed call that needs gradients runs as padded rows (the kernels' backward does not
-    take segments yet): gradients reach the packed inputs on the Triton backend as on torch."""
+def test_packed_gradients_run_the_torch_route(device):
+    """A packed call that needs gradients runs the torch implementation on the packed row (the
+    kernels' backward does not take segments yet): gradients reach the packed inputs on the
+    Triton backend as on torch."""
     steps, extra, cu = packed_inputs("gae", [4, 0, 7, 2], True, device=device)
     steps = dict(steps, rewards=steps["rewards"].double().requires_grad_())
     grads = []

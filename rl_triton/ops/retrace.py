@@ -559,7 +559,7 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
     on CPU offsets, one device sync on CUDA ones, which `check_offsets=False` skips (for
     CUDA-graph capture; whatever the offsets hold, nothing is read outside the tensors).
     On the Triton backend both run on the masked kernel, packed rows in place (calls that need
-    gradients: the torch backend, and padded rows).
+    gradients: the torch implementation, packed rows on one long row).
 
     Example::
 
