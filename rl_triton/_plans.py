@@ -195,8 +195,10 @@ class Op:
         ref_name, ref = self.inputs._fields[0], x[0]
         if not isinstance(ref, Tensor):
             raise TypeError(f"{ref_name} must be a torch.Tensor, got {type(ref).__name__}")
+        if ref.ndim == 0:
+            raise ValueError(f"{ref_name} must have a time axis; got a 0-d tensor")
         if not isinstance(time_dim, int) or isinstance(time_dim, bool) or time_dim not in (
-                0, -ref.ndim) or ref.ndim == 0:
+                0, -ref.ndim):
             raise ValueError(f"with cu_seqlens the per-step tensors are packed [L, ...] with "
                              f"time on axis 0; got time_dim={time_dim!r}")
         backend = backend_for(check_backend(backend), ref.device)
@@ -285,9 +287,13 @@ class Op:
         tail = (1,) * (x[0].ndim - len(call.step_shape))
         x = self.inputs(*(t if step or t is None else t[seg]
                           for t, step in zip(x, self._steps)))
-        s = s._replace(**{f: v[seg].reshape(v[seg].shape + tail) if v.ndim else v
-                          for f in self.discounts
-                          for v in [getattr(s, f)] if isinstance(v, Tensor)})
+        per_step = {}
+        for f in self.discounts:
+            v = getattr(s, f)
+            if isinstance(v, Tensor) and v.ndim:  # [S or 1, 1 or batch...]: its segment's
+                v = v.expand((call.segments,) + tuple(v.shape[1:]))[seg]
+                per_step[f] = v.reshape(v.shape + tail)
+        s = s._replace(**per_step)
         if self.runtime_check is not None and not torch.compiler.is_compiling():
             self.runtime_check(x, extra)  # (traced: unread, the implementation clamps)
         dtype = torch.float64 if call.float64 else torch.float32
@@ -310,7 +316,7 @@ class Op:
         every index stays inside its tensor."""
         L, S, batch = call.T, call.segments, tuple(call.batch_shape)
         cu = cu.long()
-        longest = max(int((cu[1:] - cu[:-1]).max()), 1)
+        longest = min(max(int((cu[1:] - cu[:-1]).max()), 1), L)  # (bounded, whatever cu holds)
         steps = torch.arange(L, device=call.device)
         seg = torch.searchsorted(cu[1:], steps, right=True).clamp_max(S - 1)
         pos = (steps - cu[:-1][seg]).clamp(0, longest - 1)

@@ -529,7 +529,8 @@ def test_check_offsets_false_reads_nothing(backend, monkeypatch):
     assert reads == [True, True, True, False]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
-    for bad in ([0, 9, 7], [0, 5, 2, 7], [3, 1, 2], [0, -4, 7], [0, 2, 3], [0, 99, 200]):
+    for bad in ([0, 9, 7], [0, 5, 2, 7], [3, 1, 2], [0, -4, 7], [0, 2, 3], [0, 99, 200],
+                [0, 10**12, 7]):
         for name in PACKED:
             outs = packed_call(name, [3, 4], True, torch.tensor(bad), backend,
                                check_offsets=False)
@@ -602,7 +603,8 @@ def test_packed_batch_axes_and_segment_discounts(name, backend):
     names = [k for k in ("gamma", "lam") if k in scalars]
     if names:
         discounts += [{k: 0.5 + 0.5 * torch.rand(S, generator=g) for k in names},
-                      {k: 0.5 + 0.5 * torch.rand(S, N, generator=g) for k in names[:1]}]
+                      {k: 0.5 + 0.5 * torch.rand(S, N, generator=g) for k in names[:1]},
+                      {names[-1]: torch.tensor([0.8])}]  # one for every segment
     masks = [None, torch.rand(L, N, generator=g) < 0.7]
     for mask in masks:
         for disc in discounts:
@@ -614,7 +616,8 @@ def test_packed_batch_axes_and_segment_discounts(name, backend):
                 for n in range(N):
                     if e == s:
                         continue
-                    own = {k: float(v[i] if v.ndim == 1 else v[i, n]) for k, v in disc.items()}
+                    own = {k: float(v[i % len(v)] if v.ndim == 1 else v[i, n])
+                           for k, v in disc.items()}
                     res = ref(**{k: None if v is None else v[s:e, n:n + 1]
                                  for k, v in steps.items()},
                               **{k: v[i, n:n + 1] for k, v in boots.items()},
