@@ -1,6 +1,8 @@
 """Amdahl's law, read off the trainers' TensorBoard runs.
 
-    python examples/compare_backends.py runs/ [--out compare.png] [--baseline loop] [--skip 0.2]
+    python examples/compare_backends.py runs/ [--out FILE.png] [--baseline loop] [--skip 0.2]
+
+The plot goes to `--out`, by default `compare_backends.png` inside the first folder given.
 
 Every run directory under the given folders is named `{env_id}__{exp_name}__{credit_backend}__
 {seed}__{time}` (trainers/*.py). Runs are grouped by (env_id, exp_name); within a group, each
@@ -18,6 +20,7 @@ backend (CleanRL's loop by default) it prints:
 """
 import argparse
 import collections
+import os
 import pathlib
 
 import numpy as np
@@ -58,8 +61,11 @@ def main():
     parser.add_argument("roots", nargs="+", help="folders holding TensorBoard run directories")
     parser.add_argument("--baseline", default="loop", help="the credit backend speedups are measured against")
     parser.add_argument("--skip", type=float, default=0.2, help="fraction of first iterations left out (warm-up)")
-    parser.add_argument("--out", default="compare_backends.png", help="where the plot goes")
+    parser.add_argument("--out", help="where the plot goes (default: compare_backends.png in the "
+                        "first folder given, beside the runs)")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = os.path.join(args.roots[0], "compare_backends.png")
 
     groups = collections.defaultdict(lambda: collections.defaultdict(list))
     for run_dir, (env_id, exp_name, backend, seed, _) in run_dirs(args.roots):

@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import torch
 
 from ._args import Call, check_backend, check_bool, check_offsets, check_out_dtype
-from .scan import torch_scan
+from .scan import jit, torch_scan
 from .scan.jit import HAS_TRITON
 
 Tensor = torch.Tensor
@@ -57,7 +57,13 @@ def backend_for(backend: str, device: torch.device) -> str:
         if not HAS_TRITON:
             raise RuntimeError("backend='triton' needs Triton, which is not installed here; use "
                                "backend='torch'")
-        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        if device.type == "cpu" and not jit.INTERPRETER:
+            if os.environ.get("TRITON_INTERPRET") == "1":
+                raise ValueError("backend='triton' on CPU tensors: TRITON_INTERPRET=1 was set "
+                                 "after rl_triton was imported, and Triton reads it when the "
+                                 "kernels are defined; set it before `import rl_triton` (in "
+                                 "the shell, or at the top of the script), or use "
+                                 "backend='torch'")
             raise ValueError("backend='triton' on CPU tensors runs Triton's interpreter: set "
                              "TRITON_INTERPRET=1 before triton is imported, or use "
                              "backend='torch'")
@@ -128,10 +134,11 @@ class Op:
         out_dtype = check_out_dtype(out_dtype)
         x, call = self.check(x, time_dim, extra)
         rows = None
-        if self.discounts:
+        if self.discounts and any(isinstance(getattr(s, f), Tensor) for f in self.discounts):
+            # a new tuple only where a discount is a tensor: torch 2.11's dynamo loses the
+            # fields of a traced `_replace` across a graph break (Retrace's actions check)
             s = s._replace(**{f: call.discount(f, getattr(s, f)) for f in self.discounts})
-            if any(isinstance(getattr(s, f), Tensor) for f in self.discounts):
-                rows = self._rows(s, x[0], call)
+            rows = self._rows(s, x[0], call)
         n = self.n_out(extra)
         if call.empty():
             return _result([torch.empty(x[0].shape, dtype=out_dtype, device=call.device)

@@ -1352,7 +1352,7 @@ inputs again, uncounted); device µs (L2 flushed, the GPU held) and full-call µ
 medians; of copy: the device time of a copy of the minimal bytes over rl_triton's; eager µs, \
 compile µs: their full calls; vs: their full call over rl_triton's (device times' ratio in \
 brackets).""" % (LOSS_T, LOSS_T, SAC_CRITICS, N_ACTIONS, CRR_SAMPLES)
-# PERFORMANCE.md's loss targets: (name, what it compares, threshold)
+# the losses' targets (docs/benchmarks.md, "Targets"): (name, what it compares, threshold)
 LOSS_TARGETS = (("of copy >= 0.6 at >= 32 MB", "copy", 0.6),
                 ("vs eager >= 3x, full call", "eager", 3.0),
                 ("vs compile >= 1x, full call", "compile", 1.0))
@@ -1389,7 +1389,7 @@ def loss_markdown(result) -> str:
                 f"({b['device_us'] / ours['device_us']:.1f}x)"]
         lines.append(f"| {loss} | {variant} | {mode} | {tokens_label(tokens)} | {dtype} | "
                      + " | ".join(cols) + " |")
-    lines += ["", "The targets (PERFORMANCE.md, losses): cells that meet each, of those it "
+    lines += ["", "The targets (docs/benchmarks.md, \"Targets\"): cells that meet each, of those it "
               "applies to, and the lowest:", "", "| target | mode | met | lowest |",
               "|---" * 4 + "|"]
     for name, what, threshold in LOSS_TARGETS:

@@ -1,7 +1,9 @@
 """Random inputs for every estimator, in time-major form, and the layouts they are tested in."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -66,3 +68,12 @@ def assert_close(outs, refs, tol=1e-5):
     for i, (o, r) in enumerate(zip(outs, refs)):
         err = rel_err(o, r)
         assert err < tol, f"output {i}: relative error {err:.3g} >= {tol}"
+
+
+def subprocess_env(**extra) -> dict:
+    """This process's environment for a child Python, with this checkout importable ahead of
+    the caller's own PYTHONPATH (which may hold packages the child needs too)."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    return env

@@ -26,7 +26,9 @@ from rl_triton.ops import _group  # noqa: E402
 from rl_triton.ops import _losses  # noqa: E402
 from rl_triton.ops import _whiten  # noqa: E402
 from rl_triton.ops import linear_scan as linear_scan_op  # noqa: E402
-from rl_triton.scan import kernel, launch, tiles  # noqa: E402
+from rl_triton.scan import jit, kernel, launch, tiles  # noqa: E402
+
+jit.INTERPRETER = True  # backend="triton" takes CPU tensors here: their launches are intercepted
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -544,9 +546,11 @@ def compile_losses() -> int:
 
 
 def main():
-    """`python tests/compile_sm90.py [scan|whiten|losses]`: every kernel, or one family's."""
+    """`python tests/compile_sm90.py [scan|whiten|losses] [K/N]`: every kernel, or one family's;
+    with K/N, the family's variants K, K + N, K + 2N, ... (parallel test workers share them)."""
     part = sys.argv[1] if len(sys.argv) > 1 else None
-    failed = compile_scans() if part in (None, "scan") else 0
+    k, n = map(int, sys.argv[2].split("/")) if len(sys.argv) > 2 else (0, 1)
+    failed = compile_scans(k, n) if part in (None, "scan") else 0
     if part in (None, "whiten"):
         failed += compile_whiten()
     if part in (None, "losses"):
@@ -554,9 +558,9 @@ def main():
     sys.exit(1 if failed else 0)
 
 
-def compile_scans():
-    """The scan kernels of every estimator compile and keep their rules; returns the
-    failures."""
+def compile_scans(shard=0, shards=1):
+    """The scan kernels of every estimator compile and keep their rules (variants `shard`,
+    `shard + shards`, ...); returns the failures."""
     tiles._multiprocessors = lambda device: 132  # choose tiles as for an H200
     gpu_window, gpu_depth = tiles.window, tiles.depth  # look-back windows as on a GPU (CPU
     tiles.window = lambda least, block_b, warps, device: gpu_window(  # plans: any window)
@@ -564,19 +568,19 @@ def compile_scans():
     tiles.depth = lambda window, block_b, device: gpu_depth(window, block_b, torch.device("cuda"))
     forward = (check_look_back, check_loads, check_register_cap, check_reverse_scans)
     rules = (check_look_back, check_register_cap)  # loads not tuned yet where only these apply
-    failed = 0
-    for label, case, layout in variants():
-        failed += compile_checked(label, lambda: one(plans_of(case, layout)), forward)
+    jobs = [(label, lambda case=case, layout=layout: one(plans_of(case, layout)), forward)
+            for label, case, layout in variants()]
     # masked kernels and packed rows (SPEC 7)
-    for label, case, layout in mask_variants():
-        failed += compile_checked(label, lambda: one(plans_of(case, layout)), rules)
-    for label, plans in packed_variants():
-        failed += compile_checked(label, lambda: one(plans()), (check_packed, *rules))
+    jobs += [(label, lambda case=case, layout=layout: one(plans_of(case, layout)), rules)
+             for label, case, layout in mask_variants()]
+    jobs += [(label, lambda plans=plans: one(plans()), (check_packed, *rules))
+             for label, plans in packed_variants()]
     # backward kernels, and forward kernels with per-row discounts
-    for label, case, layout, per_row in grad_variants():
-        failed += compile_checked(
-            label, lambda: plans_of(case, layout, grad=True, per_row=per_row), rules)
-    return failed
+    jobs += [(label, lambda c=case, lay=layout, p=per_row: plans_of(c, lay, grad=True, per_row=p),
+              rules) for label, case, layout, per_row in grad_variants()]
+    mine = jobs[shard::shards]
+    print(f"variants: {len(mine)} of {len(jobs)}", flush=True)
+    return sum(compile_checked(*job) for job in mine)
 
 
 def one(plans: list) -> list:

@@ -8,6 +8,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# JAX (the gymnax tests) takes 75% of the GPU's memory at its first use unless told not to:
+# with one GPU shared by the pytest-xdist workers that starves every torch test beside it
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import pytest  # noqa: E402
 
@@ -17,6 +20,17 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture
 def device():
     return DEVICE
+
+
+if torch.cuda.is_available():
+    @pytest.fixture(autouse=True)
+    def _return_cached_gpu_memory():
+        """The workers share one GPU: a large test's cached blocks go back to the driver after
+        it, not kept by its worker's allocator while the others run out."""
+        yield
+        if torch.cuda.memory_reserved() > 2**30:
+            torch.cuda.empty_cache()
+
 
 # Large-shape tests need a real GPU: not collected elsewhere.
 collect_ignore_glob = [] if torch.cuda.is_available() else ["test_gpu*.py"]

@@ -560,12 +560,12 @@ def _stub_timing(monkeypatch):
     monkeypatch.setattr(bench, "compiled_formula", lambda formula: formula)
 
 
-def test_loss_suite_runs(tmp_path, monkeypatch):
+def test_loss_suite_runs(tmp_path, monkeypatch, device):
     """`run_losses` end to end on the CPU (rl_triton's kernels in Triton's interpreter, timing
     and torch.compile stubbed): one row per case, mode, size, dtype and implementation, every
     baseline checked against rl_triton, bench.json marked as the losses suite."""
     _stub_timing(monkeypatch)
-    bench.run_losses([1024], ["bfloat16", "float32"], _token_env(), "cpu", tmp_path, None)
+    bench.run_losses([1024], ["bfloat16", "float32"], _token_env(), device, tmp_path, None)
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["suite"] == "losses"
     rows = result["rows"]
@@ -586,15 +586,15 @@ def test_loss_suite_runs(tmp_path, monkeypatch):
     assert (tmp_path / "losses.png").stat().st_size > 1000
 
 
-def test_loss_suite_refuses_a_wrong_formula_and_stops_in_time(tmp_path, monkeypatch):
+def test_loss_suite_refuses_a_wrong_formula_and_stops_in_time(tmp_path, monkeypatch, device):
     _stub_timing(monkeypatch)
     monkeypatch.setattr(bench, "LOSS_CASES", [_loss_case("value_loss", "mask, clip=0.2")])
     formula = bench.LOSS_FORMULAS["value_loss"]
     monkeypatch.setitem(bench.LOSS_FORMULAS, "value_loss",
                         lambda clip, **kw: formula(clip=2 * clip, **kw))
     with pytest.raises(SystemExit, match="eager value_loss .* not timing a wrong result"):
-        bench.run_losses([1024], ["float32"], _token_env(), "cpu", tmp_path, None)
-    bench.run_losses([1024], ["float32"], _token_env(), "cpu", tmp_path, 0.0)  # --max-seconds
+        bench.run_losses([1024], ["float32"], _token_env(), device, tmp_path, None)
+    bench.run_losses([1024], ["float32"], _token_env(), device, tmp_path, 0.0)  # --max-seconds
     assert json.loads((tmp_path / "bench.json").read_text())["rows"] == []
 
 

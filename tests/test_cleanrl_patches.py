@@ -6,7 +6,6 @@ run on the same random time-major buffers, with `dones` / `next_done` as CleanRL
 must agree, and both must agree with an independent float64 statement of CleanRL's recurrence.
 """
 import functools
-import os
 import re
 import textwrap
 import types
@@ -21,7 +20,6 @@ import rl_triton
 PATCHES = Path(__file__).resolve().parent.parent / "patches" / "cleanrl"
 NAMES = ["ppo", "ppo_continuous_action", "ppo_atari_envpool"]
 COMMIT = "fe8d8a03c41a7ef5b523e2e354bd01c363e786bb"
-triton_ok = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _hunks(text):
@@ -72,9 +70,9 @@ def _cleanrl_reference(rewards, values, dones, next_done, next_value, gamma, lam
     return adv, adv + v
 
 
-def _run(code, bufs, gamma, lam, gae=rl_triton.gae):
-    rewards, values, dones, next_done, next_value = bufs
-    ns = {"torch": torch, "rl_triton": types.SimpleNamespace(gae=gae), "device": "cpu",
+def _run(code, bufs, gamma, lam, gae=rl_triton.gae, device="cpu"):
+    rewards, values, dones, next_done, next_value = (b.to(device) for b in bufs)
+    ns = {"torch": torch, "rl_triton": types.SimpleNamespace(gae=gae), "device": device,
           "args": types.SimpleNamespace(num_steps=rewards.shape[0], gamma=gamma, gae_lambda=lam),
           "rewards": rewards.clone(), "values": values.clone(), "dones": dones.clone(),
           "next_done": next_done.clone(), "next_value": next_value.clone()}
@@ -121,11 +119,12 @@ def test_added_code_equals_removed_loop(name, T, N, p_done, seed):
     torch.testing.assert_close(ret.double(), ret_ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not triton_ok, reason="Triton's interpreter was not enabled before import")
-def test_added_code_with_triton_backend():
+def test_added_code_with_triton_backend(device):
+    """The kernels (on the GPU, or in Triton's interpreter) behind the patched lines."""
     removed, added = _blocks("ppo")
     bufs = _buffers(64, 3, 0.1, 4)
-    adv_loop, ret_loop = _run(removed, bufs, 0.97, 0.9)
-    adv, ret = _run(added, bufs, 0.97, 0.9, gae=functools.partial(rl_triton.gae, backend="triton"))
+    adv_loop, ret_loop = _run(removed, bufs, 0.97, 0.9, device=device)
+    adv, ret = _run(added, bufs, 0.97, 0.9, device=device,
+                    gae=functools.partial(rl_triton.gae, backend="triton"))
     torch.testing.assert_close(adv, adv_loop, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ret, ret_loop, rtol=1e-5, atol=1e-5)

@@ -25,21 +25,34 @@ def compiler_env(*first):
     return env
 
 
-@pytest.mark.parametrize("part,least", [("scan", 69), ("whiten", 7), ("losses", 26)])
+SCAN_SHARDS = 6  # the scan family's variants in parallel test workers (minutes in one)
+PARTS = [(f"scan {k}/{SCAN_SHARDS}", 69) for k in range(SCAN_SHARDS)] + [("whiten", 7),
+                                                                         ("losses", 26)]
+
+
+@pytest.mark.parametrize("part,least", PARTS)
 @pytest.mark.parametrize("python", ["installed", "oldest"])
 def test_every_variant_compiles_for_sm90(python, part, least):
+    """`least`: the variants the family has at least (a shard of it compiles its share)."""
     if python == "oldest" and not (OLDEST / "triton").exists():
+        import triton
+        if triton.__version__ == OLDEST_VERSION:
+            pytest.skip(f"the installed Triton is the oldest supported ({OLDEST_VERSION}): "
+                        "the 'installed' case builds with it")
         pytest.skip("no .ci/triton-oldest here (made by .ci/run)")
     env = compiler_env(*([OLDEST] if python == "oldest" else []))
     if python == "oldest":  # that folder's Triton, not the installed one
         version = subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__)"],
                                  env=env, capture_output=True, text=True).stdout.strip()
         assert version == OLDEST_VERSION, version
-    done = subprocess.run([sys.executable, str(HERE / "compile_sm90.py"), part], env=env,
-                          capture_output=True, text=True, timeout=900)
+    # no time limit: a loaded machine may take many minutes, and slowness is not a failure
+    done = subprocess.run([sys.executable, str(HERE / "compile_sm90.py"), *part.split()],
+                          env=env, capture_output=True, text=True)
     report = done.stdout + done.stderr[-3000:]
     assert done.returncode == 0, report
-    assert done.stdout.count("ok ") >= least, report
+    counts = re.search(r"variants: (\d+) of (\d+)", done.stdout)
+    mine, total = (int(counts[1]), int(counts[2])) if counts else (least, least)
+    assert total >= least and done.stdout.count("ok ") == mine, report
 
 
 def test_registers_tool_reads_the_h200_plan():
@@ -51,7 +64,7 @@ def test_registers_tool_reads_the_h200_plan():
     done = subprocess.run([sys.executable, str(HERE.parent / "tools" / "registers.py"),
                            "gae:128x128:tm", "gae:16384x1024:tm:block_t=64,num_warps=4",
                            "gae:16384x1024:tm:block_t=64,num_warps=4,max_registers=32"],
-                          env=compiler_env(), capture_output=True, text=True, timeout=600)
+                          env=compiler_env(), capture_output=True, text=True, timeout=None)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     lines = done.stdout.strip().split("\n")
     assert "tile 128x2, 1 warp," in lines[0], lines
@@ -86,6 +99,6 @@ def test_load_rounds_follow_the_first_consumers():
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import registers; "
             "print(registers.load_rounds(sys.stdin.read()))")
     done = subprocess.run([sys.executable, "-c", code, str(HERE.parent / "tools")], input=sass,
-                          env=compiler_env(), capture_output=True, text=True, timeout=300)
+                          env=compiler_env(), capture_output=True, text=True, timeout=None)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[2, 1, 1]", done.stdout

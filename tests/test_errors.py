@@ -174,9 +174,16 @@ def test_packed_shapes_name_the_callers(backend):
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    """Kernels defined without the interpreter (a GPU machine, or TRITON_INTERPRET set only
+    after the import) refuse CPU tensors, saying what to do in either case."""
+    from rl_triton.scan import jit
+    monkeypatch.setattr(jit, "INTERPRETER", False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    raises(ValueError, "TRITON_INTERPRET=1", rl_triton.gae, **gae_args(device="cpu"),
-           backend="triton")
+    raises(ValueError, "set TRITON_INTERPRET=1 before triton is imported", rl_triton.gae,
+           **gae_args(device="cpu"), backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    raises(ValueError, "was set after rl_triton was imported", rl_triton.gae,
+           **gae_args(device="cpu"), backend="triton")
 
 
 def test_no_assert_for_argument_checking():

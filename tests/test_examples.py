@@ -1,17 +1,17 @@
 """examples/: a sweep of trainer runs in one process, then the Amdahl table and the learning
 curves read back from its TensorBoard folders (tiny CPU runs)."""
-import os
 import pathlib
 import subprocess
 import sys
+
+from cases import subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def run(*args):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=subprocess_env(),
+                         capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 

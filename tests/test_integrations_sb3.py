@@ -1,6 +1,5 @@
 """Stable-Baselines3 integration: rl_triton's GAE inside SB3's PPO / A2C equals SB3's own."""
 import copy
-import os
 from pathlib import Path
 
 
@@ -15,9 +14,7 @@ from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
 
 from rl_triton.integrations.sb3 import (  # noqa: E402
     RLTritonDictRolloutBuffer, RLTritonRolloutBuffer, revert_rl_triton, use_rl_triton)
-
-triton_ok = os.environ.get("TRITON_INTERPRET") == "1"
-
+from cases import subprocess_env  # noqa: E402
 
 def _short_cartpole(n_envs=3, seed=0):
     # a 25-step time limit: truncations (bootstrapped through the reward by SB3) in every rollout
@@ -69,10 +66,10 @@ def test_equals_sb3_on_real_rollouts_and_trains(algo):
     _check_calls(min_calls=3)
 
 
-@pytest.mark.skipif(not triton_ok, reason="Triton's interpreter was not enabled before import")
-def test_triton_backend_under_interpreter():
+def test_triton_backend(device):
+    """The kernels (on the GPU, or in Triton's interpreter) behind SB3's rollout buffer."""
     model = PPO("MlpPolicy", _short_cartpole(n_envs=2), n_steps=32, batch_size=32, n_epochs=1,
-                seed=1, device="cpu", rollout_buffer_class=_Checked,
+                seed=1, device=device, rollout_buffer_class=_Checked,
                 rollout_buffer_kwargs={"backend": "triton"}, policy_kwargs={"net_arch": [8]})
     assert model.rollout_buffer.backend == "triton"
     model.learn(total_timesteps=128)
@@ -135,5 +132,4 @@ def test_import_rl_triton_does_not_import_frameworks():
             "bad = [m for m in ('stable_baselines3', 'torchrl', 'tensordict', 'gymnasium') "
             "if m in sys.modules]; assert not bad, bad")
     root = str(Path(__file__).resolve().parent.parent)
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=root,
-                   env={**os.environ, "PYTHONPATH": root})
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env=subprocess_env())

@@ -1,7 +1,4 @@
 """TorchRL integration: rl_triton's estimators equal TorchRL's on the same TensorDict."""
-import os
-
-
 import pytest
 import torch
 from torch import nn
@@ -19,7 +16,6 @@ from rl_triton.integrations.torchrl import (RLTritonGAE, RLTritonTD1Estimator,  
                                             RLTritonTDLambdaEstimator, RLTritonVTrace,
                                             revert_rl_triton, use_rl_triton)
 
-triton_ok = os.environ.get("TRITON_INTERPRET") == "1"
 OBS = 3
 LOG_PROB = VTrace(gamma=0.9, value_network=None, actor_network=None).tensor_keys.sample_log_prob
 
@@ -198,6 +194,30 @@ def test_a2c_loss_with_td_lambda(spy):
     assert [c[0] for c in spy] == ["lambda_returns"]
 
 
+@pytest.mark.parametrize("theirs_cls,ours_cls,kwargs,fn", PAIRS)
+def test_values_that_carry_gradients_get_them(theirs_cls, ours_cls, kwargs, fn, spy):
+    """`value_estimate` on values that require grad: rl_triton computes the call and its
+    backward, and the values' gradients equal TorchRL's."""
+    data = _data((5,), -1, seed=12)
+    g = torch.Generator().manual_seed(5)
+    values = torch.randn(5, 29, 1, generator=g)
+    grads = []
+    for cls in (theirs_cls, ours_cls):
+        v, nv = values.clone().requires_grad_(), values.roll(-1, 1).clone().requires_grad_()
+        td = data.clone()
+        td["state_value"], td["next", "state_value"] = v, nv
+        est = cls(value_network=None, **kwargs)
+        out = est.value_estimate(td) if fn == "gae" else est.value_estimate(td, next_value=nv)
+        (out * torch.linspace(-1, 2, out.numel()).view_as(out)).sum().backward()
+        grads.append([v.grad, nv.grad])  # TD(lambda) given next_value does not read v
+    assert spy and all(c[0] == fn for c in spy)
+    assert grads[0][1] is not None
+    for ours, theirs in zip(grads[1], grads[0]):
+        assert (ours is None) == (theirs is None)
+        if ours is not None:
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
 def test_falls_back_to_torchrl_where_rl_triton_has_no_kernel(spy):
     data = _data((3,), -1, seed=9).apply(lambda t: t.double() if t.is_floating_point() else t)
     torch.manual_seed(0)
@@ -211,14 +231,14 @@ def test_falls_back_to_torchrl_where_rl_triton_has_no_kernel(spy):
         use_rl_triton(torch.nn.Linear(2, 2))
 
 
-@pytest.mark.skipif(not triton_ok, reason="Triton's interpreter was not enabled before import")
 @pytest.mark.parametrize("theirs_cls,ours_cls,kwargs,fn", PAIRS[:2] + [
     (VTrace, RLTritonVTrace, {"gamma": 0.96, "rho_thresh": 1.5, "c_thresh": 0.9}, "vtrace")])
-def test_triton_backend_under_interpreter(theirs_cls, ours_cls, kwargs, fn, spy):
-    data = _data((3,), -1, seed=10)
+def test_triton_backend(theirs_cls, ours_cls, kwargs, fn, spy, device):
+    """The kernels (on the GPU, or in Triton's interpreter) behind TorchRL's estimators."""
+    data = _data((3,), -1, seed=10).to(device)
     if fn == "vtrace":
-        kwargs = {**kwargs, "actor_network": _actor()}
-    net = _value_net()
+        kwargs = {**kwargs, "actor_network": _actor().to(device)}
+    net = _value_net().to(device)
     ours = ours_cls(value_network=net, backend="triton", **kwargs)(data.clone())
     _assert_same(ours, theirs_cls(value_network=net, **kwargs)(data.clone()))
     assert spy == [(fn, "triton")]

@@ -19,7 +19,7 @@ import torch
 
 from rl_triton import _plans
 from rl_triton.scan import tiles as tiles_rule
-from cases import BACKENDS, Case, make_case
+from cases import BACKENDS, Case, make_case, subprocess_env
 
 # numpy's warnings on inf - inf and 0 * inf in Triton's interpreter
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -329,9 +329,7 @@ def test_look_back_ends_and_selects():
     b = 0 (a cut) selects its own value, whatever the tiles before it hold (inf or NaN). Run in
     a subprocess, so that a look-back that never ends fails the test instead of hanging it."""
     done = subprocess.run([sys.executable, "-c", LOOK_BACK], capture_output=True, text=True,
-                          timeout=120, cwd=Path(__file__).parent.parent,
-                          env={**os.environ,
-                               "PYTHONPATH": str(Path(__file__).parent.parent)})
+                          timeout=900, cwd=Path(__file__).parent.parent, env=subprocess_env())
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     lines = done.stdout.strip().split("\n")
     assert len(lines) == 9, lines

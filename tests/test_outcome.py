@@ -90,14 +90,14 @@ def kernel_calls(monkeypatch):
 @pytest.mark.parametrize("B,n", [(1, 1), (5, 5), (5, 1), (50, 5), (333, 3), (48, 16), (37, 37),
                                  (2 * 1024, 1024)])
 @pytest.mark.parametrize("baseline,scale,corr", OPTIONS)
-def test_group_kernel_matches_reference(B, n, baseline, scale, corr, monkeypatch):
+def test_group_kernel_matches_reference(B, n, baseline, scale, corr, monkeypatch, device):
     """The Triton kernel of consecutive groups against the float64 reference; float32
     cancellation within a tight group bounds both backends alike, so the kernel is held to
     the torch backend's float32 error."""
     calls = kernel_calls(monkeypatch)
     s, ids = group_rows(B, n, seed=B + n)
     kw = dict(baseline=baseline, scale=scale, std_correction=corr, eps=1e-6)
-    got = rl_triton.group_advantages(s, group_size=n, **kw, backend="triton")
+    got = rl_triton.group_advantages(s.to(device), group_size=n, **kw, backend="triton").cpu()
     assert calls == [1]
     want = rl_triton.reference.group_advantages(s.double(), ids, **kw)
     ours = rl_triton.group_advantages(s, group_size=n, **kw, backend="torch").double()
@@ -108,13 +108,13 @@ def test_group_kernel_matches_reference(B, n, baseline, scale, corr, monkeypatch
     assert (err <= 2 * (ours - want)[finite].abs() + 1e-5 * (1 + want[finite].abs())).all()
 
 
-def test_group_kernel_inputs(monkeypatch):
+def test_group_kernel_inputs(monkeypatch, device):
     """bfloat16 and strided scores, NaN confined to its group, groups of one, an empty batch,
     and the calls it leaves to the torch ops: scores needing gradients (which get them),
     float64, groups by index, groups beyond one tile."""
     from rl_triton.ops import _group
     calls = kernel_calls(monkeypatch)
-    s, ids = group_rows(60, 6)
+    s, ids = group_rows(60, 6, device=device)
     half = rl_triton.group_advantages(s.bfloat16(), group_size=6, backend="triton")
     torch.testing.assert_close(half, rl_triton.reference.group_advantages(
         s.bfloat16().double(), ids).float(), rtol=1e-4, atol=1e-5)
@@ -133,7 +133,7 @@ def test_group_kernel_inputs(monkeypatch):
     assert leaf.grad is not None and leaf.grad.isfinite().all()
     rl_triton.group_advantages(s.double(), group_size=6, backend="triton")
     rl_triton.group_advantages(s, ids, backend="triton")
-    big = torch.randn(2 * (_group.MAX_GROUP + 1))
+    big = torch.randn(2 * (_group.MAX_GROUP + 1), device=device)
     rl_triton.group_advantages(big, group_size=_group.MAX_GROUP + 1, backend="triton")
     assert len(calls) == 5
 

@@ -1,5 +1,5 @@
-"""The trainers in trainers/ run one or two tiny iterations on CPU with every credit backend (Triton
-through its interpreter), write the TensorBoard tags they promise, feed their loss the advantages
+"""The trainers in trainers/ run one or two tiny iterations with every credit backend (on the GPU
+where there is one; elsewhere on the CPU, Triton through its interpreter), write the TensorBoard tags they promise, feed their loss the advantages
 the specification defines at a truncation, and train identically whatever the backend."""
 
 
@@ -18,6 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "trainers"))  # as `python trainers/ppo.py` has it: they import gymnax_envs, data_parallel
 BACKENDS = ["loop", "compile", "triton", "auto"]
+CUDA = torch.cuda.is_available()  # the trainers run there: `triton` is the kernels, not the interpreter
 # inductor's first compile costs ~45 s on a 2-core machine: the tests check the compile path's
 # wiring through a cheaper torch.compile backend
 COMPILE = dict(compile_backend="aot_eager")
@@ -45,7 +46,7 @@ def scalars(run_dir):
 def tiny_ppo_args(ppo, tmp_path, backend, **kw):
     args = dict(env_id="CartPole-v1", env_backend="gymnasium", credit_backend=backend,
                 num_envs=2, num_steps=32, total_timesteps=128, update_epochs=1, num_minibatches=2,
-                cuda=False, log_dir=str(tmp_path), **COMPILE)
+                cuda=CUDA, log_dir=str(tmp_path), **COMPILE)
     args.update(kw)
     return ppo.Args(**args)
 
@@ -149,9 +150,10 @@ def test_ppo_advantages_at_a_truncation(ppo, tmp_path, monkeypatch, backend):
 
     def V(t, kind):
         with torch.no_grad():
-            return agent.get_value(torch.tensor([[t, kind]], dtype=torch.float32)).item()
+            obs = torch.tensor([[t, kind]], dtype=torch.float32)
+            return agent.get_value(obs.to(next(agent.parameters()).device)).item()
 
-    c = captured
+    c = {k: v.cpu() for k, v in captured.items()}
     assert c["truncated"][:, 0].tolist() == [0, 0, 1, 0, 0, 0, 1, 0]
     assert c["terminated"][:, 0].tolist() == [0] * 8
     assert c["terminated"][:, 1].tolist() == [0, 1, 0, 0, 1, 0, 0, 1]
@@ -189,7 +191,7 @@ def retrace():
 def tiny_impala_args(impala, tmp_path, backend, **kw):
     args = dict(env_id="CartPole-v1", env_backend="gymnasium", credit_backend=backend,
                 num_envs=4, num_steps=16, total_timesteps=128, num_minibatches=2, policy_lag=3,
-                cuda=False, log_dir=str(tmp_path), **COMPILE)
+                cuda=CUDA, log_dir=str(tmp_path), **COMPILE)
     args.update(kw)
     return impala.Args(**args)
 
@@ -198,7 +200,7 @@ def tiny_retrace_args(retrace, tmp_path, backend, **kw):
     args = dict(env_id="CartPole-v1", env_backend="gymnasium", credit_backend=backend,
                 num_envs=4, num_steps=8, total_timesteps=128, learning_starts=64, batch_size=4,
                 end_e=1.0,  # random acting: CartPole episodes of ~20 steps end inside the run
-                buffer_size=16, target_network_frequency=2, cuda=False, log_dir=str(tmp_path),
+                buffer_size=16, target_network_frequency=2, cuda=CUDA, log_dir=str(tmp_path),
                 **COMPILE)
     args.update(kw)
     return retrace.Args(**args)
@@ -292,9 +294,10 @@ def test_gymnax_next_step_autoreset(gymnax_envs):
     obs, _ = envs.reset(seed=0)
 
     def transition(o, time):
-        o = jax.numpy.asarray(o.numpy())
+        o = jax.device_put(o.numpy(), envs.device)  # the envs' JAX device (a GPU's JAX defaults to it)
         state = EnvState(x=o[0], x_dot=o[1], theta=o[2], theta_dot=o[3], time=time)
-        next_obs, _, reward, _, _ = envs.env.step_env(jax.random.key(0), state, 1, envs.params)
+        key = jax.device_put(jax.random.key(0), envs.device)
+        next_obs, _, reward, _, _ = envs.env.step_env(key, state, 1, envs.params)
         return torch.from_dlpack(next_obs), float(reward)
 
     for step in range(8):
@@ -449,7 +452,7 @@ def sac():
 
 def tiny_sac_args(sac, tmp_path, backend, **kw):
     args = dict(credit_backend=backend, num_envs=2, total_timesteps=64, learning_starts=32, batch_size=16,
-                buffer_size=48, log_frequency=4, cuda=False, log_dir=str(tmp_path))
+                buffer_size=48, log_frequency=4, cuda=CUDA, log_dir=str(tmp_path))
     args.update(kw)
     return sac.Args(**args)
 
@@ -485,7 +488,7 @@ def test_sac_backends_train_identically(sac, tmp_path, monkeypatch):
     assert alphas["loop"][-1] != 1.0  # the temperature did learn
 
 
-def test_sac_targets_match_cleanrl():
+def test_sac_targets_match_cleanrl(device):
     """rl_triton.sac_targets (every backend) and sac.py's loop against CleanRL's lines (its replay
     samples are [B, 1]; its `dones` are SB3's, the terminations), with terminations among them."""
     sac = load("sac")
@@ -504,9 +507,11 @@ def test_sac_targets_match_cleanrl():
 
         next_q_values = torch.cat([qf1_next_target, qf2_next_target], 1)
         for backend in ["triton", "torch", "loop"]:
-            got = rl_triton.sac_targets(rewards.view(-1), dones.view(-1).bool(), next_q_values,
-                                        next_state_log_pi.view(-1), gamma=gamma, alpha=alpha, backend=backend)
-            torch.testing.assert_close(got, next_q_value, rtol=1e-6, atol=1e-6)
+            dev = device if backend == "triton" else "cpu"  # the kernels on the GPU where there is one
+            args = (rewards.view(-1), dones.view(-1).bool(), next_q_values, next_state_log_pi.view(-1))
+            got = rl_triton.sac_targets(*(t.to(dev) for t in args), gamma=gamma, backend=backend,
+                                        alpha=alpha.to(dev) if isinstance(alpha, torch.Tensor) else alpha)
+            torch.testing.assert_close(got.cpu(), next_q_value, rtol=1e-6, atol=1e-6)
         got = sac.sac_targets_loop(rewards.view(-1), dones.view(-1), next_q_values, next_state_log_pi.view(-1),
                                    gamma=gamma, alpha=alpha)
         torch.testing.assert_close(got, next_q_value, rtol=0, atol=0)
@@ -560,7 +565,7 @@ def tiny_llm_args(llm, tmp_path, backend, **kw):
     # 3 turns of a guess and a 2-token reply, padded to 12 tokens: masked spans inside every row
     args = dict(credit_backend=backend, num_numbers=8, max_turns=3, obs_len=2, response_len=12,
                 d_model=16, n_layers=1, n_heads=2, num_episodes=8, group_size=4, total_episodes=16,
-                update_epochs=2, num_minibatches=2, gamma=0.9, cuda=False, log_dir=str(tmp_path),
+                update_epochs=2, num_minibatches=2, gamma=0.9, cuda=CUDA, log_dir=str(tmp_path),
                 **COMPILE)
     args.update(kw)
     return llm.Args(**args)
@@ -597,7 +602,7 @@ def test_llm_ppo_kl_penalty(llm, tmp_path):
     assert "losses/ref_kl" in scalars(run_dir)
 
 
-def test_llm_ppo_masks_and_loop_gae(llm):
+def test_llm_ppo_masks_and_loop_gae(llm, device):
     """The game's rows: decision tokens are the model's guesses, each followed by the environment's
     reply (mask 0), then right padding; the loop GAE is rl_triton.gae(mask=...) on them."""
     import rl_triton
@@ -627,11 +632,13 @@ def test_llm_ppo_masks_and_loop_gae(llm):
     rewards = torch.zeros(64, 20).scatter_(1, (4 * (turns - 1))[:, None], scores[:, None])
     adv, ret = llm.gae_loop(rewards, values, mask, gamma=0.9, lam=0.8)
     for backend in ["torch", "triton"]:
-        want_adv, want_ret = rl_triton.gae(rewards, values, torch.zeros_like(mask), mask=mask,
-                                           last_value=torch.zeros(64), gamma=0.9, lam=0.8,
-                                           time_dim=1, backend=backend)
-        torch.testing.assert_close(adv, want_adv, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(ret, want_ret, rtol=1e-5, atol=1e-5)
+        dev = device if backend == "triton" else "cpu"  # the kernels on the GPU where there is one
+        want_adv, want_ret = rl_triton.gae(rewards.to(dev), values.to(dev),
+                                           torch.zeros_like(mask, device=dev), mask=mask.to(dev),
+                                           last_value=torch.zeros(64, device=dev), gamma=0.9,
+                                           lam=0.8, time_dim=1, backend=backend)
+        torch.testing.assert_close(adv, want_adv.cpu(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ret, want_ret.cpu(), rtol=1e-5, atol=1e-5)
     hidden_groups = torch.randint(8, (16,)).repeat_interleave(4)
     _, mask, _, solved = llm.play(llm.Policy(args), hidden_groups, args)
     torch.testing.assert_close(llm.grpo_loop(solved.float(), mask, group_size=4),

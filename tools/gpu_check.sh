@@ -4,9 +4,15 @@
 # .ab/ (tools/ab_base.py), (FULLCALL=1) GAE's full call at 4096x128 against the base and
 # rl-triton 0.1.3 (.ab/paper/src), and (BENCH=1) the benchmark, cut at BENCH_SECONDS. Logs and
 # reports go to $OUT when set (the device tool), else to ./gpu_out. Arguments: the test paths
-# (default: tests; SKIP_TESTS=1 runs none).
+# (default: tests, the whole suite; SKIP_TESTS=1 runs none). Wheels in .whl (tools/gpu_wheels.sh
+# fetches them on a machine with an index) are installed first, into /tmp/rl_triton_site.
 set -uo pipefail
 out=${OUT:-gpu_out}; mkdir -p "$out"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/rl_triton_site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/rl_triton_site${PYTHONPATH:+:$PYTHONPATH}
+fi
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
@@ -15,8 +21,8 @@ if [ "${AB:-0}" = 1 ] || [ "${AB_WARM:-0}" = 1 ]; then  # compile both sides' ke
   for k in $(seq 0 $((n - 1))); do RL_TRITON_HOST=python python3 tools/ab_base.py warm --shard "$k/$n" > "$out/warm_$k.log" 2>&1 & done
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -q -n "${WORKERS:-8}" -p no:cacheprovider "${@:-tests}" \
-    2>&1 | tee "$out/pytest.log" | tail -40
+  timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -n "${WORKERS:-$(nproc)}" -p no:cacheprovider \
+    -rfEs --durations=30 --junitxml="$out/junit.xml" "${@:-tests}" 2>&1 | tee "$out/pytest.log" | tail -80
   echo "pytest exit: ${PIPESTATUS[0]}"
 fi
 wait

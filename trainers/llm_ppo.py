@@ -39,6 +39,9 @@ class Args:
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = True
     """if toggled, cuda will be enabled by default (when available)"""
+    cpu_threads: int = 1
+    """torch's threads on a CPU device (0: torch's default): the model is so small that more
+    threads cost more in synchronization than they compute (docs/trainers.md)"""
     log_dir: str = "runs"
     """where the TensorBoard runs go"""
 
@@ -287,6 +290,8 @@ def train(args: Args):
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    if device.type == "cpu" and args.cpu_threads > 0:
+        torch.set_num_threads(args.cpu_threads)
     model = Policy(args).to(device)
     reference = copy.deepcopy(model).requires_grad_(False) if args.kl_coef > 0 else None
     optimizer = optim.Adam(model.parameters(), lr=args.learning_rate, eps=1e-5)
@@ -295,7 +300,7 @@ def train(args: Args):
     per_number = args.group_size if args.estimator == "grpo" else 1  # GRPO: a group per number
 
     global_step = 0  # games played
-    start_time = time.time()
+    start_time = last_report = time.time()
     for iteration in range(1, args.num_iterations + 1):
         if args.anneal_lr:
             frac = 1.0 - (iteration - 1.0) / args.num_iterations
@@ -386,10 +391,11 @@ def train(args: Args):
         writer.add_scalar("perf/credit_share", credit_ms / update_ms, global_step)
         writer.add_scalar("perf/iteration_ms", rollout_ms + update_ms, global_step)
         writer.add_scalar("perf/decision_fraction", mask.float().mean().item(), global_step)
-        if iteration % 50 == 0 or iteration == args.num_iterations:
+        if iteration == 1 or time.time() - last_report > 10 or iteration == args.num_iterations:
+            last_report = time.time()
             print(f"iteration={iteration} episodes={global_step} success_rate={solved.float().mean():.3f} "
                   f"mean_turns={turns.float().mean():.2f} rollout_ms={rollout_ms:.1f} "
-                  f"credit_ms={credit_ms:.2f} update_ms={update_ms:.1f}")
+                  f"credit_ms={credit_ms:.2f} update_ms={update_ms:.1f}", flush=True)
 
     writer.close()
     return model, f"{args.log_dir}/{run_name}"

@@ -59,7 +59,7 @@ class Args:
     gamma: float = 0.99
     """the discount factor gamma"""
     tau: float = 0.005
-    """target smoothing coefficient (default: 0.005)"""
+    """target smoothing coefficient"""
     batch_size: int = 256
     """the batch size of samples from the replay memory"""
     learning_starts: int = 5000

@@ -26,9 +26,9 @@ Flags: TorchRL's `("next", "done")` (terminated or truncated) cuts the trace and
 `terminated` implies `done`, as TorchRL's environments guarantee.
 
 TorchRL's own code still runs where rl_triton has no kernel: a per-step gamma
-(`steps_to_next_obs`), `rolling_gamma`, float64 values, and inputs that carry gradients (a
-`differentiable=True` estimator fed by a value network with live parameters: rl_triton's kernels
-do not backpropagate).
+(`steps_to_next_obs`), `rolling_gamma` and float64 values. Inputs that carry gradients (a
+`differentiable=True` estimator fed by a value network with live parameters) get them through
+rl_triton's backward.
 
 Importing this module imports TorchRL; `import rl_triton` does not.
 """
@@ -61,15 +61,9 @@ def _scalar(x):
 
 
 def _takes(*tensors) -> bool:
-    """Whether rl_triton computes this call: value dtypes it reads, and no gradient to carry."""
-    for t in tensors:
-        if t is None:
-            continue
-        if t.is_floating_point() and t.dtype not in _VALUE_DTYPES:
-            return False
-        if t.requires_grad and torch.is_grad_enabled():
-            return False
-    return True
+    """Whether rl_triton computes this call: value dtypes its kernels read."""
+    return all(t is None or not t.is_floating_point() or t.dtype in _VALUE_DTYPES
+               for t in tensors)
 
 
 def _gae(torchrl_fn):

@@ -1,5 +1,10 @@
 """Triton, or a stand-in where it is not installed (macOS, Windows): the kernels' modules still
 import, the torch and loop backends run, and `backend="triton"` says what is missing."""
+import os
+
+# Triton decides at a kernel's definition (this package's import) whether its interpreter runs
+# it: TRITON_INTERPRET set later changes nothing for these kernels
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 try:
     import triton
     import triton.language as tl

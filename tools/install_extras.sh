@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Everything the test suite uses beyond the README's install (which it follows): with both, no
+# test skips for a missing package on a CPU machine. .ci/run calls it too.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# The trainers' --env-backend gymnax (docs/trainers.md): the `gymnax` extra holds JAX (a CPU
+# build here) and what `import gymnax` imports; gymnax and flax go in without their declared
+# dependencies: gymnax 1.0.1 declares gymnasium<1.4 against the integrations extra's 1.4.0
+# (tests/test_trainers.py's gymnax tests pass with 1.4.0), and flax declares optax,
+# orbax-checkpoint, tensorstore and treescope, which `from flax import struct` never imports.
+python -m pip install -q -e ".[gymnax]"
+python -m pip install -q --no-deps "gymnax==1.0.1" "flax==0.12.8"
+# The oldest Triton the project supports (pyproject), beside the newest: tests/test_compile.py
+# builds every kernel variant with both (Triton 3.6 rejected constructs that 3.9 accepts).
+# A folder, not a virtual environment: the tests run it with this same Python (`PYTHONPATH`),
+# so that it works whether this Python is a venv or not.
+rm -rf .ci/triton-oldest
+python -m pip install -q --no-deps --target .ci/triton-oldest "triton==3.6.0"
+# The LLM frameworks whose functions rl_triton.integrations.verl / .openrlhf reproduce, pinned,
+# without their dependencies (rl_triton.testing.import_frameworks stubs the unused heavy ones):
+rm -rf .ci/frameworks
+python -m pip install -q --no-deps --target .ci/frameworks "verl==0.9.1" "openrlhf==0.11.2" \
+  "omegaconf==2.3.0" "antlr4-python3-runtime==4.9.3" "codetiming==1.4.0" "PyYAML==6.0.3"
+# The documentation site (mkdocs.yml; `mkdocs build --strict`)
+python -m pip install -q -e ".[docs]"
