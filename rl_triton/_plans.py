@@ -11,10 +11,10 @@ picks the backend and runs it:
   implementation is the eager path above and whose fake gives the outputs' shapes;
 - torch and loop: the implementation on time-major views, copied into outputs in the caller's
   layout.
-Packed rows (SPEC 7, `cu_seqlens`, `Op._packed`): on the Triton backend in place (inside
-`torch.compile` through `torch.ops.rl_triton.<name>_packed`); on the torch backend, and wherever
-gradients are needed, the torch implementation on the same packed row (traced by torch.compile);
-the loop backend, and Triton calls with per-row discounts, as padded rows.
+Packed rows (`cu_seqlens`, docs/semantics.md §7, `Op._packed`): on the Triton backend in place
+(inside `torch.compile` through `torch.ops.rl_triton.<name>_packed`); on the torch backend, and
+wherever gradients are needed, the torch implementation on the same packed row (traced by
+torch.compile); the loop backend, and Triton calls with per-row discounts, as padded rows.
 Gradients (SPEC 6): where an input requires grad, the Triton path runs the custom op, whose
 autograd calls the op's backward (Triton kernels, through a second custom op,
 `torch.ops.rl_triton.<name>_backward`); the torch and loop backends are differentiated by
@@ -245,10 +245,10 @@ class Op:
         return self._padded(x, ps, backend, out_dtype, extra, cu, call)
 
     def _segment_discounts(self, s, call: Call):
-        """Per-row discounts of packed rows (SPEC 6, 7): a tensor is one value per segment,
-        its leading axis the segment axis (`[S]`, `[S, *batch]`, or 0-d: one for all),
-        returned as float32 (float64) on the call's device, shaped `[S, 1, ...]` so that it
-        broadcasts over the batch shape `[S, *batch]` of padded rows (a bare `[S]` would
+        """Per-row discounts of packed rows (docs/semantics.md §6, §7): a tensor is one value
+        per segment, its leading axis the segment axis (`[S]`, `[S, *batch]`, or 0-d: one for
+        all), returned as float32 (float64) on the call's device, shaped `[S, 1, ...]` so that
+        it broadcasts over the batch shape `[S, *batch]` of padded rows (a bare `[S]` would
         otherwise meet the last batch axis); `s` itself where every discount is a number."""
         if not self.discounts or not any(isinstance(getattr(s, f), Tensor)
                                          for f in self.discounts):
@@ -540,10 +540,11 @@ def _register_backward(op: Op):
 
 
 def _register_packed(op: Op):
-    """`torch.ops.rl_triton.<name>_packed`: a packed call (SPEC 7) that torch.compile must not
-    trace (the in-place kernels, or the loop backend's padded rows) as one custom op: the op's
-    inputs, its scalars (a per-row discount 0.0, its tensor in `<discount>_rows`), the offsets,
-    backend, out_dtype, extras and check_offsets. Its implementation is the eager packed path
+    """`torch.ops.rl_triton.<name>_packed`: a packed call (docs/semantics.md §7) that
+    torch.compile must not trace (the in-place kernels, or the loop backend's padded rows) as
+    one custom op: the op's inputs, its scalars (a per-row discount 0.0, its tensor in
+    `<discount>_rows`), the offsets, backend, out_dtype, extras and check_offsets. Its
+    implementation is the eager packed path
     (`Op._packed`, which checks the offsets' values at run time); no autograd: calls that need
     gradients trace the torch implementation instead (`Op._packed_torch`)."""
     inputs = typing.get_type_hints(op.inputs)

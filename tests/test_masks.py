@@ -540,8 +540,8 @@ def test_check_offsets_false_reads_nothing(backend, monkeypatch):
         with pytest.raises(TypeError, match="check_offsets must be a bool"):
             packed_call("gae", [3, 4], True, cu, backend, check_offsets=flag)
         with pytest.raises(TypeError, match="check_offsets must be a bool"):
-            rl_triton.gae(torch.zeros(3), torch.zeros(3), torch.zeros(3), last_value=torch.zeros(()),
-                          backend=backend, check_offsets=flag)
+            rl_triton.gae(torch.zeros(3), torch.zeros(3), torch.zeros(3),
+                          last_value=torch.zeros(()), backend=backend, check_offsets=flag)
     with pytest.raises(ValueError, match="no segment"):
         packed_call("gae", [3, 4], True, torch.tensor([0]), backend, check_offsets=False)
 

@@ -17,9 +17,10 @@ Tensor = torch.Tensor
 
 
 class Packed(NamedTuple):
-    """Packed rows (SPEC 7) as one long row `[L, *batch]`: each segment's last decision step
-    (its window end) and its first (where a forward scan restarts from its `initial`). With
-    them the implementations take bootstraps and discounts per step (each step's segment's)."""
+    """Packed rows (docs/semantics.md §7) as one long row `[L, *batch]`: each segment's last
+    decision step (its window end) and its first (where a forward scan restarts from its
+    `initial`). With them the implementations take bootstraps and discounts per step (each
+    step's segment's)."""
     ends: Tensor  # bool [L, *batch]
     starts: Tensor  # bool [L, *batch]
 
