@@ -289,21 +289,32 @@ def _fmt_shape(shape) -> str:
 def check_offsets(cu, L: int, device: torch.device, *, data: bool = True,
                   dtypes: tuple = (torch.int64,)) -> Tensor:
     """`cu_seqlens` (SPEC 7) checked, on `device`, in its own dtype where that is one of
-    `dtypes`, else as int64: an integer tensor [S + 1] with 0 = cu[0] <= ... <= cu[S] = L. Its
-    values cost one device sync where it is on a GPU (none where it is on the CPU); `data=False`
-    checks only its type and shape (inside torch.compile and CUDA-graph capture, where the host
-    cannot read the device)."""
+    `dtypes`, else as int64: an integer tensor [S + 1] with 0 = cu[0] <= ... <= cu[S] = L.
+    `data=False` checks only its type and shape (`check_offsets=False`, torch.compile tracing,
+    CUDA-graph capture: where the host must not read the device). Its values are read on every
+    call where `data` says so, never cached: an edit through `.data` or a NumPy view bumps no
+    version counter. CPU offsets are read through NumPy (no torch op, about 2 µs), CUDA ones
+    with one stacked `.tolist()` (one sync)."""
     if not isinstance(cu, Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype is torch.bool:
         raise TypeError(f"cu_seqlens has dtype {cu.dtype}; expected an integer dtype")
     if cu.ndim != 1 or cu.shape[0] < 1:
         raise ValueError(f"cu_seqlens must have shape (S + 1,); got {tuple(cu.shape)}")
-    if data:  # read where it lies: a CPU tensor without waiting for the GPU
-        first, last, rising = torch.stack([cu[0].long(), cu[-1].long(),
-                                           (cu[1:] >= cu[:-1]).all().long()]).tolist()
+    if cu.shape[0] == 1 and L != 0:  # no segment: a shape, no value, tells
+        raise ValueError(f"cu_seqlens has no segment (shape (1,)) but there are L = {L} packed "
+                         "steps")
+    if data:
+        if cu.device.type == "cpu":  # read where it lies, without a torch op
+            c = cu.resolve_neg().numpy()
+            first, last, rising = int(c[0]), int(c[-1]), bool((c[1:] >= c[:-1]).all())
+        else:
+            first, last, rising = torch.stack([cu[0].long(), cu[-1].long(),
+                                               (cu[1:] >= cu[:-1]).all().long()]).tolist()
         if first != 0 or last != L or not rising:
             raise ValueError(f"cu_seqlens must start at 0, end at L = {L} (the packed "
                              f"steps) and never decrease; got cu[0] = {first}, cu[-1] = {last}"
                              + ("" if rising else ", and it decreases"))
+    if cu.device == device and cu.dtype in dtypes:
+        return cu
     return cu.to(device, cu.dtype if cu.dtype in dtypes else torch.int64)

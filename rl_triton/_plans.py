@@ -11,8 +11,10 @@ picks the backend and runs it:
   implementation is the eager path above and whose fake gives the outputs' shapes;
 - torch and loop: the implementation on time-major views, copied into outputs in the caller's
   layout.
-Packed rows (SPEC 7, `cu_seqlens`): on the Triton backend, in place, where the op's kernels take
-them (`Op._packed`); otherwise as padded rows.
+Packed rows (`cu_seqlens`, docs/semantics.md §7, `Op._packed`): on the Triton backend in place
+(inside `torch.compile` through `torch.ops.rl_triton.<name>_packed`); on the torch backend, and
+wherever gradients are needed, the torch implementation on the same packed row (traced by
+torch.compile); the loop backend, and Triton calls with per-row discounts, as padded rows.
 Gradients (SPEC 6): where an input requires grad, the Triton path runs the custom op, whose
 autograd calls the op's backward (Triton kernels, through a second custom op,
 `torch.ops.rl_triton.<name>_backward`); the torch and loop backends are differentiated by
@@ -26,21 +28,18 @@ from __future__ import annotations
 import inspect
 import os
 import typing
-import weakref
 from typing import Callable, Optional
 
 import torch
 
-from ._args import Call, check_backend, check_offsets, check_out_dtype
-from .scan import jit
+from ._args import Call, check_backend, check_bool, check_offsets, check_out_dtype
+from .scan import jit, torch_scan
 from .scan.jit import HAS_TRITON
 
 Tensor = torch.Tensor
 _PLANS: dict = {}
 OPS: dict = {}  # every Op, by name
 _MAX_PLANS = 4096
-_CHECKED_OFFSETS: dict = {}  # id -> (weak reference, (version, L)): offsets whose values were read
-_MAX_CHECKED_OFFSETS = 64
 DISCOUNTS = ("gamma", "lam")  # the scalars that may be tensors (one per row)
 SECOND_ORDER = ("rl_triton computes first-order gradients only: a backward pass with "
                 "create_graph=True (second-order gradients) through it is not supported")
@@ -121,12 +120,16 @@ class Op:
         self.packed_kernels = packed_kernels
         self.custom_op = _register(self)
         self.grad_op = _register_backward(self)
+        self.packed_op = _register_packed(self) if self._mask is not None else None
         OPS[name] = self
 
     def __call__(self, x: tuple, s: tuple, time_dim, backend, out_dtype, extra: tuple = (),
-                 cu_seqlens=None):
+                 cu_seqlens=None, check_offsets=True):
         if cu_seqlens is not None:
-            return self._packed(x, s, time_dim, backend, out_dtype, extra, cu_seqlens)
+            return self._packed(x, s, time_dim, backend, out_dtype, extra, cu_seqlens,
+                                check_offsets)
+        if check_offsets is not True:
+            check_bool("check_offsets", check_offsets)
         backend = check_backend(backend)
         out_dtype = check_out_dtype(out_dtype)
         x, call = self.check(x, time_dim, extra)
@@ -176,90 +179,168 @@ class Op:
             outs = list(_FirstOrder.apply(*outs))
         return _result(outs)
 
-    def _packed(self, x, s, time_dim, backend, out_dtype, extra, cu_seqlens):
+    def _packed(self, x, s, time_dim, backend, out_dtype, extra, cu_seqlens, check):
         """Packed variable-length rows (SPEC 7, FlashAttention's `cu_seqlens`): each segment
         [cu[i], cu[i+1]) of the per-step tensors `[L, ...]` is a row of its own, its last step
-        a window end; bootstraps are `[S, ...]`. On the Triton backend, where the op's kernels
-        run packed rows (`packed_kernels`), the [L] stream is scanned in place as one long row
-        whose segment ends are window ends (`scan.kernel.segment_windows`): no copy, and no
-        host sync but the offsets' check (`_offsets`: once per offsets tensor). Otherwise
-        (gradients, per-row discounts, torch.compile, ops without such kernels, the torch and
-        loop backends) as padded rows (`_padded`)."""
+        a window end; bootstraps are `[S, ...]`, a tensor discount `[S]` or `[S, *batch]`.
+        Every argument is checked against the caller's shapes, and the offsets' values unless
+        `check` is False or tracing or capture forbids the read, before any route:
+        - Triton, where nothing needs gradients and the discounts are scalars: the [L] stream
+          scanned in place as one long row whose segment ends are window ends
+          (`scan.kernel.segment_windows`): no copy, no host sync but the offsets' check;
+          inside torch.compile through the op's packed custom op (`_register_packed`), whose
+          implementation is this eager path;
+        - torch, Triton calls that need gradients, and (inside torch.compile) Triton calls
+          with per-row discounts: the torch implementation on the same long row
+          (`_packed_torch`): no padding and no host read, so torch.compile traces it and
+          autograd differentiates it;
+        - loop, and Triton with per-row discounts: padded rows (`_padded`); the loop backend
+          inside torch.compile through the packed custom op (no gradients there)."""
         if self._mask is None:
             raise TypeError(f"{self.name} takes no cu_seqlens")
-        fields = self.inputs._fields
-        ref_name, ref = fields[0], x[0]
+        check = check_bool("check_offsets", check)
+        ref_name, ref = self.inputs._fields[0], x[0]
         if not isinstance(ref, Tensor):
             raise TypeError(f"{ref_name} must be a torch.Tensor, got {type(ref).__name__}")
+        if ref.ndim == 0:
+            raise ValueError(f"{ref_name} must have a time axis; got a 0-d tensor")
         if not isinstance(time_dim, int) or isinstance(time_dim, bool) or time_dim not in (
                 0, -ref.ndim):
             raise ValueError(f"with cu_seqlens the per-step tensors are packed [L, ...] with "
                              f"time on axis 0; got time_dim={time_dim!r}")
-        if self._in_place(x, s, backend, ref.device):
-            return self._packed_launch(x, s, out_dtype, extra,
-                                       _offsets(cu_seqlens, ref.shape[0], ref.device))
-        return self._padded(x, s, backend, out_dtype, extra,
-                            check_offsets(cu_seqlens, ref.shape[0], ref.device))
-
-    def _in_place(self, x, s, backend, device) -> bool:
-        """Whether a packed call runs in place: the Triton backend and its packed kernels, no
-        gradient, scalar discounts, not compiling (the custom ops take no offsets)."""
-        if backend_for(check_backend(backend), device) != "triton" or not self.packed_kernels(x):
-            return False
-        if torch.compiler.is_compiling() or any(isinstance(v, Tensor) for v in s):
-            return False
-        return not (torch.is_grad_enabled()
-                    and any(isinstance(t, Tensor) and t.requires_grad for t in x))
-
-    def _packed_launch(self, x, s, out_dtype, extra, cu):
-        """The packed rows' Triton launch: the checks (bootstraps one per segment), then the
-        plan cached under the call's signature and the offsets' (their values are read by the
-        kernel)."""
+        backend = backend_for(check_backend(backend), ref.device)
         out_dtype = check_out_dtype(out_dtype)
-        x, call = self.check(x, 0, extra, segments=cu.shape[0] - 1)
+        compiling = torch.compiler.is_compiling()
+        cu = check_offsets(cu_seqlens, ref.shape[0], ref.device,
+                           data=check and not compiling and not unreadable(),
+                           dtypes=(torch.int32, torch.int64))
+        checked, call = self.check(x, 0, extra, segments=cu.shape[0] - 1)
+        ps = self._segment_discounts(s, call)
         n = self.n_out(extra)
         if call.empty():
-            return _result([torch.empty(x[0].shape, dtype=out_dtype, device=call.device)
+            return _result([torch.empty(checked[0].shape, dtype=out_dtype, device=call.device)
                             for _ in range(n)])
-        if self.runtime_check is not None:
-            self.runtime_check(x, extra)
-        call.key.append(("cu_seqlens", cu.shape, cu.dtype, cu.data_ptr() % 16 == 0))
-        return _result(self._launch(x, s, call, out_dtype, extra, cu=cu)[:n])
+        per_row = ps is not s
+        in_place = (backend == "triton" and self.packed_kernels(x) and not per_row
+                    and not call.needs_grad)
+        if compiling and (in_place or backend == "loop"):
+            if call.needs_grad:
+                raise RuntimeError(
+                    f"{self.name} with cu_seqlens and backend='loop' inside torch.compile "
+                    "computes no gradients (it runs as one custom op); use backend='torch'")
+            disc = [getattr(s, f) if isinstance(getattr(s, f), Tensor) else None
+                    for f in self.discounts]
+            outs = self.packed_op(*x, *self._floats(s), *disc, cu, backend, out_dtype, *extra,
+                                  check)
+            return _result(list(outs[:n]) if self.outputs > 1 else [outs])
+        if in_place:
+            if self.runtime_check is not None:
+                self.runtime_check(checked, extra)
+            cu = cu.contiguous()
+            call.key.append(("cu_seqlens", cu.shape, cu.dtype, cu.data_ptr() % 16 == 0))
+            return _result(self._launch(checked, ps, call, out_dtype, extra, cu=cu)[:n])
+        if backend != "loop" and (backend == "torch" or call.needs_grad or compiling):
+            return self._packed_torch(checked._replace(mask=x.mask), ps, out_dtype, extra, cu,
+                                      call)
+        return self._padded(x, ps, backend, out_dtype, extra, cu, call)
 
-    def _padded(self, x, s, backend, out_dtype, extra, cu):
-        """Packed rows run as padded rows `[S, max length, ...]` whose padding is masked out
-        (with the caller's mask), then packed back: one host sync (the longest segment), a
-        scatter in and a gather out; differentiable through every backend."""
-        fields = self.inputs._fields
-        ref_name, ref = fields[0], x[0]
-        L = ref.shape[0]
-        lengths = cu[1:] - cu[:-1]
-        n_seg = lengths.shape[0]
-        longest = int(lengths.max()) if n_seg else 0
-        seg = torch.repeat_interleave(torch.arange(n_seg, device=ref.device), lengths,
-                                      output_size=L)
-        pos = torch.arange(L, device=ref.device) - cu[:-1][seg]
+    def _segment_discounts(self, s, call: Call):
+        """Per-row discounts of packed rows (docs/semantics.md §6, §7): a tensor is one value
+        per segment, its leading axis the segment axis (`[S]`, `[S, *batch]`, or 0-d: one for
+        all), returned as float32 (float64) on the call's device, shaped `[S, 1, ...]` so that
+        it broadcasts over the batch shape `[S, *batch]` of padded rows (a bare `[S]` would
+        otherwise meet the last batch axis); `s` itself where every discount is a number."""
+        if not self.discounts or not any(isinstance(getattr(s, f), Tensor)
+                                         for f in self.discounts):
+            return s
+        S, batch = call.segments, tuple(call.batch_shape)
+        full = (S,) + batch
+        out = {}
+        for f in self.discounts:
+            v = getattr(s, f)
+            if not isinstance(v, Tensor):
+                continue
+            ok = v.ndim <= len(full)
+            if ok and v.ndim:
+                v = v.reshape(tuple(v.shape) + (1,) * (len(full) - v.ndim))
+                try:
+                    ok = torch.broadcast_shapes(v.shape, full) == full
+                except RuntimeError:
+                    ok = False
+            if not ok:
+                want = ", ".join(map(str, full))
+                raise ValueError(
+                    f"{f} has shape {tuple(getattr(s, f).shape)} but cu_seqlens has {S} "
+                    f"segments; with packed rows a per-row {f} has one value per segment: "
+                    f"shape ({S},) or ({want}{',' if len(full) == 1 else ''})")
+            if v.device != call.device and not (v.ndim == 0 and v.device.type == "cpu"):
+                raise ValueError(f"{f} is on {v.device} but {call.ref_name} is on "
+                                 f"{call.device}; all tensors must be on one device")
+            if v.requires_grad and call.grad:
+                call.needs_grad = True
+            if v.dtype is torch.float64:
+                call.float64 = True
+            out[f] = v.to(call.device, torch.float64 if v.dtype is torch.float64
+                          else torch.float32)
+        return s._replace(**out)
 
-        def pad(name, t):
-            if not isinstance(t, Tensor) or t.ndim == 0 or t.shape[0] != L:
-                shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-                raise ValueError(f"{name} has shape {shape} but {ref_name} has {L} packed "
-                                 f"steps; with cu_seqlens every per-step tensor is [L, ...]")
-            out = t.new_zeros((n_seg, longest) + tuple(t.shape[1:]))
+    def _packed_torch(self, x, s, out_dtype, extra, cu, call: Call):
+        """Packed rows on the torch implementation, as one long row `[L, *batch]`
+        (`torch_scan.packed_rows`): each segment's last decision step is a window end, its
+        bootstraps and discounts are read per step; every index is formed on the device (no
+        host read: traced by torch.compile, captured in a CUDA graph), and stays inside its
+        tensor whatever the offsets hold. Differentiable by autograd."""
+        seg, packed = torch_scan.packed_rows(cu, tuple(call.step_shape), x[self._mask])
+        tail = (1,) * (x[0].ndim - len(call.step_shape))
+        x = self.inputs(*(t if step or t is None else t[seg]
+                          for t, step in zip(x, self._steps)))
+        per_step = {}
+        for f in self.discounts:
+            v = getattr(s, f)
+            if isinstance(v, Tensor) and v.ndim:  # [S or 1, 1 or batch...]: its segment's
+                v = v.expand((call.segments,) + tuple(v.shape[1:]))[seg]
+                per_step[f] = v.reshape(v.shape + tail)
+        s = s._replace(**per_step)
+        if self.runtime_check is not None and not torch.compiler.is_compiling():
+            self.runtime_check(x, extra)  # (traced: unread, the implementation clamps)
+        dtype = torch.float64 if call.float64 else torch.float32
+        res = self.torch(x, s, extra, dtype, packed=packed)
+        res = res if isinstance(res, tuple) else (res,)
+        outs = []
+        for r in res[:self.n_out(extra)]:
+            out = torch.empty(x[0].shape, dtype=out_dtype, device=call.device)
+            out.copy_(r)
+            outs.append(out)
+        if call.needs_grad:
+            outs = list(_FirstOrder.apply(*outs))
+        return _result(outs)
+
+    def _padded(self, x, s, backend, out_dtype, extra, cu, call: Call):
+        """Packed rows run as padded rows `[S, longest, *batch, ...]` whose padding is masked
+        out (with the caller's mask), then packed back: one host read (the longest segment), a
+        scatter in and a gather out; differentiable (the loop backend's gradients). `x` and
+        the offsets `cu` are checked (`call`); whatever the offsets hold (`check_offsets=False`)
+        every index stays inside its tensor."""
+        L, S, batch = call.T, call.segments, tuple(call.batch_shape)
+        cu = cu.long()
+        longest = min(max(int((cu[1:] - cu[:-1]).max()), 1), L)  # (bounded, whatever cu holds)
+        steps = torch.arange(L, device=call.device)
+        seg = torch.searchsorted(cu[1:], steps, right=True).clamp_max(S - 1)
+        pos = (steps - cu[:-1][seg]).clamp(0, longest - 1)
+
+        def pad(t):
+            out = t.new_zeros((S, longest) + tuple(t.shape[1:]))
             out[seg, pos] = t
             return out
 
-        padded = []
-        for name, t, step in zip(fields, x, self._steps):
-            if t is None or not step or name == "mask":
-                padded.append(t)
-            else:
-                padded.append(pad(name, t))
-        valid = torch.zeros((n_seg, longest), dtype=torch.bool, device=ref.device)
+        padded = [t if t is None or not step or name == "mask" else pad(t)
+                  for name, t, step in zip(self.inputs._fields, x, self._steps)]
+        valid = torch.zeros((S, longest), dtype=torch.bool, device=call.device)
         valid[seg, pos] = True
+        valid = valid.view((S, longest) + (1,) * len(batch))
         user = x[self._mask]
-        if user is not None:
-            valid = valid & (pad("mask", user) != 0)
+        valid = (valid & (pad(user) != 0) if user is not None
+                 else valid.expand((S, longest) + batch))
         padded[self._mask] = valid
         outs = self(self.inputs(*padded), s, 1, backend, out_dtype, extra)
         if isinstance(outs, Tensor):
@@ -317,25 +398,6 @@ def cached_plan(key: tuple, build: Callable, x: tuple, copy: Callable, row_param
             _PLANS.clear()
         _PLANS[key] = plan.per_row(row_params)
     return plan, x
-
-
-def _offsets(cu_seqlens, L: int, device) -> Tensor:
-    """`check_offsets` for packed rows in place: int32 or int64, contiguous, on `device`. The
-    values are read (one device sync where they lie on a GPU) once per offsets tensor and
-    version: a call on offsets already checked and unchanged since (no in-place write) reads
-    nothing, nor does one inside torch.compile or CUDA-graph capture. The kernels read only
-    inside the offsets, whatever they hold."""
-    key = id(cu_seqlens)
-    seen = _CHECKED_OFFSETS.get(key)
-    stamp = (cu_seqlens._version, L) if isinstance(cu_seqlens, Tensor) else None
-    read = not (seen is not None and seen[0]() is cu_seqlens and seen[1] == stamp) and (
-        not unreadable())
-    cu = check_offsets(cu_seqlens, L, device, data=read, dtypes=(torch.int32, torch.int64))
-    if read:
-        if len(_CHECKED_OFFSETS) >= _MAX_CHECKED_OFFSETS:
-            _CHECKED_OFFSETS.clear()
-        _CHECKED_OFFSETS[key] = (weakref.ref(cu_seqlens), stamp)
-    return cu.contiguous()
 
 
 def unreadable() -> bool:
@@ -474,6 +536,55 @@ def _register_backward(op: Op):
     custom = torch.library.custom_op(f"rl_triton::{op.name}_backward", impl, mutates_args=())
     custom.register_fake(fake)
     custom.register_autograd(refuse, setup_context=lambda ctx, inputs, output: None)
+    return custom
+
+
+def _register_packed(op: Op):
+    """`torch.ops.rl_triton.<name>_packed`: a packed call (docs/semantics.md §7) that
+    torch.compile must not trace (the in-place kernels, or the loop backend's padded rows) as
+    one custom op: the op's inputs, its scalars (a per-row discount 0.0, its tensor in
+    `<discount>_rows`), the offsets, backend, out_dtype, extras and check_offsets. Its
+    implementation is the eager packed path
+    (`Op._packed`, which checks the offsets' values at run time); no autograd: calls that need
+    gradients trace the torch implementation instead (`Op._packed_torch`)."""
+    inputs = typing.get_type_hints(op.inputs)
+    scalars = typing.get_type_hints(op.scalars)
+    rows = {f + "_rows": Optional[Tensor] for f in op.discounts}
+    rest = {"cu_seqlens": Tensor, "backend": str, "out_dtype": torch.dtype}
+    extras = typing.get_type_hints(op.extras) if op.extras is not None else {}
+    hints = [inputs, scalars, rows, rest, extras, {"check_offsets": bool}]
+    n_in, n_s, n_r, n_e = len(inputs), len(scalars), len(rows), len(extras)
+    returns = Tensor if op.outputs == 1 else tuple[(Tensor,) * op.outputs]
+
+    def unpack(args):
+        x = op.inputs(*args[:n_in])
+        k = n_in + n_s
+        s = op.scalars(*args[n_in:k])
+        s = s._replace(**{f: t for f, t in zip(op.discounts, args[k:k + n_r]) if t is not None})
+        cu, backend, out_dtype = args[k + n_r:k + n_r + 3]
+        k += n_r + 3
+        extra = op.extras(*args[k:k + n_e]) if op.extras is not None else ()
+        return x, s, cu, backend, out_dtype, extra, args[-1]
+
+    def pad(outs, ref, out_dtype):
+        outs = list(outs) + [ref.new_empty(0, dtype=out_dtype)
+                             for _ in range(op.outputs - len(outs))]
+        return outs[0] if op.outputs == 1 else tuple(outs)
+
+    def impl(*args):
+        x, s, cu, backend, out_dtype, extra, check = unpack(args)
+        outs = op._packed(x, s, 0, backend, out_dtype, extra, cu, check)
+        return pad(outs if isinstance(outs, tuple) else (outs,), x[0], out_dtype)
+
+    def fake(*args):
+        x, s, cu, backend, out_dtype, extra, check = unpack(args)
+        return pad([torch.empty(x[0].shape, dtype=out_dtype, device=x[0].device)
+                    for _ in range(op.n_out(extra))], x[0], out_dtype)
+
+    impl.__signature__ = inspect.Signature(_parameters(hints), return_annotation=returns)
+    impl.__name__ = op.name + "_packed"
+    custom = torch.library.custom_op(f"rl_triton::{op.name}_packed", impl, mutates_args=())
+    custom.register_fake(fake)
     return custom
 
 

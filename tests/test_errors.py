@@ -142,6 +142,37 @@ def test_missing_or_double_bootstrap(backend):
     rl_triton.discounted_returns(a["rewards"], a["terminated"], backend=backend)
 
 
+def test_packed_shapes_name_the_callers(backend):
+    """Packed rows (cu_seqlens): every backend names the shapes the caller passed and the
+    number of segments, never the padded rows some backends run."""
+    cu = torch.tensor([0, 2, 6], device=DEVICE)
+    for batch in ((), (3,)):
+        a = {k: v if batch else v[:, 0] for k, v in gae_args(6, 3).items() if k != "last_value"}
+        want = "(2,)" if not batch else "(2, 3)"
+        for lv in (torch.randn(3, device=DEVICE), torch.randn(2, 4, device=DEVICE)):
+            raises(ValueError, rf"last_value has shape {re.escape(str(tuple(lv.shape)))} but "
+                   rf"cu_seqlens has 2 segments; last_value must have shape {re.escape(want)}",
+                   rl_triton.gae, **dict(a, last_value=lv), cu_seqlens=cu, backend=backend)
+        lv = torch.randn((2,) + batch, device=DEVICE)
+        bad = torch.randn((5,) + batch, device=DEVICE)
+        shape = re.escape(str(tuple(a["rewards"].shape)))
+        raises(ValueError, rf"values has shape {re.escape(str(tuple(bad.shape)))} but rewards "
+               rf"has shape {shape}", rl_triton.gae, **dict(a, last_value=lv, values=bad),
+               cu_seqlens=cu, backend=backend)
+        raises(ValueError, r"gamma has shape \(3,\) but cu_seqlens has 2 segments",
+               rl_triton.gae, **dict(a, last_value=lv), gamma=torch.full((3,), 0.9),
+               cu_seqlens=cu, backend=backend)
+    c = make_case("retrace", 6, (2,))
+    steps = {k: None if v is None else v[:, 0] for k, v in c.steps.items()}
+    raises(ValueError, r"last_q_values has shape \(3, 5\) but cu_seqlens has 2 segments; "
+           r"last_q_values must have shape \(2, 5\)", rl_triton.retrace, **steps,
+           **dict(c.extra, last_q_values=torch.randn(3, 5), last_target_probs=torch.rand(2, 5)),
+           cu_seqlens=torch.tensor([0, 2, 6]), backend=backend)
+    raises(ValueError, r"initial has shape \(3,\) but cu_seqlens has 2 segments",
+           rl_triton.episodic_cumsum, x=torch.randn(6), dones=torch.zeros(6),
+           initial=torch.zeros(3), cu_seqlens=torch.tensor([0, 2, 6]), backend=backend)
+
+
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     """Kernels defined without the interpreter (a GPU machine, or TRITON_INTERPRET set only
     after the import) refuse CPU tensors, saying what to do in either case."""

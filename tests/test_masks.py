@@ -451,9 +451,10 @@ def test_packed_kernel_offsets_are_checked(device, in_place):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_packed_gradients_keep_the_padded_route(device):
-    """A packed call that needs gradients runs as padded rows (the kernels' backward does not
-    take segments yet): gradients reach the packed inputs on the Triton backend as on torch."""
+def test_packed_gradients_run_the_torch_route(device):
+    """A packed call that needs gradients runs the torch implementation on the packed row (the
+    kernels' backward does not take segments yet): gradients reach the packed inputs on the
+    Triton backend as on torch."""
     steps, extra, cu = packed_inputs("gae", [4, 0, 7, 2], True, device=device)
     steps = dict(steps, rewards=steps["rewards"].double().requires_grad_())
     grads = []
@@ -478,10 +479,40 @@ def test_packed_per_row_discounts_keep_the_padded_route(device):
                 torch.testing.assert_close(a[s:e], b[:, 0])
 
 
-def test_packed_offsets_read_once(device, in_place, monkeypatch):
-    """The offsets' values are read once per tensor: a second call on the same offsets reads
-    nothing; an in-place write to them, or other offsets, is read (and checked) again."""
-    steps, extra, cu = packed_inputs("gae", [3, 3], False, device=device)
+def packed_call(name, lengths, masked, cu, backend, **kw):
+    """`rl_triton.<name>` on packed rows of `lengths` with the offsets `cu` (possibly bad)."""
+    steps, extra, _ = packed_inputs(name, lengths, masked)
+    S = cu.shape[0] - 1  # bootstraps: one per segment of `cu`
+    extra = {k: v.repeat_interleave(S, 0)[:S] if k in BOOTS else v for k, v in extra.items()}
+    return getattr(rl_triton, name)(**steps, **extra, cu_seqlens=cu, backend=backend, **kw)
+
+
+@pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
+@pytest.mark.parametrize("name", PACKED)
+def test_packed_offsets_checked_on_every_call(name, backend):
+    """Offsets edited after a good call, through `.data` or a NumPy view (which no version
+    counter sees) or in place, are read and refused again on every call, on every backend."""
+    cu = torch.tensor([0, 3, 7])
+    packed_call(name, [3, 4], True, cu, backend)
+    for edit in (lambda: cu.numpy().__setitem__(1, 9), lambda: cu.data.__setitem__(1, 9),
+                 lambda: cu.__setitem__(1, 9)):
+        edit()
+        for _ in range(2):
+            with pytest.raises(ValueError, match=r"cu_seqlens .* decreases"):
+                packed_call(name, [3, 4], True, cu, backend)
+        cu[1] = 3
+        packed_call(name, [3, 4], True, cu, backend)  # good again: no stale refusal either
+    for bad in ([0, 3, 6], [1, 3, 7], [0, 3, 8]):  # edited ends
+        cu.numpy()[:] = bad
+        with pytest.raises(ValueError, match="cu_seqlens must start at 0, end at L = 7"):
+            packed_call(name, [3, 4], True, cu, backend)
+
+
+@pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
+def test_check_offsets_false_reads_nothing(backend, monkeypatch):
+    """check_offsets=True reads the offsets' values on every call, check_offsets=False on none
+    (their type and shape still checked); it must be a bool. Whatever unchecked offsets hold,
+    the call stays inside its tensors and returns outputs of the packed shape."""
     reads = []
     real = rl_triton._args.check_offsets
 
@@ -490,15 +521,159 @@ def test_packed_offsets_read_once(device, in_place, monkeypatch):
         return real(*args, data=data, **kwargs)
 
     monkeypatch.setattr(rl_triton._plans, "check_offsets", spy)
-    for _ in range(3):
-        rl_triton.gae(**steps, **extra, cu_seqlens=cu, backend="triton")
-    assert reads == [True, False, False]
-    cu[1] = 7  # past L: refused once read again
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        rl_triton.gae(**steps, **extra, cu_seqlens=cu, backend="triton")
-    rl_triton.gae(**steps, **extra, cu_seqlens=cu.clone().fill_(0).add_(torch.tensor(
-        [0, 2, 6], device=device)), backend="triton")
-    assert reads[-1] is True
+    cu = torch.tensor([0, 3, 7])
+    want = packed_call("gae", [3, 4], True, cu, backend)
+    for _ in range(2):
+        packed_call("gae", [3, 4], True, cu, backend)
+    got = packed_call("gae", [3, 4], True, cu, backend, check_offsets=False)
+    assert reads == [True, True, True, False]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    for bad in ([0, 9, 7], [0, 5, 2, 7], [3, 1, 2], [0, -4, 7], [0, 2, 3], [0, 99, 200],
+                [0, 10**12, 7]):
+        for name in PACKED:
+            outs = packed_call(name, [3, 4], True, torch.tensor(bad), backend,
+                               check_offsets=False)
+            for o in outs if isinstance(outs, tuple) else (outs,):
+                assert o.shape[0] == 7
+    for flag in ("yes", 1, None):
+        with pytest.raises(TypeError, match="check_offsets must be a bool"):
+            packed_call("gae", [3, 4], True, cu, backend, check_offsets=flag)
+        with pytest.raises(TypeError, match="check_offsets must be a bool"):
+            rl_triton.gae(torch.zeros(3), torch.zeros(3), torch.zeros(3),
+                          last_value=torch.zeros(()), backend=backend, check_offsets=flag)
+    with pytest.raises(ValueError, match="no segment"):
+        packed_call("gae", [3, 4], True, torch.tensor([0]), backend, check_offsets=False)
+
+
+@pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
+def test_loss_offsets_checked_on_every_call(backend):
+    """The losses that take cu_seqlens read their offsets on every call too (edits through a
+    NumPy view included); check_offsets=False skips the read, and must be a bool."""
+    g = torch.Generator().manual_seed(0)
+    lp, old, adv, v, ret = (torch.randn(7, generator=g) for _ in range(5))
+    cu = torch.tensor([0, 3, 7])
+    calls = [lambda **kw: rl_triton.ppo_policy_loss(lp, old, adv, cu_seqlens=cu,
+                                                    aggregation="seq-mean-token-mean",
+                                                    backend=backend, **kw)[0],
+             lambda **kw: rl_triton.value_loss(v, ret, cu_seqlens=cu,
+                                               aggregation="seq-mean-token-sum",
+                                               backend=backend, **kw)]
+    for call in calls:
+        want = call()
+        cu.numpy()[1] = 9
+        for _ in range(2):
+            with pytest.raises(ValueError, match="cu_seqlens"):
+                call()
+        assert call(check_offsets=False).isfinite()  # unread: no error, inside the tensors
+        cu.numpy()[1] = 3
+        torch.testing.assert_close(call(check_offsets=False), want)
+        with pytest.raises(TypeError, match="check_offsets must be a bool"):
+            call(check_offsets="no")
+
+
+def packed_batch_inputs(name, lengths, N, seed=5):
+    """Packed rows with a batch axis: per-step tensors `[L, N, ...]`, bootstraps `[S, N, ...]`."""
+    from rl_triton.testing import make_inputs
+    features = (2,) if name == "eligibility_traces" else ()
+    lengths = torch.tensor(lengths)
+    S, L = len(lengths), int(lengths.sum())
+    steps, extra = make_inputs(name, int(lengths.max()), (S, N), features=features, seed=seed)
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    seg = torch.repeat_interleave(torch.arange(S), lengths)
+    pos = torch.arange(L) - cu[:-1][seg]
+    steps = {k: None if v is None else v[pos, seg] for k, v in steps.items()}
+    return steps, extra, cu
+
+
+@pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
+@pytest.mark.parametrize("name", PACKED)
+def test_packed_batch_axes_and_segment_discounts(name, backend):
+    """Per-step tensors `[L, N]` (bootstraps `[S, N]`), with and without a mask, and tensor
+    discounts one per segment (`[S]`, `[S, N]`), on every backend alike: each segment's column
+    against that column of the segment alone, with its own discounts."""
+    lengths, N = [3, 0, 5, 1], 2
+    steps, extra, cu = packed_batch_inputs(name, lengths, N)
+    S, L = len(lengths), int(cu[-1])
+    fn, ref = getattr(rl_triton, name), getattr(rl_triton.reference, name)
+    boots = {k: v for k, v in extra.items() if k in BOOTS}
+    scalars = {k: v for k, v in extra.items() if k not in BOOTS}
+    g = torch.Generator().manual_seed(3)
+    discounts = [{}]
+    names = [k for k in ("gamma", "lam") if k in scalars]
+    if names:
+        discounts += [{k: 0.5 + 0.5 * torch.rand(S, generator=g) for k in names},
+                      {k: 0.5 + 0.5 * torch.rand(S, N, generator=g) for k in names[:1]},
+                      {names[-1]: torch.tensor([0.8])}]  # one for every segment
+    masks = [None, torch.rand(L, N, generator=g) < 0.7]
+    for mask in masks:
+        for disc in discounts:
+            got = fn(**steps, **{**scalars, **disc}, **boots, mask=mask, cu_seqlens=cu,
+                     backend=backend)
+            got = got if isinstance(got, tuple) else (got,)
+            want = [torch.zeros(o.shape, dtype=torch.float64) for o in got]
+            for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+                for n in range(N):
+                    if e == s:
+                        continue
+                    own = {k: float(v[i % len(v)] if v.ndim == 1 else v[i, n])
+                           for k, v in disc.items()}
+                    res = ref(**{k: None if v is None else v[s:e, n:n + 1]
+                                 for k, v in steps.items()},
+                              **{k: v[i, n:n + 1] for k, v in boots.items()},
+                              **{k: v for k, v in {**scalars, **own}.items()
+                                 if k != "return_advantages"},
+                              mask=None if mask is None else mask[s:e, n:n + 1])
+                    for w, r in zip(want, res if isinstance(res, tuple) else (res,)):
+                        w[s:e, n] = r[:, 0]
+            assert_close(got, want)
+
+
+@pytest.mark.parametrize("name", PACKED)
+def test_packed_torch_rows(name, device):
+    """The torch backend runs packed rows as one long row (no padding): bf16 and float32,
+    last_value, next_values or no bootstrap, with and without a mask, against each segment
+    alone; a NaN in one segment leaves the others exact; gradients as each segment alone."""
+    boots = ["last_value"] + (["next_values"] if name in TWO_OUTPUTS[:2] + (
+        "lambda_returns", "discounted_returns") else []) + (
+        [None] if name == "discounted_returns" else [])
+    for masked in (False, True):
+        for dtype in (torch.float32, torch.bfloat16):
+            for boot in boots:
+                steps, extra, cu = packed_inputs(name, SPLIT, masked, device=device,
+                                                 dtype=dtype, bootstrap=boot)
+                got = getattr(rl_triton, name)(**steps, **extra, cu_seqlens=cu, backend="torch")
+                got = got if isinstance(got, tuple) else (got,)
+                assert_close(got, per_segment(name, steps, extra, cu), tol=1e-5)
+    steps, extra, cu = packed_inputs(name, SPLIT, True, device=device)
+    key = "rewards" if "rewards" in steps else "x"
+    bad = cu[9].item() + 70  # inside the long segment 9
+    steps[key] = steps[key].clone()
+    steps[key][bad] = float("nan")
+    steps["mask"][bad] = True
+    got = getattr(rl_triton, name)(**steps, **extra, cu_seqlens=cu, backend="torch")
+    outside = torch.ones(int(cu[-1]), dtype=torch.bool)
+    outside[cu[9].item():cu[10].item()] = False
+    for o, w in zip(got if isinstance(got, tuple) else (got,),
+                    per_segment(name, steps, extra, cu)):
+        assert torch.isfinite(o[outside.to(o.device)]).all()
+        assert_close([o[outside.to(o.device)]], [w[outside]])
+    # gradients of every floating input (bootstraps per segment included)
+    steps, extra, cu = packed_inputs(name, [4, 0, 7, 1, 3], True, device=device,
+                                     dtype=torch.float64)
+    leaves = {k: v.requires_grad_() for k, v in {**steps, **extra}.items()
+              if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    got = getattr(rl_triton, name)(**steps, **extra, cu_seqlens=cu, backend="torch")
+    want = per_segment(name, steps, extra, cu)
+    weights = [torch.randn(w.shape, generator=torch.Generator().manual_seed(i), dtype=w.dtype)
+               for i, w in enumerate(want)]
+    got = got if isinstance(got, tuple) else (got,)
+    grads = torch.autograd.grad(sum((o * w.to(o.device)).sum() for o, w in zip(got, weights)),
+                                list(leaves.values()))
+    wants = torch.autograd.grad(sum((o * w).sum() for o, w in zip(want, weights)),
+                                list(leaves.values()), allow_unused=True)
+    for k, a, b in zip(leaves, grads, wants):
+        torch.testing.assert_close(a, torch.zeros_like(a) if b is None else b, msg=k)
 
 
 @pytest.mark.parametrize("name", PACKED)

@@ -54,9 +54,10 @@ INT32_MAX = 2**31 - 1
 
 # ---- arguments -----------------------------------------------------------------------------------
 
-def aggregation_args(call, aggregation, mask, cu_seqlens):
+def aggregation_args(call, aggregation, mask, cu_seqlens, check: bool = True):
     """(aggregation, mask, cu): the option, the mask (per position, any flag dtype) and the
-    offsets (int64, contiguous, on the inputs' device), checked."""
+    offsets (int64, contiguous, on the inputs' device), checked (their values on every call
+    unless `check` is False)."""
     aggregation = check_choice("aggregation", aggregation, AGGREGATIONS)
     mask = call.step("mask", mask, FLAG, optional=True)
     shape = tuple(call.step_shape)
@@ -66,7 +67,7 @@ def aggregation_args(call, aggregation, mask, cu_seqlens):
             raise ValueError(f"with cu_seqlens the inputs are packed sequences [L]; "
                              f"{call.ref_name} has shape {shape}")
         cu = check_offsets(cu_seqlens, shape[0], call.device,
-                           data=not unreadable()).contiguous()
+                           data=check and not unreadable()).contiguous()
     elif aggregation in SEQ_MODES and len(shape) != 2:
         raise ValueError(f"aggregation={aggregation!r} averages over sequences, the rows of "
                          f"[B, T] inputs or the segments of cu_seqlens; {call.ref_name} has "
@@ -346,8 +347,9 @@ class Fused:
         def impl(*args):
             x, o = self.inputs(*args[:n_in]), self.options(*args[n_in:])
             cu = getattr(x, "cu_seqlens", None)
-            if cu is not None:
-                check_offsets(cu, x[0].shape[0], cu.device, data=not unreadable())
+            if cu is not None:  # (check_offsets=False: no read, no sync)
+                check_offsets(cu, x[0].shape[0], cu.device,
+                              data=getattr(o, "check_offsets", True) and not unreadable())
             outs, saved = self.forward(x, o)
             return tuple(outs) + tuple(saved)
 

@@ -180,11 +180,11 @@ def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra, needs):
             dg.sum(call.time_dim)[None] if nrows else None]
 
 
-def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
+def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32, packed=None):
     r, lv, nv = _prep(dtype, x.rewards, x.last_value, x.next_values)
     term, trunc = _flags(x.terminated, x.truncated)
-    m, end = torch_scan.decisions(x.mask, r)
-    v_succ = torch_scan.successor(None, nv, lv, r, m)
+    m, end = torch_scan.decisions(x.mask, r, packed)
+    v_succ = torch_scan.successor(None, nv, lv, r, m, packed)
     cut = torch_scan.cut(term, trunc, end)
     alpha = r + torch.where(cut & ~term, s.gamma * v_succ, 0.0)
     beta = torch_scan.keep(cut, s.gamma, dtype)
@@ -213,8 +213,8 @@ OP = Op("discounted_returns", Inputs, Scalars,
 
 
 def discounted_returns(rewards, terminated, truncated=None, *, last_value=None, next_values=None,
-                       mask=None, cu_seqlens=None, gamma=0.99, time_dim=0, backend="auto",
-                       out_dtype=torch.float32):
+                       mask=None, cu_seqlens=None, check_offsets=True, gamma=0.99, time_dim=0,
+                       backend="auto", out_dtype=torch.float32):
     """Discounted returns (reward-to-go). Returns `G`.
 
     Recurrence (reverse)::
@@ -232,6 +232,11 @@ def discounted_returns(rewards, terminated, truncated=None, *, last_value=None, 
     `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
     per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
     own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
+    Per-step tensors may carry batch axes after the packed one (`[L, N]`, bootstraps
+    `[S, N]`); a tensor discount is one per segment, `[S]` or `[S, N]`. The offsets must
+    start at 0, end at L and never decrease (else `ValueError`), checked on every call: free
+    on CPU offsets, one device sync on CUDA ones, which `check_offsets=False` skips (for
+    CUDA-graph capture; whatever the offsets hold, nothing is read outside the tensors).
 
     Example::
 
@@ -239,4 +244,4 @@ def discounted_returns(rewards, terminated, truncated=None, *, last_value=None, 
     """
     return OP(Inputs(rewards, terminated, truncated, last_value, next_values, mask),
               Scalars(check_discount("gamma", gamma)), time_dim, backend, out_dtype,
-              cu_seqlens=cu_seqlens)
+              cu_seqlens=cu_seqlens, check_offsets=check_offsets)

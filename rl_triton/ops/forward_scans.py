@@ -183,14 +183,22 @@ def _grad_copy(x: GradInputs):
                                                                          x.grad)))
 
 
-def _scan_torch(xs, dones, mask, init, scale):
+def _scan_torch(xs, dones, mask, init, scale, packed=None):
     """z[t] = x[t] + scale * (1 - done[t-1]) * z[t-1], done[-1] = 0, the flags (and the mask)
-    broadcast over x's feature axes; with a mask, t-1 is the previous decision step."""
-    d = dones.reshape(dones.shape + (1,) * (xs.ndim - dones.ndim))
+    broadcast over x's feature axes; with a mask, t-1 is the previous decision step. Packed
+    rows restart at each segment's first decision step from its `initial` (`init` per step)."""
+    tail = (1,) * (xs.ndim - dones.ndim)
+    d = dones.reshape(dones.shape + tail)
     m, _ = torch_scan.decisions(mask, xs)
     if m is not None:
         d = d.expand(xs.shape)
     before = torch_scan.shift_down(d, torch.zeros_like(d[0]), m)
+    if packed is not None:
+        starts = packed.starts.reshape(packed.starts.shape + tail)
+        before = before | starts
+        if init is not None:  # z = x + scale * initial there (a zero scale cuts, a select)
+            xs = xs + torch.where(starts & (scale != 0), scale * init, 0.0)
+            init = None
     z = torch_scan.scan(*torch_scan.masked(xs, torch_scan.keep(before, scale, xs.dtype), m),
                         reverse=False, initial=init)
     return torch_scan.zero_masked(z, m)
@@ -222,16 +230,16 @@ def _copy(x: Inputs):
                   None if m is None else m.expand(x.x.shape).contiguous())
 
 
-def _traces_torch(x: Inputs, s: TraceScalars, extra=(), dtype=torch.float32):
+def _traces_torch(x: Inputs, s: TraceScalars, extra=(), dtype=torch.float32, packed=None):
     xs, init = _prep(dtype, x.x, x.initial)
     (d,) = _flags(x.dones)
-    return _scan_torch(xs, d, x.mask, init, s.gamma * s.lam)
+    return _scan_torch(xs, d, x.mask, init, s.gamma * s.lam, packed)
 
 
-def _cumsum_torch(x: Inputs, s: NoScalars, extra=(), dtype=torch.float32):
+def _cumsum_torch(x: Inputs, s: NoScalars, extra=(), dtype=torch.float32, packed=None):
     xs, init = _prep(dtype, x.x, x.initial)
     (d,) = _flags(x.dones)
-    return _scan_torch(xs, d, x.mask, init, 1.0)
+    return _scan_torch(xs, d, x.mask, init, 1.0, packed)
 
 
 TRACES = Op("eligibility_traces", Inputs, TraceScalars, check=_check, plan=_plan, copy=_copy,
@@ -249,7 +257,7 @@ CUMSUM = Op("episodic_cumsum", Inputs, NoScalars, check=_check, plan=_plan, copy
 
 
 def eligibility_traces(x, dones, *, gamma, lam, initial=None, mask=None, cu_seqlens=None,
-                       time_dim=0, backend="auto", out_dtype=torch.float32):
+                       check_offsets=True, time_dim=0, backend="auto", out_dtype=torch.float32):
     """Accumulating eligibility traces (forward in time). Returns `z`, shaped like `x`.
 
     ::
@@ -267,6 +275,11 @@ def eligibility_traces(x, dones, *, gamma, lam, initial=None, mask=None, cu_seql
     `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
     per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
     own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
+    Per-step tensors may carry batch axes after the packed one (`[L, N]`, bootstraps
+    `[S, N]`); a tensor discount is one per segment, `[S]` or `[S, N]`. The offsets must
+    start at 0, end at L and never decrease (else `ValueError`), checked on every call: free
+    on CPU offsets, one device sync on CUDA ones, which `check_offsets=False` skips (for
+    CUDA-graph capture; whatever the offsets hold, nothing is read outside the tensors).
 
     Example::
 
@@ -274,11 +287,11 @@ def eligibility_traces(x, dones, *, gamma, lam, initial=None, mask=None, cu_seql
     """
     return TRACES(Inputs(x, dones, initial, mask),
                   TraceScalars(check_discount("gamma", gamma), check_discount("lam", lam)),
-                  time_dim, backend, out_dtype, cu_seqlens=cu_seqlens)
+                  time_dim, backend, out_dtype, cu_seqlens=cu_seqlens, check_offsets=check_offsets)
 
 
-def episodic_cumsum(x, dones, *, initial=None, mask=None, cu_seqlens=None, time_dim=0,
-                    backend="auto", out_dtype=torch.float32):
+def episodic_cumsum(x, dones, *, initial=None, mask=None, cu_seqlens=None, check_offsets=True,
+                    time_dim=0, backend="auto", out_dtype=torch.float32):
     """Prefix sums that restart after every episode end (forward in time). Returns `C`.
 
     ::
@@ -294,10 +307,15 @@ def episodic_cumsum(x, dones, *, initial=None, mask=None, cu_seqlens=None, time_
     `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
     per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
     own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
+    Per-step tensors may carry batch axes after the packed one (`[L, N]`, `initial`
+    `[S, N]`). The offsets must
+    start at 0, end at L and never decrease (else `ValueError`), checked on every call: free
+    on CPU offsets, one device sync on CUDA ones, which `check_offsets=False` skips (for
+    CUDA-graph capture; whatever the offsets hold, nothing is read outside the tensors).
 
     Example::
 
         >>> episode_return_so_far = rl_triton.episodic_cumsum(rewards, dones)
     """
     return CUMSUM(Inputs(x, dones, initial, mask), NoScalars(), time_dim, backend, out_dtype,
-                  cu_seqlens=cu_seqlens)
+                  cu_seqlens=cu_seqlens, check_offsets=check_offsets)

@@ -203,11 +203,11 @@ def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra, needs):
             like(dnext, x.next_values) if nnext else None, drows]
 
 
-def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
+def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32, packed=None):
     r, v, lv, nv = _prep(dtype, x.rewards, x.values, x.last_value, x.next_values)
     term, trunc = _flags(x.terminated, x.truncated)
-    m, end = torch_scan.decisions(x.mask, r)
-    v_succ = torch_scan.successor(v, nv, lv, r, m)
+    m, end = torch_scan.decisions(x.mask, r, packed)
+    v_succ = torch_scan.successor(v, nv, lv, r, m, packed)
     alpha = r + torch.where(term, 0.0, s.gamma * v_succ) - v
     beta = torch_scan.keep(torch_scan.cut(term, trunc, end), s.gamma * s.lam, dtype)
     adv = torch_scan.scan(*torch_scan.masked(alpha, beta, m), reverse=True)
@@ -227,8 +227,8 @@ OP = Op("gae", Inputs, Scalars, outputs=2,
 
 
 def gae(rewards, values, terminated, truncated=None, *, last_value=None, next_values=None,
-        mask=None, cu_seqlens=None, gamma=0.99, lam=0.95, time_dim=0, backend="auto",
-        out_dtype=torch.float32):
+        mask=None, cu_seqlens=None, check_offsets=True, gamma=0.99, lam=0.95, time_dim=0,
+        backend="auto", out_dtype=torch.float32):
     """Generalized Advantage Estimation. Returns `(advantages, returns)`.
 
     Recurrence (reverse in time), with v'[t] the successor value and cut[t] = terminated[t] or
@@ -249,6 +249,11 @@ def gae(rewards, values, terminated, truncated=None, *, last_value=None, next_va
     `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
     per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
     own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
+    Per-step tensors may carry batch axes after the packed one (`[L, N]`, bootstraps
+    `[S, N]`); a tensor discount is one per segment, `[S]` or `[S, N]`. The offsets must
+    start at 0, end at L and never decrease (else `ValueError`), checked on every call: free
+    on CPU offsets, one device sync on CUDA ones, which `check_offsets=False` skips (for
+    CUDA-graph capture; whatever the offsets hold, nothing is read outside the tensors).
 
     Example::
 
@@ -259,4 +264,4 @@ def gae(rewards, values, terminated, truncated=None, *, last_value=None, next_va
     """
     return OP(Inputs(rewards, values, terminated, truncated, last_value, next_values, mask),
               Scalars(check_discount("gamma", gamma), check_discount("lam", lam)),
-              time_dim, backend, out_dtype, cu_seqlens=cu_seqlens)
+              time_dim, backend, out_dtype, cu_seqlens=cu_seqlens, check_offsets=check_offsets)

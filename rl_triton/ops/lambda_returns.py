@@ -193,11 +193,11 @@ def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra, needs):
             like(dnext, x.next_values) if nnext else None, drows]
 
 
-def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
+def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32, packed=None):
     r, v, lv, nv = _prep(dtype, x.rewards, x.values, x.last_value, x.next_values)
     term, trunc = _flags(x.terminated, x.truncated)
-    m, end = torch_scan.decisions(x.mask, r)
-    v_succ = torch_scan.successor(v, nv, lv, r, m)
+    m, end = torch_scan.decisions(x.mask, r, packed)
+    v_succ = torch_scan.successor(v, nv, lv, r, m, packed)
     keep = torch_scan.keep(torch_scan.cut(term, trunc, end), s.lam, dtype)  # 0 at terms too
     alpha = r + torch.where(term, 0.0, s.gamma * (1 - keep) * v_succ)
     beta = s.gamma * keep
@@ -219,8 +219,8 @@ OP = Op("lambda_returns", Inputs, Scalars,
 
 
 def lambda_returns(rewards, values, terminated, truncated=None, *, last_value=None,
-                   next_values=None, mask=None, cu_seqlens=None, gamma=0.99, lam=0.95,
-                   time_dim=0, backend="auto", out_dtype=torch.float32):
+                   next_values=None, mask=None, cu_seqlens=None, check_offsets=True,
+                   gamma=0.99, lam=0.95, time_dim=0, backend="auto", out_dtype=torch.float32):
     """TD(lambda) returns. Returns the tensor `G` of lambda-returns.
 
     Recurrence (reverse), with v'[t] the successor value and cut[t] as in `gae`::
@@ -238,6 +238,11 @@ def lambda_returns(rewards, values, terminated, truncated=None, *, last_value=No
     `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
     per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
     own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
+    Per-step tensors may carry batch axes after the packed one (`[L, N]`, bootstraps
+    `[S, N]`); a tensor discount is one per segment, `[S]` or `[S, N]`. The offsets must
+    start at 0, end at L and never decrease (else `ValueError`), checked on every call: free
+    on CPU offsets, one device sync on CUDA ones, which `check_offsets=False` skips (for
+    CUDA-graph capture; whatever the offsets hold, nothing is read outside the tensors).
 
     Example::
 
@@ -245,4 +250,4 @@ def lambda_returns(rewards, values, terminated, truncated=None, *, last_value=No
     """
     return OP(Inputs(rewards, values, terminated, truncated, last_value, next_values, mask),
               Scalars(check_discount("gamma", gamma), check_discount("lam", lam)),
-              time_dim, backend, out_dtype, cu_seqlens=cu_seqlens)
+              time_dim, backend, out_dtype, cu_seqlens=cu_seqlens, check_offsets=check_offsets)

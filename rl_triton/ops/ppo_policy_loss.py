@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import reference
-from .._args import Call, check_backend, check_out_dtype, check_scalar
+from .._args import Call, check_backend, check_bool, check_out_dtype, check_scalar
 from ..scan.jit import cdiv, tl, triton
 from . import _losses as L
 
@@ -29,6 +29,7 @@ class Options(NamedTuple):
     log_ratio_clamp: float
     aggregation: str
     out_dtype: torch.dtype
+    check_offsets: bool = True
 
 
 @triton.jit
@@ -229,8 +230,8 @@ OP = L.Fused("ppo_policy_loss", Inputs, Options, forward=forward, backward=backw
 
 def ppo_policy_loss(log_probs, old_log_probs, advantages, mask=None, *, clip_low=0.2,
                     clip_high=None, dual_clip=None, log_ratio_clamp=20.0,
-                    aggregation="token-mean", cu_seqlens=None, backend="auto",
-                    out_dtype=torch.float32):
+                    aggregation="token-mean", cu_seqlens=None, check_offsets=True,
+                    backend="auto", out_dtype=torch.float32):
     """PPO's clipped surrogate loss. Returns `(loss, clip_fraction, approx_kl)`.
 
     Per position, with A the advantages::
@@ -246,7 +247,9 @@ def ppo_policy_loss(log_probs, old_log_probs, advantages, mask=None, *, clip_low
     "seq-mean-token-sum", "seq-mean-token-mean" (the mean over sequences, with at least one
     position that counts, of each one's sum or mean; a sequence is a row of `[B, T]` inputs
     or a segment of `cu_seqlens`, FlashAttention's offsets of packed `[L]` inputs), "sum", or
-    "none" (`l * m` per position). An empty selection gives 0.
+    "none" (`l * m` per position). An empty selection gives 0. Offsets that do not start at 0,
+    end at L, or decrease raise `ValueError`, checked on every call (one device sync where they
+    are on a GPU); `check_offsets=False` skips that read (CUDA-graph capture).
 
     `clip_fraction` is the mean over the positions that count of those where the clipped term
     is the larger (no gradient); `approx_kl` the mean of `ratio - 1 - d`, the k3 estimate of
@@ -264,7 +267,9 @@ def ppo_policy_loss(log_probs, old_log_probs, advantages, mask=None, *, clip_low
     lp = call.step("log_probs", log_probs)
     old = call.step("old_log_probs", old_log_probs)
     adv = call.step("advantages", advantages)
-    aggregation, mask, cu = L.aggregation_args(call, aggregation, mask, cu_seqlens)
+    check_offsets = check_bool("check_offsets", check_offsets)
+    aggregation, mask, cu = L.aggregation_args(call, aggregation, mask, cu_seqlens,
+                                               check_offsets)
     clip_low = check_scalar("clip_low", clip_low)
     clip_high = clip_low if clip_high is None else check_scalar("clip_high", clip_high,
                                                                 high=None)
@@ -272,6 +277,7 @@ def ppo_policy_loss(log_probs, old_log_probs, advantages, mask=None, *, clip_low
         dual_clip = check_scalar("dual_clip", dual_clip, low=1.0, high=None, low_open=True)
     log_ratio_clamp = check_scalar("log_ratio_clamp", log_ratio_clamp, high=None,
                                    low_open=True)
-    o = Options(clip_low, clip_high, dual_clip, log_ratio_clamp, aggregation, out_dtype)
+    o = Options(clip_low, clip_high, dual_clip, log_ratio_clamp, aggregation, out_dtype,
+                check_offsets)
     return L.run(OP, Inputs(lp, old, adv, mask, cu), o, call, backend, torch_impl, loop_impl,
                  out_dtype)

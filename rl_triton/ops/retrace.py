@@ -438,18 +438,22 @@ def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra: Extras, need
     return res
 
 
-def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
+def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32, packed=None):
     r, q, pi, mu, lq, lpi = _prep(dtype, x.rewards, x.q_values, x.target_probs,
                                   x.behavior_probs, x.last_q_values, x.last_target_probs)
     term, trunc = _flags(x.terminated, x.truncated)
-    m, end = torch_scan.decisions(x.mask, r)
+    m, end = torch_scan.decisions(x.mask, r, packed)
     r, q, pi = _decided(m, r, q, pi)
     (mu,) = _decided(m, mu, fill=1.0)  # pi / mu stays finite
     a = x.actions.long().clamp(0, q.shape[-1] - 1).unsqueeze(-1)  # as the kernel: in range
     q_a = q.gather(-1, a).squeeze(-1)
     pi_a = pi.gather(-1, a).squeeze(-1)
     zero = torch.zeros_like(r[0])
-    expected = torch_scan.shift_up((pi * q).sum(-1), (lpi * lq).sum(-1), m)
+    if packed is None:
+        expected = torch_scan.shift_up((pi * q).sum(-1), (lpi * lq).sum(-1), m)
+    else:  # the bootstrap state per step (its segment's), at each segment's end
+        expected = torch.where(packed.ends, (lpi * lq).sum(-1),
+                               torch_scan.shift_up((pi * q).sum(-1), zero, m))
     c_next = torch_scan.shift_up(s.lam * torch.clamp(pi_a / mu, max=s.c_clip), zero, m)
     q_a_next = torch_scan.shift_up(q_a, zero, m)
     cut = torch_scan.cut(term, trunc, end)
@@ -520,8 +524,8 @@ OP = Op("retrace", Inputs, Scalars, outputs=2, extras=Extras, check=_check,
 
 def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated, truncated=None,
             *, last_q_values=None, last_target_probs=None, mask=None, cu_seqlens=None,
-            gamma=0.99, lam=1.0, c_clip=1.0, return_advantages=False, check_actions=True,
-            time_dim=0, backend="auto", out_dtype=torch.float32):
+            check_offsets=True, gamma=0.99, lam=1.0, c_clip=1.0, return_advantages=False,
+            check_actions=True, time_dim=0, backend="auto", out_dtype=torch.float32):
     """Retrace(lambda) Q targets for discrete actions. Returns `G`, or `(G, G - Q(s_t, a_t))`
     with `return_advantages=True`.
 
@@ -551,8 +555,13 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
     `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
     per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
     own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
+    Per-step tensors may carry batch axes after the packed one (`[L, N]`, bootstraps
+    `[S, N]`); a tensor discount is one per segment, `[S]` or `[S, N]`. The offsets must
+    start at 0, end at L and never decrease (else `ValueError`), checked on every call: free
+    on CPU offsets, one device sync on CUDA ones, which `check_offsets=False` skips (for
+    CUDA-graph capture; whatever the offsets hold, nothing is read outside the tensors).
     On the Triton backend both run on the masked kernel, packed rows in place (calls that need
-    gradients: the torch backend, and padded rows).
+    gradients: the torch implementation, packed rows on one long row).
 
     Example::
 
@@ -566,4 +575,4 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
                    check_bool("check_actions", check_actions))
     return OP(Inputs(rewards, q_values, actions, target_probs, behavior_probs, terminated,
                      truncated, last_q_values, last_target_probs, mask), s, time_dim, backend,
-              out_dtype, extra, cu_seqlens=cu_seqlens)
+              out_dtype, extra, cu_seqlens=cu_seqlens, check_offsets=check_offsets)

@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import reference
-from .._args import Call, check_backend, check_choice, check_out_dtype, check_scalar
+from .._args import Call, check_backend, check_bool, check_choice, check_out_dtype, check_scalar
 from ..scan.jit import cdiv, tl, triton
 from . import _losses as L
 
@@ -29,6 +29,7 @@ class Options(NamedTuple):
     huber_delta: float
     aggregation: str
     out_dtype: torch.dtype
+    check_offsets: bool = True
 
 
 @triton.jit
@@ -224,8 +225,8 @@ OP = L.Fused("value_loss", Inputs, Options, forward=forward, backward=backward, 
 
 
 def value_loss(values, returns, old_values=None, mask=None, *, clip=None, kind="mse",
-               huber_delta=1.0, aggregation="token-mean", cu_seqlens=None, backend="auto",
-               out_dtype=torch.float32):
+               huber_delta=1.0, aggregation="token-mean", cu_seqlens=None, check_offsets=True,
+               backend="auto", out_dtype=torch.float32):
     """The value loss of predicted `values` against their targets `returns`.
 
     Per position, with e = values - returns::
@@ -236,8 +237,9 @@ def value_loss(values, returns, old_values=None, mask=None, *, clip=None, kind="
         l    = max(l, f(old_values + clamp(values - old_values, -clip, clip) - returns))
                                                                 with clip (CleanRL's, verl's)
 
-    `old_values` (the values at rollout time) are read only with `clip`. `mask`, `aggregation`
-    and `cu_seqlens` as in `ppo_policy_loss` (default: the mean over the positions that count).
+    `old_values` (the values at rollout time) are read only with `clip`. `mask`, `aggregation`,
+    `cu_seqlens` and `check_offsets` as in `ppo_policy_loss` (default: the mean over the
+    positions that count).
     Gradients flow to `values`, `returns` and `old_values` by the formula.
 
     Example::
@@ -250,7 +252,9 @@ def value_loss(values, returns, old_values=None, mask=None, *, clip=None, kind="
     v = call.step("values", values)
     ret = call.step("returns", returns)
     old = call.step("old_values", old_values, optional=True)
-    aggregation, mask, cu = L.aggregation_args(call, aggregation, mask, cu_seqlens)
+    check_offsets = check_bool("check_offsets", check_offsets)
+    aggregation, mask, cu = L.aggregation_args(call, aggregation, mask, cu_seqlens,
+                                               check_offsets)
     kind = check_choice("kind", kind, KINDS)
     huber_delta = check_scalar("huber_delta", huber_delta, high=None, low_open=True)
     if clip is not None:
@@ -260,6 +264,6 @@ def value_loss(values, returns, old_values=None, mask=None, *, clip=None, kind="
                              "around")
     else:
         old = None  # unread without a clip
-    o = Options(clip, kind, huber_delta, aggregation, out_dtype)
+    o = Options(clip, kind, huber_delta, aggregation, out_dtype, check_offsets)
     return L.run(OP, Inputs(v, ret, old, mask, cu), o, call, backend, torch_impl, loop_impl,
                  out_dtype)

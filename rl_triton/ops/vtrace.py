@@ -316,13 +316,13 @@ def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra, needs):
             torch.stack([dg.sum(call.time_dim), dl.sum(call.time_dim)]) if nrows else None]
 
 
-def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32):
+def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32, packed=None):
     r, v, tlp, blp, lv, nv = _prep(dtype, x.rewards, x.values, x.target_log_probs,
                                    x.behavior_log_probs, x.last_value, x.next_values)
     term, trunc = _flags(x.terminated, x.truncated)
-    m, end = torch_scan.decisions(x.mask, r)
+    m, end = torch_scan.decisions(x.mask, r, packed)
     r, v, tlp, blp, nv = _decided(m, r, v, tlp, blp, nv)
-    v_succ = torch_scan.successor(v, nv, lv, r, m)
+    v_succ = torch_scan.successor(v, nv, lv, r, m, packed)
     cut = torch_scan.cut(term, trunc, end)
     ratio = torch.exp(tlp - blp)  # torch.clamp keeps a NaN ratio NaN
     target = r + torch.where(term, 0.0, s.gamma * v_succ)
@@ -350,9 +350,9 @@ OP = Op("vtrace", Inputs, Scalars, outputs=2,
 
 
 def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, truncated=None, *,
-           last_value=None, next_values=None, mask=None, cu_seqlens=None, gamma=0.99, lam=1.0,
-           rho_clip=1.0, c_clip=1.0, pg_rho_clip=1.0, time_dim=0, backend="auto",
-           out_dtype=torch.float32):
+           last_value=None, next_values=None, mask=None, cu_seqlens=None, check_offsets=True,
+           gamma=0.99, lam=1.0, rho_clip=1.0, c_clip=1.0, pg_rho_clip=1.0, time_dim=0,
+           backend="auto", out_dtype=torch.float32):
     """V-trace targets (IMPALA). Returns `(vs, pg_advantages)`.
 
     With ratio[t] = exp(target_log_probs[t] - behavior_log_probs[t]) (log-probabilities of the
@@ -373,6 +373,11 @@ def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, tr
     `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
     per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
     own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
+    Per-step tensors may carry batch axes after the packed one (`[L, N]`, bootstraps
+    `[S, N]`); a tensor discount is one per segment, `[S]` or `[S, N]`. The offsets must
+    start at 0, end at L and never decrease (else `ValueError`), checked on every call: free
+    on CPU offsets, one device sync on CUDA ones, which `check_offsets=False` skips (for
+    CUDA-graph capture; whatever the offsets hold, nothing is read outside the tensors).
 
     Example::
 
@@ -385,4 +390,4 @@ def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, tr
                 check_scalar("pg_rho_clip", pg_rho_clip, **clip))
     return OP(Inputs(rewards, values, terminated, target_log_probs, behavior_log_probs, truncated,
                      last_value, next_values, mask), s, time_dim, backend, out_dtype,
-              cu_seqlens=cu_seqlens)
+              cu_seqlens=cu_seqlens, check_offsets=check_offsets)

@@ -9,7 +9,47 @@ reaches the steps before it (0 * inf is NaN).
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
+
+Tensor = torch.Tensor
+
+
+class Packed(NamedTuple):
+    """Packed rows (docs/semantics.md §7) as one long row `[L, *batch]`: each segment's last
+    decision step (its window end) and its first (where a forward scan restarts from its
+    `initial`). With them the implementations take bootstraps and discounts per step (each
+    step's segment's)."""
+    ends: Tensor  # bool [L, *batch]
+    starts: Tensor  # bool [L, *batch]
+
+
+def packed_rows(cu: Tensor, shape: tuple, mask: Optional[Tensor]) -> tuple:
+    """(segment of each step [L], `Packed`) of offsets `cu` [S + 1] over steps of `shape`
+    `[L, *batch]` with the decision steps `mask` (None: all). No host read, and whatever `cu`
+    holds every index stays inside its tensor (unchecked offsets give garbage, not a fault)."""
+    L, S = shape[0], cu.shape[0] - 1
+    cu = cu.long().clamp(0, L)
+    seg = torch.searchsorted(cu[1:], torch.arange(L, device=cu.device),
+                             right=True).clamp_max(S - 1)
+    if mask is None:
+        count = torch.arange(L, device=cu.device).view((L,) + (1,) * (len(shape) - 1))
+        m, before, after = None, count, count + 1
+        at = cu.view((S + 1,) + (1,) * (len(shape) - 1))
+    else:
+        m = (mask != 0).expand(shape)
+        # decision steps before t (exclusive) and up to t (inclusive), and at each offset
+        after = m.long().cumsum(0)
+        before = after - m.long()
+        at = torch.cat([torch.zeros_like(after[:1]), after])[cu]
+    ends = after == at[1:][seg]  # no decision step after t in its segment
+    starts = before == at[:-1][seg]  # none before t in its segment
+    if m is not None:
+        ends, starts = ends & m, starts & m
+    else:
+        ends, starts = ends.expand(shape), starts.expand(shape)
+    return seg, Packed(ends, starts)
 
 
 
@@ -46,14 +86,15 @@ def scan(alpha, beta, *, reverse: bool, initial=None):
     return a
 
 
-def decisions(mask, like):
+def decisions(mask, like, packed=None):
     """(m, end) for a mask (SPEC 7): the decision steps, broadcast to `like`'s shape, and each
-    row's window end, its last decision step; (None, None) without a mask."""
+    row's window end, its last decision step; (None, None) without a mask. With `packed`
+    rows the window ends are the segments' (m None without a mask)."""
     if mask is None:
-        return None, None
+        return None, None if packed is None else packed.ends
     m = mask != 0
     m = m.reshape(m.shape + (1,) * (like.ndim - m.ndim)).expand(like.shape)
-    return m, m & (m.flip(0).cumsum(0).flip(0) == 1)
+    return m, m & (m.flip(0).cumsum(0).flip(0) == 1) if packed is None else packed.ends
 
 
 def next_decision(x, m, last):
@@ -95,13 +136,17 @@ def shift_up(x, last, m=None):
     return torch.cat([x[1:], last.unsqueeze(0)])
 
 
-def successor(values, next_values, last_value, like, m=None):
+def successor(values, next_values, last_value, like, m=None, packed=None):
     """v'[t]: next_values, else values at the next step (the next decision step with a mask
-    `m`) and last_value past the last one; zeros for what is not given."""
+    `m`) and last_value past the last one; zeros for what is not given. With `packed` rows,
+    last_value is per step (its segment's), read at each segment's end."""
     if next_values is not None:
         return next_values
-    last = last_value if last_value is not None else torch.zeros_like(like[0])
     nxt = values if values is not None else torch.zeros_like(like)
+    if packed is not None:
+        last = last_value if last_value is not None else torch.zeros_like(like)
+        return torch.where(packed.ends, last, shift_up(nxt, torch.zeros_like(like[0]), m))
+    last = last_value if last_value is not None else torch.zeros_like(like[0])
     return shift_up(nxt, last, m)
 
 
