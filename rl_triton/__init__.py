@@ -7,7 +7,9 @@ checks its arguments on every call, picks a backend and returns new tensors in t
 layout (time axis `time_dim`), float32 unless `out_dtype` says otherwise. Inputs are never
 written. The losses (`ppo_policy_loss`, `value_loss`, `kl_penalty`, `sac_targets`,
 `crr_weights`) have no time axis: per-position formulas and their aggregation over a mask, one
-fused kernel each way on CUDA (`rl_triton.ops._losses`).
+fused kernel each way on CUDA (`rl_triton.ops._losses`). What every op computes, boundaries,
+masks, packing and non-finite input included, is docs/semantics.md; comments cite its sections
+as "semantics §N".
 
 Common arguments
 ----------------

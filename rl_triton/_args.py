@@ -85,7 +85,7 @@ def check_choice(name: str, value, options: tuple) -> str:
 
 
 def check_discount(name: str, value):
-    """gamma or lam: a Python number in [0, 1], or a floating tensor (one per row, SPEC 6),
+    """gamma or lam: a Python number in [0, 1], or a floating tensor (one per row, semantics §6),
     returned as it is; its shape and device are checked against the call (`Call.discount`)."""
     if isinstance(value, Tensor):
         if not value.is_floating_point():
@@ -109,7 +109,7 @@ class Call:
     `step_shape` followed by their own trailing axes; bootstrap tensors the batch shape (the step
     shape without its time axis) followed by theirs. `key` is the calls's signature so far.
     With `time_dim=None` (an elementwise op: the losses) there is no time axis, and `ref` may
-    have any shape, 0-d included. With `segments` (packed rows, SPEC 7: S segments of `ref`'s
+    have any shape, 0-d included. With `segments` (packed rows, semantics §7: S segments of `ref`'s
     time axis) bootstraps have one entry per segment: `[S, *batch, *trailing]`.
     """
 
@@ -120,7 +120,7 @@ class Call:
         self.segments = segments
         if not isinstance(ref, Tensor):
             raise TypeError(f"{ref_name} must be a torch.Tensor, got {type(ref).__name__}")
-        if time_dim is None:  # an elementwise op (the losses, SPEC 9): any shape, no time axis
+        if time_dim is None:  # an elementwise op (the losses, semantics §9): any shape, no time
             self._common(ref_name, ref, None, ref.shape)
             return
         if ref.ndim == 0:
@@ -288,7 +288,7 @@ def _fmt_shape(shape) -> str:
 
 def check_offsets(cu, L: int, device: torch.device, *, data: bool = True,
                   dtypes: tuple = (torch.int64,)) -> Tensor:
-    """`cu_seqlens` (SPEC 7) checked, on `device`, in its own dtype where that is one of
+    """`cu_seqlens` (semantics §7) checked, on `device`, in its own dtype where that is one of
     `dtypes`, else as int64: an integer tensor [S + 1] with 0 = cu[0] <= ... <= cu[S] = L.
     `data=False` checks only its type and shape (`check_offsets=False`, torch.compile tracing,
     CUDA-graph capture: where the host must not read the device). Its values are read on every

@@ -15,7 +15,7 @@ Packed rows (`cu_seqlens`, docs/semantics.md §7, `Op._packed`): on the Triton b
 (inside `torch.compile` through `torch.ops.rl_triton.<name>_packed`); on the torch backend, and
 wherever gradients are needed, the torch implementation on the same packed row (traced by
 torch.compile); the loop backend, and Triton calls with per-row discounts, as padded rows.
-Gradients (SPEC 6): where an input requires grad, the Triton path runs the custom op, whose
+Gradients (semantics §6): where an input requires grad, the Triton path runs the custom op, whose
 autograd calls the op's backward (Triton kernels, through a second custom op,
 `torch.ops.rl_triton.<name>_backward`); the torch and loop backends are differentiated by
 autograd. Every backend refuses second-order gradients with one clear error. A tensor gamma or
@@ -84,11 +84,11 @@ class Op:
     backward(x, outs, grads, s, rows, call, extra, needs): the Triton backward: the gradient
         of every input (None where `needs` says no) and of `rows`, from the outputs' gradients
         (None: zero); `row_params`: the kernel scalars (leading) that per-row discounts set.
-        An input named `mask` (SPEC 7) is not among the inputs `backward` sees.
+        An input named `mask` (semantics §7) is not among the inputs `backward` sees.
     masked_kernels(x): whether the Triton plan of inputs `x` reads their mask; masked calls
         it does not read, and masked calls that need gradients, run on the torch backend.
     packed_kernels(x): whether the Triton plan of inputs `x` runs packed rows (`cu_seqlens`,
-        SPEC 7) in place (`check` then takes `segments`, the plan sees `call.segments`); other
+        semantics §7) in place (`check` then takes `segments`, the plan sees `call.segments`); other
         packed calls run as padded rows (`_padded`).
     """
 
@@ -180,7 +180,7 @@ class Op:
         return _result(outs)
 
     def _packed(self, x, s, time_dim, backend, out_dtype, extra, cu_seqlens, check):
-        """Packed variable-length rows (SPEC 7, FlashAttention's `cu_seqlens`): each segment
+        """Packed variable-length rows (semantics §7, FlashAttention's `cu_seqlens`): each segment
         [cu[i], cu[i+1]) of the per-step tensors `[L, ...]` is a row of its own, its last step
         a window end; bootstraps are `[S, ...]`, a tensor discount `[S]` or `[S, *batch]`.
         Every argument is checked against the caller's shapes, and the offsets' values unless

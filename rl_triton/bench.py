@@ -11,18 +11,18 @@ For every estimator, shape (N envs x T steps), layout, input dtype and truncatio
    since fixed launch and ramp costs weigh on small copies too), and the speedup over the
    baselines: the sequential loop (`backend="loop"`, CleanRL-style), the torch backend eager,
    and the torch backend under `torch.compile`.
-With `--modes fwd,bwd,fwd+bwd` it also times gradients (SPEC 6), every floating input requiring
-grad: `bwd` the backward pass alone (`torch.autograd.grad` of the outputs against fixed random
-output gradients, the forward done once; its minimal bytes: the output gradients, the flags and
-the inputs its formula reads, the input gradients written) against the same-bytes copy of its own
-bytes, and `fwd+bwd` forward plus backward, against autograd through the torch backend and
+With `--modes fwd,bwd,fwd+bwd` it also times gradients (semantics §6), every floating input
+requiring grad: `bwd` the backward pass alone (`torch.autograd.grad` of the outputs against fixed
+random output gradients, the forward done once; its minimal bytes: the output gradients, the flags
+and the inputs its formula reads, the input gradients written) against the same-bytes copy of its
+own bytes, and `fwd+bwd` forward plus backward, against autograd through the torch backend and
 through TorchRL's estimators (where TorchRL has one and is installed).
 It writes `bench.json`, `bench.md` and `bench.png` into `--out`.
 `--suite tokens` times LLM token rows instead (`run_tokens`): GAE and discounted returns on
 dense, padded, multi-turn and packed rows (with and without their mask) against the unmasked
 call and the same-bytes copy, verl's and OpenRLHF's own token loops beside rl_triton's drop-ins,
 masked_whiten and group_advantages; its plot is `tokens.png`.
-`--suite losses` times SPEC 9's losses (`run_losses`): PPO's surrogate, the value loss, the KL
+`--suite losses` times semantics §9's losses (`run_losses`): PPO's surrogate, the value loss, the KL
 penalty, SAC's targets and CRR's weights, forward plus backward where differentiable, against
 their formula in eager PyTorch and under `torch.compile` and the same-bytes copy; its plot is
 `losses.png`.
@@ -132,7 +132,7 @@ def check_result(err, tol, what):
 # ---- gradients ---------------------------------------------------------------------------------
 
 NOT_DIFFERENTIABLE = ("terminated", "truncated", "dones", "actions")
-# what each backward reads besides the output gradients and flags (SPEC 6's formulas): inputs,
+# what each backward reads besides the output gradients and flags (semantics §6's formulas): inputs,
 # and how many of the op's outputs it saves
 BWD_READS = {"vtrace": (("rewards", "values", "target_log_probs", "behavior_log_probs",
                          "last_value"), 1),
@@ -403,7 +403,7 @@ def main(argv=None):
                         "LLM token rows [B, T] (masks, packing, whitening, group advantages, "
                         "the frameworks' own loops; --shapes, --dtypes, --out, --max-seconds, "
                         "--frameworks-max-seconds, --tiles, --rule apply), see `run_tokens`; "
-                        "losses: SPEC 9's losses against eager PyTorch and torch.compile of "
+                        "losses: semantics §9's losses against eager PyTorch and torch.compile of "
                         "their formulas (--shapes, --dtypes, --out, --max-seconds apply), see "
                         "`run_losses`")
     p.add_argument("--estimators", default=",".join(ESTIMATORS),
@@ -845,7 +845,7 @@ LOSS_T = 1024  # tokens per row of the [B, T] losses (PPO, value, KL)
 SAC_CRITICS = 2  # twin target critics
 CRR_SAMPLES = 4  # actions sampled from the policy per state (CRR's m)
 # (loss, variant, options beyond the inputs, modes timed): SAC's targets are differentiable
-# (SPEC 9) but usually computed under no_grad, so both; CRR's weights have no gradient
+# (semantics §9) but usually computed under no_grad, so both; CRR's weights have no gradient
 LOSS_CASES = [
     ("ppo_policy_loss", "mask", {}, ("fwd+bwd",)),
     ("ppo_policy_loss", "mask, dual_clip=3", dict(dual_clip=3.0), ("fwd+bwd",)),
@@ -903,8 +903,9 @@ def loss_kwargs(case, tokens, dtype, device, seed=0, row=LOSS_T):
     return dict(kw, **options)
 
 
-# SPEC 9's formulas as a user writes them in PyTorch (float32 arithmetic, as rl_triton's), with
-# the options LOSS_CASES uses and the functions' defaults: the eager and torch.compile baselines
+# semantics §9's formulas as a user writes them in PyTorch (float32 arithmetic, as rl_triton's),
+# with the options LOSS_CASES uses and the functions' defaults: the eager and torch.compile
+# baselines
 
 def _ppo_formula(log_probs, old_log_probs, advantages, mask, clip_low=0.2, clip_high=0.2,
                  dual_clip=None, log_ratio_clamp=20.0):
@@ -1335,14 +1336,14 @@ def token_plot(result, path):
     fig.savefig(path, dpi=80)
 
 
-LOSS_TABLE = """Losses (`--suite losses`, SPEC 9): PPO's surrogate, the value loss and the KL \
-penalty on batch-major rows [tokens / %d, %d] with a random ~70%% mask (the KL penalty takes \
+LOSS_TABLE = """Losses (`--suite losses`, semantics §9): PPO's surrogate, the value loss and the \
+KL penalty on batch-major rows [tokens / %d, %d] with a random ~70%% mask (the KL penalty takes \
 none), SAC's targets and CRR's weights on N = tokens samples (%d target critics; discrete: %d \
 actions; CRR: %d sampled actions); the functions' defaults otherwise, float32 or bfloat16 \
 inputs, float32 outputs. fwd+bwd: the call, then `torch.autograd.grad` of its outputs against \
 fixed random output gradients, every floating input requiring grad; fwd: the call alone. Three \
-implementations of one formula: rl_triton (backend="triton"), eager (SPEC 9's formula in plain \
-PyTorch, `rl_triton.bench.LOSS_FORMULAS`, its outputs and gradients checked against rl_triton's \
+implementations of one formula: rl_triton (backend="triton"), eager (semantics §9's formula in plain
+\ PyTorch, `rl_triton.bench.LOSS_FORMULAS`, its outputs and gradients checked against rl_triton's \
 first) and compile (`torch.compile` of it, mode default, static shapes: compiled per size and \
 dtype, outside the timing).
 

@@ -11,13 +11,13 @@ the steps before a termination or truncation (`(1 - term) * v'` below is `where(
 Notation: g = gamma, l = lambda, v'[t] the successor value (`next_values[t]` if given, else
 `values[t+1]`, and `last_value` at t = T-1), cut[t] = done[t] or t == T-1.
 
-With a `mask` (SPEC 7) only the decision steps (mask set) count, as if the others were deleted:
-"t+1" reads "the next decision step", "t-1" the previous one, and the window end is each row's
-last decision step; outputs at masked steps are 0. Each loop below keeps, per row, what the next
-(or previous) decision step left: its value, its output, its flags.
+With a `mask` (semantics §7) only the decision steps (mask set) count, as if the others were
+deleted: "t+1" reads "the next decision step", "t-1" the previous one, and the window end is each
+row's last decision step; outputs at masked steps are 0. Each loop below keeps, per row, what the
+next (or previous) decision step left: its value, its output, its flags.
 
-The losses (SPEC 9) have no recurrence: each is its per-position formula, written out by cases,
-and the aggregation over positions, one sequence at a time.
+The losses (semantics §9) have no recurrence: each is its per-position formula, written out by
+cases, and the aggregation over positions, one sequence at a time.
 """
 from __future__ import annotations
 
@@ -250,7 +250,7 @@ def linear_scan(alpha, beta, *, reverse=True, initial=None, dtype=torch.float64)
 
 def group_advantages(scores, ids, *, baseline="mean", scale="std", eps=1e-6, std_correction=1,
                      dtype=torch.float64):
-    """Group-relative advantages (SPEC 8), one group at a time; `ids`: each score's group."""
+    """Group-relative advantages (semantics §8), one group at a time; `ids`: each score's group."""
     s = scores.to(dtype)
     out = torch.empty_like(s)
     batch_sigma = torch.std(s, correction=std_correction)
@@ -272,7 +272,7 @@ def group_advantages(scores, ids, *, baseline="mean", scale="std", eps=1e-6, std
 
 
 def masked_whiten(x, mask, *, shift_mean=True, eps=1e-8, std_correction=1, dtype=torch.float64):
-    """(x - mean) * rsqrt(var + eps) over the positions where `mask` is set (SPEC 8), in
+    """(x - mean) * rsqrt(var + eps) over the positions where `mask` is set (semantics §8), in
     float64 whatever `dtype` (the result's): a float32 mean and sum of squares lose the digits
     that |mean| >> std cancels. Fewer than 1 + std_correction positions set: NaN there."""
     xs = torch.where(mask, x.to(torch.float64), 0.0)  # a masked position enters no arithmetic
@@ -288,7 +288,7 @@ def masked_whiten(x, mask, *, shift_mean=True, eps=1e-8, std_correction=1, dtype
     return torch.where(mask, out, 0.0).to(dtype)
 
 
-# ---- losses (SPEC 9): each position's formula, and the aggregation sequence by sequence ----------
+# ---- losses (semantics §9): each position's formula, and the aggregation sequence by sequence ----
 
 def _aggregate(l, keep, aggregation, cu_seqlens=None):
     """Per-position losses `l` over the positions `keep` (bool): "none" (l where kept, else 0),

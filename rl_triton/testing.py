@@ -77,7 +77,7 @@ def make_inputs(name, T, batch=(5,), *, dtype=torch.float32, flag_dtype=torch.bo
 
 
 def make_packed_inputs(name, lengths, **kw):
-    """Inputs of `rl_triton.<name>` on packed rows (SPEC 7): `(steps, extra, cu_seqlens)`, the
+    """Inputs of `rl_triton.<name>` on packed rows (semantics §7): `(steps, extra, cu_seqlens)`, the
     per-step tensors `[L, ...]` (the rows of `make_inputs(name, max length, (S,), **kw)`, each cut
     to its length and concatenated), the bootstraps `[S, ...]` and the scalars, and the int64
     offsets [S + 1] of the S = len(lengths) segments."""
@@ -180,7 +180,7 @@ TOKEN_KINDS = ("dense", "padded", "multi-turn", "packed")
 
 
 def token_rows(B, T, kind, dtype=torch.float32, device="cpu", seed=0):
-    """LLM token rows (SPEC 7), batch-major: `dict(rewards, values, mask, cu_seqlens)`.
+    """LLM token rows (semantics §7), batch-major: `dict(rewards, values, mask, cu_seqlens)`.
 
     Every kind holds the same tokens: B responses of random lengths in [T/2, T], right-padded to
     T, each with 2-4 observation (tool-output) spans of random length strictly inside it; an

@@ -69,7 +69,7 @@ def launches_of(call):
 
 
 def packed_plans(name, lengths, mask=False, **kw):
-    """The launch plans of a packed call (SPEC 7) on segments of `lengths` (`kw`: as
+    """The launch plans of a packed call (semantics §7) on segments of `lengths` (`kw`: as
     `make_inputs`'; `features`: per-step tensors `[L, *features]`; `transposed`: as a view
     `[L, D]` of `[D, L]` memory), with a mask of ~70% decision steps or none."""
     transposed = kw.pop("transposed", False)
@@ -299,8 +299,8 @@ def variants():
 
 
 def mask_variants():
-    """(label, case, layout): every estimator whose kernel reads a mask (SPEC 7), both layouts,
-    one tile per row, look-back and walked rows, and next_values."""
+    """(label, case, layout): every estimator whose kernel reads a mask (semantics §7), both
+    layouts, one tile per row, look-back and walked rows, and next_values."""
     def masked(case):
         shape = case.steps["rewards" if "rewards" in case.steps else "dones"].shape
         case.steps["mask"] = torch.rand(shape, generator=torch.Generator().manual_seed(0)) < 0.7
@@ -330,8 +330,8 @@ def mask_variants():
 
 
 def packed_variants():
-    """(label, plans): packed rows (SPEC 7) of every estimator whose kernels run them in place,
-    with and without a mask: the [L] stream (look-back over many tiles, segments of 1 to 4096
+    """(label, plans): packed rows (semantics §7) of every estimator whose kernels run them in
+    place, with and without a mask: the [L] stream (look-back over many tiles, segments of 1 to 4096
     steps), bf16 and next_values, feature axes (time-major tiles), walked rows (a transposed
     view of many feature rows), and many short segments (the search's third round)."""
     g = torch.Generator().manual_seed(0)
@@ -573,7 +573,7 @@ def compile_scans(shard=0, shards=1):
     rules = (check_look_back, check_register_cap)  # loads not tuned yet where only these apply
     jobs = [(label, lambda case=case, layout=layout: one(plans_of(case, layout)), forward)
             for label, case, layout in variants()]
-    # masked kernels and packed rows (SPEC 7)
+    # masked kernels and packed rows (semantics §7)
     jobs += [(label, lambda case=case, layout=layout: one(plans_of(case, layout)), rules)
              for label, case, layout in mask_variants()]
     jobs += [(label, lambda plans=plans: one(plans()), (check_packed, *rules))

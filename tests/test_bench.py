@@ -122,7 +122,7 @@ def test_ab_tool_checks_every_variant_and_names_its_plan():
     base, cut = done.stdout.strip().split("\n")
     assert "vtrace:3x40:time-major:float32:bwd base: relative error" in base
     assert "LOOKBACK=False" in base and "LOOKBACK=True" in cut and "BLOCK_T=16" in cut, cut
-    # :mask, a masked call (SPEC 7) checked against the float64 reference of the same mask
+    # :mask, a masked call (semantics §7) checked against the float64 reference of the same mask
     done = subprocess.run([sys.executable, str(tool), "gae:3x40:bm:mask", "--", "base"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]

@@ -1,5 +1,5 @@
 """On a CUDA device only: gradients at long rows and many rows, inside torch.compile with
-Inductor, and in a captured CUDA graph of forward plus backward (SPEC 5 and 6).
+Inductor, and in a captured CUDA graph of forward plus backward (semantics §5 and 6).
 
 Large shapes are checked against autograd through the vectorized torch backend in float64.
 """

@@ -1,4 +1,4 @@
-"""On a CUDA device only: the losses (SPEC 9) at token shapes (2^20 to 2^24 positions) against
+"""On a CUDA device only: the losses (semantics §9) at token shapes (2^20 to 2^24 positions) against
 the torch backend in float64, inside torch.compile with Inductor, forward plus backward in a
 captured CUDA graph, and on any device index."""
 import pytest

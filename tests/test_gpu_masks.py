@@ -1,4 +1,4 @@
-"""Masked calls (SPEC 7) at the benchmark's token shapes on the GPU: the kernels (one tile per
+"""Masked calls (semantics §7) at the benchmark's token shapes on the GPU: the kernels (one tile per
 row, look-back over many tiles, walked rows) against the torch backend in float64."""
 import pytest
 import torch

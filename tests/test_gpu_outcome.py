@@ -1,5 +1,5 @@
 """On a CUDA device only: masked_whiten's kernels at large and odd sizes, their gradients,
-64-bit indexing, launches, memory, CUDA graphs and device indices (SPEC 8).
+64-bit indexing, launches, memory, CUDA graphs and device indices (semantics §8).
 
 Large sizes are checked against the float64 reference (torch ops on the device) and gradients
 against autograd through the torch backend in float64.

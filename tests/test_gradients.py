@@ -1,5 +1,5 @@
-"""Gradients (SPEC 6): every op is differentiable with respect to every floating input on every
-backend, gamma and lam may be per-row tensors, second-order gradients raise, nothing is ever
+"""Gradients (semantics §6): every op is differentiable with respect to every floating input on
+every backend, gamma and lam may be per-row tensors, second-order gradients raise, nothing is ever
 silently detached.
 
 The torch and loop backends are checked by `torch.autograd.gradcheck` in float64; the Triton
@@ -313,7 +313,7 @@ def test_dreamer_actor_trains_the_same_on_every_backend(device):
 
 def test_meta_gradient_learns_lambda(device):
     """A per-row lambda that requires grad gets its gradient: descending it moves the
-    lambda-returns towards a target computed with another lambda (SPEC 6 example)."""
+    lambda-returns towards a target computed with another lambda (semantics §6 example)."""
     case = make_case("lambda_returns", 32, (4,), device=device, seed=9)
     s, e = case.steps, case.extra
     target = rl_triton.lambda_returns(**s, last_value=e["last_value"], gamma=0.97, lam=0.3)

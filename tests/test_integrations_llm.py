@@ -288,8 +288,8 @@ def test_table_verl_rloo(device):
 
 
 def test_worked_example_of_the_docs(device):
-    """docs/llm.md's multi-turn row: SPEC's mask equals verl on the decision tokens, OpenRLHF
-    steps through the masked span with zero rewards and values."""
+    """docs/llm.md's multi-turn row: the semantics' mask equals verl on the decision tokens,
+    OpenRLHF steps through the masked span with zero rewards and values."""
     m = torch.tensor([[1, 1, 0, 0, 1, 0]], dtype=torch.bool, device=device)
     v = torch.arange(1.0, 7.0, device=device)[None]
     r = torch.tensor([[0, 0, 0, 0, 1.0, 0]], device=device)

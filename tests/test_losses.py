@@ -1,7 +1,7 @@
-"""The losses (SPEC 9): ppo_policy_loss, value_loss, kl_penalty, sac_targets, crr_weights.
+"""The losses (semantics §9): ppo_policy_loss, value_loss, kl_penalty, sac_targets, crr_weights.
 
 The torch and loop backends are checked by float64 gradcheck; the Triton kernels (Triton's
-interpreter on the CPU) against autograd through the plain PyTorch transcriptions of SPEC 9
+interpreter on the CPU) against autograd through the plain PyTorch transcriptions of semantics §9
 below, outputs and gradients; and all of them against the installed verl 0.9.1 and OpenRLHF
 0.11.2 functions, and CleanRL's loss and target lines (CleanRL is single-file scripts, not a
 package: its few lines are transcribed here), on random inputs.
@@ -40,7 +40,7 @@ def assert_close(got, want, tol, what=""):
     assert err < tol, f"{what}: relative error {err:.3g} >= {tol}"
 
 
-# ---- SPEC 9, transcribed -------------------------------------------------------------------------
+# ---- semantics §9, transcribed -------------------------------------------------------------------
 
 def spec_aggregate(l, m, aggregation, cu=None):
     """sum(l m) / sum(m), per sequence (a row of [B, T], or a segment of cu) then averaged over
@@ -540,8 +540,8 @@ def test_approx_kl_alone(backend, device):
 
 
 def test_sac_alpha_gradient_is_the_formula(device):
-    """d y / d alpha = -gamma (1 - term) log pi (SPEC: differentiable); under no_grad, as CleanRL
-    computes its targets, nothing is recorded."""
+    """d y / d alpha = -gamma (1 - term) log pi (docs/semantics.md: differentiable); under no_grad,
+    as CleanRL computes its targets, nothing is recorded."""
     case = sac_case(37, 2, seed=5, device=device)
     alpha = torch.tensor([0.25], device=device, requires_grad=True)
     y = rl_triton.sac_targets(**case, gamma=0.9, alpha=alpha, backend="triton")

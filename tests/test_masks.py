@@ -1,4 +1,4 @@
-"""Masks (SPEC 7): every estimator as if the masked steps were deleted from each row.
+"""Masks (semantics §7): every estimator as if the masked steps were deleted from each row.
 
 The reference here literally deletes them: for each row it keeps the decision steps, runs the
 plain float64 reference (no mask) on that shorter row, and scatters the result back, zeros
@@ -221,7 +221,7 @@ def test_masked_rows_split_across_programs(name, layout, device):
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
 def test_packed_rows_match_their_rows(name, backend, device):
-    """cu_seqlens (SPEC 7): each segment of the packed [L] tensors is a row of its own (empty
+    """cu_seqlens (semantics §7): each segment of the packed [L] tensors is a row of its own (empty
     segments included), with and without a mask."""
     lengths = [5, 0, 1, 17, 3, 0, 9]
     cu = torch.tensor([0] + lengths).cumsum(0)
@@ -289,7 +289,7 @@ def test_packed_gradients_flow(device):
         torch.testing.assert_close(a, b)
 
 
-# ---- packed rows in place (the Triton kernels, SPEC 7): segment ends as window ends ----------
+# ---- packed rows in place (the Triton kernels, semantics §7): segment ends as window ends --------
 
 PACKED = ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
           "eligibility_traces", "episodic_cumsum"]

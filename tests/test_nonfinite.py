@@ -1,4 +1,4 @@
-"""Float flags and non-finite inputs (SPEC section 1, "Flags" and "Non-finite inputs"), on every
+"""Float flags and non-finite inputs (semantics §1, "Flags" and "Non-finite inputs"), on every
 backend, in both layouts, at small odd shapes, through the public functions.
 
 A flag is set wherever it is nonzero, whatever its dtype. A NaN or inf reaches only the outputs
@@ -349,13 +349,13 @@ def test_look_back_ends_and_selects():
 
 # --- 5. What a mask, a clamp or a zero probability removes reaches nothing ------------------------
 #
-# Wherever a mask (estimators, SPEC 7; losses, group advantages and whitening, SPEC 8 and 9), a
-# clamp that binds (KL penalties, PPO's log-ratio clamp, CRR's max_weight), a zero probability or
-# a termination (SAC's discrete expectation and its bootstrap) removes a position, a NaN or an
-# inf put there reaches neither an output nor a gradient: the outputs are those of the call with
-# a finite filler there, bit for bit, and so are the gradients of every differentiable input,
-# finite, and 0 at the removed positions. (The torch backend is where a NaN leaks most easily:
-# 0 * NaN in the backward of a product whose result a select dropped.)
+# Wherever a mask (estimators, semantics §7; losses, group advantages and whitening, semantics §8
+# and 9), a clamp that binds (KL penalties, PPO's log-ratio clamp, CRR's max_weight), a zero
+# probability or a termination (SAC's discrete expectation and its bootstrap) removes a position, a
+# NaN or an inf put there reaches neither an output nor a gradient: the outputs are those of the
+# call with a finite filler there, bit for bit, and so are the gradients of every differentiable
+# input, finite, and 0 at the removed positions. (The torch backend is where a NaN leaks most
+# easily: 0 * NaN in the backward of a product whose result a select dropped.)
 
 @dataclass
 class Removal:

@@ -1,5 +1,5 @@
-"""Group advantages and masked whitening (SPEC 8): against the float64 references, by hand, NaN
-isolation, gradients, and whitening global over a 2-process gloo group."""
+"""Group advantages and masked whitening (semantics §8): against the float64 references, by hand,
+NaN isolation, gradients, and whitening global over a 2-process gloo group."""
 from __future__ import annotations
 
 import itertools

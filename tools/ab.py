@@ -5,9 +5,9 @@ rl_triton/scan/tiles.py against measurements: docs/dev/tile-rule.md):
         -- base 'walk|rule:WALK_PROGRAMS_PER_SM_ACTIONS=1' 'w2|tiles:num_warps=2,max_registers=0'
 
 A problem is estimator:NxT:tm|bm, then optionally :bf16, :notrunc (no truncation flags), :mask
-(a mask of ~70% decision steps, SPEC 7) and :bwd (the backward pass alone, every floating input
-requiring grad, as `python -m rl_triton.bench --modes bwd` times it), as for `tools/registers.py`; its inputs are the benchmark's
-(`rl_triton.bench.make_inputs`). A
+(a mask of ~70% decision steps, semantics §7) and :bwd (the backward pass alone, every floating
+input requiring grad, as `python -m rl_triton.bench --modes bwd` times it), as for
+`tools/registers.py`; its inputs are the benchmark's (`rl_triton.bench.make_inputs`). A
 variant is a label, then optionally |rule:NAME=value,... (constants of the rule, as
 `python -m rl_triton.bench --rule`) and |tiles:field=value,... (tile fields forced, as
 `--tiles`); the first variant is the reference of the ratios. Every variant's plan is printed

@@ -9,8 +9,8 @@ with the cuobjdump that Triton ships.
 An argument is estimator:NxT:tm|bm, then optionally :bf16, :notrunc (no truncation flags),
 :adv (Retrace's advantages too; the benchmark times its targets only), :bwd (the backward
 kernel, every floating input requiring grad, output gradients laid out as the outputs, as the
-benchmark's), :mask (a mask of ~70% decision steps, SPEC 7), :packed (the N rows of T steps
-packed into one [N*T] stream with cu_seqlens, SPEC 7; the layout is then that stream's), :next
+benchmark's), :mask (a mask of ~70% decision steps, semantics §7), :packed (the N rows of T steps
+packed into one [N*T] stream with cu_seqlens, semantics §7; the layout is then that stream's), :next
 (next_values instead of last_value) and :field=value,...
 (tile fields forced as with `python -m rl_triton.bench --tiles`). Registers match ncu's on the
 H200 when the installed Triton is the GPU machine's (docs/dev/tuning-log.md; `PYTHONPATH=.ci/triton-oldest python tools/registers.py ...` runs Triton 3.6, the GPU machine's).

@@ -394,7 +394,8 @@ def train(args: Args):
                     timer.stop()
 
                 # the losses, timed alone (their backward runs inside loss.backward() below). The
-                # policy gradient -A log pi has no ratio to clip: no SPEC 9 loss is it, so it stays inline
+                # policy gradient -A log pi has no ratio to clip: no semantics §9 loss is it, so it
+                # stays inline
                 loss_timer.start()
                 n_valid = mb_valid.sum().clamp(min=1)
                 pg_loss = -(pg_advantages * target_logprobs)[mb_valid].sum() / n_valid

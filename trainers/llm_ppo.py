@@ -194,8 +194,9 @@ def play(model, hidden, args):
 
 def gae_loop(rewards, values, mask, *, gamma, lam):
     """A token loop of the shape verl's compute_gae_advantage_return has: reverse over the row,
-    carrying the next decision token's value and trace across masked tokens, as if deleted (SPEC 7).
-    Each response ends its episode: nothing to bootstrap from after its last decision token."""
+    carrying the next decision token's value and trace across masked tokens, as if deleted
+    (semantics §7). Each response ends its episode: nothing to bootstrap from after its last
+    decision token."""
     B, T = rewards.shape
     nextvalues = torch.zeros(B, device=rewards.device)
     lastgaelam = torch.zeros(B, device=rewards.device)
@@ -206,7 +207,7 @@ def gae_loop(rewards, values, mask, *, gamma, lam):
         nextvalues = torch.where(mask[:, t], values[:, t], nextvalues)
         lastgaelam = torch.where(mask[:, t], gaelam, lastgaelam)
         advantages[:, t] = lastgaelam
-    advantages = torch.where(mask, advantages, 0.0)  # SPEC: 0 off the decision tokens (verl: carried)
+    advantages = torch.where(mask, advantages, 0.0)  # semantics §7: 0 off decisions (verl: carried)
     return advantages, torch.where(mask, advantages + values, 0.0)
 
 

@@ -476,8 +476,9 @@ def train(args: Args):
                     else:
                         v_loss = 0.5 * ((newvalue - b_returns[mb_inds]) ** 2).mean()
                 else:
-                    # SPEC 9's l is CleanRL's max(-A ratio, -A clamp(ratio)) and its value loss carries
-                    # the same 0.5; approx_kl is the same k3 mean (of the log-ratio clamped to +-20)
+                    # semantics §9's l is CleanRL's max(-A ratio, -A clamp(ratio)) and its value
+                    # loss carries the same 0.5; approx_kl is the same k3 mean (of the log-ratio
+                    # clamped to +-20)
                     pg_loss, _, approx_kl = rl_triton.ppo_policy_loss(
                         newlogprob, b_logprobs[mb_inds], mb_advantages, clip_low=args.clip_coef,
                         aggregation="token-mean", backend="triton")
@@ -492,8 +493,8 @@ def train(args: Args):
 
                 with torch.no_grad():
                     # CleanRL's other diagnostics, outside the timed losses and alike for both
-                    # backends: its clipfrac counts |ratio - 1| > clip whatever A's sign (SPEC's
-                    # clip_fraction counts only where the clip binds)
+                    # backends: its clipfrac counts |ratio - 1| > clip whatever A's sign (the
+                    # semantics' clip_fraction counts only where the clip binds)
                     logratio = newlogprob - b_logprobs[mb_inds]
                     old_approx_kl = (-logratio).mean()
                     clipfracs += [((logratio.exp() - 1.0).abs() > args.clip_coef).float().mean().item()]

@@ -7,13 +7,13 @@ methods' signatures (`self` first) and outputs::
     from rl_triton.integrations.openrlhf import use_rl_triton
     use_rl_triton()          # RemoteExperienceMaker's methods are now these; revert_rl_triton() undoes it
 
-OpenRLHF's semantics are kept exactly, and they are not SPEC 7's `mask`: it zeroes rewards and
+OpenRLHF's semantics are kept exactly, and they are not semantics §7's `mask`: it zeroes rewards and
 values at masked tokens and keeps stepping through them, so a masked span inside a response (a
 tool's output in a multi-turn rollout) is a run of zero-reward steps, each one decaying by gamma
 (and gamma * lambd), and the token before it bootstraps from a value of 0. With right padding only
 the two agree on the response tokens. `rl_triton.gae(..., mask=action_mask, last_value=0)` computes
-SPEC's version, as if the masked tokens were not there (docs/llm.md shows both on one rollout).
-Importing this module does not import OpenRLHF; `use_rl_triton()` does.
+the semantics' version, as if the masked tokens were not there (docs/llm.md shows both on one
+rollout). Importing this module does not import OpenRLHF; `use_rl_triton()` does.
 """
 from __future__ import annotations
 

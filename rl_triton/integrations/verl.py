@@ -9,8 +9,8 @@ token; these functions give the same results from the scan kernels::
 
 or call them directly, in place of `core_algos.compute_gae_advantage_return` and the others.
 
-verl's semantics are kept exactly, where they go beyond SPEC 7:
-- GAE skips masked tokens (SPEC's `mask`), and its outputs at masked tokens are verl's: the
+verl's semantics are kept exactly, where they go beyond semantics §7:
+- GAE skips masked tokens (the semantics' `mask`), and its outputs at masked tokens are verl's: the
   advantage carries the next response token's accumulator (0 in the right padding), returns are
   that plus the token's value, and the whitened advantages are shifted and scaled everywhere (so
   padding is not 0);

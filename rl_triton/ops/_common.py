@@ -46,7 +46,7 @@ def scan_plan(kernel: Kernel, x, call: Call, n_out: int, out_dtype: torch.dtype,
     discounted returns); `expand_flags` names a flag tensor broadcast over input 0's trailing
     feature axes (and so is the mask, where there is one); `n_boot` outputs without time axis
     follow the `n_out` per-step ones. None when the strides cannot describe the batch axes.
-    Packed rows (`call.segments`, SPEC 7): the bootstraps `[S, ...]` are read at each step's
+    Packed rows (`call.segments`, semantics §7): the bootstraps `[S, ...]` are read at each step's
     segment (`Launch`'s `segments`)."""
     fields = x._fields
     T = call.T

@@ -1,4 +1,4 @@
-"""`group_advantages`' Triton path (SPEC 8) for consecutive groups (`group_size`): one launch.
+"""`group_advantages`' Triton path (semantics §8) for consecutive groups (`group_size`): one launch.
 
 Each program holds a tile of whole groups, [groups, group_size] (the size padded to a power of
 two), and computes every group's sum, mean and centered sum of squares in registers, then the

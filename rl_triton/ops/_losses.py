@@ -1,4 +1,4 @@
-"""What the losses (SPEC 9) share: aggregation, the layout their kernels read, the reductions,
+"""What the losses (semantics §9) share: aggregation, the layout their kernels read, the reductions,
 and their route through torch.autograd and torch.compile.
 
 Aggregation. A loss reduces its per-position losses l over the positions that count (m: the

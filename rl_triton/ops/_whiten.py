@@ -1,4 +1,4 @@
-"""`masked_whiten`'s Triton path (SPEC 8), forward and backward, three launches each.
+"""`masked_whiten`'s Triton path (semantics §8), forward and backward, three launches each.
 
 Forward: a reduction pass (each program its block's count, mean and centered sum of squares),
 one program combining the blocks in float64 (Chan's parallel formula), the all-reduce over a
@@ -11,7 +11,7 @@ and r = rsqrt(var + eps), var = M2 / (n - c), over the masked-in positions:
 group: the gradient of global statistics), then an elementwise pass. Arithmetic is float32
 (float64 for float64 inputs); the statistics are float64 from the combine on.
 
-A process group all-reduces each rank's (n, sum, M2 + n mean^2) in float64: SPEC's one
+A process group all-reduces each rank's (n, sum, M2 + n mean^2) in float64: the semantics' one
 all-reduce of (count, sum, sum of squares), each rank's part centered first; M2 = sum of
 squares - sum * mean then loses about 1e-16 (mean / std)^2 relatively (1e-10 at
 |mean| = 1000 std), where one process's Chan combination loses nothing.

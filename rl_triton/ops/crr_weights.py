@@ -1,4 +1,4 @@
-"""Critic-regularized regression weights (CRR, SPEC 9): one kernel, no gradient by definition
+"""Critic-regularized regression weights (CRR, semantics §9): one kernel, no gradient by definition
 (CRR's loss is `-weight * log pi`, the weight a fixed coefficient)."""
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ def coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
 KERNEL = Kernel(coef, single_store, reverse=True, carries_last=True)
 
 
-# ---- with a mask (SPEC 7): the successor is the next decision step (the kernel's W scan) ----
+# ---- with a mask (semantics §7): the successor is the next decision step (the kernel's W scan) ---
 
 @triton.jit
 def coef_masked(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
@@ -225,11 +225,11 @@ def discounted_returns(rewards, terminated, truncated=None, *, last_value=None, 
     the returns (Monte-Carlo reward-to-go inside the window), and without `next_values` a
     truncation inside the window bootstraps with zero. The one estimator that allows it.
 
-    `mask` (SPEC 7; bool, integer or float, the shape of `rewards`): the decision steps. The
+    `mask` (semantics §7; bool, integer or float, the shape of `rewards`): the decision steps. The
     recurrence runs over them only, as if the other steps were deleted from each row: a step's
     successor is the next decision step, each row's last decision step is its window end, and
     outputs at masked steps are 0.
-    `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
+    `cu_seqlens` (semantics §7; integers [S + 1], FlashAttention's convention): packed rows. The
     per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
     own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
     Per-step tensors may carry batch axes after the packed one (`[L, N]`, bootstraps

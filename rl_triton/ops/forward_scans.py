@@ -53,7 +53,7 @@ def coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
 KERNEL = Kernel(coef, single_store, reverse=False)
 
 
-# ---- with a mask (SPEC 7): t-1 is the previous decision step ---------------------------------
+# ---- with a mask (semantics §7): t-1 is the previous decision step -------------------------------
 # The scan carries Y[t] = (1 - done[t]) * A[t] instead (what the next decision step adds,
 # divided by keep), so that every coefficient is the step's own: A[t] = x[t] + keep * Y[t-1].
 
@@ -81,7 +81,7 @@ KERNEL_MASKED = Kernel(coef_masked, store_masked, reverse=False, exclusive=True,
                        mask_slot=MASK)
 
 
-# ---- packed rows (SPEC 7): the scan of Y (each step's own coefficients, as with a mask),
+# ---- packed rows (semantics §7): the scan of Y (each step's own coefficients, as with a mask),
 # restarted at every segment's first step from Y = `initial` of that segment -----------------
 
 @triton.jit
@@ -269,10 +269,10 @@ def eligibility_traces(x, dones, *, gamma, lam, initial=None, mask=None, cu_seql
     gradients); the flags broadcast over them. `done[t]` marks the last step of an episode, so
     the trace restarts at t+1. `time_dim` refers to `dones` (negative counts from its end).
 
-    `mask` (SPEC 7; the shape of `dones`, broadcast over the feature axes): the decision steps.
-    The state passes masked steps unchanged, t-1 reads "the previous decision step", and
+    `mask` (semantics §7; the shape of `dones`, broadcast over the feature axes): the decision
+    steps. The state passes masked steps unchanged, t-1 reads "the previous decision step", and
     outputs at masked steps are 0.
-    `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
+    `cu_seqlens` (semantics §7; integers [S + 1], FlashAttention's convention): packed rows. The
     per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
     own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
     Per-step tensors may carry batch axes after the packed one (`[L, N]`, bootstraps
@@ -301,10 +301,10 @@ def episodic_cumsum(x, dones, *, initial=None, mask=None, cu_seqlens=None, check
     `done[t]` marks the last step of an episode (as everywhere in rl_triton), so the sum restarts
     at t+1. `x` may carry trailing feature axes; `time_dim` refers to `dones`.
 
-    `mask` (SPEC 7; the shape of `dones`, broadcast over the feature axes): the decision steps.
-    The state passes masked steps unchanged, t-1 reads "the previous decision step", and
+    `mask` (semantics §7; the shape of `dones`, broadcast over the feature axes): the decision
+    steps. The state passes masked steps unchanged, t-1 reads "the previous decision step", and
     outputs at masked steps are 0.
-    `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
+    `cu_seqlens` (semantics §7; integers [S + 1], FlashAttention's convention): packed rows. The
     per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
     own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
     Per-step tensors may carry batch axes after the packed one (`[L, N]`, `initial`

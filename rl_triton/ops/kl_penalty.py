@@ -1,4 +1,4 @@
-"""KL penalties per position (SPEC 9): Schulman's estimators k1, k2, k3 and |d|, optionally
+"""KL penalties per position (semantics §9): Schulman's estimators k1, k2, k3 and |d|, optionally
 clamped; one elementwise kernel forward, one backward."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Outcome rewards (SPEC 8): group-relative advantages (GRPO, Dr. GRPO, RLOO) and masked
+"""Outcome rewards (semantics §8): group-relative advantages (GRPO, Dr. GRPO, RLOO) and masked
 whitening, global over a `torch.distributed` group.
 
 Both are a handful of reductions over one score per response (or one value per token), not
@@ -84,7 +84,7 @@ def _float(x: Tensor) -> torch.dtype:
 def group_advantages(scores, group_index=None, *, group_size=None, baseline="mean",
                      scale="std", eps=1e-6, std_correction=1, mask=None, backend="auto",
                      out_dtype=torch.float32):
-    """Group-relative advantages of one score per sampled response (SPEC 8).
+    """Group-relative advantages of one score per sampled response (semantics §8).
 
     Groups are given by `group_index[B]` (any integer ids, in any order: one per prompt) or by
     `group_size=n` (consecutive groups of n responses). With mu and sigma the group's mean and
@@ -189,7 +189,7 @@ def _group_advantages_torch(s, ids, n_groups, *, baseline, scale, eps, std_corre
 
 def masked_whiten(x, mask=None, *, shift_mean=True, eps=1e-8, std_correction=1, group=None,
                   backend="auto", out_dtype=torch.float32):
-    """`(x - mean) * rsqrt(var + eps)` over the positions where `mask` is set (SPEC 8).
+    """`(x - mean) * rsqrt(var + eps)` over the positions where `mask` is set (semantics §8).
 
     Mean and variance (`std_correction=1`: unbiased) are taken over the masked-in positions of
     `x` (all without a mask); `shift_mean=False` adds the mean back; masked positions are 0.

@@ -1,5 +1,5 @@
-"""PPO's clipped surrogate (SPEC 9), with its clip fraction and KL estimate: one kernel forward
-(plus the tiny `finish_kernel` that adds the programs' partial sums), one backward."""
+"""PPO's clipped surrogate (semantics §9), with its clip fraction and KL estimate: one kernel
+forward (plus the tiny `finish_kernel` that adds the programs' partial sums), one backward."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional

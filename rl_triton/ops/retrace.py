@@ -191,8 +191,8 @@ KERNEL = Kernel(coef, store, reverse=True, trunc_slot_always=(TERM.value, TRUNC.
                                                      LAST_PI.value))
 
 
-# ---- with a mask (SPEC 7): the successor is the next decision step (the kernel's W scan) ----
-# With D = G - Q(s_t, a_t), own-step e[t] = sum_a pi(a | s_t) Q(s_t, a) and c[t] (SPEC 3),
+# ---- with a mask (semantics §7): the successor is the next decision step (the kernel's W scan) ---
+# With D = G - Q(s_t, a_t), own-step e[t] = sum_a pi(a | s_t) Q(s_t, a) and c[t] (semantics §3),
 # G[t] = r[t] + gamma (1 - term[t]) (e[n] + (1 - cut[t]) U[n]), n the next decision step, where
 # U = c D (a select where c = 0, as the trace's: U[n] = -c[n] Q(s_n, a_n) there) is a reverse
 # scan with own-step coefficients: U[t] = c (r - Q_a) + c gamma (1 - term) e[n] + gamma c
@@ -508,7 +508,7 @@ def _ones(device) -> Tensor:
 
 def _check_actions(x: Inputs, extra: Extras):
     if extra.check_actions:
-        # the actions of masked steps are ignored (SPEC 7), whatever they hold
+        # the actions of masked steps are ignored (semantics §7), whatever they hold
         acts = x.actions if x.mask is None else torch.where(x.mask != 0, x.actions, 0)
         check_actions(acts, x.q_values.shape[-1])
 
@@ -548,11 +548,11 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
     `check_actions=False` skips that check (for CUDA-graph capture), and every backend then
     clamps the actions into `[0, A)`: never a read outside the tensors.
 
-    `mask` (SPEC 7; bool, integer or float, the shape of `rewards`): the decision steps. The
+    `mask` (semantics §7; bool, integer or float, the shape of `rewards`): the decision steps. The
     recurrence runs over them only, as if the other steps were deleted from each row: a step's
     successor state is that of the next decision step, each row's last decision step is its
     window end, and outputs at masked steps are 0 (their actions are ignored).
-    `cu_seqlens` (SPEC 7; integers [S + 1], FlashAttention's convention): packed rows. The
+    `cu_seqlens` (semantics §7; integers [S + 1], FlashAttention's convention): packed rows. The
     per-step tensors are `[L, ...]` (time on axis 0), each segment [cu[i], cu[i+1]) a row of its
     own whose last step is a window end; bootstraps are `[S, ...]`. Combines with `mask`.
     Per-step tensors may carry batch axes after the packed one (`[L, N]`, bootstraps

@@ -1,4 +1,4 @@
-"""Soft Q-learning targets (SAC, SPEC 9), continuous and discrete actions: one kernel forward,
+"""Soft Q-learning targets (SAC, semantics §9), continuous and discrete actions: one kernel forward,
 one backward."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The value loss (SPEC 9): squared or Huber error, optionally clipped around the old values;
+"""The value loss (semantics §9): squared or Huber error, optionally clipped around the old values;
 one kernel forward (plus `finish_kernel`), one backward."""
 from __future__ import annotations
 

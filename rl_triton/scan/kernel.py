@@ -361,7 +361,7 @@ def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n
                       window):
     """The steps `t` of sub-tile J of tile `chunk` (along the time axis), their mask, and the
     estimator's coefficients there; padding steps are the identity map (they pass the carry
-    through), and so are masked steps (input slot MASK >= 0: SPEC 7), whose aux is then
+    through), and so are masked steps (input slot MASK >= 0: semantics §7), whose aux is then
     (the builder's aux, the decision steps); with `W_PHASE` alpha is the builder's
     (w, pieces), finished once the successors' w is known (`finish_chunk`). Sub-tile J holds
     the tile positions p = g * SUB + J, g < BLOCK_T // SUB (SUB = 1: the whole tile).
@@ -576,7 +576,7 @@ def chunk_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, 
 def successors(alphas, auxs, SCAN_REVERSE: tl.constexpr, TIME_AXIS: tl.constexpr,
                FLIP: tl.constexpr, BLOCK_T: tl.constexpr, SUB: tl.constexpr,
                WHOLE: tl.constexpr, restarts):
-    """The W scan of a masked tile (SPEC 7): W[t] = w[t] at decision steps, W[t+1] (in scan
+    """The W scan of a masked tile (semantics §7): W[t] = w[t] at decision steps, W[t+1] (in scan
     order) at masked ones, as maps (w, 0) and (0, 1) of the same scan. Returns the exclusive
     maps (each step's successor W as a map of the carry) and the tile's composition.
     `restarts`: None, or per sub-tile (heads, A's and W's carries there) of packed rows
@@ -625,7 +625,7 @@ def finish_chunk(alphas, betas, auxs, ew_s, ewd_s, carry_w, scalars, FINISH: tl.
     return out_a, out_b, out_x
 
 
-# ---- packed rows (SPEC 7, `cu_seqlens`): one long row whose segment ends are window ends ------
+# ---- packed rows (semantics §7, `cu_seqlens`): one long row whose segment ends are window ends ---
 # A packed call scans its [L] stream as one row split over tiles as any long row. Each tile finds
 # the segments of its first and last steps by a search over the offsets (S + 1 integers, read
 # from L2 by every tile), each step its own segment by a binary search over the few segments
@@ -859,14 +859,14 @@ def scan_kernel(
     walks their `n_chunks` tiles in scan order, passing the carry from tile to tile: when there
     are row tiles enough to fill the GPU, this beats the look-back.
 
-    With a mask (input slot MASK >= 0, SPEC 7) masked steps are identity maps. A reverse
+    With a mask (input slot MASK >= 0, semantics §7) masked steps are identity maps. A reverse
     estimator's successor is then the next decision step, however far: with `W_PHASE` a second
     scan (`successors`) carries the successor's own value w across masked steps, with a carry
     and look-back of its own, before the main scan; `BOOT` gives both initial carries and
     `FINISH` the coefficients from each step's successor w. With `STORE_INPUTS` the writer
     reads inputs too (`store_chunk`).
 
-    With `SEGMENTS` (packed rows, SPEC 7) the one row of T steps holds n_seg segments (offsets
+    With `SEGMENTS` (packed rows, semantics §7) the one row of T steps holds n_seg segments (offsets
     `cu`), each a row of its own (`segment_windows`): the bootstrap slots (bits of BOOT_SLOTS)
     are read at each step's segment, and with `BOOT` the scan (and the W scan) restarts at every
     segment's head from BOOT's carries there (`segment_restarts`)."""
@@ -928,7 +928,7 @@ def scan_kernel(
     b1 = b // B2
     b2 = b % B2
     if ROW_PARAMS > 0:
-        # per-row gamma / lambda (SPEC 6): vectors along the tile's rows, which broadcast over
+        # per-row gamma / lambda (semantics §6): vectors along the tile's rows, which broadcast over
         # its steps wherever the builders use the scalars
         scalars = row_scalars(row_ptr, row_sk, row_s1, row_s2, b1, b2, mask_b, scalars,
                               ROW_PARAMS)

@@ -46,8 +46,8 @@ class Kernel:
     # outputs with that action axis (Retrace's backward: the gradients of the action slots),
     # whose writer reads inputs (`kernel.store_chunk`)
     action_outs: tuple = ()
-    # masks (SPEC 7): the mask's input slot; for reverse estimators, whose successor is the next
-    # decision step, `boot` (both initial carries) and `finish` (the coefficients from the
+    # masks (semantics §7): the mask's input slot; for reverse estimators, whose successor is the
+    # next decision step, `boot` (both initial carries) and `finish` (the coefficients from the
     # successor's value) turn on the kernel's W scan (`kernel.scan_kernel`); on packed rows
     # `boot` gives the carries each segment restarts from (with or without `finish`)
     mask_slot: int = -1
@@ -129,7 +129,7 @@ class Launch:
     Two CUDA graphs that captured the same call on the same stream share it, and must not be
     replayed concurrently.
 
-    Packed rows (SPEC 7, `segments`: (S, {slot: (segment stride, extent)} of the bootstrap
+    Packed rows (semantics §7, `segments`: (S, {slot: (segment stride, extent)} of the bootstrap
     slots)): the per-step slots are one row `[L, *batch]` (T = L), the
     bootstrap slots `[S, *batch]` are seen as `[L, *batch]` views of their first segment whose
     time stride becomes the segment stride (`kernel.segment_slots`), and `run` takes the

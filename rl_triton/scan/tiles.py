@@ -120,7 +120,7 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
     Retrace's action axis, `exclusive` for scans that also carry the exclusive value (V-trace),
     `reverse` for reverse scans, `aux` for writers that hold per-step values of the builder
     through the scan (GAE, V-trace), `itemsize` the bytes of a floating-point input, `heavy` for
-    writers that hold many (V-trace's backward), `packed` for packed rows (SPEC 7: segments
+    writers that hold many (V-trace's backward), `packed` for packed rows (semantics §7: segments
     inside the row)."""
     sms = _multiprocessors(device)
     per_step = action_block(n_act, itemsize) if n_act else 1

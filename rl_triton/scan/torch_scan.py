@@ -87,7 +87,7 @@ def scan(alpha, beta, *, reverse: bool, initial=None):
 
 
 def decisions(mask, like, packed=None):
-    """(m, end) for a mask (SPEC 7): the decision steps, broadcast to `like`'s shape, and each
+    """(m, end) for a mask (semantics §7): the decision steps, broadcast to `like`'s shape, and each
     row's window end, its last decision step; (None, None) without a mask. With `packed`
     rows the window ends are the segments' (m None without a mask)."""
     if mask is None:
