@@ -9,7 +9,6 @@ probability gives NaN (it is never clipped into a finite number), and every back
 NaN pattern.
 """
 import math
-import os
 import subprocess
 import sys
 from dataclasses import dataclass, field

@@ -11,7 +11,6 @@ torch ops on the torch and loop backends, and on the Triton backend the kernels 
 from __future__ import annotations
 
 import numbers
-from typing import Optional
 
 import torch
 
