@@ -162,15 +162,17 @@ def test_packed_shapes_name_the_callers(backend):
         raises(ValueError, r"gamma has shape \(3,\) but cu_seqlens has 2 segments",
                rl_triton.gae, **dict(a, last_value=lv), gamma=torch.full((3,), 0.9),
                cu_seqlens=cu, backend=backend)
-    c = make_case("retrace", 6, (2,))
+    c = make_case("retrace", 6, (2,), device=DEVICE)
     steps = {k: None if v is None else v[:, 0] for k, v in c.steps.items()}
     raises(ValueError, r"last_q_values has shape \(3, 5\) but cu_seqlens has 2 segments; "
            r"last_q_values must have shape \(2, 5\)", rl_triton.retrace, **steps,
-           **dict(c.extra, last_q_values=torch.randn(3, 5), last_target_probs=torch.rand(2, 5)),
-           cu_seqlens=torch.tensor([0, 2, 6]), backend=backend)
+           **dict(c.extra, last_q_values=torch.randn(3, 5, device=DEVICE),
+                  last_target_probs=torch.rand(2, 5, device=DEVICE)),
+           cu_seqlens=cu, backend=backend)
     raises(ValueError, r"initial has shape \(3,\) but cu_seqlens has 2 segments",
-           rl_triton.episodic_cumsum, x=torch.randn(6), dones=torch.zeros(6),
-           initial=torch.zeros(3), cu_seqlens=torch.tensor([0, 2, 6]), backend=backend)
+           rl_triton.episodic_cumsum, x=torch.randn(6, device=DEVICE),
+           dones=torch.zeros(6, device=DEVICE), initial=torch.zeros(3, device=DEVICE),
+           cu_seqlens=cu, backend=backend)
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):

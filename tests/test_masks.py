@@ -13,6 +13,7 @@ import torch
 import rl_triton
 from rl_triton.scan import tiles
 from cases import assert_close, make_case, to_layout
+from conftest import DEVICE
 
 NAMES = ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
          "eligibility_traces", "episodic_cumsum"]
@@ -480,8 +481,11 @@ def test_packed_per_row_discounts_keep_the_padded_route(device):
 
 
 def packed_call(name, lengths, masked, cu, backend, **kw):
-    """`rl_triton.<name>` on packed rows of `lengths` with the offsets `cu` (possibly bad)."""
-    steps, extra, _ = packed_inputs(name, lengths, masked)
+    """`rl_triton.<name>` on packed rows of `lengths` with the offsets `cu` (possibly bad;
+    on the CPU, where a NumPy view can edit them); the Triton backend's rows on the GPU where
+    there is one."""
+    steps, extra, _ = packed_inputs(name, lengths, masked,
+                                    device=DEVICE if backend == "triton" else "cpu")
     S = cu.shape[0] - 1  # bootstraps: one per segment of `cu`
     extra = {k: v.repeat_interleave(S, 0)[:S] if k in BOOTS else v for k, v in extra.items()}
     return getattr(rl_triton, name)(**steps, **extra, cu_seqlens=cu, backend=backend, **kw)
@@ -540,8 +544,8 @@ def test_check_offsets_false_reads_nothing(backend, monkeypatch):
         with pytest.raises(TypeError, match="check_offsets must be a bool"):
             packed_call("gae", [3, 4], True, cu, backend, check_offsets=flag)
         with pytest.raises(TypeError, match="check_offsets must be a bool"):
-            rl_triton.gae(torch.zeros(3), torch.zeros(3), torch.zeros(3),
-                          last_value=torch.zeros(()), backend=backend, check_offsets=flag)
+            z = torch.zeros(3, device=DEVICE if backend == "triton" else "cpu")
+            rl_triton.gae(z, z, z, last_value=z[0], backend=backend, check_offsets=flag)
     with pytest.raises(ValueError, match="no segment"):
         packed_call("gae", [3, 4], True, torch.tensor([0]), backend, check_offsets=False)
 
@@ -551,7 +555,8 @@ def test_loss_offsets_checked_on_every_call(backend):
     """The losses that take cu_seqlens read their offsets on every call too (edits through a
     NumPy view included); check_offsets=False skips the read, and must be a bool."""
     g = torch.Generator().manual_seed(0)
-    lp, old, adv, v, ret = (torch.randn(7, generator=g) for _ in range(5))
+    dev = DEVICE if backend == "triton" else "cpu"  # offsets on the CPU (a NumPy view edits them)
+    lp, old, adv, v, ret = (torch.randn(7, generator=g).to(dev) for _ in range(5))
     cu = torch.tensor([0, 3, 7])
     calls = [lambda **kw: rl_triton.ppo_policy_loss(lp, old, adv, cu_seqlens=cu,
                                                     aggregation="seq-mean-token-mean",
@@ -595,6 +600,7 @@ def test_packed_batch_axes_and_segment_discounts(name, backend):
     lengths, N = [3, 0, 5, 1], 2
     steps, extra, cu = packed_batch_inputs(name, lengths, N)
     S, L = len(lengths), int(cu[-1])
+    dev = DEVICE if backend == "triton" else "cpu"  # the kernels on the GPU where there is one
     fn, ref = getattr(rl_triton, name), getattr(rl_triton.reference, name)
     boots = {k: v for k, v in extra.items() if k in BOOTS}
     scalars = {k: v for k, v in extra.items() if k not in BOOTS}
@@ -608,9 +614,11 @@ def test_packed_batch_axes_and_segment_discounts(name, backend):
     masks = [None, torch.rand(L, N, generator=g) < 0.7]
     for mask in masks:
         for disc in discounts:
-            got = fn(**steps, **{**scalars, **disc}, **boots, mask=mask, cu_seqlens=cu,
+            on = {k: v.to(dev) if isinstance(v, torch.Tensor) else v
+                  for k, v in {**steps, **scalars, **disc, **boots}.items()}
+            got = fn(**on, mask=None if mask is None else mask.to(dev), cu_seqlens=cu.to(dev),
                      backend=backend)
-            got = got if isinstance(got, tuple) else (got,)
+            got = tuple(o.cpu() for o in (got if isinstance(got, tuple) else (got,)))
             want = [torch.zeros(o.shape, dtype=torch.float64) for o in got]
             for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
                 for n in range(N):
@@ -673,7 +681,8 @@ def test_packed_torch_rows(name, device):
     wants = torch.autograd.grad(sum((o * w).sum() for o, w in zip(want, weights)),
                                 list(leaves.values()), allow_unused=True)
     for k, a, b in zip(leaves, grads, wants):
-        torch.testing.assert_close(a, torch.zeros_like(a) if b is None else b, msg=k)
+        torch.testing.assert_close(a, torch.zeros_like(a) if b is None else b,
+                                   msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("name", PACKED)

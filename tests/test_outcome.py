@@ -65,13 +65,15 @@ def test_group_advantages_nan_stays_in_its_group():
 
 @pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_group_advantages_masked_tokens_stay_zero(bad, backend):
+def test_group_advantages_masked_tokens_stay_zero(bad, backend, device):
     """A non-finite score makes its group's set tokens non-finite (the formula uses it), and
     leaves its masked-out tokens 0 (a select, not NaN * 0), by group_size (the kernel) and by
     group ids alike."""
-    s = torch.tensor([1.0, bad, 3.0, 4.0, 5.0, 7.0])
-    mask = torch.tensor([[1, 0], [0, 0], [1, 1], [1, 0], [0, 1], [1, 1]], dtype=torch.uint8)
-    for kw in (dict(group_size=3), dict(group_index=torch.tensor([0, 0, 0, 1, 1, 1]))):
+    dev = device if backend == "triton" else "cpu"  # the kernel on the GPU where there is one
+    s = torch.tensor([1.0, bad, 3.0, 4.0, 5.0, 7.0], device=dev)
+    mask = torch.tensor([[1, 0], [0, 0], [1, 1], [1, 0], [0, 1], [1, 1]], dtype=torch.uint8,
+                        device=dev)
+    for kw in (dict(group_size=3), dict(group_index=torch.tensor([0, 0, 0, 1, 1, 1], device=dev))):
         a = rl_triton.group_advantages(s, **kw, mask=mask, backend=backend)
         assert (a[mask == 0] == 0).all(), a
         assert not a[:3][mask[:3] != 0].isfinite().any() and a[3:].isfinite().all(), a

@@ -594,7 +594,8 @@ def test_llm_ppo_backends_train_identically(llm, tmp_path, variant):
         torch.testing.assert_close(params[backend], params["loop"], rtol=0, atol=1e-5)
     torch.manual_seed(1)  # the trainer's seed: its initial model
     initial = llm.Policy(tiny_llm_args(llm, tmp_path, "loop"))
-    assert not torch.allclose(params["loop"], torch.nn.utils.parameters_to_vector(initial.parameters()))
+    assert not torch.allclose(params["loop"].cpu(),
+                              torch.nn.utils.parameters_to_vector(initial.parameters()))
 
 
 def test_llm_ppo_kl_penalty(llm, tmp_path):
@@ -684,7 +685,7 @@ def train_distributed(name, tmp_path, kw, greedy=False, world_size=2):
 def test_distributed_ranks_agree(name, tmp_path, capfd):
     """Two ranks acting on their own (different) data take the same steps: atol 0."""
     kw = dict(num_minibatches=2, update_epochs=2) if name == "ppo" else dict()
-    params = train_distributed(name, tmp_path, kw)
+    params = train_distributed(name, tmp_path, dict(kw, cuda=False))  # gloo ranks on the CPU
     assert torch.equal(params[0], params[1])
     assert "parameters across 2 ranks: max abs difference 0" in capfd.readouterr().out
     run_dirs = [p for p in tmp_path.iterdir() if p.is_dir()]
@@ -702,7 +703,7 @@ def test_distributed_equals_one_process_on_the_union(name, tmp_path, monkeypatch
     # hold different numbers of valid steps (unweighted rank means miss by 3e-4; IMPALA's seed
     # gives them too little imbalance to tell, its check is the wiring)
     kw = dict(num_minibatches=1, update_epochs=2, num_steps=64) if name == "ppo" else dict(num_minibatches=1)
-    kw.update(total_timesteps=512, seed=3)
+    kw.update(total_timesteps=512, seed=3, cuda=False)  # gloo ranks on the CPU, and the one process
     params = train_distributed(name, tmp_path / "ranks", kw, greedy=True)
     trainer = load(name)
     monkeypatch.setattr(trainer, "make_envs", sync_envs)
