@@ -21,7 +21,7 @@ if [ "${AB:-0}" = 1 ] || [ "${AB_WARM:-0}" = 1 ]; then  # compile both sides' ke
   for k in $(seq 0 $((n - 1))); do RL_TRITON_HOST=python python3 tools/ab_base.py warm --shard "$k/$n" > "$out/warm_$k.log" 2>&1 & done
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -n "${WORKERS:-$(nproc)}" -p no:cacheprovider \
+  timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -n "${WORKERS:-$(nproc)}" --dist worksteal -p no:cacheprovider \
     -rfEs --durations=30 --junitxml="$out/junit.xml" "${@:-tests}" 2>&1 | tee "$out/pytest.log" | tail -80
   echo "pytest exit: ${PIPESTATUS[0]}"
 fi
