@@ -556,6 +556,7 @@ def train(args: Args):
         spread = parameter_spread(agent)
         if rank == 0:
             print(f"parameters across {world_size} ranks: max abs difference {spread:.3g}")
+        dist.barrier()  # no rank tears its connections down while another still reads them
         dist.destroy_process_group()
     if rank == 0:
         if args.save_model:
