@@ -1342,9 +1342,9 @@ none), SAC's targets and CRR's weights on N = tokens samples (%d target critics;
 actions; CRR: %d sampled actions); the functions' defaults otherwise, float32 or bfloat16 \
 inputs, float32 outputs. fwd+bwd: the call, then `torch.autograd.grad` of its outputs against \
 fixed random output gradients, every floating input requiring grad; fwd: the call alone. Three \
-implementations of one formula: rl_triton (backend="triton"), eager (semantics §9's formula in plain
-\ PyTorch, `rl_triton.bench.LOSS_FORMULAS`, its outputs and gradients checked against rl_triton's \
-first) and compile (`torch.compile` of it, mode default, static shapes: compiled per size and \
+implementations of one formula: rl_triton (backend="triton"), eager (semantics §9's formula in \
+plain PyTorch, `rl_triton.bench.LOSS_FORMULAS`, its outputs and gradients checked against \
+rl_triton's first) and compile (`torch.compile` of it, mode default, static shapes: compiled per size and \
 dtype, outside the timing).
 
 Columns: MB: the call's minimal bytes (every input read once, the outputs written; fwd+bwd also \
