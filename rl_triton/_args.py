@@ -238,6 +238,11 @@ class Call:
                              f"to the batch shape {_fmt_shape(tuple(self.batch_shape))} "
                              f"({self.ref_name}'s shape {tuple(self.step_shape)} without its "
                              f"time axis {self.time_dim})")
+        return self.adopt_discount(name, value).expand(self.batch_shape)
+
+    def adopt_discount(self, name: str, value: Tensor) -> Tensor:
+        """A tensor discount whose shape was checked, on the call's device (a 0-d CPU one is
+        moved there) as float32 / float64; its gradient and dtype are recorded in the call."""
         if value.device != self.device and not (value.ndim == 0 and value.device.type == "cpu"):
             raise ValueError(f"{name} is on {value.device} but {self.ref_name} is on "
                              f"{self.device}; all tensors must be on one device")
@@ -245,8 +250,8 @@ class Call:
             self.needs_grad = True
         if value.dtype is torch.float64:
             self.float64 = True
-        dtype = torch.float64 if value.dtype is torch.float64 else torch.float32
-        return value.to(self.device, dtype).expand(self.batch_shape)  # a 0-d CPU one: moved
+        return value.to(self.device, torch.float64 if value.dtype is torch.float64
+                        else torch.float32)
 
     def empty(self) -> bool:
         return self.T == 0 or 0 in self.step_shape

@@ -273,15 +273,7 @@ class Op:
                     f"{f} has shape {tuple(getattr(s, f).shape)} but cu_seqlens has {S} "
                     f"segments; with packed rows a per-row {f} has one value per segment: "
                     f"shape ({S},) or ({want}{',' if len(full) == 1 else ''})")
-            if v.device != call.device and not (v.ndim == 0 and v.device.type == "cpu"):
-                raise ValueError(f"{f} is on {v.device} but {call.ref_name} is on "
-                                 f"{call.device}; all tensors must be on one device")
-            if v.requires_grad and call.grad:
-                call.needs_grad = True
-            if v.dtype is torch.float64:
-                call.float64 = True
-            out[f] = v.to(call.device, torch.float64 if v.dtype is torch.float64
-                          else torch.float32)
+            out[f] = call.adopt_discount(f, v)
         return s._replace(**out)
 
     def _packed_torch(self, x, s, out_dtype, extra, cu, call: Call):
