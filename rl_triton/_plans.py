@@ -169,11 +169,17 @@ class Op:
                               for f in self.discounts if isinstance(getattr(s, f), Tensor)})
         dtype = torch.float64 if call.float64 else torch.float32
         res = (self.torch if backend == "torch" else self.loop)(tx, s, extra, dtype)
+        return self._outputs(res, x[0].shape, out_dtype, call, n)
+
+    @staticmethod
+    def _outputs(res, shape, out_dtype, call: Call, n: int):
+        """The first `n` time-major results of a torch or loop implementation as new outputs of
+        `shape` in the caller's layout; differentiable (first order) where the call is."""
         res = res if isinstance(res, tuple) else (res,)
         outs = []
         for r in res[:n]:
-            out = torch.empty(x[0].shape, dtype=out_dtype, device=call.device)
-            out.movedim(call.time_dim, 0).copy_(r)
+            out = torch.empty(shape, dtype=out_dtype, device=call.device)
+            (out.movedim(call.time_dim, 0) if call.time_dim else out).copy_(r)
             outs.append(out)
         if call.needs_grad:
             outs = list(_FirstOrder.apply(*outs))
@@ -297,15 +303,7 @@ class Op:
             self.runtime_check(x, extra)  # (traced: unread, the implementation clamps)
         dtype = torch.float64 if call.float64 else torch.float32
         res = self.torch(x, s, extra, dtype, packed=packed)
-        res = res if isinstance(res, tuple) else (res,)
-        outs = []
-        for r in res[:self.n_out(extra)]:
-            out = torch.empty(x[0].shape, dtype=out_dtype, device=call.device)
-            out.copy_(r)
-            outs.append(out)
-        if call.needs_grad:
-            outs = list(_FirstOrder.apply(*outs))
-        return _result(outs)
+        return self._outputs(res, x[0].shape, out_dtype, call, self.n_out(extra))
 
     def _padded(self, x, s, backend, out_dtype, extra, cu, call: Call):
         """Packed rows run as padded rows `[S, longest, *batch, ...]` whose padding is masked
@@ -421,6 +419,19 @@ def _parameters(hints: list) -> list:
             for h in hints for k, v in h.items()]
 
 
+def _custom_outputs(op: Op, outs, ref: Tensor, out_dtype):
+    """A custom op's return value: its `op.outputs` tensors, those the call does not compute
+    empty (a custom op returns a fixed number of tensors)."""
+    outs = list(outs) + [ref.new_empty(0, dtype=out_dtype) for _ in range(op.outputs - len(outs))]
+    return outs[0] if op.outputs == 1 else tuple(outs)
+
+
+def _fake_outputs(op: Op, ref: Tensor, out_dtype, extra):
+    """A custom op's fake: outputs of input 0's shape."""
+    return _custom_outputs(op, [torch.empty(ref.shape, dtype=out_dtype, device=ref.device)
+                                for _ in range(op.n_out(extra))], ref, out_dtype)
+
+
 def _register(op: Op):
     """`torch.ops.rl_triton.<name>` (`_hints` its arguments), returning `outputs` tensors,
     with its autograd: `op.backward` through `torch.ops.rl_triton.<name>_backward`."""
@@ -436,11 +447,6 @@ def _register(op: Op):
         extra = op.extras(*args[n_in + n_s + 2:-1]) if op.extras is not None else ()
         return x, s, time_dim, out_dtype, extra, args[-1]
 
-    def pad(outs, ref, out_dtype):
-        outs = list(outs) + [ref.new_empty(0, dtype=out_dtype)
-                             for _ in range(op.outputs - len(outs))]
-        return outs[0] if op.outputs == 1 else tuple(outs)
-
     def impl(*args):
         x, s, time_dim, out_dtype, extra, rows = unpack(args)
         x, call = op.check(x, time_dim, extra)
@@ -451,12 +457,11 @@ def _register(op: Op):
                     for _ in range(op.n_out(extra))]
         else:
             outs = op._launch(x, s, call, out_dtype, extra, rows)[:op.n_out(extra)]
-        return pad(outs, x[0], out_dtype)
+        return _custom_outputs(op, outs, x[0], out_dtype)
 
     def fake(*args):
         x, s, time_dim, out_dtype, extra, rows = unpack(args)
-        return pad([torch.empty(x[0].shape, dtype=out_dtype, device=x[0].device)
-                    for _ in range(op.n_out(extra))], x[0], out_dtype)
+        return _fake_outputs(op, x[0], out_dtype, extra)
 
     def setup_context(ctx, inputs, output):
         outs = output if isinstance(output, tuple) else (output,)
@@ -558,20 +563,14 @@ def _register_packed(op: Op):
         extra = op.extras(*args[k:k + n_e]) if op.extras is not None else ()
         return x, s, cu, backend, out_dtype, extra, args[-1]
 
-    def pad(outs, ref, out_dtype):
-        outs = list(outs) + [ref.new_empty(0, dtype=out_dtype)
-                             for _ in range(op.outputs - len(outs))]
-        return outs[0] if op.outputs == 1 else tuple(outs)
-
     def impl(*args):
         x, s, cu, backend, out_dtype, extra, check = unpack(args)
         outs = op._packed(x, s, 0, backend, out_dtype, extra, cu, check)
-        return pad(outs if isinstance(outs, tuple) else (outs,), x[0], out_dtype)
+        return _custom_outputs(op, outs if isinstance(outs, tuple) else (outs,), x[0], out_dtype)
 
     def fake(*args):
         x, s, cu, backend, out_dtype, extra, check = unpack(args)
-        return pad([torch.empty(x[0].shape, dtype=out_dtype, device=x[0].device)
-                    for _ in range(op.n_out(extra))], x[0], out_dtype)
+        return _fake_outputs(op, x[0], out_dtype, extra)
 
     impl.__signature__ = inspect.Signature(_parameters(hints), return_annotation=returns)
     impl.__name__ = op.name + "_packed"
