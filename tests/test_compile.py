@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from cases import subprocess_env
+
 HERE = Path(__file__).parent
 OLDEST = HERE.parent / ".ci" / "triton-oldest"
 OLDEST_VERSION = "3.6.0"
@@ -20,9 +22,9 @@ OLDEST_VERSION = "3.6.0"
 def compiler_env(*first):
     """The environment of a compiling subprocess: without the interpreter, with this checkout
     (and `first` before it) importable."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([*map(str, first), str(HERE.parent),
-                                         env.get("PYTHONPATH", "")])
+    env = subprocess_env()
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, first), env["PYTHONPATH"]])
     return env
 
 

@@ -411,25 +411,34 @@ def test_packed_discounted_returns_without_bootstrap(device, in_place):
         assert_close((got,), per_segment("discounted_returns", steps, extra, cu))
 
 
-@pytest.mark.parametrize("name", PACKED)
-def test_packed_nan_stays_in_its_segment(name, device, in_place):
-    """A NaN input in one segment leaves every other segment's outputs exact."""
+def nan_in_a_segment(name, device):
+    """(steps, extra, cu, outside): packed rows of SPLIT with a NaN at a decision step inside
+    the long segment 9, and the steps outside that segment."""
     steps, extra, cu = packed_inputs(name, SPLIT, True, device=device)
     key = "rewards" if "rewards" in steps else "x"
     bad = cu[9].item() + 70  # inside the long segment 9
     steps[key] = steps[key].clone()
     steps[key][bad] = float("nan")
     steps["mask"][bad] = True
-    want = per_segment(name, {k: v for k, v in steps.items()}, extra, cu)
-    with tiles.override(block_t=16, block_b=2 if name == "eligibility_traces" else 1):
-        got = getattr(rl_triton, name)(**steps, **extra, cu_seqlens=cu, backend="triton")
-    got = got if isinstance(got, tuple) else (got,)
-    s, e = cu[9].item(), cu[10].item()
     outside = torch.ones(int(cu[-1]), dtype=torch.bool)
-    outside[s:e] = False
-    for o, w in zip(got, want):
+    outside[cu[9].item():cu[10].item()] = False
+    return steps, extra, cu, outside
+
+
+def assert_exact_outside(got, want, outside):
+    """Every other segment's outputs finite and as each segment alone."""
+    for o, w in zip(got if isinstance(got, tuple) else (got,), want):
         assert torch.isfinite(o[outside.to(o.device)]).all()
         assert_close([o[outside.to(o.device)]], [w[outside]])
+
+
+@pytest.mark.parametrize("name", PACKED)
+def test_packed_nan_stays_in_its_segment(name, device, in_place):
+    """A NaN input in one segment leaves every other segment's outputs exact."""
+    steps, extra, cu, outside = nan_in_a_segment(name, device)
+    with tiles.override(block_t=16, block_b=2 if name == "eligibility_traces" else 1):
+        got = getattr(rl_triton, name)(**steps, **extra, cu_seqlens=cu, backend="triton")
+    assert_exact_outside(got, per_segment(name, steps, extra, cu), outside)
 
 
 def test_packed_kernel_offsets_are_checked(device, in_place):
@@ -653,19 +662,9 @@ def test_packed_torch_rows(name, device):
                 got = getattr(rl_triton, name)(**steps, **extra, cu_seqlens=cu, backend="torch")
                 got = got if isinstance(got, tuple) else (got,)
                 assert_close(got, per_segment(name, steps, extra, cu), tol=1e-5)
-    steps, extra, cu = packed_inputs(name, SPLIT, True, device=device)
-    key = "rewards" if "rewards" in steps else "x"
-    bad = cu[9].item() + 70  # inside the long segment 9
-    steps[key] = steps[key].clone()
-    steps[key][bad] = float("nan")
-    steps["mask"][bad] = True
+    steps, extra, cu, outside = nan_in_a_segment(name, device)
     got = getattr(rl_triton, name)(**steps, **extra, cu_seqlens=cu, backend="torch")
-    outside = torch.ones(int(cu[-1]), dtype=torch.bool)
-    outside[cu[9].item():cu[10].item()] = False
-    for o, w in zip(got if isinstance(got, tuple) else (got,),
-                    per_segment(name, steps, extra, cu)):
-        assert torch.isfinite(o[outside.to(o.device)]).all()
-        assert_close([o[outside.to(o.device)]], [w[outside]])
+    assert_exact_outside(got, per_segment(name, steps, extra, cu), outside)
     # gradients of every floating input (bootstraps per segment included)
     steps, extra, cu = packed_inputs(name, [4, 0, 7, 1, 3], True, device=device,
                                      dtype=torch.float64)

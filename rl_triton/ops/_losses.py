@@ -38,6 +38,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from .. import reference
 from .._args import FLAG, check_choice, check_offsets
 from .._plans import SECOND_ORDER, _FirstOrder, backend_for, unreadable
 from ..scan.jit import next_power_of_2, tl, triton
@@ -126,10 +127,7 @@ def aggregate(l: Tensor, m: Optional[Tensor], aggregation: str, cu: Optional[Ten
 
 def kept(m: Optional[Tensor], dtype: torch.dtype, *xs: Optional[Tensor]) -> list:
     """`xs` in `dtype`, 0 where the mask `m` (bool or None) is not set (None stays None)."""
-    xs = [None if x is None else x.to(dtype) for x in xs]
-    if m is None:
-        return xs
-    return [None if x is None else torch.where(m, x, 0.0) for x in xs]
+    return reference._decided(m, *(None if x is None else x.to(dtype) for x in xs))
 
 
 def masked_mean(x: Tensor, m: Optional[Tensor]) -> Tensor:

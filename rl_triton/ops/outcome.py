@@ -96,9 +96,9 @@ def group_advantages(scores, group_index=None, *, group_size=None, baseline="mea
         scale="batch_std":        a / (std of all B scores + eps)
 
     A group of one gets baseline 0 and scale 1. With `mask[B, T]` the result is broadcast to
-    tokens, `a[:, None]` where the mask is set and 0 elsewhere (whatever the score). A NaN score makes its own group NaN and no other (with
-    `scale="batch_std"`, all). `group_index` costs one device sync (the ids are renumbered);
-    `group_size` none.
+    tokens, `a[:, None]` where the mask is set and 0 elsewhere (whatever the score). A NaN
+    score makes its own group NaN and no other (with `scale="batch_std"`, all). `group_index`
+    costs one device sync (the ids are renumbered); `group_size` none.
 
     Example::
 
