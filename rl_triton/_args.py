@@ -266,6 +266,18 @@ class Call:
                            device=self.device)
 
 
+def signature(tensors) -> tuple:
+    """What an op's argument checks read of each tensor argument (None stays None): its type,
+    shape, strides, dtype, device, whether it requires grad, its negation bit, and whether its
+    data is 16-byte aligned (which launch plans specialize on). Every check a `Call` makes is a
+    function of these, so a call whose signature (with the call's options) equals one that
+    passed them passes them too: `rl_triton._plans` caches launch plans under it. A non-tensor
+    raises AttributeError (then the checks run, and name the argument)."""
+    return tuple([None if t is None else
+                  (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_neg(),
+                   t.data_ptr() % 16 == 0) for t in tensors])
+
+
 def require_bootstrap(next_values, last_value) -> None:
     if next_values is None and last_value is None:
         raise ValueError("pass last_value (the value of the state after the last step) or "

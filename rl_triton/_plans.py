@@ -26,13 +26,15 @@ Nothing under `rl_triton.scan` imports this module.
 from __future__ import annotations
 
 import inspect
+import operator
 import os
 import typing
 from typing import Callable, Optional
 
 import torch
 
-from ._args import Call, check_backend, check_bool, check_offsets, check_out_dtype
+from ._args import (Call, check_backend, check_bool, check_offsets, check_out_dtype,
+                    signature)
 from .scan import jit, torch_scan
 from .scan.jit import HAS_TRITON
 
@@ -128,10 +130,29 @@ class Op:
         if cu_seqlens is not None:
             return self._packed(x, s, time_dim, backend, out_dtype, extra, cu_seqlens,
                                 check_offsets)
+        key = None
+        if (type(time_dim) is int and type(backend) is str and type(check_offsets) is bool
+                and not torch.compiler.is_compiling()):
+            # the hot path: a signature that passed the checks before passes them now (each
+            # check is a function of it, `_args.signature`), and its plan is cached under it
+            try:
+                key = (self, time_dim, backend, out_dtype, extra, torch.is_grad_enabled(),
+                       *signature(x))
+            except Exception:  # not a tensor (or no strides): the checks below name it
+                pass
+            else:
+                plan = _PLANS.get(key)
+                if plan is not None and all([type(v) is float for v in s]):
+                    if self.runtime_check is not None:
+                        self.runtime_check(x, extra)
+                    outs = plan.run(x, self.kernel_scalars(s))
+                    n = self.n_out(extra)
+                    return outs[0] if n == 1 else tuple(outs[:n])
         if check_offsets is not True:
             check_bool("check_offsets", check_offsets)
         backend = check_backend(backend)
         out_dtype = check_out_dtype(out_dtype)
+        given = x
         x, call = self.check(x, time_dim, extra)
         rows = None
         if self.discounts and any(isinstance(getattr(s, f), Tensor) for f in self.discounts):
@@ -159,7 +180,11 @@ class Op:
             if call.needs_grad:  # eager: the same backward, without the dispatcher's layers
                 return _result(list(_Eager.apply(self, (floats, call, out_dtype, extra), rows,
                                                  *x)))
-            return _result(self._launch(x, floats, call, out_dtype, extra, rows)[:n])
+            # the plan under the call's signature (`key`) where the hot path can find it: the
+            # caller's own tensors, scalars that are numbers, no gradient
+            same = key is not None and rows is None and all(map(operator.is_, x, given))
+            return _result(self._launch(x, floats, call, out_dtype, extra, rows,
+                                        key=key if same else None)[:n])
         if self.runtime_check is not None:
             self.runtime_check(x, extra)
         tx = self.inputs(*(call.tm(t) if step else t for t, step in zip(x, self._steps)))
@@ -366,11 +391,12 @@ class Op:
             params.append(p)
         return torch.stack(params)
 
-    def _launch(self, x, s, call: Call, out_dtype, extra, rows=None, cu=None) -> list:
+    def _launch(self, x, s, call: Call, out_dtype, extra, rows=None, cu=None,
+                key=None) -> list:
         """The eager Triton path: the cached plan of this signature, or a new one (`cu`: packed
-        rows' offsets)."""
+        rows' offsets; `key`: the hot path's key of the call, else the `call`'s)."""
         k = self.row_params if rows is not None else 0
-        plan, x = cached_plan((self.name, out_dtype, extra, k, *call.key),
+        plan, x = cached_plan(key or (self.name, out_dtype, extra, k, *call.key),
                               lambda y: self.plan(y, call, out_dtype, extra), x, self.copy, k)
         return plan.run(x, self.kernel_scalars(s), rows, cu)
 

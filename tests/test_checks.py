@@ -79,3 +79,84 @@ def test_check_actions_must_be_bool():
     case = make_case("retrace", 5, (2,), device=DEVICE)
     with pytest.raises(TypeError, match="check_actions"):
         case.fn(**case.steps, **case.extra, check_actions=1)
+
+
+class _Str(str):
+    pass
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_validated_signature_admits_nothing_the_checks_refuse(backend):
+    """The hot path (a call whose signature a validated call had, `_args.signature`) refuses
+    what the checks refuse: options equal to validated ones but of another type, a flag that
+    requires grad once grad mode is on, a tensor whose metadata changed in place."""
+    a = _gae_args()
+    b = dict(a, last_value=torch.randn(a["rewards"].shape[0], device=DEVICE))  # [N, T] rows
+    for _ in range(3):
+        rl_triton.gae(**b, time_dim=1, backend=backend, check_offsets=True)
+    with pytest.raises(TypeError, match="time_dim"):
+        rl_triton.gae(**b, time_dim=True, backend=backend)
+    with pytest.raises(TypeError, match="check_offsets"):
+        rl_triton.gae(**b, time_dim=1, backend=backend, check_offsets=1)
+    with pytest.raises(ValueError, match="backend"):
+        rl_triton.gae(**b, time_dim=1, backend=_Str(backend))
+    term = a["terminated"].float().requires_grad_()
+    with torch.no_grad():  # no gradient is asked for: the flag's requires_grad is harmless
+        for _ in range(2):
+            rl_triton.gae(**dict(a, terminated=term), backend=backend)
+    with pytest.raises(RuntimeError, match="terminated requires grad"):
+        rl_triton.gae(**dict(a, terminated=term), backend=backend)
+    lv = a["last_value"].clone()
+    rl_triton.gae(**dict(a, last_value=lv), backend=backend)
+    lv.resize_(lv.shape[0] + 1)
+    with pytest.raises(ValueError, match="last_value"):
+        rl_triton.gae(**dict(a, last_value=lv), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_validated_signature_keeps_gradients(backend):
+    """A tensor that requires grad gets its gradient after calls of the same tensors under
+    no_grad, and after calls of a twin that does not require grad (grad mode and
+    requires_grad are part of a signature): never a silent detach."""
+    a = _gae_args()
+    r = a["rewards"].clone().requires_grad_()
+    with torch.no_grad():
+        for _ in range(2):
+            adv, _ = rl_triton.gae(**dict(a, rewards=r), backend=backend)
+            assert not adv.requires_grad
+    for _ in range(2):
+        rl_triton.gae(**dict(a, rewards=r.detach().clone()), backend=backend)
+    adv, _ = rl_triton.gae(**dict(a, rewards=r), backend=backend)
+    (g,) = torch.autograd.grad(adv.sum(), r)
+    ref = a["rewards"].clone().requires_grad_()
+    want, _ = rl_triton.gae(**dict(a, rewards=ref), backend="loop")
+    (g_want,) = torch.autograd.grad(want.sum(), ref)
+    torch.testing.assert_close(g, g_want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_negated_view_after_its_signature_was_validated(backend):
+    """A negated view has its own signature: after calls with its plain twin (same shape,
+    strides, dtype, device) it is still read as its values."""
+    a = _gae_args()
+    plain = -a["rewards"]
+    for _ in range(2):
+        rl_triton.gae(**dict(a, rewards=plain), backend=backend)
+    want = rl_triton.gae(**a, backend=backend)
+    got = rl_triton.gae(**dict(a, rewards=torch._neg_view(plain)), backend=backend)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_retrace_actions_checked_after_a_validated_call(backend):
+    """Data checks run on every call, the hot path's too: the same tensors, valid twice, then an
+    action out of range written in place."""
+    case = make_case("retrace", 11, (4,), n_act=5, device=DEVICE)
+    actions = case.steps["actions"].clone()
+    steps = dict(case.steps, actions=actions)
+    for _ in range(2):
+        case.fn(**steps, **case.extra, backend=backend)
+    actions[6, 2] = 5
+    with pytest.raises(ValueError, match="actions"):
+        case.fn(**steps, **case.extra, backend=backend)

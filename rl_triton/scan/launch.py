@@ -210,12 +210,13 @@ class Launch:
         out_strides = tuple(tuple(x * (n_act if i in self.action_outs else 1)
                                   for i, x in enumerate(s * n_out)) + r * n_boot
                             for s, r in zip(strides([out_view]), strides([row_view])))
-        self.row_strides = (math.prod(bshape), stride1[id(row_view)], stride2[id(row_view)])
         init_strides = ((stride1[id(init_view)], stride2[id(init_view)])
                         if init_view is not None else (0, 0))
+        row_strides = (math.prod(bshape), stride1[id(row_view)], stride2[id(row_view)])
         ints = (T, self.B, B2, n_act, n_row_tiles, n_chunks)
-        # the kernel's arguments around the call's pointers, in its order
-        self.strides = (in_strides, out_strides, init_strides, ints)
+        # the kernel's arguments around the call's pointers, in its order (after `rows`: its
+        # strides, then the sizes)
+        self.strides = (in_strides, out_strides, init_strides, row_strides + ints)
         block_a = tiles.action_block(n_act, itemsize)
         coef = kernel.coef_whole if kernel.coef_whole is not None and n_chunks == 1 else kernel.coef
         self.meta = dict(COEF=coef, STORE=kernel.store, REVERSE=kernel.reverse,
@@ -238,8 +239,10 @@ class Launch:
                          num_warps=cfg.num_warps)
         if cfg.max_registers:
             self.meta["maxnreg"] = cfg.max_registers
-        self.device_index = device.index
+        self.device_index = device.index  # None on the CPU, as `_current_device()` there
         self.cuda = device.type == "cuda"
+        self.grid3 = self.grid + (1,)
+        self.shapes = self.output_shapes()
         self.states = {}  # look-back scratch by stream: launches on one stream never overlap
         self.compiled, self.tail = None, ()
 
@@ -255,10 +258,12 @@ class Launch:
         rows' offsets, contiguous int32 or int64 `[S + 1]` (S fixed by the plan's signature)."""
         # One allocation each: outputs that are views of one buffer would alias, which custom
         # ops (torch.compile) forbid.
-        outs = [torch.empty(s, dtype=self.out_dtype, device=self.device)
-                for s in self.output_shapes()]
-        if self.cuda and self.device_index != _current_device():
-            with torch.cuda.device(self.device):
+        dtype, device = self.out_dtype, self.device
+        outs = [torch.empty(s, dtype=dtype, device=device) for s in self.shapes]
+        if self.compiled is not None and self.device_index == _current_device():
+            self._replay(x, outs, scalars, rows, cu)
+        elif self.cuda and self.device_index != _current_device():
+            with torch.cuda.device(device):
                 self._launch(x, outs, scalars, rows, cu)
         else:
             self._launch(x, outs, scalars, rows, cu)
@@ -280,42 +285,48 @@ class Launch:
         return state
 
     def _launch(self, x, outs, scalars, rows, cu=None):
-        stream = _stream(self.device_index) if self.cuda else None
-        state, state_ptr = self._state(stream)
-        kernel = self.compiled
-        src, init_src = self.src, self.init_src
-        if kernel is None:  # the first launch: through Triton's JIT, which compiles
-            out0 = outs[0]  # unused slots get a valid pointer; the kernel never reads them
-            args = self._args(tuple(out0 if i is None else x[i] for i in src), tuple(outs),
-                              out0 if init_src is None else x[init_src], state, scalars,
-                              out0 if rows is None else rows, cu)
-            if self.meta["EVEN"] and self.cuda:
-                self.meta["EVEN"] = even_keeps_occupancy(args, self.grid, self.meta)
-            compiled = scan_kernel[self.grid](*args, **self.meta)
-            if hasattr(compiled, "packed_metadata"):  # compiled (not the interpreter)
-                self.compiled = compiled
-                self.tail = tuple(self.meta[name] for name in _ARG_NAMES[len(args):])
+        if self.compiled is not None:
+            self._replay(x, outs, scalars, rows, cu)
             return
-        args = self._args(tuple([0 if i is None else x[i].data_ptr() for i in src]),
+        # the first launch: through Triton's JIT, which compiles
+        state = self._state(_stream(self.device_index) if self.cuda else None)[0]
+        out0 = outs[0]  # unused slots get a valid pointer; never read
+        args = self._args(tuple(out0 if i is None else x[i] for i in self.src), tuple(outs),
+                          out0 if self.init_src is None else x[self.init_src], state, scalars,
+                          out0 if rows is None else rows, cu)
+        if self.meta["EVEN"] and self.cuda:
+            self.meta["EVEN"] = even_keeps_occupancy(args, self.grid, self.meta)
+        compiled = scan_kernel[self.grid](*args, **self.meta)
+        if hasattr(compiled, "packed_metadata"):  # compiled (not the interpreter)
+            self.tail = tuple(self.meta[name] for name in _ARG_NAMES[len(args):])
+            self.compiled = compiled
+
+    def _replay(self, x, outs, scalars, rows, cu):
+        """A launch of the compiled kernel with the tensors' addresses: what JITFunction.run
+        does once it has found the kernel in its cache, minus re-deriving the specialization
+        key (the plan's signature fixes it, pointer alignment included). Launch hooks
+        (profilers) are honoured as JITFunction.run honours them."""
+        stream = _stream(self.device_index)
+        state = self.states.get(stream) or self._state(stream)
+        i = self.init_src
+        args = self._args(tuple([0 if j is None else x[j].data_ptr() for j in self.src]),
                           tuple([o.data_ptr() for o in outs]),
-                          0 if init_src is None else x[init_src].data_ptr(), state_ptr, scalars,
+                          0 if i is None else x[i].data_ptr(), state[1], scalars,
                           0 if rows is None else rows.data_ptr(),
-                          None if cu is None else cu.data_ptr())
-        # What JITFunction.run does once it has found the kernel in its cache, minus
-        # re-deriving the specialization key (the plan's signature fixes it, pointer alignment
-        # included). Launch hooks (profilers) are honoured as JITFunction.run honours them.
+                          None if cu is None else cu.data_ptr()) + self.tail
+        kernel = self.compiled
         enter, leave = _launch_hooks()
-        meta = (kernel.launch_metadata(self.grid + (1,), stream, *args, *self.tail)
+        meta = (kernel.launch_metadata(self.grid3, stream, *args)
                 if enter is not None else None)
-        kernel.run(self.grid[0], self.grid[1], 1, stream, kernel.function, kernel.packed_metadata,
-                   meta, enter, leave, *args, *self.tail)
+        kernel.run(*self.grid3, stream, kernel.function, kernel.packed_metadata, meta, enter,
+                   leave, *args)
 
     def _args(self, ptrs, outs, init, state, scalars, rows, cu=None) -> tuple:
         """`scan_kernel`'s positional arguments, in its order (`cu`: packed rows' offsets,
         None for other calls: no argument of the compiled kernel)."""
-        in_strides, out_strides, init_strides, ints = self.strides
+        in_strides, out_strides, init_strides, rest = self.strides
         return (ptrs, *in_strides, outs, *out_strides, init, *init_strides, state, scalars,
-                rows, *self.row_strides, *ints, cu, self.n_seg)
+                rows, *rest, cu, self.n_seg)
 
 
 def launch(fn, grid: int, args: tuple, device: torch.device, **meta) -> None:
@@ -417,8 +428,9 @@ def _hook(h):
     return None if h is None or getattr(h, "calls", True) == [] else h
 
 
-def _stream(device_index: int):
-    return triton.runtime.driver.active.get_current_stream(device_index)
+# Triton's own choice of the current stream (its CUDA driver), without its driver's proxy
+_stream = (getattr(torch._C, "_cuda_getCurrentRawStream", None)
+           or (lambda index: torch.cuda.current_stream(index).cuda_stream))
 
 
 # torch.cuda.current_device() without its Python layers (lazy init and argument handling),
