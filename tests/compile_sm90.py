@@ -186,7 +186,8 @@ def check_look_back(plan, kernel):
 
 
 def check_loads(plan, kernel):
-    """Two measured wins that a compiler change could silently undo (docs/dev/tuning-log.md).
+    """Two measured wins that a compiler change could silently undo
+    (docs/dev/kernel-decisions.md#inside-a-tile).
     Time-major tiles: no tile load wider than 4 along rows (the flags' 16-wide loads once set
     every input's layout, and the scan crossed 16 lanes); rows loaded several at a time where
     the plan says the time strides allow it (`ops.row_vector`: rows of 300); sub-tiles laid out
@@ -233,7 +234,8 @@ def check_loads(plan, kernel):
     if m["BLOCK_T"] * m["BLOCK_B"] < 8 * 32 * m["num_warps"]:
         # fewer than 8 steps per thread (`tiles.FILL_MIN_ELEMENTS`: grids of fewer tiles than
         # multiprocessors): groups of 8 steps span threads, so the steps after them are loaded
-        # one by one; measured faster there all the same (docs/dev/tuning-log.md)
+        # one by one; measured faster there all the same
+        # (docs/dev/kernel-decisions.md#the-next-steps-value-from-registers)
         return ""
     scalar = {address for op, address in re.findall(
         r"\b(ld\.global\S*)\s+\{[^}]*\},\s*\[([^\]]+)\]", kernel.asm["ptx"])

@@ -10,7 +10,7 @@ DOCS = ROOT / "docs"
 
 def test_nav_pages_exist():
     nav = re.findall(r":\s*(\S+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), flags=re.M)
-    assert "index.md" in nav and "dev/tuning-log.md" in nav
+    assert "index.md" in nav and "dev/kernel-decisions.md" in nav
     for page in nav:
         assert (DOCS / page).is_file(), page
 
@@ -32,3 +32,11 @@ def test_user_pages_are_no_session_diary():
                  DOCS / "integrations.md", DOCS / "trainers.md", ROOT / "README.md"]:
         text = page.read_text()
         assert not re.search(r"\b\w+(th|st|nd|rd) session\b|\bthis session\b", text), page.name
+
+
+def test_docs_hold_no_measurement_dumps():
+    """Pages keep the figures a reader needs and the command that regenerates the raw results;
+    the raw results themselves (bench.json and the like) stay out of the docs."""
+    dumps = sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*")
+                   if p.suffix in (".json", ".jsonl", ".csv", ".log"))
+    assert not dumps, dumps

@@ -72,8 +72,9 @@ def test_long_reverse_scan_without_boundaries(beta, tol):
     """A reverse scan whose carry crosses every tile (no cut anywhere).
 
     With beta = 0.9999 (a 10^4-step horizon) float32 rounding adds up: measured on 2^20 steps,
-    the sequential float32 loop reaches 2.3e-6, the doubling scan 2.0e-5 and the earlier
-    two-pass kernels 2.3e-5 (docs/benchmarks.md); at realistic horizons the usual 1e-5 holds.
+    the sequential float32 loop reaches 2.3e-6, the doubling scan 2.0e-5 (docs/benchmarks.md)
+    and the earlier two-pass kernels 2.3e-5 (docs/dev/kernel-decisions.md); at realistic
+    horizons the usual 1e-5 holds.
     """
     T = 2**20
     alpha = torch.randn(1, T, device=DEV)
@@ -184,8 +185,9 @@ def test_one_signature_on_two_streams():
 def test_look_back_on_cold_launches(T, n, layout, rows):
     """Fresh plans, first launches: with look-back windows that replicated words across threads,
     replicas read at different moments gave relative errors of 1e-3 to 2e-2 on exactly these
-    launches (docs/dev/tuning-log.md). Every launch is checked, for tiles of one to 32 rows (the
-    rule's window for each: one warp's worth for several rows, one word per thread for one)."""
+    launches (docs/dev/kernel-decisions.md#the-window-no-word-held-by-two-threads). Every
+    launch is checked, for tiles of one to 32 rows (the rule's window for each: one warp's worth
+    for several rows, one word per thread for one)."""
     from rl_triton import _plans
     from rl_triton.scan import tiles
 

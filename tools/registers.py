@@ -13,10 +13,12 @@ benchmark's), :mask (a mask of ~70% decision steps, semantics §7), :packed (the
 packed into one [N*T] stream with cu_seqlens, semantics §7; the layout is then that stream's), :next
 (next_values instead of last_value) and :field=value,...
 (tile fields forced as with `python -m rl_triton.bench --tiles`). Registers match ncu's on the
-H200 when the installed Triton is the GPU machine's (docs/dev/tuning-log.md; `PYTHONPATH=.ci/triton-oldest python tools/registers.py ...` runs Triton 3.6, the GPU machine's).
+H200 when the installed Triton is the GPU machine's
+(docs/dev/kernel-decisions.md#registers-and-load-rounds-offline;
+`PYTHONPATH=.ci/triton-oldest python tools/registers.py ...` runs Triton 3.6, the GPU machine's).
 Load rounds: the global loads of the SASS in the order an in-order warp issues them, a new round
 opening at each instruction that consumes a load not yet back; loads issued in several rounds
-wait on memory one round after another (docs/dev/tuning-log.md). Run
+wait on memory one round after another (the same page). Run
 without TRITON_INTERPRET."""
 import os
 import re

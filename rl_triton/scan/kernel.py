@@ -7,11 +7,12 @@ scan order: later steps for reverse scans) is applied, and the estimator's `STOR
 outputs. Inputs are read once and nothing but the outputs goes to memory, whatever the length.
 
 Reverse scans run as forward scans over steps laid in decreasing t: Triton's `reverse=True`
-reverses the whole tile, across lanes, around the scan (docs/dev/tuning-log.md). Time-major
-tiles (`DESC`) simply hold their steps in decreasing order (their loads are along rows). A
-batch-major tile (`FLIP`) holds its groups of 8 steps in decreasing order, each group still 8
-consecutive steps (one thread's vector load); each group is reversed in registers, the tile is
-scanned forward and reversed back.
+reverses the whole tile, across lanes, around the scan
+(docs/dev/kernel-decisions.md#reverse-scans-run-forward). Time-major tiles (`DESC`) simply
+hold their steps in decreasing order (their loads are along rows). A batch-major tile (`FLIP`)
+holds its groups of 8 steps in decreasing order, each group still 8 consecutive steps (one
+thread's vector load); each group is reversed in registers, the tile is scanned forward and
+reversed back.
 
 A time-major tile is built as `SUB` sub-tiles (`scan_chunk`): sub-tile J holds every SUB-th
 step from J on, all with one layout, so each thread holds SUB consecutive steps of its rows, one in
@@ -159,7 +160,8 @@ def step_after(v, ins, st, s1, s2, V: tl.constexpr, t, b1, b2, mask, T):
     by one step within groups of 8 steps (split and join, which stay in registers where a
     thread holds 8 consecutive steps), plus one load per group for the step after it; 0 past
     the end. Loading values[t+1] directly is 8 unaligned scalar loads per thread, 10% slower
-    (docs/dev/tuning-log.md). T: the window end, or one per step (packed rows)."""
+    (docs/dev/kernel-decisions.md#the-next-steps-value-from-registers). T: the window end, or one
+    per step (packed rows)."""
     BB: tl.constexpr = v.shape[0]
     BT: tl.constexpr = v.shape[1]
     G: tl.constexpr = BT // 8
@@ -304,7 +306,7 @@ def look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry_i
     moment, and threads that saw different words leave this loop at different passes (the GPU
     tests of long rows caught wrong results that way). A window of one word per thread reads
     only its nearest word per pass (`tiles.depth`): reading all its words cost more, and the
-    nearest one almost always decides (docs/dev/tuning-log.md).
+    nearest one almost always decides (docs/dev/kernel-decisions.md#one-word-per-pass).
     """
     acc_a = tl.zeros(carry_in.shape, tl.float32)
     acc_b = tl.full(carry_in.shape, 1.0, tl.float32)
@@ -910,7 +912,7 @@ def scan_kernel(
         # would override what it infers, wrong for strided rows). Every load of the tile is then
         # at most 4 wide, and all share one layout; else the 1-byte flags' 16-wide loads set the
         # layout of every input, one step per thread and 16 steps of the scan across lanes
-        # (docs/dev/tuning-log.md).
+        # (docs/dev/kernel-decisions.md#time-major-rows-in-runs-of-4).
         rows = tl.arange(0, BLOCK_B)
         r = spread(rows // 4 * 4 + rows % 4, 1)
     else:
@@ -919,7 +921,7 @@ def scan_kernel(
     if EVEN:
         # T and B are multiples of the tile: no mask to compute, no predicate on any load or
         # store, no select of padding (fewer registers: time-major GAE 64 -> 56 at 16384x1024,
-        # V-trace 110 -> 96; docs/dev/tuning-log.md)
+        # V-trace 110 -> 96; docs/dev/kernel-decisions.md#full-tiles-drop-their-masks)
         mask_b = tl.full(r.shape, 1, tl.int1)
     else:
         mask_b = b < B

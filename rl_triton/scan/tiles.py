@@ -26,68 +26,67 @@ from dataclasses import dataclass, replace
 
 import torch
 
-# The rule's constants, each with its decision and one number (H200 device time); `rule`
-# replaces them inside a block, for measurements.
+# The rule's constants, each with its decision in a line; the measurements behind them (H200
+# device time) are on docs/dev/tile-rule.md, one section per constant. `rule` replaces them inside
+# a block, for measurements.
 # Tiles
 TILE_ELEMENTS = 2048  # values per tile: bytes enough per program, registers few enough
-TILE_ELEMENTS_SMALL = 1024  # scans holding 4 values per step: V-trace 16384x1024 132 vs 148 µs
-MAX_ROWS_NARROW = 8  # time-major tiles of <= 8 rows are small too: reverse scans 9-26% faster
+TILE_ELEMENTS_SMALL = 1024  # scans holding 4 values per step: 4-warp programs fit more per SM
+MAX_ROWS_NARROW = 8  # time-major tiles of <= 8 rows are small too: a few long rows, more tiles
 MIN_TILE_ELEMENTS, MIN_PROGRAMS_PER_SM = 256, 4  # small grids: halve tiles for 4 programs per SM
-FILL_TILES_PER_SM = 1  # then batch-major rows halve below 1 tile per SM: 128x128 5.76 -> 4.96 µs
-FILL_MIN_ELEMENTS = 128  # ... down to one warp of 4 values per thread (16 x 1: 1-4% slower)
+FILL_TILES_PER_SM = 1  # then batch-major rows halve below 1 tile per SM: twice the programs
+FILL_MIN_ELEMENTS = 128  # ... down to one warp of 4 values per thread (16-byte loads)
 MIN_BLOCK_T = 16
 MAX_ROWS_TIME_MAJOR = 32  # time-major tiles: rows along memory, the scan along time kept small
-TILE_ELEMENTS_LOOKBACK = 512  # batch-major rows that look back: one-warp tiles, GAE 4x1048576 0.89
-TILE_ELEMENTS_EXCLUSIVE_LOOKBACK = 256  # ... V-trace's: 4x1048576 0.81-0.83 of 1024 on 2 warps
+TILE_ELEMENTS_LOOKBACK = 512  # batch-major rows that look back: one-warp tiles, more in flight
+TILE_ELEMENTS_EXCLUSIVE_LOOKBACK = 256  # ... V-trace's half (4 values per step in its scan)
 WALK_PROGRAMS_PER_SM = 2  # walk the rows when their tiles alone give 2 programs per SM
-WALK_PROGRAMS_PER_SM_ACTIONS = 5  # ... Retrace 5: 1024x1024 0.87 of the look-back, 512x4096 1.02
-# Time-major grids of < 32 programs per SM span 128 steps x 16 rows: 4096x128 0.75-0.91
-SPAN_PROGRAMS_PER_SM, SPAN_STEPS, SPAN_ROWS = 32, 128, 16  # at 62 per SM: 8-41% slower
-SPAN_MIN_ROWS = 2  # rows halve down to 2 below one tile per SM: 128x128 0.95-0.98
+WALK_PROGRAMS_PER_SM_ACTIONS = 5  # ... Retrace 5: its walk beats the look-back from there
+# Time-major grids of < 32 programs per SM span 128 steps x 16 rows: fewer look-back round trips
+SPAN_PROGRAMS_PER_SM, SPAN_STEPS, SPAN_ROWS = 32, 128, 16  # from 32 per SM the rule's tiles win
+SPAN_MIN_ROWS = 2  # rows halve down to 2 below one tile per SM (1 row: 4-byte rows, slower)
 SPAN_ELEMENTS_PER_THREAD = 32
-SPAN_ELEMENTS_PER_THREAD_AUX = 16  # GAE's, V-trace's (16x131072 0.92 of 32, capped) ...
-SPAN_FEW_PROGRAMS_PER_SM = 4  # ... and the others' that look back in grids of <= 4: 0.95-0.98
+SPAN_ELEMENTS_PER_THREAD_AUX = 16  # GAE's, V-trace's (writers holding values; V-trace capped) ...
+SPAN_FEW_PROGRAMS_PER_SM = 4  # ... and the others' that look back in grids of <= 4: more warps
 # Values per thread: they set the warps (at most MAX_WARPS)
 MAX_WARPS = 8
 ELEMENTS_PER_THREAD = 8  # batch-major tiles: the scan runs along each thread's own values
-ELEMENTS_PER_THREAD_LOOKBACK = 16  # ... that look back: discounted returns 28.4 -> 21.2 µs
+ELEMENTS_PER_THREAD_LOOKBACK = 16  # ... that look back: half the warps stall per look-back
 # ... of packed rows (each step's segment, its window end and bootstrap, the restarts): at 16
-# per thread GAE's 512-step tiles spill 440 B per thread, 1.1 KB with a mask (Triton 3.6 and
-# 3.9); at 4 (4 warps) 0-80 B (tools/registers.py gae:512x4096:bm:packed; H200 time not
-# measured yet)
+# per thread they spill (tools/registers.py gae:512x4096:bm:packed)
 ELEMENTS_PER_THREAD_PACKED_LOOKBACK = 4
-HALF_PRECISION_SCALE = 2  # ... of 2-byte inputs in grids of many: bf16 GAE 71.8 -> 63.8 µs
-MANY_PROGRAMS_PER_SM = 32  # a grid of many programs, per SM (4-8 per SM: twice 3-9% slower)
+HALF_PRECISION_SCALE = 2  # ... of 2-byte inputs in grids of many: as many bytes as 4-byte ones
+MANY_PROGRAMS_PER_SM = 32  # a grid of many programs, per SM (with fewer, twice the values lose)
 ELEMENTS_PER_THREAD_TIME_MAJOR = 32  # time-major forward scans in grids of few programs
-ELEMENTS_PER_THREAD_MANY_TIME_MAJOR = 16  # ... of many: eligibility traces 48.8 -> 46.5 µs
-ELEMENTS_PER_THREAD_REVERSE_TIME_MAJOR = 16  # time-major reverse scans: GAE 141 -> 108 µs
+ELEMENTS_PER_THREAD_MANY_TIME_MAJOR = 16  # ... of many: twice the warps, fewer registers
+ELEMENTS_PER_THREAD_REVERSE_TIME_MAJOR = 16  # time-major reverse scans (run forward, `DESC`)
 ELEMENTS_PER_THREAD_SMALL_TIME_MAJOR = 16  # time-major narrow tiles (TILE_ELEMENTS_SMALL)
-ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR = 8  # time-major, per-step values held: 215 -> 183 µs
-# V-trace's narrow time-major tiles: 4 per thread (4x1048576 77.7 -> 61.3 µs), 8 at >= 4 rows
+ELEMENTS_PER_THREAD_EXCLUSIVE_TIME_MAJOR = 8  # time-major, per-step values held: occupancy
+# V-trace's narrow time-major tiles: 4 per thread, 8 at >= 4 rows (vector rows, sub-tiles)
 ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_TIME_MAJOR = 4
-ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_VECTOR_TIME_MAJOR = 8  # (vector rows: 61.9 -> 53.3 µs)
-# Retrace: actions in blocks of 8 (bf16: 2), 8 values per thread: 16384x1024 848 -> 794 µs
+ELEMENTS_PER_THREAD_EXCLUSIVE_NARROW_VECTOR_TIME_MAJOR = 8
+# Retrace: actions in blocks of 8 (bf16: 2), summed in each thread's registers, not across lanes
 MAX_ACTION_BLOCK, ELEMENTS_PER_THREAD_ACTIONS = 8, 8
-MAX_ACTION_BLOCK_HALF_PRECISION = 2  # bf16 batch-major 531 -> 413 µs; float32 20-41% slower
+MAX_ACTION_BLOCK_HALF_PRECISION = 2  # 2-byte inputs: one 4-byte pair per load, no lane masked
 TILE_STEPS_ACTIONS = 128
-TILE_STEPS_ACTIONS_TIME_MAJOR = 256  # 16384x1024 946 -> 905 µs; batch-major 6% slower
+TILE_STEPS_ACTIONS_TIME_MAJOR = 256  # time-major only: batch-major tiles lose with 256
 # Register caps (Triton's `maxnreg`): more programs per SM without spilling
-MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR = 80  # V-trace tm, >= 4 rows: 16384x1024 122.9 -> 116.7 µs
+MAX_REGISTERS_EXCLUSIVE_TIME_MAJOR = 80  # V-trace tm, >= 4 rows: 6 programs per SM, not 5
 MAX_REGISTERS_EXCLUSIVE_WIDE = 128  # V-trace, 16 per thread (span, walked): 4 programs, not 3
 MAX_REGISTERS_EXCLUSIVE_LOOKBACK = 80  # V-trace's one-warp look-back tiles: 25 programs per SM
-MAX_REGISTERS_LONG_ROWS = 64  # the others' look-back tiles, GAE's walked: 4x1048576 0.90
+MAX_REGISTERS_LONG_ROWS = 64  # the others' look-back tiles, GAE's walked: 8 programs per SM
 # Writers holding many values per step (`heavy`: V-trace's backward, 6 or more beside the scan's
-# 4): time-major tiles on 8 warps (4 values per thread; 8 in span tiles: 512x4096 85 -> 50 µs)
+# 4): time-major tiles on 8 warps (4 values per thread; 8 in span tiles), else they spill
 ELEMENTS_PER_THREAD_HEAVY_TIME_MAJOR = 4
-MAX_REGISTERS_HEAVY_LOOKBACK = 128  # ... its batch-major look-back tiles: 64x32768 121 -> 60 µs
+MAX_REGISTERS_HEAVY_LOOKBACK = 128  # ... its batch-major look-back tiles: no stack at 128
 # Look-back
 WINDOW = 16  # tiles read per step of the look-back in the interpreter; on a GPU see `window`
-DEPTH_WIDE = 1  # words read per pass of a window of one word per thread: GAE 40.6 -> 37.1 µs
-DEPTH_WIDE_MIN_WINDOW = 4  # ... and of one warp's worth at least 4 deep: 4x1048576 0.94-0.96
-# Sub-tiles of time-major tiles of >= 4 rows (`sub_tiles`): V-trace 16384x1024 187 -> 152 µs
+DEPTH_WIDE = 1  # words read per pass of a window of one word per thread: the nearest decides
+DEPTH_WIDE_MIN_WINDOW = 4  # ... and of one warp's worth at least 4 deep (2 deep: read whole)
+# Sub-tiles of time-major tiles of >= 4 rows (`sub_tiles`): a thread's steps consecutive
 SUB_TILES_TIME_MAJOR = 8
-SUB_TILES_MIN_TIME_MAJOR = 4  # at least 4, 2 rows per thread: V-trace 150 -> 135 µs
-SUB_TILES_WIDE_ROWS, SUB_TILES_MIN_WIDE = 16, 8  # at 16 rows at least 8: 57.4 -> 53.3 µs
+SUB_TILES_MIN_TIME_MAJOR = 4  # at least 4, 2 rows per thread (tiles of 8 values per thread)
+SUB_TILES_WIDE_ROWS, SUB_TILES_MIN_WIDE = 16, 8  # at 16 rows at least 8 (2 rows per thread)
 # Switches, for measurements
 EVEN_TILES = 1  # full tiles drop their masks (`even`) where that keeps the occupancy (`launch`)
 TRUNCATION_SLOT_ALWAYS = 1  # time-major calls without truncations read terminations there (`launch`)
@@ -131,7 +130,7 @@ def choose(T: int, B: int, *, time_contiguous: bool, device: torch.device,
             per_thread = min(per_thread, ELEMENTS_PER_THREAD_PACKED_LOOKBACK)
     else:
         block_t, block_b, per_thread, cap = _time_major(T, B, sms, *flags)
-        walk = False  # time-major tiles look back: 17-30% faster than walking at 16384x1024
+        walk = False  # time-major tiles look back: faster than walking (tile-rule.md)
     warps = min(MAX_WARPS, _pow2(max(1, block_t * block_b * per_step // (32 * per_thread))))
     cfg = TileConfig(block_t, block_b, warps, WINDOW, walk, max_registers=cap)
     if _overrides:
@@ -180,7 +179,7 @@ def _time_major(T, B, sms, per_step, n_act, exclusive, reverse, aux, itemsize, h
                 else TILE_ELEMENTS_SMALL if held or narrow else TILE_ELEMENTS)
     block_t, block_b, tiles = _fit(T, B, elements, per_step, False, sms)
     if held and not exclusive and itemsize < 4 and tiles < MANY_PROGRAMS_PER_SM * sms:
-        held = False  # 2-byte GAE in grids of few programs: the others' tiles (5-10% faster)
+        held = False  # 2-byte GAE in grids of few programs: the others' tiles are faster
         block_t, block_b, tiles = _fit(T, B, TILE_ELEMENTS, per_step, False, sms)
     span = not n_act and not narrow and tiles < SPAN_PROGRAMS_PER_SM * sms
     if span:
@@ -258,7 +257,7 @@ def action_block(n_act: int, itemsize: int = 4) -> int:
 
 def vector_rows(B: int, time_contiguous: bool, actions: bool) -> bool:
     """Time-major tiles of at least 4 rows, but Retrace's: their rows load 4 (or 2) at a time
-    (`launch.row_vector`) and they run as sub-tiles (tiles of 2 rows: GAE 2x2097152 44 -> 67 µs)."""
+    (`launch.row_vector`) and they run as sub-tiles (tiles of 2 rows lose as sub-tiles)."""
     return not time_contiguous and not actions and B >= 4
 
 
