@@ -243,6 +243,11 @@ class Launch:
         self.cuda = device.type == "cuda"
         self.grid3 = self.grid + (1,)
         self.shapes = self.output_shapes()
+        # the input whose shape, dtype and (contiguous) strides every output has, if one has:
+        # its `empty_like` allocates an output with the least host time
+        x0 = ins[0].movedim(0, time_dim) if src[0] == 0 else None
+        self.like = 0 if (x0 is not None and x0.dtype == out_dtype and x0.is_contiguous()
+                          and all(shape == tuple(x0.shape) for shape in self.shapes)) else None
         self.states = {}  # look-back scratch by stream: launches on one stream never overlap
         self.compiled, self.tail = None, ()
 
@@ -259,7 +264,11 @@ class Launch:
         # One allocation each: outputs that are views of one buffer would alias, which custom
         # ops (torch.compile) forbid.
         dtype, device = self.out_dtype, self.device
-        outs = [torch.empty(s, dtype=dtype, device=device) for s in self.shapes]
+        like = self.like
+        if like is not None and type(x[like]) is Tensor:  # (no shape or dtype to parse)
+            outs = [torch.empty_like(x[like]) for _ in self.shapes]
+        else:
+            outs = [torch.empty(s, dtype=dtype, device=device) for s in self.shapes]
         if self.compiled is not None and self.device_index == _current_device():
             self._replay(x, outs, scalars, rows, cu)
         elif self.cuda and self.device_index != _current_device():
@@ -417,15 +426,14 @@ _RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None) if HAS
 
 
 def _launch_hooks():
-    """Triton's launch hooks (profilers), None when none is installed."""
-    if _RUNTIME_KNOBS is None:
+    """Triton's launch hooks (profilers), None when none is installed (newer Triton keeps a
+    possibly empty chain of hooks rather than None)."""
+    knobs = _RUNTIME_KNOBS
+    if knobs is None:
         return None, None
-    return _hook(_RUNTIME_KNOBS.launch_enter_hook), _hook(_RUNTIME_KNOBS.launch_exit_hook)
-
-
-def _hook(h):
-    # Newer Triton keeps a (possibly empty) chain of hooks rather than None.
-    return None if h is None or getattr(h, "calls", True) == [] else h
+    enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
+    return (None if enter is None or getattr(enter, "calls", True) == [] else enter,
+            None if leave is None or getattr(leave, "calls", True) == [] else leave)
 
 
 # Triton's own choice of the current stream (its CUDA driver), without its driver's proxy
