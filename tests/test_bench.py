@@ -8,7 +8,12 @@ import pytest
 import torch
 
 import rl_triton
-from rl_triton import bench, testing
+from rl_triton import testing
+from rl_triton.bench import anchor, calls, checks, cli, registry, report, timing
+from rl_triton.bench.suites import gradients
+from rl_triton.bench.suites import host as host_suite
+from rl_triton.bench.suites import losses as loss_suite
+from rl_triton.bench.suites import tokens as token_suite
 
 try:
     import torchrl  # noqa: F401
@@ -17,16 +22,16 @@ except Exception:  # noqa: BLE001 - not installed on the GPU machine
     HAS_TORCHRL = False
 
 
-@pytest.mark.parametrize("name", bench.ESTIMATORS)
-@pytest.mark.parametrize("layout", bench.LAYOUTS)
+@pytest.mark.parametrize("name", registry.ESTIMATORS)
+@pytest.mark.parametrize("layout", registry.LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_inputs_and_check(name, layout, dtype):
-    kw, nbytes = bench.make_inputs(name, 5, 37, layout, dtype, True, "cpu")
-    refs = bench.float64_result(name, kw)
+    kw, nbytes = registry.make_inputs(name, 5, 37, layout, dtype, True, "cpu")
+    refs = checks.float64_result(name, kw)
     out = getattr(rl_triton, name)(**kw, backend="torch")
-    assert bench.rel_err(out, refs, kw["time_dim"]) < 1e-5
+    assert checks.rel_err(out, refs, kw["time_dim"]) < 1e-5
     wrong = out[0] + 1e-2 if isinstance(out, tuple) else out + 1e-2
-    assert bench.rel_err(wrong, refs[:1], kw["time_dim"]) > 1e-5  # the check can fail
+    assert checks.rel_err(wrong, refs[:1], kw["time_dim"]) > 1e-5  # the check can fail
     tensors = [v for v in kw.values() if isinstance(v, torch.Tensor)]
     assert nbytes > sum(t.numel() * t.element_size() for t in tensors)  # outputs counted
 
@@ -34,13 +39,13 @@ def test_inputs_and_check(name, layout, dtype):
 def test_reports(tmp_path):
     env = dict(gpu="GPU", driver="1", torch="t", triton="tr", date="2026-11-29",
                copy_bandwidth_gbs=4000.0, launch_floor_device_us=4.0, launch_floor_full_us=13.0)
-    rows = [bench.Row("gae", s, "time-major", "float32", True, impl, 10**6, dev, dev + 10,
+    rows = [report.Row("gae", s, "time-major", "float32", True, impl, 10**6, dev, dev + 10,
                       0.5, 1e-7, copy_us=4.0)
             for s, base in (("128x128", 1.0), ("4096x128", 2.0))
             for impl, dev in (("rl_triton", 5.0 * base), ("torch", 50.0 * base))]
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(dict(env=env, rows=[asdict(r) for r in rows])))
-    bench.main(["--report", str(path), "--out", str(tmp_path / "r")])
+    cli.main(["--report", str(path), "--out", str(tmp_path / "r")])
     md = (tmp_path / "r" / "bench.md").read_text()
     assert "| gae | time-major | float32 | yes | 5 / 15 (0.50) | 10 / 20 (0.50) |" in md
     assert "| gae | torch | time-major | yes | 4.0x (10.0x) | 5.5x (10.0x) |" in md
@@ -53,39 +58,39 @@ def test_copies_copy(n, device):
     """Both copies whose faster one is the benchmark's same-bytes floor copy every value."""
     src = torch.randn(n, device=device)
     dst = torch.zeros_like(src)
-    for name, copy in bench.copies(src, dst).items():
+    for name, copy in timing.copies(src, dst).items():
         copy()
         assert torch.equal(dst, src), name
         dst.zero_()
 
 
 def test_rule_option():
-    assert bench.parse_rule("WALK_PROGRAMS_PER_SM=4,WINDOW=32") == dict(
+    assert cli.parse_rule("WALK_PROGRAMS_PER_SM=4,WINDOW=32") == dict(
         WALK_PROGRAMS_PER_SM=4, WINDOW=32)
     for bad in ("walk_programs_per_sm=4", "WINDOW=x", "NO_SUCH=1", "WINDOW"):
         with pytest.raises(argparse.ArgumentTypeError, match="is not NAME=<int>"):
-            bench.parse_rule(bad)
+            cli.parse_rule(bad)
 
 
 def test_tiles_option():
-    assert bench.parse_tiles("block_t=64,block_b=32,num_warps=4") == dict(
+    assert cli.parse_tiles("block_t=64,block_b=32,num_warps=4") == dict(
         block_t=64, block_b=32, num_warps=4)
-    assert bench.parse_tiles("walk=0,window=32") == dict(walk=False, window=32)
-    assert bench.parse_tiles("walk=1") == dict(walk=True)
-    assert bench.parse_tiles("sub=4,depth=1") == dict(sub=4, depth=1)
-    assert bench.parse_tiles("max_registers=80") == dict(max_registers=80)  # maxnreg
+    assert cli.parse_tiles("walk=0,window=32") == dict(walk=False, window=32)
+    assert cli.parse_tiles("walk=1") == dict(walk=True)
+    assert cli.parse_tiles("sub=4,depth=1") == dict(sub=4, depth=1)
+    assert cli.parse_tiles("max_registers=80") == dict(max_registers=80)  # maxnreg
     for bad in ("block_t=0", "blockt=64", "num_warps=four", "window", "walk=2"):
         with pytest.raises(argparse.ArgumentTypeError, match="is not one of"):
-            bench.parse_tiles(bad)
+            cli.parse_tiles(bad)
     env = dict(gpu="GPU", driver="1", torch="t", triton="tr", date="2026-11-29",
                copy_bandwidth_gbs=4000.0, launch_floor_device_us=4.0, launch_floor_full_us=13.0,
                tiles=dict(block_t=64))
-    row = bench.Row("gae", "128x128", "time-major", "float32", True, "rl_triton", 10**6, 5.0,
+    row = report.Row("gae", "128x128", "time-major", "float32", True, "rl_triton", 10**6, 5.0,
                     15.0, 0.5, 1e-7)
-    md = bench.markdown(dict(env=env, rows=[asdict(row)]))
+    md = report.markdown(dict(env=env, rows=[asdict(row)]))
     assert "Tile rule replaced by {'block_t': 64}" in md
     assert "--rule" not in md
-    assert "Rule constants changed: {'WINDOW': 32} (--rule)" in bench.markdown(
+    assert "Rule constants changed: {'WINDOW': 32} (--rule)" in report.markdown(
         dict(env=dict(env, tiles=None, rule={"WINDOW": 32}), rows=[asdict(row)]))
     assert "same bytes" not in md  # no copy time measured: no such table
 
@@ -129,26 +134,29 @@ def test_ab_tool_checks_every_variant_and_names_its_plan():
     assert "gae:3x40:batch-major:float32:mask base: relative error" in done.stdout
 
 
-@pytest.mark.parametrize("name", bench.ESTIMATORS)
+@pytest.mark.parametrize("name", registry.ESTIMATORS)
 def test_gradient_helpers(name):
     """`--modes bwd,fwd+bwd`: every floating input a leaf, the backward's minimal bytes, the
     gradient check (which can fail), and TorchRL's estimator giving our gradients."""
-    kw, _ = bench.make_inputs(name, 3, 17, "time-major", torch.float32, True, "cpu")
-    kw_g, leaves = bench.grad_inputs(kw)
+    kw, _ = registry.make_inputs(name, 3, 17, "time-major", torch.float32, True, "cpu")
+    kw_g, leaves = calls.grad_inputs(kw)
     assert leaves and all(t.requires_grad for t in leaves)
-    assert not any(kw_g[k].requires_grad for k in bench.NOT_DIFFERENTIABLE
-                   if isinstance(kw_g.get(k), torch.Tensor))
+    tensors = {k: v for k, v in kw_g.items() if isinstance(v, torch.Tensor)}
+    flags = [k for k, v in tensors.items() if not v.is_floating_point()]
+    assert flags and not any(tensors[k].requires_grad for k in flags)  # flags, actions
+    assert len(leaves) == len(tensors) - len(flags)
     n = kw["rewards" if "rewards" in kw else "x"].numel()
-    grads_and_flags = bench.N_OUT.get(name, 1) * n * 4 + n  # output gradients, one flag
-    assert bench.bwd_bytes(name, kw_g, leaves) > grads_and_flags
+    # output gradients, one flag
+    grads_and_flags = registry.n_out(name, kw) * n * 4 + n
+    assert registry.bwd_bytes(name, kw_g, leaves) > grads_and_flags
     fn = getattr(rl_triton, name)
-    bench.check_gradients(fn, kw_g, leaves, name, "3x17")
+    checks.check_gradients(fn, kw_g, leaves, name, "3x17")
     with pytest.raises(SystemExit, match="not timing a wrong gradient"):
-        bench.check_gradients(lambda **k: fn(**k) if k.get("backend") else tuple(
+        checks.check_gradients(lambda **k: fn(**k) if k.get("backend") else tuple(
             2 * o for o in (fn(**k) if isinstance(fn(**k), tuple) else (fn(**k),))),
             kw_g, leaves, name, "3x17")
-    assert len(bench.backward_fn(fn(**kw_g), leaves)()) == len(leaves)
-    f = bench.torchrl_fwd_bwd(name, kw_g)
+    assert len(calls.backward_fn(fn(**kw_g), leaves)()) == len(leaves)
+    f = gradients.torchrl_fwd_bwd(name, kw_g)
     if not HAS_TORCHRL:
         assert f is None
     elif name in ("gae", "lambda_returns", "vtrace", "discounted_returns"):
@@ -160,10 +168,10 @@ def test_gradient_helpers(name):
 @pytest.mark.skipif(not HAS_TORCHRL, reason="TorchRL not installed (the CPU suite has it)")
 def test_torchrl_baseline_computes_our_gradients():
     """The fwd+bwd baseline times the same gradients: TorchRL's GAE against ours."""
-    kw, _ = bench.make_inputs("gae", 3, 17, "time-major", torch.float32, True, "cpu")
-    kw_g, leaves = bench.grad_inputs(kw)
-    ours = bench.fwd_bwd_fn(lambda: rl_triton.gae(**kw_g), leaves)()
-    theirs = bench.torchrl_fwd_bwd("gae", kw_g)()  # d rewards, d values, d last_value
+    kw, _ = registry.make_inputs("gae", 3, 17, "time-major", torch.float32, True, "cpu")
+    kw_g, leaves = calls.grad_inputs(kw)
+    ours = calls.fwd_bwd_fn(lambda: rl_triton.gae(**kw_g), leaves)()
+    theirs = gradients.torchrl_fwd_bwd("gae", kw_g)()  # d rewards, d values, d last_value
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(b.reshape(a.shape[::-1]).T if a.ndim == 2 else
                                    b.reshape(a.shape), a, rtol=1e-5, atol=1e-5)
@@ -172,13 +180,13 @@ def test_torchrl_baseline_computes_our_gradients():
 def test_gradient_reports(tmp_path):
     env = dict(gpu="GPU", driver="1", torch="t", triton="tr", date="2026-12-02",
                copy_bandwidth_gbs=4000.0, launch_floor_device_us=4.0, launch_floor_full_us=13.0)
-    rows = [bench.Row("gae", "4096x128", "time-major", "float32", True, "rl_triton", 10**6,
+    rows = [report.Row("gae", "4096x128", "time-major", "float32", True, "rl_triton", 10**6,
                       10.0, 30.0, 0.5, 0.0, 8.0, "bwd"),
-            bench.Row("gae", "4096x128", "time-major", "float32", True, "rl_triton", 0,
+            report.Row("gae", "4096x128", "time-major", "float32", True, "rl_triton", 0,
                       20.0, 60.0, 0.0, 0.0, float("nan"), "fwd+bwd"),
-            bench.Row("gae", "4096x128", "time-major", "float32", True, "torch", 0,
+            report.Row("gae", "4096x128", "time-major", "float32", True, "torch", 0,
                       400.0, 1200.0, 0.0, 0.0, float("nan"), "fwd+bwd")]
-    md = bench.markdown(dict(env=env, rows=[asdict(r) for r in rows]))
+    md = report.markdown(dict(env=env, rows=[asdict(r) for r in rows]))
     assert "| gae | time-major | float32 | yes | 10 / 30 (0.80) |" in md
     assert "| gae | time-major | float32 | yes | 20 / 60 |" in md
     assert "| gae | time-major | float32 | yes | 20.0x (20.0x) |" in md
@@ -241,7 +249,7 @@ def test_token_cells_check(dtype):
     without padding; packed-unmasked: the padded one), and the check refuses a wrong one;
     minimal bytes as documented."""
     B, T = 5, 48
-    cells = list(bench.token_cells(B, T, dtype, "cpu", seed=3))
+    cells = list(token_suite.token_cells(B, T, dtype, "cpu", seed=3))
     assert [(c[0], c[1]) for c in cells] == [
         (call, kind) for kind in testing.TOKEN_KINDS + ("dense-packed", "packed-unmasked")
         for call in ("gae", "discounted_returns") + (("masked_whiten",) if kind == "multi-turn"
@@ -249,10 +257,10 @@ def test_token_cells_check(dtype):
     size = 2 if dtype is torch.bfloat16 else 4
     for call, kind, f, tokens, nbytes, ref in cells:
         out = f()
-        assert bench.rel_err(out, ref, 0) < 1e-5, (call, kind)
+        assert checks.rel_err(out, ref, 0) < 1e-5, (call, kind)
         with pytest.raises(SystemExit, match="not timing a wrong result"):
             wrong = out[0] if isinstance(out, tuple) else out
-            bench.check_result(bench.rel_err(wrong + 1e-2, ref[:1], 0), 1e-5, call)
+            checks.check_result(checks.rel_err(wrong + 1e-2, ref[:1], 0), 1e-5, call)
         packed = kind in ("packed", "dense-packed", "packed-unmasked")
         assert tokens == (B * T if not packed else int(testing.token_rows(
             B, T, "packed", seed=3)["cu_seqlens"][-1]))
@@ -262,10 +270,10 @@ def test_token_cells_check(dtype):
         rows = (1 if kind == "dense-packed" else B) if call == "gae" else 0  # last_value
         cu = 4 * (B + 1) if kind in ("packed", "packed-unmasked") else 0
         assert nbytes == tokens * per_token + 4 * rows + cu, (call, kind)
-    groups = list(bench.group_cells("cpu", n=96, groups=12))
+    groups = list(token_suite.group_cells("cpu", n=96, groups=12))
     assert [g[0] for g in groups] == ["group_size", "group_index"]
     for kind, f, nbytes, ref in groups:
-        assert bench.rel_err(f(), ref, 0) < 1e-5 and nbytes == 96 * (16 if kind ==
+        assert checks.rel_err(f(), ref, 0) < 1e-5 and nbytes == 96 * (16 if kind ==
                                                                       "group_index" else 8)
 
 
@@ -284,16 +292,16 @@ def test_framework_loops_compute_the_timed_calls(monkeypatch):
     rows = testing.token_rows(6, 80, "multi-turn", seed=4)
     m = rows["mask"]
     cells = {name: (theirs, mine) for name, _, theirs, mine in
-             bench.framework_cells(rows, fw, {})}
-    assert list(cells) == list(bench.FRAMEWORK_CALLS) and all(
+             token_suite.framework_cells(rows, fw, {})}
+    assert list(cells) == list(registry.FRAMEWORK_CALLS) and all(
         mine is None for _, mine in cells.values())
-    gae_kw, _ = bench.token_kwargs("gae", rows)
+    gae_kw, _ = token_suite.token_kwargs("gae", rows)
     adv, ret = rl_triton.gae(**gae_kw)
     v_adv, v_ret = cells["compute_gae_advantage_return"][0]()
     torch.testing.assert_close(v_ret[m], ret[m], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(v_adv[m], rl_triton.masked_whiten(adv, m)[m], rtol=1e-4,
                                atol=1e-4)
-    g = rl_triton.discounted_returns(**bench.token_kwargs("discounted_returns", rows)[0])
+    g = rl_triton.discounted_returns(**token_suite.token_kwargs("discounted_returns", rows)[0])
     _, rf_ret = cells["compute_reinforce_plus_plus_outcome_advantage"][0]()
     torch.testing.assert_close(rf_ret, g, rtol=1e-5, atol=1e-5)
     for name, _ in cells.values():  # OpenRLHF's: called with self=None
@@ -305,15 +313,15 @@ def test_framework_loops_compute_the_timed_calls(monkeypatch):
     for framework, owner in (("verl", fw.verl), ("openrlhf", fw.openrlhf)):
         module = types.ModuleType(f"rl_triton.integrations.{framework}")
         module.__spec__ = importlib.machinery.ModuleSpec(module.__name__, None)
-        for name, (f, _) in bench.FRAMEWORK_CALLS.items():
+        for name, (f, _) in registry.FRAMEWORK_CALLS.items():
             if f == framework:
                 setattr(module, name, getattr(owner, name))
         monkeypatch.setitem(sys.modules, module.__name__, module)
-    ours = bench.drop_ins()
+    ours = token_suite.drop_ins()
     assert sorted(ours) == ["openrlhf", "verl"]
-    for name, _, theirs, mine in bench.framework_cells(rows, fw, ours):
+    for name, _, theirs, mine in token_suite.framework_cells(rows, fw, ours):
         a, b = theirs(), mine()
-        assert bench.rel_err(b, tuple(t.double() for t in (a if isinstance(a, tuple) else (a,))),
+        assert checks.rel_err(b, tuple(t.double() for t in (a if isinstance(a, tuple) else (a,))),
                              0) == 0, name
 
 
@@ -331,14 +339,14 @@ def test_loop_budget(monkeypatch):
             return T
         return run
 
-    budget = bench.LoopBudget(0.3)
+    budget = token_suite.LoopBudget(0.3)
     full, out = budget.full_call_us("loop", loop(1000), 1000)
     assert out == 1000 and calls == [1000] * 4 and 2000 <= full < 20000
     full, _ = budget.full_call_us("loop", loop(10000), 10000)  # 80 ms of the 290 left
     assert calls[4:] == [10000] * 4 and full >= 20000
     assert budget.full_call_us("loop", loop(100000), 100000) == (None, None)  # 0.4 s > 0.2
     assert len(calls) == 8
-    assert bench.LoopBudget(0).full_call_us("new", loop(10), 10) == (None, None)
+    assert token_suite.LoopBudget(0).full_call_us("new", loop(10), 10) == (None, None)
     assert len(calls) == 8
 
 
@@ -350,7 +358,7 @@ def _token_env():
 def test_token_reports(tmp_path):
     """bench.md's token tables and tokens.png from a token-suite bench.json."""
     def row(call, kind, impl, dev, full, shape="512x4096", dtype="float32", **kw):
-        return asdict(bench.TokenRow(call, shape, dtype, kind, impl, 2**21, 10**7 if
+        return asdict(report.TokenRow(call, shape, dtype, kind, impl, 2**21, 10**7 if
                                      impl == "rl_triton" else 0, dev, full, **kw))
     nan = float("nan")
     rows = [row(c, k, "rl_triton", dev, full, shape=s, copy_us=6.0)
@@ -371,7 +379,7 @@ def test_token_reports(tmp_path):
                  shape="65536x8192")]
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(dict(env=_token_env(), suite="tokens", rows=rows)))
-    bench.main(["--report", str(path), "--out", str(tmp_path / "r")])
+    cli.main(["--report", str(path), "--out", str(tmp_path / "r")])
     md = (tmp_path / "r" / "bench.md").read_text()
     assert "| gae | 512x4096 | float32 | dense | 10.0 | 20.0 | 0.60 |  |  |  |" in md
     assert "| gae | 512x4096 | float32 | multi-turn | 12.0 | 30.0 | 0.50 | 1.20 / 1.50 |" in md
@@ -393,10 +401,11 @@ def test_token_suite_runs(tmp_path, monkeypatch):
     """`run_tokens` end to end on the CPU, with timing stubbed (it needs CUDA): every cell
     checked, the frameworks' loops beside the calls, bench.json marked as the token suite."""
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(bench, "device_and_full_us", lambda f, hold_cycles=0: (10.0, 20.0))
-    monkeypatch.setattr(bench, "same_bytes_copy_us", lambda nbytes, device: 5.0)
-    bench.run_tokens(["4x64", "2x256"], ["bfloat16", "float32"], _token_env(), "cpu", tmp_path,
-                     None, 60.0)
+    monkeypatch.setattr(timing, "device_full_host_us",
+                        lambda f, hold_cycles=0: (10.0, 20.0, 8.0))
+    monkeypatch.setattr(timing, "same_bytes_copy_us", lambda nbytes, device: 5.0)
+    token_suite.run_tokens(["4x64", "2x256"], ["bfloat16", "float32"], _token_env(), "cpu",
+                           tmp_path, None, 60.0)
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["suite"] == "tokens"
     rows = result["rows"]
@@ -412,9 +421,9 @@ def test_token_suite_runs(tmp_path, monkeypatch):
     try:
         testing.import_frameworks()
     except ImportError:
-        assert not [r for r in rows if r["call"] in bench.FRAMEWORK_CALLS]
+        assert not [r for r in rows if r["call"] in registry.FRAMEWORK_CALLS]
     else:
-        loops = [r for r in rows if r["call"] in bench.FRAMEWORK_CALLS]
+        loops = [r for r in rows if r["call"] in registry.FRAMEWORK_CALLS]
         # 4 framework functions x 2 shapes, each beside its drop-in
         assert len(loops) == 16 and all(r["full_us"] > 0 for r in loops)
         assert sum(r["impl"] == "drop-in" for r in loops) == 8
@@ -425,25 +434,25 @@ def test_token_suite_runs(tmp_path, monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suite would run")
 def test_token_suite_cli(tmp_path):
     with pytest.raises(SystemExit, match="needs a CUDA device"):
-        bench.main(["--suite", "tokens", "--shapes", "4x64", "--frameworks-max-seconds", "5",
+        cli.main(["--suite", "tokens", "--shapes", "4x64", "--frameworks-max-seconds", "5",
                     "--out", str(tmp_path)])
     with pytest.raises(SystemExit) as e:
-        bench.main(["--suite", "rollouts", "--out", str(tmp_path)])
+        cli.main(["--suite", "rollouts", "--out", str(tmp_path)])
     assert e.value.code == 2
 
 
 # ---- the losses suite (--suite losses) ---------------------------------------------------------
 
 def _loss_case(loss, variant):
-    return next(c for c in bench.LOSS_CASES if c[:2] == (loss, variant))
+    return next(c for c in registry.LOSS_CASES if c[:2] == (loss, variant))
 
 
 def _small_loss_inputs(case, dtype, seed=0):
     """The suite's inputs at a small, odd size: 6 rows of 37 tokens, or 222 samples."""
-    return bench.loss_kwargs(case, 6 * 37, dtype, "cpu", seed=seed, row=37)
+    return loss_suite.loss_kwargs(case, 6 * 37, dtype, "cpu", seed=seed, row=37)
 
 
-@pytest.mark.parametrize("case", bench.LOSS_CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+@pytest.mark.parametrize("case", registry.LOSS_CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_loss_formulas_match_torch_backend(case, dtype):
     """The eager baselines compute rl_triton's losses: each formula of LOSS_FORMULAS gives the
@@ -451,13 +460,13 @@ def test_loss_formulas_match_torch_backend(case, dtype):
     random output gradients."""
     loss = case[0]
     kw = _small_loss_inputs(case, dtype)
-    fn, formula = getattr(rl_triton, loss), bench.LOSS_FORMULAS[loss]
-    ours = bench.as_tuple(fn(**kw, backend="torch"))
-    assert bench.rel_err(bench.as_tuple(formula(**kw)), ours, 0) < 1e-6
+    fn, formula = getattr(rl_triton, loss), loss_suite.LOSS_FORMULAS[loss]
+    ours = calls.as_tuple(fn(**kw, backend="torch"))
+    assert checks.rel_err(calls.as_tuple(formula(**kw)), ours, 0) < 1e-6
     if loss == "crr_weights":
         return
-    kw_g, leaves = bench.grad_inputs(kw)
-    grads = bench.output_grads(bench.as_tuple(fn(**kw_g, backend="torch")))
+    kw_g, leaves = calls.grad_inputs(kw)
+    grads = calls.output_grads(calls.as_tuple(fn(**kw_g, backend="torch")))
     names = [k for k, v in kw_g.items() if any(v is t for t in leaves)]
 
     def per_sample(gs):
@@ -465,51 +474,52 @@ def test_loss_formulas_match_torch_backend(case, dtype):
         gradient, the formula gives it to the first, as the kernels (next test): their sum."""
         return tuple(g.float().sum(-1) if k == "next_q_values" else g for k, g in zip(names, gs))
 
-    want = bench.fwd_bwd_fn(lambda: fn(**kw_g, backend="torch"), leaves, grads)()
-    got = bench.fwd_bwd_fn(lambda: formula(**kw_g), leaves, grads)()
+    want = calls.fwd_bwd_fn(lambda: fn(**kw_g, backend="torch"), leaves, grads)()
+    got = calls.fwd_bwd_fn(lambda: formula(**kw_g), leaves, grads)()
     assert len(got) == len(leaves) == len(want)
-    assert bench.rel_err(per_sample(got), per_sample(want), 0) < 1e-6
+    assert checks.rel_err(per_sample(got), per_sample(want), 0) < 1e-6
 
 
 @pytest.mark.parametrize("variant", ["continuous K=2", "discrete A=18 K=2"])
 def test_sac_formula_breaks_ties_as_the_kernel(variant, device):
     """At a tie between critics the SAC formula's gradient goes to the first critic, as
     rl_triton's kernel's (float32: the same values without bfloat16's rounding)."""
-    kw = bench.loss_kwargs(_loss_case("sac_targets", variant), 300, torch.float32, device)
+    kw = loss_suite.loss_kwargs(_loss_case("sac_targets", variant), 300, torch.float32, device)
     q = kw["next_q_values"]
     q[::2, ..., 1] = q[::2, ..., 0]
-    kw, leaves = bench.grad_inputs(kw)
-    grads = bench.output_grads((rl_triton.sac_targets(**kw),))
-    want = bench.fwd_bwd_fn(lambda: rl_triton.sac_targets(**kw, backend="triton"), leaves,
+    kw, leaves = calls.grad_inputs(kw)
+    grads = calls.output_grads((rl_triton.sac_targets(**kw),))
+    want = calls.fwd_bwd_fn(lambda: rl_triton.sac_targets(**kw, backend="triton"), leaves,
                             grads)()
-    got = bench.fwd_bwd_fn(lambda: bench.LOSS_FORMULAS["sac_targets"](**kw), leaves, grads)()
+    got = calls.fwd_bwd_fn(lambda: loss_suite.LOSS_FORMULAS["sac_targets"](**kw), leaves, grads)()
     assert (got[1][::2, ..., 1] == 0).all()
-    assert bench.rel_err(got, want, 0) < 1e-6
+    assert checks.rel_err(got, want, 0) < 1e-6
 
 
 def test_loss_inputs_reach_every_branch():
     """The inputs exercise what each variant adds: the masks hold ~70% of the tokens, PPO's
     ratios fall past both clips and the dual clip, the value clip and the KL clamp bind, and
     bfloat16 critics tie (where the gradient goes to the first)."""
-    kw = bench.loss_kwargs(_loss_case("ppo_policy_loss", "mask, dual_clip=3"), 64 * 37,
+    kw = loss_suite.loss_kwargs(_loss_case("ppo_policy_loss", "mask, dual_clip=3"), 64 * 37,
                            torch.float32, "cpu", row=37)
     assert 0.6 < kw["mask"].float().mean() < 0.8 and kw["dual_clip"] == 3.0
     ratio = (kw["log_probs"] - kw["old_log_probs"]).exp()
     assert (ratio < 0.8).any() and (ratio > 1.2).any()
     assert ((ratio > kw["dual_clip"]) & (kw["advantages"] < 0)).any()
-    kw = bench.loss_kwargs(_loss_case("value_loss", "mask, clip=0.2"), 64 * 37, torch.float32,
+    kw = loss_suite.loss_kwargs(_loss_case("value_loss", "mask, clip=0.2"), 64 * 37, torch.float32,
                            "cpu", row=37)
     assert ((kw["values"] - kw["old_values"]).abs() > kw["clip"]).any()
-    kw = bench.loss_kwargs(_loss_case("kl_penalty", "k3, clamp=10"), 64 * 37, torch.float32,
+    kw = loss_suite.loss_kwargs(_loss_case("kl_penalty", "k3, clamp=10"), 64 * 37, torch.float32,
                            "cpu", row=37)
-    assert (bench.LOSS_FORMULAS["kl_penalty"](kw["log_probs"], kw["ref_log_probs"], 1e9)
+    assert (loss_suite.LOSS_FORMULAS["kl_penalty"](kw["log_probs"], kw["ref_log_probs"], 1e9)
             > kw["clamp"]).any()
     for variant, shape in (("continuous K=2", (4096, 2)), ("discrete A=18 K=2", (4096, 18, 2))):
-        kw = bench.loss_kwargs(_loss_case("sac_targets", variant), 4096, torch.bfloat16, "cpu")
+        kw = loss_suite.loss_kwargs(_loss_case("sac_targets", variant), 4096, torch.bfloat16, "cpu")
         q = kw["next_q_values"]
         assert q.shape == shape and (q[..., 0] == q[..., 1]).any()
         assert 0 < kw["terminated"].float().mean() < 0.1
-    kw = bench.loss_kwargs(_loss_case("sac_targets", "discrete A=18 K=2"), 5, torch.float32, "cpu")
+    kw = loss_suite.loss_kwargs(_loss_case("sac_targets", "discrete A=18 K=2"), 5, torch.float32,
+                                "cpu")
     torch.testing.assert_close(kw["next_probs"].sum(-1), torch.ones(5))
     torch.testing.assert_close(kw["next_log_probs"].exp(), kw["next_probs"])
 
@@ -519,45 +529,47 @@ def test_loss_bytes():
     gradients read and the input gradients written."""
     kw = _small_loss_inputs(_loss_case("ppo_policy_loss", "mask"), torch.bfloat16)
     n = 6 * 37
-    outs = bench.as_tuple(rl_triton.ppo_policy_loss(**kw))
-    assert bench.loss_bytes(kw, outs, [], []) == n * (3 * 2 + 1) + 3 * 4
-    kw_g, leaves = bench.grad_inputs(kw)
-    outs = bench.as_tuple(rl_triton.ppo_policy_loss(**kw_g))
-    grads = bench.output_grads(outs)
+    outs = calls.as_tuple(rl_triton.ppo_policy_loss(**kw))
+    assert loss_suite.loss_bytes(kw, outs, [], []) == n * (3 * 2 + 1) + 3 * 4
+    kw_g, leaves = calls.grad_inputs(kw)
+    outs = calls.as_tuple(rl_triton.ppo_policy_loss(**kw_g))
+    grads = calls.output_grads(outs)
     assert len(grads) == 2  # loss and approx_kl; clip_fraction has no gradient
-    assert bench.loss_bytes(kw_g, outs, grads, leaves) == n * (3 * 2 + 1 + 3 * 2) + 3 * 4 + 2 * 4
+    assert loss_suite.loss_bytes(kw_g, outs, grads, leaves) == (n * (3 * 2 + 1 + 3 * 2) + 3 * 4
+                                                                 + 2 * 4)
     case = _loss_case("sac_targets", "discrete A=18 K=2")
-    kw = bench.loss_kwargs(case, 10, torch.float32, "cpu")
+    kw = loss_suite.loss_kwargs(case, 10, torch.float32, "cpu")
     y = rl_triton.sac_targets(**kw)
     per_sample = 4 + 1 + 18 * 2 * 4 + 18 * 4 + 18 * 4 + 4  # r, term, Q, log pi, pi; y
-    assert bench.loss_bytes(kw, (y,), [], []) == 10 * per_sample
+    assert loss_suite.loss_bytes(kw, (y,), [], []) == 10 * per_sample
 
 
-@pytest.mark.parametrize("case", bench.LOSS_CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+@pytest.mark.parametrize("case", registry.LOSS_CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 def test_loss_formulas_trace_whole(case):
     """The compile baseline compiles each formula into one graph (no graph break), forward and
     backward: dynamo and AOT autograd (backend aot_eager: no code generation on the CPU)."""
     loss = case[0]
-    formula = bench.LOSS_FORMULAS[loss]
+    formula = loss_suite.LOSS_FORMULAS[loss]
     torch._dynamo.reset()
     compiled = torch.compile(formula, backend="aot_eager", fullgraph=True, dynamic=False)
     kw = _small_loss_inputs(case, torch.float32)
     if loss != "crr_weights":
-        kw, leaves = bench.grad_inputs(kw)
-    want = bench.as_tuple(formula(**kw))
-    assert bench.rel_err(bench.as_tuple(compiled(**kw)), want, 0) < 1e-6
+        kw, leaves = calls.grad_inputs(kw)
+    want = calls.as_tuple(formula(**kw))
+    assert checks.rel_err(calls.as_tuple(compiled(**kw)), want, 0) < 1e-6
     if loss != "crr_weights":
-        grads = bench.output_grads(want)
-        assert bench.rel_err(bench.fwd_bwd_fn(lambda: compiled(**kw), leaves, grads)(),
-                             bench.fwd_bwd_fn(lambda: formula(**kw), leaves, grads)(), 0) < 1e-6
+        grads = calls.output_grads(want)
+        assert checks.rel_err(calls.fwd_bwd_fn(lambda: compiled(**kw), leaves, grads)(),
+                             calls.fwd_bwd_fn(lambda: formula(**kw), leaves, grads)(), 0) < 1e-6
 
 
 def _stub_timing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(bench, "device_and_full_us", lambda f, hold_cycles=0: (10.0, 20.0))
-    monkeypatch.setattr(bench, "same_bytes_copy_us", lambda nbytes, device: 5.0)
+    monkeypatch.setattr(timing, "device_full_host_us",
+                        lambda f, hold_cycles=0: (10.0, 20.0, 8.0))
+    monkeypatch.setattr(timing, "same_bytes_copy_us", lambda nbytes, device: 5.0)
     # inductor would build C++ on the CPU (minutes): the formulas' graphs are tested above
-    monkeypatch.setattr(bench, "compiled_formula", lambda formula: formula)
+    monkeypatch.setattr(loss_suite, "compiled_formula", lambda formula: formula)
 
 
 def test_loss_suite_runs(tmp_path, monkeypatch, device):
@@ -565,21 +577,21 @@ def test_loss_suite_runs(tmp_path, monkeypatch, device):
     and torch.compile stubbed): one row per case, mode, size, dtype and implementation, every
     baseline checked against rl_triton, bench.json marked as the losses suite."""
     _stub_timing(monkeypatch)
-    bench.run_losses([1024], ["bfloat16", "float32"], _token_env(), device, tmp_path, None)
+    loss_suite.run_losses([1024], ["bfloat16", "float32"], _token_env(), device, tmp_path, None)
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["suite"] == "losses"
     rows = result["rows"]
-    want = {(loss, variant, mode, 1024, dt, impl) for loss, variant, _, modes in bench.LOSS_CASES
+    want = {(loss, variant, mode, 1024, dt, impl) for loss, variant, _, modes in registry.LOSS_CASES
             for mode in modes for dt in ("bfloat16", "float32")
             for impl in ("rl_triton", "eager", "compile")}
     assert len(rows) == len(want) == 2 * 3 * 9
     assert {(r["loss"], r["variant"], r["mode"], r["tokens"], r["dtype"], r["impl"])
             for r in rows} == want
     for r in rows:
-        assert r["rel_err"] < bench.LOSS_OUTPUT_TOL, r
+        assert r["rel_err"] < registry.LOSS_OUTPUT_TOL, r
         # bfloat16 gradients: the interpreter rounds float32 to bfloat16 toward zero (the GPU
         # to nearest), about one unit in the last place on half the values
-        assert (r["grad_rel_err"] < bench.LOSS_GRAD_TOL) == (r["mode"] == "fwd+bwd"), r
+        assert (r["grad_rel_err"] < registry.LOSS_GRAD_TOL) == (r["mode"] == "fwd+bwd"), r
         assert r["bytes"] > 1024
     md = (tmp_path / "bench.md").read_text()
     assert "Losses (`--suite losses`" in md and "| ppo_policy_loss | mask | fwd+bwd | 2^10 |" in md
@@ -588,20 +600,20 @@ def test_loss_suite_runs(tmp_path, monkeypatch, device):
 
 def test_loss_suite_refuses_a_wrong_formula_and_stops_in_time(tmp_path, monkeypatch, device):
     _stub_timing(monkeypatch)
-    monkeypatch.setattr(bench, "LOSS_CASES", [_loss_case("value_loss", "mask, clip=0.2")])
-    formula = bench.LOSS_FORMULAS["value_loss"]
-    monkeypatch.setitem(bench.LOSS_FORMULAS, "value_loss",
+    monkeypatch.setattr(registry, "LOSS_CASES", [_loss_case("value_loss", "mask, clip=0.2")])
+    formula = loss_suite.LOSS_FORMULAS["value_loss"]
+    monkeypatch.setitem(loss_suite.LOSS_FORMULAS, "value_loss",
                         lambda clip, **kw: formula(clip=2 * clip, **kw))
     with pytest.raises(SystemExit, match="eager value_loss .* not timing a wrong result"):
-        bench.run_losses([1024], ["float32"], _token_env(), device, tmp_path, None)
-    bench.run_losses([1024], ["float32"], _token_env(), device, tmp_path, 0.0)  # --max-seconds
+        loss_suite.run_losses([1024], ["float32"], _token_env(), device, tmp_path, None)
+    loss_suite.run_losses([1024], ["float32"], _token_env(), device, tmp_path, 0.0)  # --max-seconds
     assert json.loads((tmp_path / "bench.json").read_text())["rows"] == []
 
 
 def test_loss_reports(tmp_path):
     """bench.md's losses table and targets and losses.png from a losses-suite bench.json."""
     def row(loss, variant, mode, tokens, dtype, impl, dev, full, nbytes=2**26):
-        return asdict(bench.LossRow(loss, variant, mode, tokens, dtype, impl, nbytes, dev, full,
+        return asdict(report.LossRow(loss, variant, mode, tokens, dtype, impl, nbytes, dev, full,
                                     0.8 * dev if impl == "rl_triton" else 1.0, 0.0))
     rows = []
     for tokens, scale in ((2**20, 1.0), (2**22, 4.0)):
@@ -617,7 +629,7 @@ def test_loss_reports(tmp_path):
     rows[0]["full_us"] = 30.0  # ppo at 2^20 float32: 5.3x eager, 1.7x compile
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(dict(env=_token_env(), suite="losses", rows=rows)))
-    bench.main(["--report", str(path), "--out", str(tmp_path / "r")])
+    cli.main(["--report", str(path), "--out", str(tmp_path / "r")])
     md = (tmp_path / "r" / "bench.md").read_text()
     assert ("| loss | variant | mode | tokens | dtype | MB | device µs | full µs | of copy | "
             "eager µs | vs eager | compile µs | vs compile |") in md
@@ -645,13 +657,13 @@ def test_loss_reports(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suite would run")
 def test_loss_suite_cli(tmp_path):
     with pytest.raises(SystemExit, match="needs a CUDA device"):
-        bench.main(["--suite", "losses", "--out", str(tmp_path)])
+        cli.main(["--suite", "losses", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="needs a CUDA device"):
-        bench.main(["--suite", "losses", "--shapes", "1024,4096", "--dtypes", "float32",
+        cli.main(["--suite", "losses", "--shapes", "1024,4096", "--dtypes", "float32",
                     "--max-seconds", "60", "--out", str(tmp_path)])
     for bad in ("1000", "4096x128", "0"):
         with pytest.raises(SystemExit) as e:
-            bench.main(["--suite", "losses", "--shapes", bad, "--out", str(tmp_path)])
+            cli.main(["--suite", "losses", "--shapes", bad, "--out", str(tmp_path)])
         assert e.value.code == 2
 
 
@@ -708,7 +720,7 @@ Forward plus backward: speedup of rl_triton over autograd through TorchRL's esti
 
 
 def _default_rows():
-    R = bench.Row
+    R = report.Row
     nan = float("nan")
     tm = ("time-major", "float32", True)
     return [R("gae", "128x128", *tm, "rl_triton", 10**6, 5.0, 15.0, 0.5, 1e-7, 4.0),
@@ -729,6 +741,6 @@ def test_default_report_unchanged(tmp_path):
     env = dict(_token_env(), date="2026-12-05")
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(dict(env=env, rows=[asdict(r) for r in _default_rows()])))
-    bench.main(["--report", str(path), "--out", str(tmp_path / "r")])
+    cli.main(["--report", str(path), "--out", str(tmp_path / "r")])
     assert (tmp_path / "r" / "bench.md").read_text() == DEFAULT_REPORT
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["bench.md", "bench.png"]

@@ -7,12 +7,12 @@ rl_triton/scan/tiles.py against measurements: docs/dev/tile-rule.md):
 A problem is estimator:NxT:tm|bm, then optionally :bf16, :notrunc (no truncation flags), :mask
 (a mask of ~70% decision steps, semantics §7) and :bwd (the backward pass alone, every floating
 input requiring grad, as `python -m rl_triton.bench --modes bwd` times it), as for
-`tools/registers.py`; its inputs are the benchmark's (`rl_triton.bench.make_inputs`). A
+`tools/registers.py`; its inputs are the benchmark's (`rl_triton.bench.registry.make_inputs`). A
 variant is a label, then optionally |rule:NAME=value,... (constants of the rule, as
 `python -m rl_triton.bench --rule`) and |tiles:field=value,... (tile fields forced, as
 `--tiles`); the first variant is the reference of the ratios. Every variant's plan is printed
 and its result checked against float64 before any timing; then each round times every variant
-once (`rl_triton.bench.device_time_us`, a fresh plan each time), and the medians are printed
+once (`rl_triton.bench.timing.device_time_us`, a fresh plan each time), and the medians are printed
 with their ratio to the first variant's. Without a GPU (`TRITON_INTERPRET=1`), only the plans
 and the checks."""
 import argparse
@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 import rl_triton  # noqa: E402
-from rl_triton import _plans, bench  # noqa: E402
+from rl_triton import _plans  # noqa: E402
+from rl_triton.bench import calls, checks, cli, registry, timing  # noqa: E402
 from rl_triton.scan import tiles  # noqa: E402
 
 PLAN_FIELDS = ("BLOCK_T", "BLOCK_B", "num_warps", "maxnreg", "WALK", "LOOKBACK", "WINDOW",
@@ -39,7 +40,7 @@ def parse_problem(s):
     if layout not in ("tm", "bm") or not set(extra) <= {"bf16", "notrunc", "mask", "bwd"}:
         raise argparse.ArgumentTypeError(
             f"{s!r} is not estimator:NxT:tm|bm[:bf16][:notrunc][:mask][:bwd]")
-    N, T = bench.parse_shape(shape)
+    N, T = registry.parse_shape(shape)
     return dict(name=name, N=N, T=T, layout="time-major" if layout == "tm" else "batch-major",
                 dtype=torch.bfloat16 if "bf16" in extra else torch.float32,
                 truncation="notrunc" not in extra, mask="mask" in extra, bwd="bwd" in extra)
@@ -51,9 +52,9 @@ def parse_variant(s):
     for part in parts:
         kind, _, body = part.partition(":")
         if kind == "rule":
-            rule.update(bench.parse_rule(body))
+            rule.update(cli.parse_rule(body))
         elif kind == "tiles":
-            forced.update(bench.parse_tiles(body))
+            forced.update(cli.parse_tiles(body))
         else:
             raise argparse.ArgumentTypeError(f"{part!r} is not rule:... or tiles:...")
     return label, rule, forced
@@ -86,7 +87,7 @@ def main(argv=None):
         spec = (f"{prob['name']}:{prob['N']}x{prob['T']}:{prob['layout']}:"
                 f"{str(prob['dtype'])[6:]}{'' if prob['truncation'] else ':notrunc'}"
                 f"{':mask' if prob['mask'] else ''}{':bwd' if prob['bwd'] else ''}")
-        kw, nbytes = bench.make_inputs(prob["name"], prob["N"], prob["T"], prob["layout"],
+        kw, nbytes = registry.make_inputs(prob["name"], prob["N"], prob["T"], prob["layout"],
                                        prob["dtype"], prob["truncation"], device, seed=1)
         if prob["mask"]:  # one byte a step more
             first = kw.get("rewards", next(iter(kw.values())))
@@ -96,24 +97,24 @@ def main(argv=None):
         name = prob["name"]
         call = functools.partial(getattr(rl_triton, name), **({} if gpu else
                                                                {"backend": "triton"}))
-        if prob["bwd"]:  # the backward alone, on the forward's graph (`bench.backward_fn`)
-            kw, leaves = bench.grad_inputs(kw)
-            nbytes = bench.bwd_bytes(name, kw, leaves)
+        if prob["bwd"]:  # the backward alone, on the forward's graph (`calls.backward_fn`)
+            kw, leaves = calls.grad_inputs(kw)
+            nbytes = registry.bwd_bytes(name, kw, leaves)
 
             def timed():
-                return bench.backward_fn(call(**kw), leaves)
+                return calls.backward_fn(call(**kw), leaves)
         else:
-            refs = bench.float64_result(name, kw)
+            refs = checks.float64_result(name, kw)
 
             def timed():
                 return functools.partial(call, **kw)
         for label, rule, forced in variants:
             with variant(rule, forced):
                 if prob["bwd"]:  # exits on a wrong gradient
-                    bench.check_gradients(call, kw, leaves, name, spec)
+                    checks.check_gradients(call, kw, leaves, name, spec)
                     err = 0.0
                 else:
-                    err = bench.rel_err(timed()(), refs, kw["time_dim"])
+                    err = checks.rel_err(timed()(), refs, kw["time_dim"])
                 plan = list(_plans._PLANS.values())[-1]  # the backward's after the forward's
             meta = " ".join(f"{k}={plan.meta[k]}" for k in PLAN_FIELDS if k in plan.meta)
             print(f"  {spec} {label}: relative error {err:.1e}, grid {plan.grid[0]}, {meta}",
@@ -122,17 +123,17 @@ def main(argv=None):
                 sys.exit(f"{spec} {label}: relative error {err:.3g}; not timing a wrong result")
         if not gpu:
             continue
-        hold = bench._HOLD_CYCLES_GRAD if prob["bwd"] else bench._HOLD_CYCLES
+        hold = timing._HOLD_CYCLES_GRAD if prob["bwd"] else timing._HOLD_CYCLES
         times = {label: [] for label, _, _ in variants}
         for _ in range(args.rounds):
             for label, rule, forced in variants:
                 with variant(rule, forced):
                     fn = timed()
                     fn()
-                    times[label].append(bench.device_time_us(fn, hold_cycles=hold))
+                    times[label].append(timing.device_time_us(fn, hold_cycles=hold))
         ref = statistics.median(times[variants[0][0]])
         line = (f"{spec}: {nbytes / 1e6:.1f} MB, same-bytes copy "
-                f"{bench.same_bytes_copy_us(nbytes, device):.1f} us")
+                f"{timing.same_bytes_copy_us(nbytes, device):.1f} us")
         for label, _, _ in variants:
             m = statistics.median(times[label])
             line += f" | {label} {m:.1f} ({m / ref:.3f})"

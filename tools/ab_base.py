@@ -66,19 +66,20 @@ def prepare(rev: str, name: str = "rl_triton_base") -> None:
 
 
 def cells(min_mb: float):
-    from rl_triton import bench
+    from rl_triton.bench import registry
     out = []
-    for name in bench.ESTIMATORS:
-        for shape in SHAPES or bench.SHAPES:
-            N, T = bench.parse_shape(shape)
-            for layout in bench.LAYOUTS:
-                for dt in DTYPES or bench.DTYPES:
+    for name in registry.ESTIMATORS:
+        for shape in SHAPES or registry.SHAPES:
+            N, T = registry.parse_shape(shape)
+            for layout in registry.LAYOUTS:
+                for dt in DTYPES or registry.DTYPES:
                     for trunc in TRUNCATION:
                         if not trunc and name in ("eligibility_traces", "episodic_cumsum"):
                             continue  # their flags are the dones either way
                         # bytes are linear in the steps and the rows: from 1x1 and 1x2
-                        one, two = (bench.make_inputs(name, 1, t, layout, bench.DTYPES[dt],
-                                                      trunc, "cpu")[1] for t in (1, 2))
+                        one, two = (registry.make_inputs(name, 1, t, layout,
+                                                         registry.DTYPES[dt], trunc, "cpu")[1]
+                                    for t in (1, 2))
                         nbytes = N * T * (two - one) + N * (2 * one - two)
                         c = (name, N, T, layout, dt, trunc, nbytes)
                         if nbytes >= min_mb * 1e6 and (
@@ -98,30 +99,30 @@ def _fns(c, device):
     their backward passes, on graphs built here), and `check()`, which exits unless both
     results (gradients) match float64."""
     import rl_triton_base
-    from rl_triton import bench
+    from rl_triton.bench import calls, checks, registry
     rl_triton = __import__(NEW)
     name, N, T, layout, dt, trunc, nbytes = c
-    kw, _ = bench.make_inputs(name, N, T, layout, bench.DTYPES[dt], trunc, device, seed=1)
+    kw, _ = registry.make_inputs(name, N, T, layout, registry.DTYPES[dt], trunc, device, seed=1)
     # Retrace's action check (a reduction and a sync, which the base did not have) is timed
     # apart (`full-call`): kernel against kernel here
     extra = {"check_actions": False} if name == "retrace" else {}
     fn_new = functools.partial(getattr(rl_triton, name), **extra)
     fn_base = getattr(rl_triton_base, name)
     if BWD:
-        kw, leaves = bench.grad_inputs(kw)
-        new = bench.backward_fn(fn_new(**kw), leaves)
-        base = bench.backward_fn(fn_base(**kw), leaves)
+        kw, leaves = calls.grad_inputs(kw)
+        new = calls.backward_fn(fn_new(**kw), leaves)
+        base = calls.backward_fn(fn_base(**kw), leaves)
 
         def check():  # exits on a wrong gradient
             for fn in (fn_new, fn_base):
-                bench.check_gradients(fn, kw, leaves, name, _label(c))
+                checks.check_gradients(fn, kw, leaves, name, _label(c))
     else:
         new = functools.partial(fn_new, **kw)
         base = functools.partial(fn_base, **kw)
 
         def check():
-            refs = bench.float64_result(name, kw)
-            errs = [bench.rel_err(f(), refs, kw["time_dim"]) for f in (new, base)]
+            refs = checks.float64_result(name, kw)
+            errs = [checks.rel_err(f(), refs, kw["time_dim"]) for f in (new, base)]
             if not max(errs) < 1e-5:
                 sys.exit(f"{_label(c)}: relative errors {errs}; not timing a wrong result")
     return new, base, check
@@ -139,16 +140,16 @@ def warm(shard: str, min_mb: float) -> None:
 
 def time_cells(min_mb: float, rounds: int, rep_ms: float, out: str) -> None:
     import torch
-    from rl_triton import bench
+    from rl_triton.bench import timing
     rows = []
     for c in cells(min_mb):
         new, base, check = _fns(c, "cuda")
         check()
-        hold = bench._HOLD_CYCLES_GRAD if BWD else bench._HOLD_CYCLES
+        hold = timing._HOLD_CYCLES_GRAD if BWD else timing._HOLD_CYCLES
         t_new, t_base = [], []
         for _ in range(rounds):
-            t_new.append(bench.device_time_us(new, rep_ms=rep_ms, hold_cycles=hold))
-            t_base.append(bench.device_time_us(base, rep_ms=rep_ms, hold_cycles=hold))
+            t_new.append(timing.device_time_us(new, rep_ms=rep_ms, hold_cycles=hold))
+            t_base.append(timing.device_time_us(base, rep_ms=rep_ms, hold_cycles=hold))
         row = dict(cell=_label(c), mb=c[-1] / 1e6, new_us=statistics.median(t_new),
                    base_us=statistics.median(t_base))
         row["ratio"] = row["new_us"] / row["base_us"]
@@ -173,11 +174,7 @@ def full_call(package: str, calls: int) -> None:
     `package` ("rl_triton", "rl_triton_base", or "paper": rl-triton 0.1.3's compute_gae,
     batch-major only, importable as rl_triton from PAPER_PATH)."""
     import torch
-    from rl_triton import bench
-    if package == "paper":  # its package is named rl_triton too: ours leaves sys.modules
-        for name in [m for m in sys.modules if m.split(".")[0] == "rl_triton"]:
-            del sys.modules[name]
-        sys.path.insert(0, os.environ["PAPER_PATH"])
+    from rl_triton.bench import anchor, registry, timing
     N, T = 4096, 128
     g = torch.Generator(device="cuda").manual_seed(0)
     for layout in ("batch-major", "time-major"):
@@ -188,26 +185,26 @@ def full_call(package: str, calls: int) -> None:
         if package == "paper":
             if layout != "batch-major":
                 continue
-            import rl_triton as paper
+            paper = anchor.load(os.environ["PAPER_PATH"])  # also named rl_triton
             fn = functools.partial(paper.compute_gae, r, v, term.float(), gamma=0.99,
                                    lambda_=0.95, last_value=lv)
         else:
             mod = __import__(package)
             fn = functools.partial(mod.gae, r, v, term, last_value=lv,
                                    time_dim=1 if layout == "batch-major" else 0)
-        us = bench.full_call_us(fn, calls=calls, warmup=50)
+        us = timing.full_call_us(fn, calls=calls, warmup=50)
         one = torch.zeros(1, device="cuda")
-        floor = bench.full_call_us(lambda: one.add_(1), calls=calls)
+        floor = timing.full_call_us(lambda: one.add_(1), calls=calls)
         print(json.dumps(dict(package=package, host=os.environ.get("RL_TRITON_HOST", ""),
                               layout=layout, full_call_us=us, launch_floor_us=floor)),
               flush=True)
     if package == "rl_triton":  # the cost of Retrace's action check, full call and device time
-        kw, _ = bench.make_inputs("retrace", N, T, "batch-major", torch.float32, True, "cuda")
+        kw, _ = registry.make_inputs("retrace", N, T, "batch-major", torch.float32, True, "cuda")
         for check in (True, False):
             fn = functools.partial(mod.retrace, **kw, check_actions=check)
             print(json.dumps(dict(retrace_4096x128_check_actions=check,
-                                  full_call_us=bench.full_call_us(fn, calls=calls, warmup=50),
-                                  device_us=bench.device_time_us(fn))), flush=True)
+                                  full_call_us=timing.full_call_us(fn, calls=calls, warmup=50),
+                                  device_us=timing.device_time_us(fn))), flush=True)
 
 
 def main():

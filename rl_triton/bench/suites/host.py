@@ -1,0 +1,193 @@
+"""`--suite host`: the host path, what the CPU spends in one call before it returns.
+
+For every estimator and shape (N x T), both layouts, every input dtype and bool and float32
+flags: host time and full-call time of rl_triton's public call, beside
+- the bound: the same compiled scan kernel (the plan the call cached) launched bare from Python,
+  its arguments precomputed, after its outputs' `torch.empty`, nothing else (`bare_launch`): what
+  no Python host path can beat;
+- the anchor: rl-triton 0.1.3, the paper's library (`--anchor-path`, `bench.anchor`), once per
+  estimator and shape in the only layout and dtype it takes (batch-major float32, float32 flags);
+then Retrace, group_advantages, masked_whiten and every loss at 4096x128, against GAE's host
+time. The launch floor (`x.add_(1)`, host and full call) is in the run's environment. Every
+result is checked before it is timed: rl_triton's against float64, the bound's and the
+anchor's against rl_triton's.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+import time
+
+import torch
+
+import rl_triton
+from rl_triton import reference, testing
+from rl_triton.scan import launch as scan_launch
+
+from .. import anchor, registry, report, timing
+from ..calls import as_tuple, call_of
+from ..checks import check_result, float64_result, rel_err
+from ..registry import HOST_OTHERS_SHAPE, LOSS_OUTPUT_TOL
+from ..report import HostRow
+from .losses import LOSS_FORMULAS, loss_kwargs
+from .tokens import group_float64
+
+ANCHOR_TOL = 1e-4  # the anchor against rl_triton: two float32 scans, in other orders
+
+
+@contextlib.contextmanager
+def launches():
+    """The scan launches made inside the block (`rl_triton.scan.launch.Launch.run`), as (plan,
+    its arguments by name)."""
+    seen = []
+    run = scan_launch.Launch.run
+    signature = inspect.signature(run)
+
+    def record(plan, *args, **kwargs):
+        bound = signature.bind(plan, *args, **kwargs)
+        bound.apply_defaults()
+        seen.append((plan, bound.arguments))
+        return run(plan, *args, **kwargs)
+
+    scan_launch.Launch.run = record
+    try:
+        yield seen
+    finally:
+        scan_launch.Launch.run = run
+
+
+def bare_launch(fn, kw, what=""):
+    """(launch, the call's outputs): `launch()` runs the compiled kernel of the plan that
+    `fn(**kw)` launches (one scan launch), on the same inputs, as `Launch`'s own fast path does
+    but with every argument but the outputs' addresses computed here once: two (`n_out`)
+    `torch.empty` and the kernel's launcher. Refuses a call that is not one compiled launch."""
+    fn(**kw)  # the plan built and its kernel compiled
+    with launches() as seen:
+        outs = as_tuple(fn(**kw))
+    if len(seen) != 1:
+        raise SystemExit(f"{what}: {len(seen)} scan launches in one call; the bound is one")
+    plan, a = seen[0]
+    kernel = plan.compiled
+    if kernel is None:
+        raise SystemExit(f"{what}: the bound needs the compiled kernel (a GPU, not Triton's "
+                         "interpreter)")
+    x, rows, cu = a["x"], a["rows"], a["cu"]
+    stream = scan_launch._stream(plan.device_index)
+    _, state = plan._state(stream)
+    slot = object()  # where the outputs' addresses go
+    args = plan._args(tuple(0 if i is None else x[i].data_ptr() for i in plan.src), slot,
+                      0 if plan.init_src is None else x[plan.init_src].data_ptr(), state,
+                      a["scalars"], 0 if rows is None else rows.data_ptr(),
+                      None if cu is None else cu.data_ptr())
+    k = next(i for i, v in enumerate(args) if v is slot)
+    head = (plan.grid[0], plan.grid[1], 1, stream, kernel.function, kernel.packed_metadata,
+            None, None, None, *args[:k])  # no launch metadata, no hooks
+    tail = (*args[k + 1:], *plan.tail)
+    shapes, dtype, device, run = plan.output_shapes(), plan.out_dtype, plan.device, kernel.run
+
+    def launch():
+        new = [torch.empty(s, dtype=dtype, device=device) for s in shapes]
+        run(*head, tuple([o.data_ptr() for o in new]), *tail)
+        return new
+
+    return launch, outs
+
+
+def estimator_cells(name, shape, layouts, dtypes, flags, device, seed=0, anchor_module=None):
+    """The timed calls of one estimator and shape, each checked first: (layout, dtype, flags,
+    impl, fn, relative error) of rl_triton's call and its bound (`bare_launch`) in every layout,
+    dtype and flags, then the anchor's call where there is one."""
+    N, T = registry.parse_shape(shape)
+    fn = getattr(rl_triton, name)
+    for layout, dt, fl in itertools.product(layouts, dtypes, flags):
+        what = f"{name} {shape} {layout} {dt} {fl} flags"
+        kw, _ = registry.make_inputs(name, N, T, layout, registry.DTYPES[dt], False, device,
+                                     seed, flag_dtype=registry.FLAG_DTYPES[fl])
+        f = call_of(fn, kw)
+        err = rel_err(f(), float64_result(name, kw), kw["time_dim"])
+        check_result(err, 1e-5, what)
+        yield layout, dt, fl, "rl_triton", f, err
+        bound, want = bare_launch(fn, kw, what)
+        if not all(torch.equal(a, b) for a, b in zip(bound(), want)):
+            raise SystemExit(f"{what}: the bare launch's outputs differ from the call's; not "
+                             "timing it")
+        yield layout, dt, fl, "bound", bound, 0.0
+    if anchor_module is None:
+        return
+    # the only layout, dtype and flags it takes
+    kw, _ = registry.make_inputs(name, N, T, "batch-major", torch.float32, False, device, seed,
+                                 flag_dtype=torch.float32)
+    if name in anchor.CALLS:
+        f, pairs = anchor.CALLS[name](anchor_module, kw)
+        ours = as_tuple(fn(**kw))
+        err = rel_err(as_tuple(f()), tuple(ours[j].double() for j in pairs), 0)
+        check_result(err, ANCHOR_TOL, f"the anchor's {name} {shape}")
+        yield "batch-major", "float32", "float", "anchor", f, err
+
+
+def other_cells(device, seed=0):
+    """The other ops at HOST_OTHERS_SHAPE (N x T), float32, each checked first: (call, variant,
+    layout, flags, fn, relative error). Retrace in each layout; group_advantages on N x T
+    scores in groups of T; masked_whiten on N x T multi-turn rows; every loss case on [N, T]
+    rows (PPO, value, KL) or N x T samples (SAC, CRR), against its eager formula."""
+    N, T = registry.parse_shape(HOST_OTHERS_SHAPE)
+
+    def checked(call, variant, layout, flags, f, want, td=0, tol=1e-5):
+        err = rel_err(f(), want, td)
+        check_result(err, tol, f"{call} {variant} {HOST_OTHERS_SHAPE}")
+        return call, variant, layout, flags, f, err
+
+    for layout in registry.LAYOUTS:
+        kw, _ = registry.make_inputs("retrace", N, T, layout, torch.float32, False, device, seed)
+        yield checked("retrace", "", layout, "bool", call_of(rl_triton.retrace, kw),
+                      float64_result("retrace", kw), kw["time_dim"])
+    scores = torch.randn(N * T, generator=torch.Generator().manual_seed(seed)).to(device)
+    groups = dict(group_size=T)
+    yield checked("group_advantages", f"group_size={T}", "", "",
+                  call_of(rl_triton.group_advantages, dict(scores=scores, **groups)),
+                  (group_float64(scores, groups),))
+    rows = testing.token_rows(N, T, "multi-turn", torch.float32, device, seed)
+    x, m = rows["values"], rows["mask"]
+    yield checked("masked_whiten", "multi-turn mask", "", "",
+                  call_of(rl_triton.masked_whiten, dict(x=x, mask=m)),
+                  (reference.masked_whiten(x, m),))
+    for case in registry.LOSS_CASES:
+        kw = loss_kwargs(case, N * T, torch.float32, device, seed, row=T)
+        want = tuple(o.double() for o in as_tuple(LOSS_FORMULAS[case[0]](**kw)))
+        yield checked(case[0], case[1], "", "", call_of(getattr(rl_triton, case[0]), kw), want,
+                      tol=LOSS_OUTPUT_TOL)
+
+
+def run_host(estimators, shapes, layouts, dtypes, flags, env, device, out, max_seconds,
+             anchor_module=None):
+    """`--suite host`: `estimator_cells` of every estimator and shape, then `other_cells`, each
+    timed (host and full call); bench.json (suite "host") after each estimator and shape, then
+    bench.md and host.png."""
+    rows: list[HostRow] = []
+    report.save_json(out, env, rows, "host")
+    configs = [(name, shape) for name in estimators for shape in shapes] + [("others", "")]
+    t_start = time.time()
+    for i, (name, shape) in enumerate(configs):
+        if max_seconds is not None and time.time() - t_start > max_seconds:
+            print(f"# stopped after {i} of {len(configs)} configurations (--max-seconds)")
+            break
+        tag = f"[{i + 1}/{len(configs)} {time.time() - t_start:6.0f}s]"
+        if name == "others":
+            cells = (("others", call, variant, HOST_OTHERS_SHAPE, layout, "float32", fl,
+                      "rl_triton", f, err)
+                     for call, variant, layout, fl, f, err in other_cells(device, i))
+        else:
+            cells = (("grid", name, "", shape, layout, dt, fl, impl, f, err)
+                     for layout, dt, fl, impl, f, err in estimator_cells(
+                         name, shape, layouts, dtypes, flags, device, i, anchor_module))
+        for *key, f, err in cells:
+            full, host = timing.call_times_us(f)
+            row = HostRow(*key, host, full, err)
+            rows.append(row)
+            print(f"{tag} {row.call:18s} {row.variant:18s} {row.shape:>10s} {row.layout:11s} "
+                  f"{row.dtype:8s} {row.flags:5s} {row.impl:9s} {host:8.1f} us host "
+                  f"{full:8.1f} us full", flush=True)
+        # after every estimator and shape, so that a run cut short keeps what it measured
+        report.save_json(out, env, rows, "host")
+    report.write_saved_reports(out)
