@@ -744,3 +744,249 @@ def test_default_report_unchanged(tmp_path):
     cli.main(["--report", str(path), "--out", str(tmp_path / "r")])
     assert (tmp_path / "r" / "bench.md").read_text() == DEFAULT_REPORT
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["bench.md", "bench.png"]
+
+
+# ---- the registry, host time and the host-path suite (--suite host) ----------------------------
+
+def test_registry_follows_the_op_registry():
+    """The benchmark's estimators are the registered scans of the tests (a new one needs no edit
+    of bench), in the API's order; each call's output count and default scalars and options are
+    the registry's and the public signature's."""
+    import inspect
+    assert set(registry.ESTIMATORS) == {testing.public_name(n) for n in testing.NAMES} - {
+        "linear_scan"}
+    assert registry.ESTIMATORS == [n for n in rl_triton.__all__ if n in registry.ESTIMATORS]
+    for name in registry.ESTIMATORS:
+        kw, _ = registry.make_inputs(name, 3, 9, "batch-major", torch.float32, True, "cpu")
+        assert len(calls.as_tuple(getattr(rl_triton, name)(**kw))) == registry.n_out(name, kw)
+        params = inspect.signature(getattr(rl_triton, name)).parameters
+        for k, v in registry.public_defaults(name).items():
+            assert kw.get(k, v) == v and params[k].default in (v, inspect.Parameter.empty), k
+    assert registry.public_defaults("eligibility_traces") == dict(gamma=0.99, lam=0.95)  # GAE's
+    kw, _ = registry.make_inputs("retrace", 3, 9, "time-major", torch.float32, True, "cpu")
+    assert kw["return_advantages"] is False and registry.n_out("retrace", kw) == 1
+    assert registry.n_out("retrace", dict(kw, return_advantages=True)) == 2
+
+
+@pytest.mark.parametrize("name", registry.ESTIMATORS)
+def test_float_flags(name, device):
+    """The host suite's float flags: the same flags in float32, the float64 check passing on
+    the Triton backend."""
+    bools, _ = registry.make_inputs(name, 4, 21, "batch-major", torch.float32, True, device,
+                                    seed=2)
+    floats, _ = registry.make_inputs(name, 4, 21, "batch-major", torch.float32, True, device,
+                                     seed=2, flag_dtype=torch.float32)
+    flags = [k for k, v in bools.items() if isinstance(v, torch.Tensor) and v.dtype == torch.bool]
+    assert flags and all(floats[k].dtype == torch.float32 and torch.equal(floats[k].bool(),
+                                                                          bools[k]) for k in flags)
+    out = getattr(rl_triton, name)(**floats, backend="triton")
+    assert checks.rel_err(out, checks.float64_result(name, floats), 1) < 1e-5
+
+
+def test_call_times_split_host_from_full(monkeypatch):
+    """Host time ends where the call returns, the full call after the synchronize: a slow
+    synchronize shows in the full call alone."""
+    import time
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: time.sleep(2e-3))
+    full, host = timing.call_times_us(lambda: time.sleep(1e-3), calls=20, warmup=2)
+    assert 1000 <= host and full >= host + 1900
+
+
+def test_bare_launch(device):
+    """The bound: the plan a call caches, its compiled kernel launched bare, gives the call's
+    outputs; refused where no kernel is compiled (Triton's interpreter) and where the call is
+    not one scan launch."""
+    import functools
+    fn = functools.partial(rl_triton.gae, backend="triton")
+    kw, _ = registry.make_inputs("gae", 6, 40, "batch-major", torch.float32, False, device)
+    with host_suite.launches() as seen:
+        fn(**kw)
+    assert len(seen) == 1 and seen[0][1]["x"][0].data_ptr() == kw["rewards"].data_ptr()
+    if device == "cpu":
+        with pytest.raises(SystemExit, match="gae: the bound needs the compiled kernel"):
+            host_suite.bare_launch(fn, kw, "gae")
+    else:
+        launch, want = host_suite.bare_launch(fn, kw, "gae")
+        got = launch()
+        assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(SystemExit, match="0 scan launches in one call"):
+        host_suite.bare_launch(functools.partial(rl_triton.gae, backend="torch"), kw, "torch")
+
+
+def _fake_anchor(folder, shift=0.0):
+    """A folder holding a package named rl_triton that plays rl-triton 0.1.3's compute_gae
+    (batch-major, float32 flags only), through ours, plus `shift`."""
+    package = folder / "rl_triton"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(f'''
+__version__ = "0.1.3"
+from rl_triton.ops import compute_gae
+''')
+    (package / "ops.py").write_text(f'''
+import sys
+import torch
+
+
+def compute_gae(rewards, values, terminateds, truncateds=None, gamma=0.99, lambda_=0.95,
+                bootstrap_values=None, last_value=None):
+    assert terminateds.dtype == torch.float32 and last_value.shape == rewards.shape[:1]
+    ours = sys.modules["rl_triton"]  # at call time ours again
+    return ours.gae(rewards, values, terminateds, last_value=last_value, gamma=gamma,
+                    lam=lambda_, time_dim=1)[0] + {shift}
+''')
+    return folder
+
+
+def test_anchor_load(tmp_path):
+    """The anchor's package, also named rl_triton, imported from its folder beside ours: ours
+    stays in sys.modules, the anchor's modules import each other."""
+    import sys
+    paper = anchor.load(_fake_anchor(tmp_path / "paper"))
+    assert paper.__version__ == "0.1.3" and paper is not rl_triton
+    assert sys.modules["rl_triton"] is rl_triton and sys.modules["rl_triton.bench.anchor"] is anchor
+    # its own rl_triton.ops is out of sys.modules again, and its function keeps it
+    assert sys.modules["rl_triton.ops"] is rl_triton.ops
+    assert paper.compute_gae.__module__ == "rl_triton.ops"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ImportError, match="no package rl_triton in"):
+        anchor.load(tmp_path / "empty")
+    assert sys.modules["rl_triton"] is rl_triton
+
+
+def _stub_host_timing(monkeypatch):
+    """Timing stubbed, and the bound a plain call (no compiled kernel on the CPU)."""
+    monkeypatch.setattr(timing, "call_times_us", lambda f, calls=200, warmup=20: (30.0, 20.0))
+    monkeypatch.setattr(host_suite, "bare_launch", lambda fn, kw, what="": (
+        lambda: calls.as_tuple(fn(**kw)), calls.as_tuple(fn(**kw))))
+    monkeypatch.setattr(registry, "HOST_OTHERS_SHAPE", "8x64")
+
+
+def test_host_suite_runs(tmp_path, monkeypatch):
+    """`run_host` end to end on the CPU: every cell checked (rl_triton against float64, the
+    anchor against rl_triton) and timed, the anchor beside GAE only (it has no Retrace of our
+    contract), the other ops after, bench.json marked as the host suite; a wrong anchor and a
+    bound that computes something else are refused."""
+    _stub_host_timing(monkeypatch)
+    paper = anchor.load(_fake_anchor(tmp_path / "paper"))
+    env = dict(_token_env(), launch_floor_host_us=6.0)
+    host_suite.run_host(["gae", "retrace"], ["3x40", "8x64"], registry.LAYOUTS,
+                        ["float32", "bfloat16"], ["bool", "float"], env, "cpu", tmp_path, None,
+                        paper)
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["suite"] == "host"
+    rows = result["rows"]
+    grid = {(r["call"], r["shape"], r["layout"], r["dtype"], r["flags"], r["impl"])
+            for r in rows if r["part"] == "grid"}
+    want = {(name, shape, layout, dt, fl, impl) for name in ("gae", "retrace")
+            for shape in ("3x40", "8x64") for layout in registry.LAYOUTS
+            for dt in ("float32", "bfloat16") for fl in ("bool", "float")
+            for impl in ("rl_triton", "bound")}
+    want |= {("gae", shape, "batch-major", "float32", "float", "anchor")
+             for shape in ("3x40", "8x64")}
+    assert grid == want and len(rows) - len(grid) == 4 + 7  # Retrace twice, group, whiten
+    others = [r["call"] for r in rows if r["part"] == "others"]
+    assert others == ["retrace", "retrace", "group_advantages", "masked_whiten"] + [
+        case[0] for case in registry.LOSS_CASES]
+    assert all(r["rel_err"] < 1e-4 and r["host_us"] == 20.0 for r in rows)
+    md = (tmp_path / "bench.md").read_text()
+    assert "Host path (`--suite host`)" in md and "| gae | 8x64 | batch-major | float32 | float " \
+        "| 20.0 | 20.0 | 1.00 | 30.0 | 30.0 | 1.00 | 1.00 | 20.0 / 30.0 |" in md
+    assert (tmp_path / "host.png").exists()
+    with pytest.raises(SystemExit, match="the anchor's gae 3x40: .* not timing a wrong result"):
+        host_suite.run_host(["gae"], ["3x40"], ["time-major"], ["float32"], ["bool"], env, "cpu",
+                            tmp_path, None, anchor.load(_fake_anchor(tmp_path / "bad", 1e-2)))
+    monkeypatch.setattr(host_suite, "bare_launch", lambda fn, kw, what="": (
+        lambda: [o + 1 for o in calls.as_tuple(fn(**kw))], calls.as_tuple(fn(**kw))))
+    with pytest.raises(SystemExit, match="bare launch's outputs differ"):
+        host_suite.run_host(["gae"], ["3x40"], ["time-major"], ["float32"], ["bool"], env, "cpu",
+                            tmp_path, None)
+
+
+def _host_rows():
+    R = report.HostRow
+    rows = []
+    for layout, host, full in (("time-major", 20.0, 30.0), ("batch-major", 23.0, 33.0)):
+        for flags in ("bool", "float"):
+            rows += [R("grid", "gae", "", "4096x128", layout, "float32", flags, "rl_triton", host,
+                       full, 1e-7),
+                     R("grid", "gae", "", "4096x128", layout, "float32", flags, "bound", 10.0,
+                       20.0, 0.0)]
+    rows.append(R("grid", "gae", "", "4096x128", "batch-major", "float32", "float", "anchor",
+                  40.0, 50.0, 1e-7))
+    rows += [R("others", "retrace", "", "4096x128", "time-major", "float32", "bool", "rl_triton",
+               50.0, 60.0, 1e-7),
+             R("others", "masked_whiten", "multi-turn mask", "4096x128", "", "float32", "",
+               "rl_triton", 46.0, 70.0, 1e-7)]
+    return [asdict(r) for r in rows]
+
+
+def test_host_reports(tmp_path):
+    """bench.md's host tables and host.png from a host-suite bench.json: each cell against the
+    anchor and the bound, the layouts' ratio, the other ops against GAE, the targets."""
+    env = dict(_token_env(), launch_floor_host_us=6.0,
+               anchor=dict(path=".ab/paper/src", version="0.1.3"))
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(dict(env=env, suite="host", rows=_host_rows())))
+    cli.main(["--report", str(path), "--out", str(tmp_path / "r")])
+    md = (tmp_path / "r" / "bench.md").read_text()
+    assert "launch floor 4.0 us device, 13.0 us full call, 6.0 us host." in md
+    assert "Anchor: rl-triton 0.1.3 from .ab/paper/src." in md
+    assert ("| gae | 4096x128 | batch-major | float32 | bool | 23.0 | 40.0 | 0.57 | 33.0 | 50.0 | "
+            "0.66 | 1.15 | 10.0 / 20.0 |") in md
+    assert ("| gae | 4096x128 | time-major | float32 | float | 20.0 | 40.0 | 0.50 | 30.0 | 50.0 | "
+            "0.60 | 1.15 | 10.0 / 20.0 |") in md
+    # against GAE's host in the same layout, batch-major where the op has none
+    assert "| retrace |  | time-major | float32 | bool | 50.0 | 60.0 | 2.50 |" in md
+    assert "| masked_whiten | multi-turn mask |  | float32 |  | 46.0 | 70.0 | 2.00 |" in md
+    worst = "(gae 4096x128 batch-major float32 bool flags)"
+    assert f"| host <= 0.6x the anchor's | 4 of 4 | 0.57 {worst} | 0.25 |" in md
+    assert f"| full call <= 0.75x the anchor's | 4 of 4 | 0.66 {worst} | 0.40 |" in md
+    assert f"| host bm / tm within 10% | 0 of 2 | 1.15 {worst} | 1.00 |" in md
+    assert f"| GAE at 4096x128: host <= 25 µs | 4 of 4 | 23.00 {worst} | 10.00 |" in md
+    assert "| other ops: host <= 2x GAE's | 1 of 2 | 2.50 (retrace) |  |" in md
+    assert (tmp_path / "r" / "host.png").stat().st_size > 1000
+    without = [r for r in _host_rows() if r["impl"] != "anchor"]
+    md = report.host_markdown(dict(env=_token_env(), suite="host", rows=without))
+    assert "Anchor: none (--anchor-path not given)." in md and "the anchor's |" not in md
+    assert ("| gae | 4096x128 | batch-major | float32 | bool | 23.0 |  |  | 33.0 |  |  | 1.15 | "
+            "10.0 / 20.0 |") in md
+
+
+def test_reports_with_host_time():
+    """A result with host times shows them beside device and full-call time in every suite's
+    tables (older results render as before: `test_default_report_unchanged`)."""
+    env = dict(_token_env(), launch_floor_host_us=6.0)
+    rows = [asdict(r) for r in _default_rows()]
+    for r in rows:
+        r["host_us"] = r["full_us"] - 6
+    md = report.markdown(dict(env=env, rows=rows))
+    assert "rl_triton, device / full-call / host µs (bandwidth fraction of copy):" in md
+    assert "| gae | time-major | float32 | yes | 5 / 15 / 9 (0.50) | 8 / 20 / 14 (0.60) |" in md
+    assert "| gae | time-major | float32 | yes |  | 10 / 30 / 24 (0.80) |" in md  # bwd
+    assert md.endswith(report.HOST_NOTE + "\n")
+    tokens_md = report.token_markdown(dict(env=env, rows=[
+        asdict(report.TokenRow("gae", "512x4096", "float32", "dense", "rl_triton", 2**21, 10**7,
+                               10.0, 20.0, 6.0, host_us=12.0)),
+        asdict(report.TokenRow("group_advantages", "65536x8192", "float32", "group_size",
+                               "rl_triton", 65536, 0, 9.0, 26.0, host_us=15.0))]))
+    assert "| gae | 512x4096 | float32 | dense | 10.0 | 20.0 | 12.0 | 0.60 |  |  |  |" in tokens_md
+    assert "| group_advantages | 65536x8192 | group_size | 9.0 | 26.0 | 15.0 | 2.00 |" in tokens_md
+    loss_md = report.loss_markdown(dict(env=env, rows=[asdict(report.LossRow(
+        "kl_penalty", "k3, clamp=10", "fwd+bwd", 2**20, "float32", "rl_triton", 2**24, 10.0,
+        40.0, 8.0, 0.0, 0.0, 30.0))]))
+    assert "| kl_penalty | k3, clamp=10 | fwd+bwd | 2^20 | float32 | 16.8 | 10.0 | 40.0 | 30.0 " \
+        "| 0.80 |  |  |  |  |" in loss_md
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suite would run")
+def test_host_suite_cli(tmp_path):
+    """Without a GPU the host suite refuses cleanly; its options are checked first."""
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        cli.main(["--suite", "host", "--anchor-path", str(tmp_path), "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--suite", "host", "--flags", "bool,int8", "--out", str(tmp_path)])
+    assert e.value.code == 2
+    # its default estimators: those rl-triton 0.1.3 has
+    assert [e for e in registry.ESTIMATORS if e in anchor.CALLS] == [
+        "gae", "lambda_returns", "discounted_returns", "vtrace", "eligibility_traces",
+        "episodic_cumsum"]

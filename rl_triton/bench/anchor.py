@@ -7,7 +7,7 @@ in one process. It takes batch-major [N, T] float32 tensors with float32 flags o
 from __future__ import annotations
 
 import functools
-import importlib
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -19,18 +19,19 @@ def _ours(name: str) -> bool:
 
 
 def load(path):
-    """The package `rl_triton` found in the folder `path` (e.g. `.ab/paper/src`), imported
-    beside ours; ImportError where the folder holds none."""
-    path = str(Path(path).resolve())
+    """The package `rl_triton` in the folder `path` (e.g. `.ab/paper/src`), imported from there
+    (never from sys.path) beside ours; ImportError where the folder holds none."""
+    init = Path(path) / "rl_triton" / "__init__.py"
+    if not init.is_file():
+        raise ImportError(f"no package rl_triton in {path}")
+    spec = importlib.util.spec_from_file_location("rl_triton", init,
+                                                  submodule_search_locations=[str(init.parent)])
+    module = importlib.util.module_from_spec(spec)
     ours = {k: sys.modules.pop(k) for k in list(sys.modules) if _ours(k)}
-    sys.path.insert(0, path)
     try:
-        importlib.invalidate_caches()
-        module = importlib.import_module("rl_triton")
-        if not str(Path(module.__file__).resolve()).startswith(path):
-            raise ImportError(f"no package rl_triton in {path}")
+        sys.modules["rl_triton"] = module  # its modules import each other by that name
+        spec.loader.exec_module(module)
     finally:
-        sys.path.remove(path)
         for k in [k for k in sys.modules if _ours(k)]:
             del sys.modules[k]
         sys.modules.update(ours)

@@ -10,8 +10,9 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .registry import (CRR_SAMPLES, FRAMEWORK_CALLS, FRAMEWORK_CALLS_TIMED, HOST_OTHERS_SHAPE,
-                       LOSS_T, N_ACTIONS, SAC_CRITICS, TOKEN_PARAMS, parse_shape)
+from . import registry
+from .registry import (CRR_SAMPLES, FRAMEWORK_CALLS, FRAMEWORK_CALLS_TIMED, LOSS_T, N_ACTIONS,
+                       SAC_CRITICS, TOKEN_PARAMS, parse_shape)
 
 NAN = float("nan")
 
@@ -523,18 +524,18 @@ def loss_plot(result, path):
 HOST_TABLE = """Host path (`--suite host`): host µs, what the CPU spends in one call before it \
 returns (synchronize, host timer, call, host timer), and full-call µs (synchronize, timer, call, \
 synchronize, timer), medians of the same 200 calls after 20. The estimators on N x T rollouts \
-without truncation flags (terminations at 1%%, `last_value` or `initial`, the functions' \
+without truncation flags (terminations at 1%, `last_value` or `initial`, the functions' \
 defaults), time-major ([T, N], time_dim=0) and batch-major ([N, T], time_dim=1), bool or float32 \
 flags; each against the anchor (rl-triton 0.1.3, the paper's library: batch-major float32 with \
 float32 flags only, its result checked against rl_triton's on the same inputs, timed once per \
 estimator and shape) and against the bound: the same compiled kernel as rl_triton's call (its \
 cached plan) launched bare from Python after its outputs' `torch.empty`, nothing else (its \
-outputs checked equal to the call's). Then the other ops at %s, against GAE's host time there \
-(float32, bool flags, the same layout; batch-major where the op has no time axis).
+outputs checked equal to the call's). Then the other ops at {shape}, against GAE's host time \
+there (float32, bool flags, the same layout; batch-major where the op has no time axis).
 
 Columns: host / anchor and full / anchor: rl_triton's over the anchor's (targets <= 0.6 and \
-<= 0.75); host bm / tm: batch-major's host time over time-major's (target within 10%%); bound: \
-its host / full-call µs.""" % HOST_OTHERS_SHAPE
+<= 0.75); host bm / tm: batch-major's host time over time-major's (target within 10%); bound: \
+its host / full-call µs."""
 # the host path's targets (docs/benchmarks.md, "Targets"): rl_triton's over the anchor's, host and
 # full call; the layouts' host ratio's distance from 1; GAE's host µs; other ops' over GAE's
 HOST_ANCHOR_HOST, HOST_ANCHOR_FULL, HOST_LAYOUTS = 0.6, 0.75, 0.1
@@ -562,7 +563,8 @@ def host_markdown(result) -> str:
     env, rows = result["env"], result["rows"]
     cells = _host_cells(rows)
     anchor = env.get("anchor")
-    lines = [env_line(env), "", HOST_TABLE, "",
+    shape = registry.HOST_OTHERS_SHAPE
+    lines = [env_line(env), "", HOST_TABLE.format(shape=shape), "",
              f"Anchor: rl-triton {anchor['version']} from {anchor['path']}." if anchor else
              "Anchor: none (--anchor-path not given).", ""]
 
@@ -603,11 +605,11 @@ def host_markdown(result) -> str:
     others = [r for r in rows if r["part"] == "others"]
 
     def gae_of(r):  # GAE's host row beside another op's
-        return cells.get(("rl_triton", "gae", "", HOST_OTHERS_SHAPE, r["layout"] or "batch-major",
+        return cells.get(("rl_triton", "gae", "", shape, r["layout"] or "batch-major",
                           "float32", "bool"))
 
     if others:
-        lines += ["", f"The other ops at {HOST_OTHERS_SHAPE}, host time over GAE's:", "",
+        lines += ["", f"The other ops at {shape}, host time over GAE's:", "",
                   "| call | variant | layout | dtype | flags | host µs | full µs | "
                   "host / GAE's |",
                   "|---" * 8 + "|"]
@@ -629,10 +631,10 @@ def host_markdown(result) -> str:
                     [(c["layouts"], c["label"], c["bound_layouts"]) for c in cell_of.values()
                      if c["ours"]["layout"] == "batch-major" and measured(c["layouts"])],
                     lambda v: abs(v - 1) <= HOST_LAYOUTS, lambda v: abs(v - 1)))
-    targets.append((f"GAE at {HOST_OTHERS_SHAPE}: host <= {HOST_GAE_US:.0f} µs",
+    targets.append((f"GAE at {shape}: host <= {HOST_GAE_US:.0f} µs",
                     [(c["ours"]["host_us"], c["label"], c["bound"] and c["bound"]["host_us"])
                      for c in cell_of.values() if c["ours"]["call"] == "gae"
-                     and c["ours"]["shape"] == HOST_OTHERS_SHAPE],
+                     and c["ours"]["shape"] == shape],
                     lambda v: v <= HOST_GAE_US, lambda v: v))
     targets.append((f"other ops: host <= {HOST_OTHERS:.0f}x GAE's",
                     [(ratio(r, gae_of(r), "host_us"), f"{r['call']} {r['variant']}".strip(),

@@ -28,7 +28,7 @@ from rl_triton.scan import launch as scan_launch
 from .. import anchor, registry, report, timing
 from ..calls import as_tuple, call_of
 from ..checks import check_result, float64_result, rel_err
-from ..registry import HOST_OTHERS_SHAPE, LOSS_OUTPUT_TOL
+from ..registry import LOSS_OUTPUT_TOL
 from ..report import HostRow
 from .losses import LOSS_FORMULAS, loss_kwargs
 from .tokens import group_float64
@@ -127,15 +127,17 @@ def estimator_cells(name, shape, layouts, dtypes, flags, device, seed=0, anchor_
 
 
 def other_cells(device, seed=0):
-    """The other ops at HOST_OTHERS_SHAPE (N x T), float32, each checked first: (call, variant,
-    layout, flags, fn, relative error). Retrace in each layout; group_advantages on N x T
-    scores in groups of T; masked_whiten on N x T multi-turn rows; every loss case on [N, T]
-    rows (PPO, value, KL) or N x T samples (SAC, CRR), against its eager formula."""
-    N, T = registry.parse_shape(HOST_OTHERS_SHAPE)
+    """The other ops at `registry.HOST_OTHERS_SHAPE` (N x T), float32, each checked first:
+    (call, variant, layout, flags, fn, relative error). Retrace in each layout;
+    group_advantages on N x T scores in groups of T; masked_whiten on N x T multi-turn rows;
+    every loss case on [N, T] rows (PPO, value, KL) or N x T samples (SAC, CRR), against its
+    eager formula."""
+    shape = registry.HOST_OTHERS_SHAPE
+    N, T = registry.parse_shape(shape)
 
     def checked(call, variant, layout, flags, f, want, td=0, tol=1e-5):
         err = rel_err(f(), want, td)
-        check_result(err, tol, f"{call} {variant} {HOST_OTHERS_SHAPE}")
+        check_result(err, tol, f"{call} {variant} {shape}")
         return call, variant, layout, flags, f, err
 
     for layout in registry.LAYOUTS:
@@ -166,7 +168,8 @@ def run_host(estimators, shapes, layouts, dtypes, flags, env, device, out, max_s
     bench.md and host.png."""
     rows: list[HostRow] = []
     report.save_json(out, env, rows, "host")
-    configs = [(name, shape) for name in estimators for shape in shapes] + [("others", "")]
+    configs = ([(name, shape) for name in estimators for shape in shapes]
+               + [("others", registry.HOST_OTHERS_SHAPE)])
     t_start = time.time()
     for i, (name, shape) in enumerate(configs):
         if max_seconds is not None and time.time() - t_start > max_seconds:
@@ -174,8 +177,7 @@ def run_host(estimators, shapes, layouts, dtypes, flags, env, device, out, max_s
             break
         tag = f"[{i + 1}/{len(configs)} {time.time() - t_start:6.0f}s]"
         if name == "others":
-            cells = (("others", call, variant, HOST_OTHERS_SHAPE, layout, "float32", fl,
-                      "rl_triton", f, err)
+            cells = (("others", call, variant, shape, layout, "float32", fl, "rl_triton", f, err)
                      for call, variant, layout, fl, f, err in other_cells(device, i))
         else:
             cells = (("grid", name, "", shape, layout, dt, fl, impl, f, err)
