@@ -813,6 +813,48 @@ def test_bare_launch(device):
         host_suite.bare_launch(functools.partial(rl_triton.gae, backend="torch"), kw, "torch")
 
 
+def test_bare_launch_passes_the_replays_arguments(device, monkeypatch):
+    """The bound launches the plan's compiled kernel with the arguments the plan's own replay
+    (`Launch._replay`) passes it, the outputs' addresses aside: a stand-in compiled kernel
+    records both (on the CPU too, where Triton compiles none)."""
+    import functools
+    from rl_triton.scan import launch as scan_launch
+
+    class Compiled:  # what `Launch` uses of a compiled kernel
+        function, packed_metadata = "function", "metadata"
+
+        def __init__(self):
+            self.calls = []
+
+        def run(self, *args):
+            self.calls.append(args)
+
+    fn = functools.partial(rl_triton.gae, backend="triton")
+    kw, _ = registry.make_inputs("gae", 6, 40, "batch-major", torch.float32, False, device,
+                                 seed=5)
+    fn(**kw)
+    with host_suite.launches() as seen:
+        fn(**kw)
+    plan, args = seen[0]
+    stand_in = Compiled()
+    monkeypatch.setattr(plan, "compiled", stand_in)
+    monkeypatch.setattr(plan, "tail", ("the constexprs",))
+    monkeypatch.setattr(scan_launch, "_stream", lambda index: 7)
+    monkeypatch.setattr(scan_launch, "_current_device", lambda: plan.device_index)
+    outs = [torch.empty(s, dtype=plan.out_dtype, device=plan.device) for s in plan.output_shapes()]
+    plan._replay(args["x"], outs, args["scalars"], None, None)
+    launch, _ = host_suite.bare_launch(fn, kw, "gae")
+    new = launch()
+
+    def replaced(call, outputs):  # the outputs' addresses as a name
+        ptrs = tuple(o.data_ptr() for o in outputs)
+        assert sum(a == ptrs for a in call) == 1
+        return tuple("outputs" if a == ptrs else a for a in call)
+
+    assert len(new) == 2 and stand_in.calls[-1][-1] == "the constexprs"
+    assert replaced(stand_in.calls[-1], new) == replaced(stand_in.calls[0], outs)
+
+
 def _fake_anchor(folder, shift=0.0):
     """A folder holding a package named rl_triton that plays rl-triton 0.1.3's compute_gae
     (batch-major, float32 flags only), through ours, plus `shift`."""

@@ -108,7 +108,7 @@ def copies(src, dst) -> dict:
     """Two device-to-device copies of src into dst, by name: torch's `copy_`, and a plain Triton
     copy, which on the H200 took a median of 0.85 of `copy_`'s time at 4-32 MB and 0.88 at
     32-64 MB (0.61-1.02 over the benchmark's sizes), the same from 128 MB
-    (docs/bench_h200_copy_floors.json)."""
+    (docs/dev/forward-grid.md)."""
     n = src.numel()
     grid = (triton.cdiv(n, _COPY_BLOCK),)
     return {"torch": lambda: dst.copy_(src),

@@ -59,9 +59,10 @@ def launches():
 
 def bare_launch(fn, kw, what=""):
     """(launch, the call's outputs): `launch()` runs the compiled kernel of the plan that
-    `fn(**kw)` launches (one scan launch), on the same inputs, as `Launch`'s own fast path does
-    but with every argument but the outputs' addresses computed here once: two (`n_out`)
-    `torch.empty` and the kernel's launcher. Refuses a call that is not one compiled launch."""
+    `fn(**kw)` launches (one scan launch) on the same inputs: its outputs' `torch.empty` (two
+    for GAE and V-trace), then the kernel's launcher with every other argument computed here
+    once, as the plan's own replay (`Launch._replay`) passes them. Refuses a call that is not
+    one compiled launch."""
     fn(**kw)  # the plan built and its kernel compiled
     with launches() as seen:
         outs = as_tuple(fn(**kw))
@@ -86,7 +87,7 @@ def bare_launch(fn, kw, what=""):
     tail = (*args[k + 1:], *plan.tail)
     shapes, dtype, device, run = plan.output_shapes(), plan.out_dtype, plan.device, kernel.run
 
-    def launch():
+    def launch(_inputs=(x, rows, cu)):  # kept alive: their addresses are in `head`
         new = [torch.empty(s, dtype=dtype, device=device) for s in shapes]
         run(*head, tuple([o.data_ptr() for o in new]), *tail)
         return new
