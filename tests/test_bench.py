@@ -860,7 +860,7 @@ def _fake_anchor(folder, shift=0.0):
     (batch-major, float32 flags only), through ours, plus `shift`."""
     package = folder / "rl_triton"
     package.mkdir(parents=True)
-    (package / "__init__.py").write_text(f'''
+    (package / "__init__.py").write_text('''
 __version__ = "0.1.3"
 from rl_triton.ops import compute_gae
 ''')

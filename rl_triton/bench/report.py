@@ -250,6 +250,12 @@ def _pyplot():
     return plt
 
 
+def _save(fig, title, path):
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
 def plot(result, path):
     plt = _pyplot()
     if plt is None:
@@ -277,9 +283,7 @@ def plot(result, path):
     axes[0][0].set_ylabel("device time (µs)")
     axes[1][0].set_ylabel("fraction of copy bandwidth")
     axes[0][0].legend(fontsize=6)
-    fig.suptitle(f"rl_triton on {result['env']['gpu']} ({result['env']['date']})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    _save(fig, f"rl_triton on {result['env']['gpu']} ({result['env']['date']})", path)
 
 
 # ---- the token suite ---------------------------------------------------------------------------
@@ -395,9 +399,7 @@ def token_plot(result, path):
         ax.set_xlabel("B responses x T tokens (log T)")
         ax.legend(fontsize=6)
     axes[0][0].set_ylabel("full-call time (µs)")
-    fig.suptitle(f"Token rows on {result['env']['gpu']} ({result['env']['date']})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    _save(fig, f"Token rows on {result['env']['gpu']} ({result['env']['date']})", path)
 
 
 # ---- the losses suite --------------------------------------------------------------------------
@@ -514,9 +516,7 @@ def loss_plot(result, path):
         ax.set_xlabel("tokens (samples: SAC, CRR)")
     axes[0][0].set_ylabel("full-call time (µs)")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"Losses on {result['env']['gpu']} ({result['env']['date']})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    _save(fig, f"Losses on {result['env']['gpu']} ({result['env']['date']})", path)
 
 
 # ---- the host-path suite -----------------------------------------------------------------------
@@ -682,6 +682,4 @@ def host_plot(result, path):
         ax.set_xlabel("N x T (float32, bool flags)")
     axes[0][0].set_ylabel("host time per call (µs)")
     axes[0][0].legend(fontsize=6)
-    fig.suptitle(f"Host path on {result['env']['gpu']} ({result['env']['date']})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    _save(fig, f"Host path on {result['env']['gpu']} ({result['env']['date']})", path)

@@ -138,3 +138,15 @@ def launch_floor(device):
     """(device µs, full-call µs, host µs) of `x.add_(1)` on one element: the launch floor."""
     x = torch.zeros(1, device=device)
     return (device_time_us(lambda: x.add_(1)), *call_times_us(lambda: x.add_(1), calls=1000))
+
+
+def within_seconds(configs, max_seconds):
+    """(i, configuration, tag) of each of `configs` in turn until `max_seconds` have passed
+    (--max-seconds; None: all), a line then saying where the run stopped; the tag, "[i/n
+    seconds]", starts the configuration's lines."""
+    t_start = time.time()
+    for i, config in enumerate(configs):
+        if max_seconds is not None and time.time() - t_start > max_seconds:
+            print(f"# stopped after {i} of {len(configs)} configurations (--max-seconds)")
+            return
+        yield i, config, f"[{i + 1}/{len(configs)} {time.time() - t_start:6.0f}s]"

@@ -4,7 +4,6 @@ call, host) against the same-bytes copy and the baselines: the torch backend eag
 `torch.compile`, and the sequential loop. Gradients (`--modes`) in `suites.gradients`."""
 from __future__ import annotations
 
-import time
 
 import torch
 
@@ -26,19 +25,14 @@ def run_grid(estimators, shapes, layouts, dtypes, truncs, baselines, modes, env,
     report.save_json(out, env, rows)
     configs = [(e, s, lay, dt, tr) for e in estimators for s in shapes for lay in layouts
                for dt in dtypes for tr in truncs]
-    t_start = time.time()
-    for i, (name, shape, layout, dt, tr) in enumerate(configs):
-        if max_seconds is not None and time.time() - t_start > max_seconds:
-            print(f"# stopped after {i} of {len(configs)} configurations (--max-seconds)")
-            break
+    for i, (name, shape, layout, dt, tr), tag in timing.within_seconds(configs, max_seconds):
         N, T = registry.parse_shape(shape)
         kw, nbytes = registry.make_inputs(name, N, T, layout, registry.DTYPES[dt], tr, device,
                                           seed=i)
         fn = getattr(rl_triton, name)
         if "bwd" in modes or "fwd+bwd" in modes:
             rows += time_gradients(name, shape, layout, dt, tr, kw, modes,
-                                   dt == dtypes[0] and layout == layouts[0], bw, device,
-                                   f"[{i + 1}/{len(configs)} {time.time() - t_start:6.0f}s]")
+                                   dt == dtypes[0] and layout == layouts[0], bw, device, tag)
             report.save_json(out, env, rows)
         if "fwd" not in modes:
             continue
@@ -62,7 +56,7 @@ def run_grid(estimators, shapes, layouts, dtypes, truncs, baselines, modes, env,
                       nbytes / (dev * 1e-6) / bw, err, timing.same_bytes_copy_us(nbytes, device),
                       host_us=host)
             rows.append(row)
-            print(f"[{i + 1}/{len(configs)} {time.time() - t_start:6.0f}s] {name:18s} {shape:>10s}"
+            print(f"{tag} {name:18s} {shape:>10s}"
                   f" {layout:11s} {dt:8s} trunc={int(tr)} {impl:9s} {dev:9.1f} us dev "
                   f"{full:9.1f} us full {host:9.1f} us host  {row.bandwidth_fraction:5.2f} of "
                   f"copy bw, {row.copy_us / dev:4.2f} of a same-bytes copy", flush=True)

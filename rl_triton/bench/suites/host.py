@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
-import time
 
 import torch
 
@@ -171,12 +170,7 @@ def run_host(estimators, shapes, layouts, dtypes, flags, env, device, out, max_s
     report.save_json(out, env, rows, "host")
     configs = ([(name, shape) for name in estimators for shape in shapes]
                + [("others", registry.HOST_OTHERS_SHAPE)])
-    t_start = time.time()
-    for i, (name, shape) in enumerate(configs):
-        if max_seconds is not None and time.time() - t_start > max_seconds:
-            print(f"# stopped after {i} of {len(configs)} configurations (--max-seconds)")
-            break
-        tag = f"[{i + 1}/{len(configs)} {time.time() - t_start:6.0f}s]"
+    for i, (name, shape), tag in timing.within_seconds(configs, max_seconds):
         if name == "others":
             cells = (("others", call, variant, shape, layout, "float32", fl, "rl_triton", f, err)
                      for call, variant, layout, fl, f, err in other_cells(device, i))

@@ -4,7 +4,6 @@ in eager PyTorch (`LOSS_FORMULAS`) and under `torch.compile`, and the same-bytes
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 
@@ -168,12 +167,7 @@ def run_losses(tokens, dtypes, env, device, out, max_seconds):
     rows: list[LossRow] = []
     report.save_json(out, env, rows, "losses")
     configs = [(n, dt, case) for n in tokens for dt in dtypes for case in registry.LOSS_CASES]
-    t_start = time.time()
-    for i, (n, dt, case) in enumerate(configs):
-        if max_seconds is not None and time.time() - t_start > max_seconds:
-            print(f"# stopped after {i} of {len(configs)} configurations (--max-seconds)")
-            break
-        tag = f"[{i + 1}/{len(configs)} {time.time() - t_start:6.0f}s]"
+    for i, (n, dt, case), tag in timing.within_seconds(configs, max_seconds):
         for r in loss_cells(case, n, dt, device, seed=i):
             rows.append(r)
             print(f"{tag} {r.loss:15s} {r.variant:18s} {r.mode:7s} {report.tokens_label(n):>5s} "

@@ -175,12 +175,7 @@ def run_tokens(shapes, dtypes, env, device, out, max_seconds, frameworks_seconds
     def timed(f):  # device, full call and host
         return timing.device_full_host_us(f, hold_cycles=timing._HOLD_CYCLES_GRAD)
 
-    t_start = time.time()
-    for i, (what, shape, dt) in enumerate(configs):
-        if max_seconds is not None and time.time() - t_start > max_seconds:
-            print(f"# stopped after {i} of {len(configs)} configurations (--max-seconds)")
-            break
-        tag = f"[{i + 1}/{len(configs)} {time.time() - t_start:6.0f}s]"
+    for i, (what, shape, dt), tag in timing.within_seconds(configs, max_seconds):
         if what == "tokens":
             B, T = registry.parse_shape(shape)
             for call, kind, f, tokens, nbytes, ref in token_cells(B, T, registry.DTYPES[dt],
