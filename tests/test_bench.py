@@ -40,7 +40,7 @@ def test_reports(tmp_path):
     env = dict(gpu="GPU", driver="1", torch="t", triton="tr", date="2026-11-29",
                copy_bandwidth_gbs=4000.0, launch_floor_device_us=4.0, launch_floor_full_us=13.0)
     rows = [report.Row("gae", s, "time-major", "float32", True, impl, 10**6, dev, dev + 10,
-                      0.5, 1e-7, copy_us=4.0)
+                       0.5, 1e-7, copy_us=4.0)
             for s, base in (("128x128", 1.0), ("4096x128", 2.0))
             for impl, dev in (("rl_triton", 5.0 * base), ("torch", 50.0 * base))]
     path = tmp_path / "bench.json"
@@ -86,7 +86,7 @@ def test_tiles_option():
                copy_bandwidth_gbs=4000.0, launch_floor_device_us=4.0, launch_floor_full_us=13.0,
                tiles=dict(block_t=64))
     row = report.Row("gae", "128x128", "time-major", "float32", True, "rl_triton", 10**6, 5.0,
-                    15.0, 0.5, 1e-7)
+                     15.0, 0.5, 1e-7)
     md = report.markdown(dict(env=env, rows=[asdict(row)]))
     assert "Tile rule replaced by {'block_t': 64}" in md
     assert "--rule" not in md
@@ -181,11 +181,11 @@ def test_gradient_reports(tmp_path):
     env = dict(gpu="GPU", driver="1", torch="t", triton="tr", date="2026-12-02",
                copy_bandwidth_gbs=4000.0, launch_floor_device_us=4.0, launch_floor_full_us=13.0)
     rows = [report.Row("gae", "4096x128", "time-major", "float32", True, "rl_triton", 10**6,
-                      10.0, 30.0, 0.5, 0.0, 8.0, "bwd"),
+                       10.0, 30.0, 0.5, 0.0, 8.0, "bwd"),
             report.Row("gae", "4096x128", "time-major", "float32", True, "rl_triton", 0,
-                      20.0, 60.0, 0.0, 0.0, float("nan"), "fwd+bwd"),
+                       20.0, 60.0, 0.0, 0.0, float("nan"), "fwd+bwd"),
             report.Row("gae", "4096x128", "time-major", "float32", True, "torch", 0,
-                      400.0, 1200.0, 0.0, 0.0, float("nan"), "fwd+bwd")]
+                       400.0, 1200.0, 0.0, 0.0, float("nan"), "fwd+bwd")]
     md = report.markdown(dict(env=env, rows=[asdict(r) for r in rows]))
     assert "| gae | time-major | float32 | yes | 10 / 30 (0.80) |" in md
     assert "| gae | time-major | float32 | yes | 20 / 60 |" in md
@@ -322,7 +322,7 @@ def test_framework_loops_compute_the_timed_calls(monkeypatch):
     for name, _, theirs, mine in token_suite.framework_cells(rows, fw, ours):
         a, b = theirs(), mine()
         assert checks.rel_err(b, tuple(t.double() for t in (a if isinstance(a, tuple) else (a,))),
-                             0) == 0, name
+                              0) == 0, name
 
 
 def test_loop_budget(monkeypatch):
@@ -359,7 +359,7 @@ def test_token_reports(tmp_path):
     """bench.md's token tables and tokens.png from a token-suite bench.json."""
     def row(call, kind, impl, dev, full, shape="512x4096", dtype="float32", **kw):
         return asdict(report.TokenRow(call, shape, dtype, kind, impl, 2**21, 10**7 if
-                                     impl == "rl_triton" else 0, dev, full, **kw))
+                                      impl == "rl_triton" else 0, dev, full, **kw))
     nan = float("nan")
     rows = [row(c, k, "rl_triton", dev, full, shape=s, copy_us=6.0)
             for s, scale in (("256x1024", 0.5), ("512x4096", 1.0))
@@ -435,7 +435,7 @@ def test_token_suite_runs(tmp_path, monkeypatch):
 def test_token_suite_cli(tmp_path):
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         cli.main(["--suite", "tokens", "--shapes", "4x64", "--frameworks-max-seconds", "5",
-                    "--out", str(tmp_path)])
+                  "--out", str(tmp_path)])
     with pytest.raises(SystemExit) as e:
         cli.main(["--suite", "rollouts", "--out", str(tmp_path)])
     assert e.value.code == 2
@@ -501,16 +501,16 @@ def test_loss_inputs_reach_every_branch():
     ratios fall past both clips and the dual clip, the value clip and the KL clamp bind, and
     bfloat16 critics tie (where the gradient goes to the first)."""
     kw = loss_suite.loss_kwargs(_loss_case("ppo_policy_loss", "mask, dual_clip=3"), 64 * 37,
-                           torch.float32, "cpu", row=37)
+                                torch.float32, "cpu", row=37)
     assert 0.6 < kw["mask"].float().mean() < 0.8 and kw["dual_clip"] == 3.0
     ratio = (kw["log_probs"] - kw["old_log_probs"]).exp()
     assert (ratio < 0.8).any() and (ratio > 1.2).any()
     assert ((ratio > kw["dual_clip"]) & (kw["advantages"] < 0)).any()
     kw = loss_suite.loss_kwargs(_loss_case("value_loss", "mask, clip=0.2"), 64 * 37, torch.float32,
-                           "cpu", row=37)
+                                "cpu", row=37)
     assert ((kw["values"] - kw["old_values"]).abs() > kw["clip"]).any()
     kw = loss_suite.loss_kwargs(_loss_case("kl_penalty", "k3, clamp=10"), 64 * 37, torch.float32,
-                           "cpu", row=37)
+                                "cpu", row=37)
     assert (loss_suite.LOSS_FORMULAS["kl_penalty"](kw["log_probs"], kw["ref_log_probs"], 1e9)
             > kw["clamp"]).any()
     for variant, shape in (("continuous K=2", (4096, 2)), ("discrete A=18 K=2", (4096, 18, 2))):
@@ -560,7 +560,7 @@ def test_loss_formulas_trace_whole(case):
     if loss != "crr_weights":
         grads = calls.output_grads(want)
         assert checks.rel_err(calls.fwd_bwd_fn(lambda: compiled(**kw), leaves, grads)(),
-                             calls.fwd_bwd_fn(lambda: formula(**kw), leaves, grads)(), 0) < 1e-6
+                              calls.fwd_bwd_fn(lambda: formula(**kw), leaves, grads)(), 0) < 1e-6
 
 
 def _stub_timing(monkeypatch):
@@ -614,7 +614,7 @@ def test_loss_reports(tmp_path):
     """bench.md's losses table and targets and losses.png from a losses-suite bench.json."""
     def row(loss, variant, mode, tokens, dtype, impl, dev, full, nbytes=2**26):
         return asdict(report.LossRow(loss, variant, mode, tokens, dtype, impl, nbytes, dev, full,
-                                    0.8 * dev if impl == "rl_triton" else 1.0, 0.0))
+                                     0.8 * dev if impl == "rl_triton" else 1.0, 0.0))
     rows = []
     for tokens, scale in ((2**20, 1.0), (2**22, 4.0)):
         for dtype in ("float32", "bfloat16"):
@@ -660,7 +660,7 @@ def test_loss_suite_cli(tmp_path):
         cli.main(["--suite", "losses", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         cli.main(["--suite", "losses", "--shapes", "1024,4096", "--dtypes", "float32",
-                    "--max-seconds", "60", "--out", str(tmp_path)])
+                  "--max-seconds", "60", "--out", str(tmp_path)])
     for bad in ("1000", "4096x128", "0"):
         with pytest.raises(SystemExit) as e:
             cli.main(["--suite", "losses", "--shapes", bad, "--out", str(tmp_path)])

@@ -88,7 +88,7 @@ def main(argv=None):
                 f"{str(prob['dtype'])[6:]}{'' if prob['truncation'] else ':notrunc'}"
                 f"{':mask' if prob['mask'] else ''}{':bwd' if prob['bwd'] else ''}")
         kw, nbytes = registry.make_inputs(prob["name"], prob["N"], prob["T"], prob["layout"],
-                                       prob["dtype"], prob["truncation"], device, seed=1)
+                                          prob["dtype"], prob["truncation"], device, seed=1)
         if prob["mask"]:  # one byte a step more
             first = kw.get("rewards", next(iter(kw.values())))
             kw["mask"] = torch.rand(first.shape, generator=torch.Generator(device).manual_seed(2),
