@@ -1022,12 +1022,15 @@ def test_reports_with_host_time():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suite would run")
 def test_host_suite_cli(tmp_path):
-    """Without a GPU the host suite refuses cleanly; its options are checked first."""
+    """Without a GPU the host suite refuses cleanly; its options (the anchor's folder too) are
+    checked first."""
+    paper = str(_fake_anchor(tmp_path / "paper"))
     with pytest.raises(SystemExit, match="needs a CUDA device"):
-        cli.main(["--suite", "host", "--anchor-path", str(tmp_path), "--out", str(tmp_path)])
-    with pytest.raises(SystemExit) as e:
-        cli.main(["--suite", "host", "--flags", "bool,int8", "--out", str(tmp_path)])
-    assert e.value.code == 2
+        cli.main(["--suite", "host", "--anchor-path", paper, "--out", str(tmp_path)])
+    for bad in (["--flags", "bool,int8"], ["--anchor-path", str(tmp_path / "out")]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--suite", "host", *bad, "--out", str(tmp_path / "out")])
+        assert e.value.code == 2
     # its default estimators: those rl-triton 0.1.3 has
     assert [e for e in registry.ESTIMATORS if e in anchor.CALLS] == [
         "gae", "lambda_returns", "discounted_returns", "vtrace", "eligibility_traces",

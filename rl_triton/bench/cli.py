@@ -155,6 +155,12 @@ def main(argv=None):
         estimators = (args.estimators.split(",") if args.estimators else
                       [e for e in ESTIMATORS if e in anchor.CALLS])
         flags = _listed(p, "--flags", args.flags, list(registry.FLAG_DTYPES))
+        paper = None
+        if args.anchor_path:  # before anything is timed
+            try:
+                paper = anchor.load(args.anchor_path)
+            except ImportError as e:
+                p.error(f"--anchor-path: {e}")
     else:
         estimators = (args.estimators or ",".join(ESTIMATORS)).split(",")
     if not torch.cuda.is_available():
@@ -196,9 +202,7 @@ def main(argv=None):
             losses.run_losses([int(s) for s in shapes], dtypes, env, device, out,
                               args.max_seconds)
         elif args.suite == "host":
-            paper = None
-            if args.anchor_path:
-                paper = anchor.load(args.anchor_path)
+            if paper is not None:
                 env.update(anchor=dict(path=args.anchor_path, version=paper.__version__))
             host.run_host(estimators, shapes, layouts, dtypes, flags, env, device, out,
                           args.max_seconds, paper)
