@@ -58,8 +58,9 @@ def launches():
 
 def bare_launch(fn, kw, what=""):
     """(launch, the call's outputs): `launch()` runs the compiled kernel of the plan that
-    `fn(**kw)` launches (one scan launch) on the same inputs: its outputs' `torch.empty` (two
-    for GAE and V-trace), then the kernel's launcher with every other argument computed here
+    `fn(**kw)` launches (one scan launch) on the same inputs: its outputs allocated as the plan
+    allocates them (`torch.empty`, or `empty_like` of an input they match; two for GAE and
+    V-trace), then the kernel's launcher with every other argument computed here
     once, as the plan's own replay (`Launch._replay`) passes them. Refuses a call that is not
     one compiled launch."""
     fn(**kw)  # the plan built and its kernel compiled
@@ -85,9 +86,11 @@ def bare_launch(fn, kw, what=""):
             None, None, None, *args[:k])  # no launch metadata, no hooks
     tail = (*args[k + 1:], *plan.tail)
     shapes, dtype, device, run = plan.output_shapes(), plan.out_dtype, plan.device, kernel.run
+    like = None if plan.like is None else x[plan.like]  # the allocation `Launch.run` makes
 
     def launch(_inputs=(x, rows, cu)):  # kept alive: their addresses are in `head`
-        new = [torch.empty(s, dtype=dtype, device=device) for s in shapes]
+        new = ([torch.empty(s, dtype=dtype, device=device) for s in shapes] if like is None
+               else [torch.empty_like(like) for _ in shapes])
         run(*head, tuple([o.data_ptr() for o in new]), *tail)
         return new
 
