@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -12,6 +13,8 @@ from rl_triton import reference
 from rl_triton.testing import NAMES as ESTIMATORS  # noqa: F401
 from rl_triton.testing import make_inputs, public_name
 
+# the scan ops that take flags, masks and packed rows (all but linear_scan)
+FLAGGED = [n for n in ESTIMATORS if not n.startswith("linear_scan")]
 FLAG_DTYPES = [torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32, torch.float64]
 BACKENDS = ["loop", "torch", "triton"]
 
@@ -77,3 +80,27 @@ def subprocess_env(**extra) -> dict:
     env = dict(os.environ, **extra)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     return env
+
+
+@dataclass(frozen=True)
+class PerOp:
+    argnames: str
+    rows: list
+    ids: Optional[list]
+    op: Callable  # a row's op, as the test modules' OPS name it
+
+
+def per_op(argnames, rows, ids=None, op=None):
+    """`pytest.mark.parametrize(argnames, rows, ids=ids)` for a check shared by several ops
+    (tests/ops/op_checks), keeping the rows of the ops of the module it is installed in (its
+    `OPS`; tests/conftest.py's `pytest_generate_tests`). `op(row)` names a row's op: by default
+    the row itself, or its first value."""
+    rows = list(rows)
+    if op is None:
+        op = (lambda row: row[0]) if "," in argnames else (lambda row: row)
+
+    def mark(fn):
+        assert not hasattr(fn, "per_op"), fn.__name__
+        fn.per_op = PerOp(argnames, rows, None if ids is None else list(ids), op)
+        return fn
+    return mark

@@ -34,3 +34,23 @@ if torch.cuda.is_available():
 
 # Large-shape tests need a real GPU: not collected elsewhere.
 collect_ignore_glob = [] if torch.cuda.is_available() else ["test_gpu*.py"]
+
+
+def pytest_generate_tests(metafunc):
+    """A shared check (`cases.per_op`) runs the rows of the ops of the module it is installed in."""
+    spec = getattr(metafunc.function, "per_op", None)
+    if spec is None:
+        return
+    keep = [i for i, row in enumerate(spec.rows) if spec.op(row) in metafunc.module.OPS]
+    metafunc.parametrize(spec.argnames, [spec.rows[i] for i in keep],
+                         ids=None if spec.ids is None else [spec.ids[i] for i in keep])
+
+
+def pytest_collection_modifyitems(config, items):
+    """Large-shape tests (marked gpu_large) need a CUDA device: skipped elsewhere."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu_large: needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu_large") is not None:
+            item.add_marker(skip)

@@ -1,5 +1,5 @@
-"""Float flags and non-finite inputs (semantics §1, "Flags" and "Non-finite inputs"), on every
-backend, in both layouts, at small odd shapes, through the public functions.
+"""Float flags and non-finite inputs (semantics §1, "Flags" and "Non-finite inputs"), checks
+shared by the ops (run in each op's module, tests/ops/test_<op>.py), on every backend, in both layouts, at small odd shapes, through the public functions.
 
 A flag is set wherever it is nonzero, whatever its dtype. A NaN or inf reaches only the outputs
 that depend on it through the formula and never crosses an episode boundary: a cut is a select,
@@ -9,10 +9,7 @@ probability gives NaN (it is never clipped into a finite number), and every back
 NaN pattern.
 """
 import math
-import subprocess
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Optional
 
 import pytest
@@ -22,15 +19,14 @@ import rl_triton
 from rl_triton import _plans
 from rl_triton.scan import tiles as tiles_rule
 from rl_triton.testing import make_inputs, make_packed_inputs
-from cases import BACKENDS, Case, make_case, subprocess_env
+from cases import BACKENDS, FLAGGED, Case, make_case, per_op
 
 # numpy's warnings on inf - inf and 0 * inf in Triton's interpreter
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+# (a mark on each check: a module's pytestmark does not go with the checks it installs)
+INTERPRETER_WARNINGS = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
 LAYOUTS = ["time-major", "batch-major"]
 SHAPES = [(1, 1), (1, 5), (7, 1), (7, 5), (37, 1), (37, 5)]
-FLAGGED = ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
-           "eligibility_traces", "episodic_cumsum"]
 FLAG_NAMES = ("terminated", "truncated", "dones")
 
 
@@ -42,7 +38,8 @@ def clone(case: Case) -> Case:
 
 # --- 1. Float flags are set wherever they are nonzero -------------------------------------------
 
-@pytest.mark.parametrize("name", FLAGGED)
+@INTERPRETER_WARNINGS
+@per_op("name", FLAGGED)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("T,N", SHAPES)
@@ -197,7 +194,8 @@ def check(clean: Case, bad: Case, safe, layout, backends=BACKENDS, tiles=None):
 MAIN_SHAPES = [(1, 5), (7, 1), (7, 5), (37, 5)]
 
 
-@pytest.mark.parametrize("name,bootstrap,inputs", GROUPS, ids=GROUP_IDS)
+@INTERPRETER_WARNINGS
+@per_op("name,bootstrap,inputs", GROUPS, ids=GROUP_IDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("T,N", MAIN_SHAPES)
 def test_non_finite_inputs_stay_in_their_episode(name, bootstrap, inputs, layout, T, N, device):
@@ -219,7 +217,8 @@ SPLITS = [("look-back, sub-tiles", "time-major",
           ("walk", "batch-major", dict(block_t=16, block_b=2, walk=True))]
 
 
-@pytest.mark.parametrize("name,bootstrap,inputs", GROUPS, ids=GROUP_IDS)
+@INTERPRETER_WARNINGS
+@per_op("name,bootstrap,inputs", GROUPS, ids=GROUP_IDS)
 @pytest.mark.parametrize("split,layout,tiles", SPLITS, ids=[f"{s}-{l}" for s, l, _ in SPLITS])
 def test_non_finite_inputs_across_tiles(name, bootstrap, inputs, split, layout, tiles, device):
     """Rows of 47 steps in tiles of 16, the boundaries at steps 15-16 and the bad values just
@@ -233,117 +232,13 @@ def test_non_finite_inputs_across_tiles(name, bootstrap, inputs, split, layout, 
     check(clean, bad, safe, layout, backends=["loop", "triton"], tiles=tiles)
 
 
-# --- 3. NaN ratios and probabilities give NaN -----------------------------------------------------
+# --- 3. NaN ratios and probabilities give NaN (tests/ops/test_vtrace.py, test_retrace.py) -------
 
 def quiet(case: Case):
     """No flags: every step is in one episode."""
     for key in FLAG_NAMES:
         if case.steps.get(key) is not None:
             case.steps[key] = torch.zeros_like(case.steps[key])
-
-
-@pytest.mark.parametrize("which", ["target_log_probs", "behavior_log_probs"])
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("T,N", SHAPES)
-def test_vtrace_nan_log_prob_gives_nan(which, backend, layout, T, N, device):
-    """A NaN log-probability at step j makes ratio[j] NaN: rho[j], c[j] and the pg clip of step j
-    use it, so vs and pg_advantages are NaN at j and at every step before it in the episode
-    (through D and vs'), and finite after it. It is never clipped into a finite ratio."""
-    case = make_case("vtrace", T, (N,), device=device, seed=T + N)
-    quiet(case)
-    j = T // 2
-    case.steps[which][j, N - 1] = math.nan
-    vs, pg = case.call(layout, backend=backend)
-    want = torch.zeros(T, N, dtype=torch.bool)
-    want[:j + 1, N - 1] = True
-    assert torch.equal(torch.isnan(vs.cpu()), want), vs
-    assert torch.equal(torch.isnan(pg.cpu()), want), pg
-    assert torch.isfinite(vs.cpu()[~want]).all() and torch.isfinite(pg.cpu()[~want]).all()
-
-
-@pytest.mark.parametrize("which", ["taken target prob", "other target prob", "behavior prob"])
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("T,N", SHAPES)
-def test_retrace_nan_probability_gives_nan(which, backend, layout, T, N, device):
-    """A NaN pi(a | s_j) or mu(a_j | s_j) at step j: the trace coefficient c[j] (pi / mu of the
-    action taken) or the expectation E[j-1] (any action) is NaN, so G and G - Q are NaN at every
-    step before j in the episode, and finite from j on (slot 0 is read by no step)."""
-    case = make_case("retrace", T, (N,), device=device, seed=T + N)
-    quiet(case)
-    j = T // 2
-    a = int(case.steps["actions"][j, N - 1])
-    if which == "behavior prob":
-        case.steps["behavior_probs"][j, N - 1] = math.nan
-    else:
-        n_act = case.steps["target_probs"].shape[-1]
-        case.steps["target_probs"][j, N - 1, a if which.startswith("taken") else (a + 1) % n_act] \
-            = math.nan
-    outs = case.call(layout, backend=backend)
-    want = torch.zeros(T, N, dtype=torch.bool)
-    want[:j, N - 1] = True
-    for out in outs:
-        assert torch.equal(torch.isnan(out.cpu()), want), out
-        assert torch.isfinite(out.cpu()[~want]).all()
-
-
-# --- 4. The look-back ends, and selects, whatever the maps it reads hold --------------------------
-
-LOOK_BACK = r'''
-import os, struct, sys
-os.environ["TRITON_INTERPRET"] = "1"
-import torch, triton, triton.language as tl
-from rl_triton.scan import kernel as scan
-
-@triton.jit
-def probe(words, out, order, tag, n_chunks, WINDOW: tl.constexpr, DEPTH: tl.constexpr):
-    r = tl.arange(0, 2)[:, None]
-    carry_in = tl.zeros(r.shape, tl.float32)
-    acc = scan.look_back(words, words + n_chunks * 2, 0, order, 1, r, r < 2, tag, carry_in, 1,
-                         WINDOW, DEPTH, 2)
-    tl.store(out + r, acc)
-
-def word(value, tag):
-    return struct.unpack("<I", struct.pack("<f", value))[0] | (tag << 32)
-
-tag = 4
-# tiles 0..2 in scan order, as tile 3 finds them: tile 0 published its outgoing value (a constant
-# map), tiles 1 and 2 their maps a + b * A; one row per column
-cases = {"nan map": [(5.0, None), (float("nan"), float("nan")), (2.0, 3.0)],
-         "cut": [(float("nan"), None), (2.0, 0.0), (1.0, 2.0)],
-         "inf before a cut": [(float("inf"), None), (7.0, 0.0), (0.5, 0.5)]}
-for window, depth in ((1, 1), (4, 4), (4, 1)):
-    for label, tiles in cases.items():
-        a = [word(v, tag + (2 if b is None else 1)) for v, b in tiles for _ in range(2)]
-        b = [word(0.0 if bb is None else bb, tag + 1) for _, bb in tiles for _ in range(2)]
-        words = torch.tensor(a + [0, 0] + b + [0, 0], dtype=torch.int64)
-        out = torch.zeros(2)
-        probe[(1,)](words, out, 3, tag, 4, window, depth)
-        print(window, depth, label, out.tolist(), flush=True)
-'''
-
-
-def test_look_back_ends_and_selects():
-    """The look-back composes the maps its predecessors published until the composition no longer
-    depends on anything earlier. A map holding NaN (a NaN ratio in the tile) never becomes
-    constant by multiplication (NaN * 0 is NaN): the look-back still ends at the initial carry,
-    at the latest (it used to loop forever on a GPU, where it can find such a map). A map with
-    b = 0 (a cut) selects its own value, whatever the tiles before it hold (inf or NaN). Run in
-    a subprocess, so that a look-back that never ends fails the test instead of hanging it."""
-    done = subprocess.run([sys.executable, "-c", LOOK_BACK], capture_output=True, text=True,
-                          timeout=900, cwd=Path(__file__).parent.parent, env=subprocess_env())
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    lines = done.stdout.strip().split("\n")
-    assert len(lines) == 9, lines
-    for line in lines:
-        window, depth, rest = line.split(" ", 2)
-        label, values = rest.rsplit(" [", 1)
-        values = [float(v) for v in values.rstrip("]").split(",")]
-        # tile 2's map over tile 1's over tile 0's value
-        want = {"nan map": math.nan, "cut": 1.0 + 2.0 * 2.0, "inf before a cut": 0.5 + 0.5 * 7.0}
-        for v in values:
-            assert (math.isnan(v) and math.isnan(want[label])) or v == want[label], line
 
 
 # --- 5. What a mask, a clamp or a zero probability removes reaches nothing ------------------------
@@ -622,7 +517,9 @@ def _outputs_and_grads(r: Removal, inputs: dict, backend: str):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("label,target,value", SWEEP, ids=["-".join(c) for c in SWEEP])
+@INTERPRETER_WARNINGS
+@per_op("label,target,value", SWEEP, ids=["-".join(c) for c in SWEEP],
+        op=lambda row: row[0].split("-")[0])  # the label names its op
 def test_removed_positions_reach_nothing(label, target, value, backend, device):
     """A NaN, +inf or -inf at the positions of `target` that the call removes (a mask, a clamp
     that binds, a zero probability, a termination): the outputs of the call with a finite value

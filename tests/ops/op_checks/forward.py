@@ -1,14 +1,11 @@
-"""Every estimator, every backend, against its float64 sequential reference."""
-import itertools
-
+"""Every scan op, every backend, against its float64 sequential reference (shared checks, run
+in each op's module: tests/ops/test_<op>.py)."""
 import pytest
 import torch
 
 from rl_triton import _plans
-from rl_triton.ops import retrace as retrace_op
 from rl_triton.scan import tiles
-from cases import (BACKENDS, ESTIMATORS, FLAG_DTYPES, assert_close, make_case, rel_err,
-                   to_layout)
+from cases import BACKENDS, ESTIMATORS, FLAG_DTYPES, assert_close, make_case, per_op, rel_err
 
 SHAPES = [(1, (1,)), (37, (5,)), (333, (50,)), (16, (3, 4))]
 LAYOUTS = ["time-major", "batch-major", "transposed-view"]
@@ -19,7 +16,7 @@ GRID = [(b, shape, layout) for b in BACKENDS for shape in SHAPES for layout in L
         if not (b == "loop" and shape[0] * shape[1][0] > 2000 and layout != "time-major")]
 
 
-@pytest.mark.parametrize("name", ESTIMATORS)
+@per_op("name", ESTIMATORS)
 @pytest.mark.parametrize("backend,shape,layout", GRID)
 def test_matches_reference(name, backend, shape, layout, device):
     T, batch = shape
@@ -29,7 +26,7 @@ def test_matches_reference(name, backend, shape, layout, device):
     assert_close(case.call(layout, backend=backend), case.reference())
 
 
-@pytest.mark.parametrize("name", ESTIMATORS)
+@per_op("name", ESTIMATORS)
 @pytest.mark.parametrize("flag_dtype", FLAG_DTYPES, ids=str)
 def test_flag_dtypes(name, flag_dtype, device):
     case = make_case(name, 41, (3,), device=device, flag_dtype=flag_dtype, seed=7)
@@ -38,7 +35,7 @@ def test_flag_dtypes(name, flag_dtype, device):
         assert_close(case.call(backend=backend), ref)
 
 
-@pytest.mark.parametrize("name", ESTIMATORS)
+@per_op("name", ESTIMATORS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_half_inputs_float32_math(name, dtype, device):
     """bf16 / f16 inputs, float32 arithmetic: the reference sees the same rounded inputs, so the
@@ -50,7 +47,7 @@ def test_half_inputs_float32_math(name, dtype, device):
             assert_close(case.call(layout, backend=backend), ref, tol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["gae", "lambda_returns", "vtrace"])
+@per_op("name", ["gae", "lambda_returns", "vtrace"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_next_values_equals_last_value_path(name, backend, device):
     """next_values = values shifted by one with last_value appended gives the same result."""
@@ -64,7 +61,7 @@ def test_next_values_equals_last_value_path(name, backend, device):
     assert_close(with_last, case.reference())
 
 
-@pytest.mark.parametrize("name", ["gae", "lambda_returns", "vtrace", "discounted_returns"])
+@per_op("name", ["gae", "lambda_returns", "vtrace", "discounted_returns"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_same_step_autoreset_next_values(name, backend, device):
     """next_values that differ from values[t+1] at truncations (same-step autoreset)."""
@@ -73,7 +70,7 @@ def test_same_step_autoreset_next_values(name, backend, device):
     assert_close(case.call("batch-major", backend=backend), case.reference())
 
 
-@pytest.mark.parametrize("name", ["eligibility_traces", "episodic_cumsum"])
+@per_op("name", ["eligibility_traces", "episodic_cumsum"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_trailing_feature_axes(name, backend, layout, device):
@@ -81,94 +78,7 @@ def test_trailing_feature_axes(name, backend, layout, device):
     assert_close(case.call(layout, backend=backend), case.reference())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_retrace_many_actions(backend, device):
-    case = make_case("retrace", 45, (3,), n_act=37, device=device, seed=2)
-    assert_close(case.call("batch-major", backend=backend), case.reference())
-
-
-@pytest.mark.parametrize("n_act", [2, 8, 18])
-@pytest.mark.parametrize("storage", ["contiguous", "offset", "padded", "batch-major"])
-def test_retrace_action_vectors(n_act, storage, device):
-    """Rows of an even number of actions are loaded several actions at a time
-    (`ops.action_vector`: float32 pairs for 18 actions, fours for 8), when the data is 16-byte
-    aligned and every stride even; q-values and target probabilities that start 4 bytes into
-    their storage, or whose rows are padded to n_act + 1 values, are loaded one action at a
-    time. The same results every way (each its own plan)."""
-    case = make_case("retrace", 37, (5,), n_act=n_act, device=device, seed=n_act)
-    for k in ("q_values", "target_probs"):
-        x = case.steps[k]
-        if storage == "offset":
-            y = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)[1:].view(x.shape)
-        elif storage == "padded":
-            y = torch.empty(*x.shape[:-1], n_act + 1, dtype=x.dtype, device=x.device)[..., :n_act]
-        else:
-            continue
-        case.steps[k] = y.copy_(x)
-    layout = "batch-major" if storage == "batch-major" else "time-major"
-    assert_close(case.call(layout), case.reference())
-
-
-@pytest.mark.parametrize("layout", ["batch-major", "time-major"])
-def test_retrace_action_blocks_bound_the_vectors(layout, device):
-    """2-byte rows walk their actions in blocks of 2, 4-byte rows in blocks of 8
-    (`tiles.action_block`); a vector along actions never spans more than a block, although
-    rows of 16 bfloat16 actions could load 8 at a time."""
-    case = make_case("retrace", 37, (5,), dtype=torch.bfloat16, device=device, seed=7, n_act=16)
-    _plans._PLANS.clear()
-    assert_close(case.call(layout, backend="triton"), case.reference(), tol=1e-5)
-    (plan,) = _plans._PLANS.values()
-    assert (plan.meta["BLOCK_A"], plan.meta["ACT_BLOCKS"], plan.meta["ACT_VEC"]) == (2, 8, 2)
-
-
-def test_action_vector_rule():
-    from rl_triton.scan.launch import action_vector
-    f32 = torch.zeros(6, 4, 18)
-    assert action_vector([f32, f32[0]], 18) == 2  # per-step rows and the bootstrap row
-    assert action_vector([torch.zeros(6, 4, 8)], 8) == 4
-    assert action_vector([torch.zeros(6, 4, 16, dtype=torch.bfloat16)], 16) == 8  # 16 bytes
-    assert action_vector([torch.zeros(6, 4, 19)[..., :18]], 18) == 1  # rows 19 values apart
-    assert action_vector([torch.zeros(6 * 4 * 18 + 1)[1:].view(6, 4, 18)], 18) == 1  # 4 bytes in
-    assert action_vector([torch.zeros(6, 18, 4).transpose(1, 2)], 18) == 1  # actions strided
-    assert action_vector([torch.zeros(6, 4, 5)], 5) == 1
-    assert action_vector([f32, torch.zeros(6, 4, 19)[..., :18]], 18) == 1  # all or none
-
-
-def test_row_vector_rule():
-    from rl_triton.scan.launch import row_vector
-    f32 = torch.zeros(6, 300)
-    assert row_vector([f32, torch.zeros(6, 300, dtype=torch.bool)], 300, 1) == 4
-    assert row_vector([torch.zeros(6, 50)], 50, 1) == 2
-    assert row_vector([torch.zeros(6, 64)], 64, 1) == 1  # the compiler knows 64 already
-    assert row_vector([torch.zeros(6, 301)[:, :300]], 300, 1) == 1  # time stride 301
-    assert row_vector([f32], 300, 4) == 1  # rows in two groups
-    assert row_vector([torch.zeros(6, 302)[:, :300]], 300, 1) == 2
-    assert row_vector([f32, torch.zeros(6, 302)[:, :300]], 300, 1) == 2  # all tensors
-
-
-@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
-@pytest.mark.parametrize("last_dtype", [None, torch.bfloat16], ids=["same-dtype", "bfloat16"])
-def test_retrace_bootstrap_state(layout, last_dtype, device):
-    """E[T-1] comes from the bootstrap state. Where every tile spans its rows' whole window
-    (`retrace_op.coef_whole`), the action blocks read the bootstrap's rows at
-    t = T-1 when they share Q's and pi's dtypes, else a pass of its own does (bfloat16 bootstrap
-    tensors); where rows span several tiles, the tile holding T-1 does: all against the
-    reference, in one-row tiles (batch-major 128 x 1) and tiles of several rows."""
-    for T, n, block_t, block_b in ((37, 5, 64, 4), (37, 5, 64, 1), (37, 5, 16, 2),
-                                   (100, 3, 128, 1)):
-        case = make_case("retrace", T, (n,), device=device, seed=T + block_b, n_act=18)
-        if last_dtype is not None:
-            case.extra.update({k: case.extra[k].to(last_dtype)
-                               for k in ("last_q_values", "last_target_probs")})
-        _plans._PLANS.clear()
-        with tiles.override(block_t=block_t, block_b=block_b):
-            assert_close(case.call(layout, backend="triton"), case.reference())
-            (plan,) = _plans._PLANS.values()
-        whole = block_t >= T
-        assert (plan.meta["COEF"] is retrace_op.coef_whole) is whole
-
-
-@pytest.mark.parametrize("name", ESTIMATORS)
+@per_op("name", ESTIMATORS)
 @pytest.mark.parametrize("time_major", [True, False])
 def test_long_rows_split_across_programs(name, time_major, device):
     """T = 5 * block + 7: six tiles per row. One tile per program: each finds its carry by
@@ -186,7 +96,7 @@ def test_long_rows_split_across_programs(name, time_major, device):
             assert_close(case.call(layout, backend="triton"), ref)  # a second launch, same scratch
 
 
-@pytest.mark.parametrize("name", ESTIMATORS)
+@per_op("name", ESTIMATORS)
 def test_time_major_sub_tiles(name, device):
     """Time-major tiles run as 1 to 16 sub-tiles of every sub-th step (each thread holds
     consecutive steps, `scan.scan_chunk`), with their tiles' carries found by look-back or by
@@ -202,7 +112,7 @@ def test_time_major_sub_tiles(name, device):
                 assert_close(case.call("time-major", backend="triton"), ref)
 
 
-@pytest.mark.parametrize("name", ESTIMATORS)
+@per_op("name", ESTIMATORS)
 def test_full_tiles_drop_their_masks(name, device):
     """Plans whose tiles divide the problem (T and the rows multiples of the tile) compile
     without masks (`tiles.even`, `EVEN`; a GPU keeps them where dropping them costs warps),
@@ -224,7 +134,7 @@ def test_full_tiles_drop_their_masks(name, device):
                 assert plan.meta["EVEN"] is full or (device != "cpu" and not plan.meta["EVEN"])
 
 
-@pytest.mark.parametrize("name", ["lambda_returns", "retrace", "gae"])
+@per_op("name", ["lambda_returns", "retrace", "gae"])
 def test_calls_without_truncations_read_the_terminations_twice(name, device):
     """Lambda-returns' and Retrace's time-major calls without truncation flags pass their
     terminations in the truncation slot too (`ops.Kernel.trunc_slot_always`: the compiler then
@@ -250,23 +160,7 @@ def test_calls_without_truncations_read_the_terminations_twice(name, device):
             assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
-def test_look_back_tags_name_the_launch(device):
-    """Every launch tags every tile's words with one new tag base (the last one + 2, from 0 in
-    fresh scratch), which each tile reads from the word it wrote itself the launch before;
-    a tile that derived another base would wait forever for its predecessors' words."""
-    case = make_case("gae", 5 * 16 + 7, (3,), device=device, seed=5)
-    ref = case.reference()
-    _plans._PLANS.clear()
-    with tiles.override(block_t=16, block_b=2, walk=False):
-        for launch in range(3):
-            assert_close(case.call("time-major", backend="triton"), ref)
-            (plan,) = _plans._PLANS.values()
-            ((state, _),) = plan.states.values()
-            tags = (state.cpu() >> 32)[: state.numel() // 2]  # the words_a of every tile row
-            assert set(tags.tolist()) == {2 * launch + 1, 2 * launch + 2}, (launch, tags)
-
-
-@pytest.mark.parametrize("name", ["gae", "vtrace", "retrace", "episodic_cumsum"])
+@per_op("name", ["gae", "vtrace", "retrace", "episodic_cumsum"])
 def test_strided_inputs_read_in_place(name, device):
     """Slices of larger buffers and mixed layouts across arguments."""
     case = make_case(name, 40, (6,), device=device, seed=17)
@@ -289,7 +183,7 @@ def permuted_memory(x, order):
     return x.permute(*order).contiguous().permute(*inverse)
 
 
-@pytest.mark.parametrize("name", ["gae", "retrace", "eligibility_traces", "linear_scan_forward"])
+@per_op("name", ["gae", "retrace", "eligibility_traces", "linear_scan_forward"])
 @pytest.mark.parametrize("batch,order", [((3, 4), (2, 0, 1)), ((2, 3, 2), (3, 1, 0, 2))])
 def test_batch_axes_in_any_memory_order(name, batch, order, device):
     """Several batch axes stored in a permuted order; with three axes that no two strides can
@@ -309,7 +203,7 @@ def test_batch_axes_in_any_memory_order(name, batch, order, device):
     assert_close(tuple(o.movedim(1, 0) for o in out), ref)
 
 
-@pytest.mark.parametrize("name", ESTIMATORS)
+@per_op("name", ESTIMATORS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_inputs_not_modified(name, backend, device):
     case = make_case(name, 19, (3,), device=device, seed=23)
@@ -326,7 +220,7 @@ def test_inputs_not_modified(name, backend, device):
             assert torch.equal(v, extra_before[k]), k
 
 
-@pytest.mark.parametrize("name", ESTIMATORS)
+@per_op("name", ESTIMATORS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_inputs(name, backend, device):
     for T, batch in [(0, (3,)), (5, (0,))]:
@@ -334,29 +228,3 @@ def test_empty_inputs(name, backend, device):
         outs = case.call(backend=backend)
         for o in outs:
             assert o.shape[:2] == (T, *batch)[:2] and o.numel() == 0
-
-
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_out_dtype(out_dtype, backend, device):
-    case = make_case("gae", 21, (4,), device=device)
-    outs = case.call(backend=backend, out_dtype=out_dtype)
-    assert all(o.dtype == out_dtype for o in outs)
-    tol = 1e-2 if out_dtype == torch.bfloat16 else 1e-5
-    assert_close(outs, case.reference(), tol=tol)
-
-
-def test_outputs_in_caller_layout(device):
-    case = make_case("gae", 12, (7,), device=device)
-    adv, ret = case.fn(**{k: to_layout(v, "transposed-view") for k, v in case.steps.items()},
-                       **case.extra, time_dim=-1, backend="triton")
-    assert adv.shape == (7, 12) and adv.is_contiguous() and ret.is_contiguous()
-
-
-def test_backends_agree_with_each_other(device):
-    for name in ESTIMATORS:
-        case = make_case(name, 90, (7,), device=device, seed=31)
-        outs = {b: case.call(backend=b) for b in BACKENDS}
-        for a, b in itertools.combinations(BACKENDS, 2):
-            for x, y in zip(outs[a], outs[b]):
-                assert rel_err(x, y) < 2e-6, (name, a, b)

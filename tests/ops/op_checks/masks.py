@@ -1,4 +1,4 @@
-"""Masks (semantics §7): every estimator as if the masked steps were deleted from each row.
+"""Masks and packed rows (semantics §7), checks shared by the scan ops: every op with flags as if the masked steps were deleted from each row.
 
 The reference here literally deletes them: for each row it keeps the decision steps, runs the
 plain float64 reference (no mask) on that shorter row, and scatters the result back, zeros
@@ -12,11 +12,9 @@ import torch
 
 import rl_triton
 from rl_triton.scan import tiles
-from cases import assert_close, make_case, to_layout
+from cases import FLAGGED, assert_close, make_case, per_op, to_layout
 from conftest import DEVICE
 
-NAMES = ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
-         "eligibility_traces", "episodic_cumsum"]
 BOOTS = ("last_value", "last_q_values", "last_target_probs", "initial")
 
 
@@ -58,7 +56,7 @@ def deleted(case, mask):
     return tuple(outs)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@per_op("name", FLAGGED)
 def test_reference_mask_is_deletion(name):
     """The float64 reference's own mask against the deletion of the masked steps."""
     T, N = 37, 9
@@ -73,7 +71,7 @@ def test_reference_mask_is_deletion(name):
 
 @pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
 @pytest.mark.parametrize("layout", ["time-major", "batch-major"])
-@pytest.mark.parametrize("name", NAMES)
+@per_op("name", FLAGGED)
 @pytest.mark.parametrize("T", [1, 37])
 def test_mask_matches_deletion(name, layout, backend, T, device):
     N = 9
@@ -84,7 +82,7 @@ def test_mask_matches_deletion(name, layout, backend, T, device):
     assert_close(got, deleted(case, mask))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@per_op("name", FLAGGED)
 def test_mask_bf16_and_next_values(name, device):
     """bf16 inputs (float32 math) and `next_values` with a mask, on every backend."""
     T, N = 33, 7
@@ -98,7 +96,7 @@ def test_mask_bf16_and_next_values(name, device):
                                backend=backend), want, tol=1e-5)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@per_op("name", FLAGGED)
 def test_mask_of_ones_is_no_mask(name, device):
     T, N = 40, 6
     case = make_case(name, T, (N,), device=device)
@@ -108,76 +106,6 @@ def test_mask_of_ones_is_no_mask(name, device):
         masked = case.call(mask=mask, backend=backend)
         for a, b in zip(plain, masked):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("dtype", [torch.bool, torch.int32, torch.float32])
-def test_mask_dtypes_and_masked_inputs_are_ignored(dtype, device):
-    """A mask is set wherever nonzero, whatever its dtype; NaN rewards, values and flags at
-    masked steps change nothing."""
-    T, N = 30, 5
-    case = make_case("gae", T, (N,), device=device)
-    mask = mask_rows(T, N, seed=1).to(device)
-    want = deleted(case, mask)
-    dirty = dict(case.steps)
-    off = ~mask
-    dirty["rewards"] = case.steps["rewards"].masked_fill(off, float("nan"))
-    dirty["values"] = case.steps["values"].masked_fill(off, float("inf"))
-    dirty["terminated"] = case.steps["terminated"] | off
-    m = (mask.to(dtype) * (3 if dtype != torch.bool else 1))
-    for backend in ("loop", "torch", "triton"):
-        got = rl_triton.gae(**dirty, **case.extra, mask=m, backend=backend)
-        assert_close(got, want)
-
-
-def test_masked_gae_by_hand(device):
-    """One row: decisions at t = 0, 2, 5 of 7; the successor of t = 0 is t = 2, and the trace
-    decays once per decision step."""
-    r = torch.tensor([[1.0], [9.0], [2.0], [9.0], [9.0], [3.0], [9.0]])
-    v = torch.tensor([[0.5], [9.0], [0.25], [9.0], [9.0], [0.125], [9.0]])
-    mask = torch.tensor([[1], [0], [1], [0], [0], [1], [0]], dtype=torch.bool)
-    term = torch.zeros(7, 1, dtype=torch.bool)
-    g, lam, last = 0.5, 0.5, torch.tensor([4.0])
-    d5 = 3.0 + g * 4.0 - 0.125
-    d2 = 2.0 + g * 0.125 - 0.25
-    d0 = 1.0 + g * 0.25 - 0.5
-    a5, a2 = d5, d2 + g * lam * d5
-    a0 = d0 + g * lam * a2
-    want = torch.tensor([[a0], [0], [a2], [0], [0], [a5], [0]])
-    r, v, mask, term, last, want = (x.to(device) for x in (r, v, mask, term, last, want))
-    for backend in ("loop", "torch", "triton"):
-        adv, ret = rl_triton.gae(r, v, term, last_value=last, mask=mask, gamma=g, lam=lam,
-                                 backend=backend)
-        torch.testing.assert_close(adv, want)
-        torch.testing.assert_close(ret, torch.where(mask, want + v, 0.0))
-
-
-def test_mask_shape_is_checked():
-    case = make_case("gae", 10, (4,))
-    with pytest.raises(ValueError, match="mask"):
-        case.call(mask=torch.ones(10, 3, dtype=torch.bool))
-    with pytest.raises(TypeError, match="mask"):
-        case.call(mask=[1, 0])
-
-
-def test_masked_gradients_match_deletion(device):
-    """Gradients through a masked call agree on every backend; masked rewards get none."""
-    T, N = 21, 5
-    case = make_case("gae", T, (N,), dtype=torch.float64, device=device)
-    mask = mask_rows(T, N, seed=5).to(device)
-    leaves = {k: case.steps[k].clone().requires_grad_() for k in ("rewards", "values")}
-    lv = case.extra["last_value"].clone().requires_grad_()
-    w = torch.randn(T, N, dtype=torch.float64, device=device)
-    want = None
-    for backend in ("loop", "torch", "triton"):
-        steps = dict(case.steps, **leaves)
-        adv, _ = rl_triton.gae(**steps, last_value=lv, mask=mask, gamma=0.97, lam=0.9,
-                               backend=backend)
-        got = torch.autograd.grad((adv * w).sum(), [*leaves.values(), lv])
-        if want is None:
-            want = got
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b)
-    assert torch.all(want[0][~mask] == 0)  # masked rewards do not matter
 
 
 def long_masks(T, N, seed):
@@ -207,7 +135,7 @@ def assert_split_rows(case, mask, layout, want):
                              want)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@per_op("name", FLAGGED)
 @pytest.mark.parametrize("layout", ["time-major", "batch-major"])
 def test_masked_rows_split_across_programs(name, layout, device):
     """Six tiles per row: carries (and the successor's value across masked tiles) found by
@@ -219,7 +147,7 @@ def test_masked_rows_split_across_programs(name, layout, device):
     assert_split_rows(case, mask, layout, deleted(case, mask))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@per_op("name", FLAGGED)
 @pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
 def test_packed_rows_match_their_rows(name, backend, device):
     """cu_seqlens (semantics §7): each segment of the packed [L] tensors is a row of its own (empty
@@ -250,50 +178,8 @@ def test_packed_rows_match_their_rows(name, backend, device):
             assert_close([o[s:e] for o in got], [w[:, 0] for w in want])
 
 
-def test_packed_offsets_are_checked():
-    r, v = torch.randn(6), torch.randn(6)
-    term = torch.zeros(6, dtype=torch.bool)
-    lv = torch.zeros(2)
-    for bad in ([1, 3, 6], [0, 3, 5], [0, 4, 3, 6]):
-        with pytest.raises(ValueError, match="cu_seqlens"):
-            rl_triton.gae(r, v, term, last_value=lv[:len(bad) - 1], cu_seqlens=torch.tensor(bad))
-    with pytest.raises(TypeError, match="cu_seqlens"):
-        rl_triton.gae(r, v, term, last_value=lv, cu_seqlens=torch.tensor([0.0, 3.0, 6.0]))
-    with pytest.raises(ValueError, match="time_dim"):
-        rl_triton.gae(r, v, term, last_value=lv, cu_seqlens=torch.tensor([0, 3, 6]),
-                      time_dim=1)
-    with pytest.raises(ValueError, match="last_value"):
-        rl_triton.gae(r, v, term, last_value=torch.zeros(3), cu_seqlens=torch.tensor([0, 3, 6]))
-
-
-def test_packed_gradients_flow(device):
-    """Gradients through packed rows reach the packed inputs (and the per-segment bootstrap)
-    as through each segment called alone."""
-    lengths = [4, 0, 7, 2]
-    cu = torch.tensor([0] + lengths).cumsum(0).to(device)
-    L = sum(lengths)
-    g = torch.Generator().manual_seed(0)
-    r = torch.randn(L, generator=g, dtype=torch.float64).to(device).requires_grad_()
-    v = torch.randn(L, generator=g, dtype=torch.float64).to(device).requires_grad_()
-    lv = torch.randn(4, generator=g, dtype=torch.float64).to(device).requires_grad_()
-    term = torch.zeros(L, dtype=torch.bool, device=device)
-    adv, _ = rl_triton.gae(r, v, term, last_value=lv, cu_seqlens=cu, gamma=0.9, lam=0.8)
-    got = torch.autograd.grad(adv.square().sum(), (r, v, lv))
-    total = 0
-    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        if e > s:
-            a, _ = rl_triton.gae(r[s:e, None], v[s:e, None], term[s:e, None],
-                                 last_value=lv[i:i + 1], gamma=0.9, lam=0.8, backend="torch")
-            total = total + a.square().sum()
-    want = torch.autograd.grad(total, (r, v, lv))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
-
-
 # ---- packed rows in place (the Triton kernels, semantics §7): segment ends as window ends --------
 
-PACKED = ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
-          "eligibility_traces", "episodic_cumsum"]
 TWO_OUTPUTS = ("gae", "vtrace", "retrace")  # retrace: with return_advantages (make_inputs)
 # empty segments first, last and consecutive; one segment; segments of one step; L = 1
 LENGTHS = {"empties": [0, 5, 0, 0, 1, 17, 3, 0], "one": [37], "ones": [1] * 37, "L=1": [1],
@@ -359,7 +245,7 @@ def padded(name, steps, extra, cu, **kw):
 
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("lengths", list(LENGTHS))
-@pytest.mark.parametrize("name", PACKED)
+@per_op("name", FLAGGED)
 def test_packed_kernel_matches_segments_and_padding(name, lengths, masked, device, in_place):
     """The in-place kernels on packed rows against each segment alone (float64) and against
     the same rows padded and masked (the unpacked kernels)."""
@@ -371,7 +257,7 @@ def test_packed_kernel_matches_segments_and_padding(name, lengths, masked, devic
 
 
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("name", PACKED)
+@per_op("name", FLAGGED)
 def test_packed_rows_split_across_programs(name, masked, device, in_place):
     """A stream of 333 steps in tiles of 16: segment carries by look-back (windows of 1 and
     16 tiles, read 1 or 3 deep), by walking, and on time-major sub-tiles (feature axes); the
@@ -389,7 +275,7 @@ def test_packed_rows_split_across_programs(name, masked, device, in_place):
                 assert_close(got if isinstance(got, tuple) else (got,), want)
 
 
-@pytest.mark.parametrize("name", PACKED)
+@per_op("name", FLAGGED)
 def test_packed_kernel_bf16_and_next_values(name, device, in_place):
     """bf16 inputs (float32 math), `next_values`, int32 offsets, with and without a mask."""
     kw = {"bootstrap": "next_values"} if name in ("gae", "lambda_returns", "discounted_returns",
@@ -400,15 +286,6 @@ def test_packed_kernel_bf16_and_next_values(name, device, in_place):
         got = getattr(rl_triton, name)(**steps, **extra, cu_seqlens=cu.int(), backend="triton")
         got = got if isinstance(got, tuple) else (got,)
         assert_close(got, per_segment(name, steps, extra, cu), tol=1e-5)
-
-
-def test_packed_discounted_returns_without_bootstrap(device, in_place):
-    """A missing bootstrap is zero at every segment end (discounted returns only)."""
-    for masked in (False, True):
-        steps, extra, cu = packed_inputs("discounted_returns", SPLIT, masked, device=device,
-                                         bootstrap=None)
-        got = rl_triton.discounted_returns(**steps, **extra, cu_seqlens=cu, backend="triton")
-        assert_close((got,), per_segment("discounted_returns", steps, extra, cu))
 
 
 def nan_in_a_segment(name, device):
@@ -432,61 +309,13 @@ def assert_exact_outside(got, want, outside):
         assert_close([o[outside.to(o.device)]], [w[outside]])
 
 
-@pytest.mark.parametrize("name", PACKED)
+@per_op("name", FLAGGED)
 def test_packed_nan_stays_in_its_segment(name, device, in_place):
     """A NaN input in one segment leaves every other segment's outputs exact."""
     steps, extra, cu, outside = nan_in_a_segment(name, device)
     with tiles.override(block_t=16, block_b=2 if name == "eligibility_traces" else 1):
         got = getattr(rl_triton, name)(**steps, **extra, cu_seqlens=cu, backend="triton")
     assert_exact_outside(got, per_segment(name, steps, extra, cu), outside)
-
-
-def test_packed_kernel_offsets_are_checked(device, in_place):
-    """Bad offsets raise ValueError naming cu_seqlens on the in-place path too, before any
-    kernel; offsets of any integer dtype are read."""
-    steps, extra, cu = packed_inputs("gae", [3, 3], False, device=device)
-    for bad in ([1, 3, 6], [0, 3, 5], [0, 4, 3, 6]):
-        with pytest.raises(ValueError, match="cu_seqlens"):
-            rl_triton.gae(**steps, last_value=torch.zeros(len(bad) - 1, device=device),
-                          cu_seqlens=torch.tensor(bad), backend="triton")
-    with pytest.raises(TypeError, match="cu_seqlens"):
-        rl_triton.gae(**steps, **extra, cu_seqlens=cu.float(), backend="triton")
-    with pytest.raises(ValueError, match="last_value"):
-        rl_triton.gae(**{**steps, "truncated": None}, last_value=torch.zeros(3, device=device),
-                      cu_seqlens=cu, backend="triton")
-    want = rl_triton.gae(**steps, **extra, cu_seqlens=cu, backend="triton")
-    for dtype in (torch.int16, torch.int32, torch.uint8):
-        for a, b in zip(rl_triton.gae(**steps, **extra, cu_seqlens=cu.to(dtype),
-                                      backend="triton"), want):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-def test_packed_gradients_run_the_torch_route(device):
-    """A packed call that needs gradients runs the torch implementation on the packed row (the
-    kernels' backward does not take segments yet): gradients reach the packed inputs on the
-    Triton backend as on torch."""
-    steps, extra, cu = packed_inputs("gae", [4, 0, 7, 2], True, device=device)
-    steps = dict(steps, rewards=steps["rewards"].double().requires_grad_())
-    grads = []
-    for backend in ("triton", "torch"):
-        adv, _ = rl_triton.gae(**steps, **extra, cu_seqlens=cu, backend=backend)
-        grads.append(torch.autograd.grad(adv.square().sum(), steps["rewards"])[0])
-    torch.testing.assert_close(grads[0], grads[1])
-    assert grads[0].abs().sum() > 0
-
-
-def test_packed_per_row_discounts_keep_the_padded_route(device):
-    """gamma per segment (a tensor) runs as padded rows, as each segment alone."""
-    steps, extra, cu = packed_inputs("gae", [4, 0, 7, 2], False, device=device)
-    gamma = torch.tensor([0.9, 0.8, 0.7, 0.6], device=device)
-    got = rl_triton.gae(**steps, **{**extra, "gamma": gamma}, cu_seqlens=cu, backend="triton")
-    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        if e > s:
-            row = {k: None if v is None else v[s:e, None] for k, v in steps.items()}
-            want = rl_triton.gae(**row, last_value=extra["last_value"][i:i + 1],
-                                 gamma=gamma[i].item(), lam=extra["lam"], backend="torch")
-            for a, b in zip(got, want):
-                torch.testing.assert_close(a[s:e], b[:, 0])
 
 
 def packed_call(name, lengths, masked, cu, backend, **kw):
@@ -501,7 +330,7 @@ def packed_call(name, lengths, masked, cu, backend, **kw):
 
 
 @pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
-@pytest.mark.parametrize("name", PACKED)
+@per_op("name", FLAGGED)
 def test_packed_offsets_checked_on_every_call(name, backend):
     """Offsets edited after a good call, through `.data` or a NumPy view (which no version
     counter sees) or in place, are read and refused again on every call, on every backend."""
@@ -521,71 +350,6 @@ def test_packed_offsets_checked_on_every_call(name, backend):
             packed_call(name, [3, 4], True, cu, backend)
 
 
-@pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
-def test_check_offsets_false_reads_nothing(backend, monkeypatch):
-    """check_offsets=True reads the offsets' values on every call, check_offsets=False on none
-    (their type and shape still checked); it must be a bool. Whatever unchecked offsets hold,
-    the call stays inside its tensors and returns outputs of the packed shape."""
-    reads = []
-    real = rl_triton._args.check_offsets
-
-    def spy(*args, data=True, **kwargs):
-        reads.append(data)
-        return real(*args, data=data, **kwargs)
-
-    monkeypatch.setattr(rl_triton._plans, "check_offsets", spy)
-    cu = torch.tensor([0, 3, 7])
-    want = packed_call("gae", [3, 4], True, cu, backend)
-    for _ in range(2):
-        packed_call("gae", [3, 4], True, cu, backend)
-    got = packed_call("gae", [3, 4], True, cu, backend, check_offsets=False)
-    assert reads == [True, True, True, False]
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
-    for bad in ([0, 9, 7], [0, 5, 2, 7], [3, 1, 2], [0, -4, 7], [0, 2, 3], [0, 99, 200],
-                [0, 10**12, 7]):
-        for name in PACKED:
-            outs = packed_call(name, [3, 4], True, torch.tensor(bad), backend,
-                               check_offsets=False)
-            for o in outs if isinstance(outs, tuple) else (outs,):
-                assert o.shape[0] == 7
-    for flag in ("yes", 1, None):
-        with pytest.raises(TypeError, match="check_offsets must be a bool"):
-            packed_call("gae", [3, 4], True, cu, backend, check_offsets=flag)
-        with pytest.raises(TypeError, match="check_offsets must be a bool"):
-            z = torch.zeros(3, device=DEVICE if backend == "triton" else "cpu")
-            rl_triton.gae(z, z, z, last_value=z[0], backend=backend, check_offsets=flag)
-    with pytest.raises(ValueError, match="no segment"):
-        packed_call("gae", [3, 4], True, torch.tensor([0]), backend, check_offsets=False)
-
-
-@pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
-def test_loss_offsets_checked_on_every_call(backend):
-    """The losses that take cu_seqlens read their offsets on every call too (edits through a
-    NumPy view included); check_offsets=False skips the read, and must be a bool."""
-    g = torch.Generator().manual_seed(0)
-    dev = DEVICE if backend == "triton" else "cpu"  # offsets on the CPU (a NumPy view edits them)
-    lp, old, adv, v, ret = (torch.randn(7, generator=g).to(dev) for _ in range(5))
-    cu = torch.tensor([0, 3, 7])
-    calls = [lambda **kw: rl_triton.ppo_policy_loss(lp, old, adv, cu_seqlens=cu,
-                                                    aggregation="seq-mean-token-mean",
-                                                    backend=backend, **kw)[0],
-             lambda **kw: rl_triton.value_loss(v, ret, cu_seqlens=cu,
-                                               aggregation="seq-mean-token-sum",
-                                               backend=backend, **kw)]
-    for call in calls:
-        want = call()
-        cu.numpy()[1] = 9
-        for _ in range(2):
-            with pytest.raises(ValueError, match="cu_seqlens"):
-                call()
-        assert call(check_offsets=False).isfinite()  # unread: no error, inside the tensors
-        cu.numpy()[1] = 3
-        torch.testing.assert_close(call(check_offsets=False), want)
-        with pytest.raises(TypeError, match="check_offsets must be a bool"):
-            call(check_offsets="no")
-
-
 def packed_batch_inputs(name, lengths, N, seed=5):
     """Packed rows with a batch axis: per-step tensors `[L, N, ...]`, bootstraps `[S, N, ...]`."""
     from rl_triton.testing import make_inputs
@@ -601,7 +365,7 @@ def packed_batch_inputs(name, lengths, N, seed=5):
 
 
 @pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
-@pytest.mark.parametrize("name", PACKED)
+@per_op("name", FLAGGED)
 def test_packed_batch_axes_and_segment_discounts(name, backend):
     """Per-step tensors `[L, N]` (bootstraps `[S, N]`), with and without a mask, and tensor
     discounts one per segment (`[S]`, `[S, N]`), on every backend alike: each segment's column
@@ -646,7 +410,7 @@ def test_packed_batch_axes_and_segment_discounts(name, backend):
             assert_close(got, want)
 
 
-@pytest.mark.parametrize("name", PACKED)
+@per_op("name", FLAGGED)
 def test_packed_torch_rows(name, device):
     """The torch backend runs packed rows as one long row (no padding): bf16 and float32,
     last_value, next_values or no bootstrap, with and without a mask, against each segment
@@ -687,7 +451,7 @@ def test_packed_torch_rows(name, device):
                                    msg=lambda m, k=k: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("name", PACKED)
+@per_op("name", FLAGGED)
 def test_packed_kernel_empty_stream(name, device, in_place):
     """No step at all (every segment empty): empty outputs, no launch."""
     steps, extra, cu = packed_inputs(name, [2, 1], True, device=device)
@@ -699,7 +463,7 @@ def test_packed_kernel_empty_stream(name, device, in_place):
         assert o.shape[0] == 0
 
 
-@pytest.mark.parametrize("name", ["gae", "lambda_returns", "discounted_returns", "vtrace",
+@per_op("name", ["gae", "lambda_returns", "discounted_returns", "vtrace",
                                   "retrace"])
 def test_packed_kernel_feature_axes(name, device, in_place):
     """Per-step tensors [L, D] (time-major tiles, rows along D; bootstraps [S, D]), with a mask
@@ -729,209 +493,3 @@ def test_packed_kernel_feature_axes(name, device, in_place):
                 for w, r in zip(want, res if isinstance(res, tuple) else (res,)):
                     w[s:e] = r
         assert_close(got, want)
-
-
-# ---- V-trace with a mask and next_values: vs' is next_values at the last decision step --------
-
-def refuse_vtrace_torch(monkeypatch):
-    """V-trace's torch backend raises from here on: masked calls must run the kernel."""
-    from rl_triton.ops import vtrace
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("masked V-trace ran on the torch backend")
-    monkeypatch.setattr(vtrace.OP, "torch", refuse)
-
-
-@pytest.fixture
-def vtrace_kernel(monkeypatch):
-    refuse_vtrace_torch(monkeypatch)
-
-
-@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
-@pytest.mark.parametrize("T, N", [(1, 5), (37, 1), (37, 9), (333, 50)])
-def test_masked_vtrace_next_values_kernel(T, N, layout, device, vtrace_kernel):
-    """The kernel against deletion: masks in the middle, at the start, at the end, all masked,
-    none masked, one decision step (its own window end, then vs' = next_values)."""
-    case = make_case("vtrace", T, (N,), bootstrap="next_values", device=device, seed=T + N)
-    mask = mask_rows(T, max(N, 2), seed=T)[:, -N:].to(device)  # N = 1: a mask with spans
-    got = case.call(layout, mask=to_layout(mask, layout), backend="triton")
-    assert_close(got, deleted(case, mask))
-
-
-@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
-def test_masked_vtrace_next_values_split_across_programs(layout, device, vtrace_kernel):
-    """Six tiles per row: whether a decision step follows (the W carry's NaN) crosses tiles by
-    look-back (windows of 1 and 16) and by walking, and through tiles of no decision step."""
-    T, N = 5 * 16 + 7, 5
-    case = make_case("vtrace", T, (N,), seed=13, bootstrap="next_values", device=device)
-    mask = long_masks(T, N, seed=7).to(device)
-    assert_split_rows(case, mask, layout, deleted(case, mask))
-
-
-@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
-def test_masked_vtrace_next_values_nan(layout, device, monkeypatch):
-    """Non-finite values at decision steps (NaN and inf, also past tile ends and where no
-    decision step follows) and next_values give the torch backend's outputs, NaN and inf
-    included, and the deletion's NaN pattern and values wherever it is finite."""
-    T, N = 5 * 16 + 7, 5
-    case = make_case("vtrace", T, (N,), seed=21, bootstrap="next_values", device=device)
-    mask = long_masks(T, N, seed=9).to(device)
-    values, nv = case.steps["values"].clone(), case.steps["next_values"].clone()
-    for n in range(N):  # a decision step's value NaN, another's inf, one next_value NaN
-        steps = mask[:, n].nonzero().squeeze(1).tolist()
-        if len(steps) > 2:
-            values[steps[len(steps) // 2], n] = float("nan")
-            values[steps[1], n] = float("inf")
-            nv[steps[-2], n] = float("nan")
-        elif steps:
-            values[steps[0], n] = float("nan")
-    values[~mask] = float("nan")  # masked steps are ignored
-    case.steps.update(values=values, next_values=nv)
-    want = case.call(layout, mask=to_layout(mask, layout), backend="torch")
-    ref = deleted(case, mask)
-    refuse_vtrace_torch(monkeypatch)
-    with tiles.override(block_t=16, block_b=2):
-        got = case.call(layout, mask=to_layout(mask, layout), backend="triton")
-    for g, w, r in zip(got, want, ref):
-        torch.testing.assert_close(g, w, equal_nan=True, rtol=1e-5, atol=1e-5)
-        assert torch.equal(g.isnan(), r.isnan().to(g.device))
-        fine = torch.isfinite(r).to(g.device)
-        assert fine.sum() > N  # most steps are untouched
-        assert_close([g[fine]], [r.to(g.device)[fine]])
-
-
-@pytest.mark.parametrize("lengths", list(LENGTHS))
-def test_packed_masked_vtrace_next_values(lengths, device, in_place, vtrace_kernel):
-    """Packed rows in place, with a mask and next_values (empty segments, segments of one
-    step, L = 1), against each segment alone."""
-    steps, extra, cu = packed_inputs("vtrace", LENGTHS[lengths], True, device=device,
-                                     bootstrap="next_values")
-    got = rl_triton.vtrace(**steps, **extra, cu_seqlens=cu, backend="triton")
-    assert_close(got, per_segment("vtrace", steps, extra, cu))
-
-
-def test_packed_masked_vtrace_next_values_split(device, in_place, vtrace_kernel):
-    """A stream of 333 steps in tiles of 16, a mask and next_values: segment ends (a restart
-    of both carries) inside tiles and on their edges, carries by look-back and walking."""
-    steps, extra, cu = packed_inputs("vtrace", SPLIT, True, device=device,
-                                     bootstrap="next_values")
-    want = per_segment("vtrace", steps, extra, cu)
-    for run in [dict(window=1, depth=0, walk=False), dict(window=16, depth=3, walk=False),
-                dict(window=16, depth=0, walk=True)]:
-        with tiles.override(block_t=16, block_b=1, **run):
-            assert_close(rl_triton.vtrace(**steps, **extra, cu_seqlens=cu, backend="triton"),
-                         want)
-
-
-# ---- Retrace's masked kernel: masked and packed calls run on it, never on the torch backend ---
-
-@pytest.fixture
-def retrace_kernel(monkeypatch):
-    """Masked and packed Retrace calls must run its Triton kernel: neither the torch backend
-    (where masked calls without a kernel go) nor padded rows."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("retrace ran on the torch backend")
-
-    def refuse_padded(*args, **kwargs):
-        raise AssertionError("packed rows ran as padded rows")
-    monkeypatch.setattr(rl_triton.ops.retrace.OP, "torch", refuse)
-    monkeypatch.setattr(rl_triton._plans.Op, "_padded", refuse_padded)
-
-
-@pytest.mark.parametrize("n_act", [1, 3, 18])
-@pytest.mark.parametrize("T, N", [(1, 1), (1, 50), (37, 1), (37, 50), (333, 5)])
-@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
-def test_masked_retrace_runs_its_kernel(layout, T, N, n_act, device, retrace_kernel):
-    """Odd shapes (333 x 50 is left to the GPU tests: minutes in the interpreter), 1 to 18
-    actions, masks in the middle, at the start, at the end, all masked and none
-    (`mask_rows`), against the deletion of the masked steps."""
-    case = make_case("retrace", T, (N,), n_act=n_act, seed=T + N + n_act, device=device)
-    mask = mask_rows(T, N, seed=T + n_act).to(device)
-    assert_close(case.call(layout, mask=to_layout(mask, layout), backend="triton"),
-                 deleted(case, mask))
-
-
-@pytest.mark.parametrize("n_act", [1, 18])
-@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
-def test_masked_retrace_split_across_programs(layout, n_act, device, retrace_kernel):
-    """Rows of 87 steps in tiles of 16 (masked spans that cover whole tiles): the carries of
-    the scan and of the successor's expectation by look-back and by walking."""
-    T, N = 5 * 16 + 7, 5
-    case = make_case("retrace", T, (N,), n_act=n_act, seed=3, device=device)
-    mask = long_masks(T, N, seed=9).to(device)
-    assert_split_rows(case, mask, layout, deleted(case, mask))
-
-
-def assert_same_non_finite(got, want):
-    """The same non-finite pattern (NaN and inf alike) and the finite values close."""
-    for o, w in zip(got, want):
-        o, w = o.double().cpu(), w.double().cpu()
-        fin = torch.isfinite(w)
-        assert torch.equal(torch.isfinite(o), fin)
-        assert_close([o[fin]], [w[fin]])
-
-
-@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
-def test_masked_retrace_non_finite_stays_in_its_episode(layout, device, retrace_kernel):
-    """NaN and inf at decision steps (a reward, a Q value, a probability, a behaviour
-    probability, the bootstrap state; a NaN reward where pi(a_t) = 0 cuts the trace), in rows
-    split over tiles: the float64 reference's pattern exactly, on the kernel and the torch
-    backend."""
-    T, N = 70, 8
-    case = make_case("retrace", T, (N,), n_act=3, seed=5, device=device)
-    mask = mask_rows(T, N, seed=2).to(device)
-    steps = {k: None if v is None else v.clone() for k, v in case.steps.items()}
-    extra = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.extra.items()}
-    steps["rewards"][40, 0] = float("nan")
-    steps["q_values"][30, 2, steps["actions"][30, 2]] = float("inf")
-    steps["target_probs"][50, 3, 1] = float("nan")
-    steps["behavior_probs"][20, 4] = float("nan")
-    steps["target_probs"][25, 7, steps["actions"][25, 7]] = 0.0  # c = 0: the trace is cut
-    steps["rewards"][25, 7] = float("nan")
-    extra["last_q_values"][6, 0] = float("nan")
-    mask[[40, 30, 50, 20, 25], [0, 2, 3, 4, 7]] = True
-    noref = {k: v for k, v in extra.items() if k != "return_advantages"}
-    want = rl_triton.reference.retrace(**steps, **noref, mask=mask)
-    assert all(not torch.isfinite(w).all() for w in want)
-    with tiles.override(block_t=16, block_b=2):
-        got = rl_triton.retrace(**{k: to_layout(v, layout) for k, v in steps.items()}, **extra,
-                                mask=to_layout(mask, layout),
-                                time_dim=0 if layout == "time-major" else 1, backend="triton")
-    assert_same_non_finite([o if layout == "time-major" else o.movedim(1, 0) for o in got],
-                           want)
-    # the torch backend's own (the fixture refuses it through the public function)
-    op = rl_triton.ops.retrace
-    x = op.Inputs(**steps, last_q_values=extra["last_q_values"],
-                  last_target_probs=extra["last_target_probs"], mask=mask)
-    s = op.Scalars(extra["gamma"], extra["lam"], extra["c_clip"])
-    assert_same_non_finite(op.torch_impl(x, s, op.Extras(True, True)), want)
-
-
-@pytest.mark.parametrize("n_act", [1, 18])
-@pytest.mark.parametrize("masked", [False, True])
-def test_packed_retrace_runs_its_kernel(masked, n_act, device, retrace_kernel):
-    """Packed rows with empty segments, split over tiles of 16 (look-back and walk), 1 and 18
-    actions, against each segment alone."""
-    steps, extra, cu = packed_inputs("retrace", SPLIT, masked, device=device, n_act=n_act)
-    want = per_segment("retrace", steps, extra, cu)
-    for run in (dict(window=16, depth=3, walk=False), dict(window=16, depth=0, walk=True)):
-        with tiles.override(block_t=16, block_b=1, **run):
-            assert_close(rl_triton.retrace(**steps, **extra, cu_seqlens=cu, backend="triton"),
-                         want)
-    assert_close(rl_triton.retrace(**steps, **extra, cu_seqlens=cu, backend="triton"), want)
-
-
-def test_masked_and_packed_retrace_need_the_bootstrap_state(device):
-    """Retrace's bootstrap state is required with a mask and with packed rows too (no silent
-    zero bootstrap), and checked per segment."""
-    steps, extra, cu = packed_inputs("retrace", [3, 0, 4], True, device=device)
-    for missing in ("last_q_values", "last_target_probs"):
-        kw = {k: v for k, v in extra.items() if k != missing}
-        with pytest.raises(ValueError, match=missing):  # one row of 7 steps: [A] bootstraps
-            rl_triton.retrace(**steps, **{k: v[0] if k in BOOTS else v for k, v in kw.items()},
-                              backend="triton")
-        with pytest.raises(ValueError, match=missing):
-            rl_triton.retrace(**steps, **kw, cu_seqlens=cu, backend="triton")
-    with pytest.raises(ValueError, match="last_q_values"):
-        rl_triton.retrace(**steps, **{**extra, "last_q_values": extra["last_q_values"][:2]},
-                          cu_seqlens=cu, backend="triton")

@@ -1,4 +1,4 @@
-"""Gradients (semantics §6): every op is differentiable with respect to every floating input on
+"""Gradients (semantics §6), checks shared by the scan ops: every op is differentiable with respect to every floating input on
 every backend, gamma and lam may be per-row tensors, second-order gradients raise, nothing is ever
 silently detached.
 
@@ -8,9 +8,7 @@ backward (its own kernels) against the float64 autograd gradient of the sequenti
 import pytest
 import torch
 
-import rl_triton
-from cases import ESTIMATORS, make_case, rel_err, to_layout
-from rl_triton._plans import clear_plans
+from cases import ESTIMATORS, make_case, per_op, rel_err, to_layout
 from rl_triton.scan import tiles
 
 FLAGS = ("terminated", "truncated", "dones")
@@ -86,7 +84,7 @@ def assert_grads_close(got, want, tol):
 @pytest.mark.parametrize("backend", ["torch", "loop"])
 @pytest.mark.parametrize("layout", ["time-major", "batch-major"])
 @pytest.mark.parametrize("bootstrap,trunc,per_row", PATTERNS)
-@pytest.mark.parametrize("name", ESTIMATORS)
+@per_op("name", ESTIMATORS)
 def test_gradcheck(name, bootstrap, trunc, per_row, layout, backend):
     """float64 gradcheck of every input that requires grad, per-row gamma / lam included."""
     case, leaves = differentiable(name, 5, (2,), bootstrap=bootstrap, trunc=trunc,
@@ -120,12 +118,12 @@ SHAPES = [(37, (5,), "time-major"), (37, (5,), "batch-major"), (1, (3,), "time-m
 
 
 @pytest.mark.parametrize("T,batch,layout", SHAPES)
-@pytest.mark.parametrize("name", ESTIMATORS)
+@per_op("name", ESTIMATORS)
 def test_triton_backward_matches_reference(name, T, batch, layout, device):
     _triton_vs_reference(name, T, batch, layout, device=device)
 
 
-@pytest.mark.parametrize("name", ESTIMATORS)
+@per_op("name", ESTIMATORS)
 def test_triton_backward_every_option(name, device):
     """next_values, no truncations, per-row gamma and lam."""
     _triton_vs_reference(name, 29, (3,), "batch-major", bootstrap="next_values", trunc=False,
@@ -133,14 +131,14 @@ def test_triton_backward_every_option(name, device):
     _triton_vs_reference(name, 29, (3,), "time-major", per_row=True, device=device)
 
 
-@pytest.mark.parametrize("name", ESTIMATORS)
+@per_op("name", ESTIMATORS)
 def test_triton_backward_bf16(name, device):
     """bf16 inputs: gradients in bf16, computed in float32."""
     _triton_vs_reference(name, 37, (4,), "batch-major", dtype=torch.bfloat16, tol=2e-2,
                          device=device)
 
 
-@pytest.mark.parametrize("name", ESTIMATORS)
+@per_op("name", ESTIMATORS)
 @pytest.mark.parametrize("layout", ["time-major", "batch-major"])
 def test_triton_backward_long_rows(name, layout, device):
     """Rows of six tiles: the backward scan's carries found by look-back and by walking."""
@@ -149,57 +147,13 @@ def test_triton_backward_long_rows(name, layout, device):
             _triton_vs_reference(name, 5 * 16 + 7, (3,), layout, per_row=True, device=device)
 
 
-def test_vtrace_backward_sub_tiles(device):
-    """V-trace's backward holds many values per step (`tiles.choose`'s `heavy`): its time-major
-    tiles run one sub-tile per step a thread holds (2 at 8 values per thread: 512x4096 on an
-    H200). Here 37 steps x 5 rows take 8 values per thread, so 2 sub-tiles (default: 1)."""
-    with tiles.rule(ELEMENTS_PER_THREAD_HEAVY_TIME_MAJOR=8):
-        cfg = tiles.choose(37, 5, time_contiguous=False, device=torch.device(device),
-                           exclusive=True, aux=True, heavy=True)
-        assert cfg.sub == 2, cfg
-        clear_plans()  # plans keep the tiles of the rule they were built under
-        try:
-            _triton_vs_reference("vtrace", 37, (5,), "time-major", per_row=True, device=device)
-        finally:
-            clear_plans()
-
-
-@pytest.mark.parametrize("n_act,storage,layout", [
-    (8, "contiguous", "time-major"), (18, "offset", "time-major"), (18, "padded", "time-major"),
-    (18, "contiguous", "batch-major"), (37, "contiguous", "batch-major")])
-def test_retrace_backward_action_axis(n_act, storage, layout, device):
-    """Retrace's backward reads Q and pi along their action axis in blocks in its writer and
-    writes their gradients there: rows of 8 and 18 actions loaded 4 and 2 at a time
-    (`launch.action_vector`), one at a time where they start 4 bytes into their storage or are
-    padded to n_act + 1 values, and 37 actions in several blocks."""
-    case, leaves = differentiable("retrace", 37, (5,), dtype=torch.float32, n_act=n_act,
-                                  device=device)
-    for k in ("q_values", "target_probs"):
-        x = leaves[k].detach()
-        if storage == "offset":
-            y = torch.empty(x.numel() + 1, device=x.device)[1:].view(x.shape)
-        elif storage == "padded":
-            y = torch.empty(*x.shape[:-1], n_act + 1, device=x.device)[..., :n_act]
-        else:
-            y = torch.empty_like(x)
-        leaves[k] = case.steps[k] = y.copy_(x).detach().requires_grad_()
-    out = call(case, leaves, list(leaves.values()), layout, backend="triton")
-    weights = weights_like(out)
-    got = grads(out, weights, leaves)
-    ref_case, ref_leaves = differentiable("retrace", 37, (5,), n_act=n_act, device=device)
-    for k, v in ref_leaves.items():
-        v.data.copy_(leaves[k].detach().double())
-    want = reference_grads(ref_case, ref_leaves, weights)
-    assert_grads_close(got, {k: v.float() for k, v in want.items()}, 1e-4)
-
-
-@pytest.mark.parametrize("name", ["eligibility_traces", "episodic_cumsum"])
+@per_op("name", ["eligibility_traces", "episodic_cumsum"])
 @pytest.mark.parametrize("layout", ["time-major", "batch-major"])
 def test_triton_backward_trailing_features(name, layout, device):
     _triton_vs_reference(name, 23, (3,), layout, features=(2, 3), per_row=True, device=device)
 
 
-@pytest.mark.parametrize("name", ESTIMATORS)
+@per_op("name", ESTIMATORS)
 def test_triton_backward_one_output_used(name, device):
     """Only one output carries a gradient (the other's is None in backward), and Retrace without
     return_advantages has one output."""
@@ -223,7 +177,7 @@ def test_triton_backward_one_output_used(name, device):
 
 
 @pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
-@pytest.mark.parametrize("name", ESTIMATORS)
+@per_op("name", ESTIMATORS)
 def test_second_order_raises(name, backend, device):
     case, leaves = differentiable(name, 6, (2,), dtype=torch.float32, device=device)
     out = call(case, leaves, list(leaves.values()), "time-major", backend=backend)
@@ -233,7 +187,7 @@ def test_second_order_raises(name, backend, device):
 
 
 @pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
-@pytest.mark.parametrize("name", ESTIMATORS)
+@per_op("name", ESTIMATORS)
 def test_never_detached(name, backend, device):
     """An input that requires grad gives outputs in the graph; a flag that requires grad is
     refused (flags are not differentiable); without grad nothing is recorded."""
@@ -253,7 +207,7 @@ def test_never_detached(name, backend, device):
         call(case, leaves, list(leaves.values()), "time-major", backend=backend)
 
 
-@pytest.mark.parametrize("name", ESTIMATORS)
+@per_op("name", ESTIMATORS)
 def test_fullgraph_compile_backward(name, device):
     """Forward and backward traced by torch.compile(fullgraph=True): the backward is registered
     on the custom op (no graph break), and gives the eager gradients."""
@@ -275,56 +229,3 @@ def test_fullgraph_compile_backward(name, device):
         assert (e is None) == (g is None), k
         if e is not None:
             torch.testing.assert_close(g, e, msg=k)
-
-
-def test_dreamer_actor_trains_the_same_on_every_backend(device):
-    """A tiny Dreamer-style actor, trained through `-lambda_returns(...).mean()`: the same
-    parameters after training on every backend, and a better return than at the start."""
-    T, N, D = 16, 8, 3
-    g = torch.Generator().manual_seed(0)
-    states = torch.randn(T, N, D, generator=g).to(device)
-    target = 0.8 * torch.tanh(states @ torch.randn(D, generator=g).to(device))  # reachable
-    terminated = (torch.rand(T, N, generator=g) < 0.1).to(device)
-    critic = torch.randn(D, generator=g).to(device)
-
-    def train(backend):
-        w = torch.zeros(D, device=device, requires_grad=True)
-        opt = torch.optim.SGD([w], lr=0.5)
-        first = None
-        for _ in range(40):
-            actions = torch.tanh(states @ w)
-            rewards = -(actions - target) ** 2
-            values = states @ critic + actions  # a critic that sees the action
-            G = rl_triton.lambda_returns(rewards, values, terminated, last_value=values[-1],
-                                         gamma=0.9, lam=0.8, backend=backend)
-            loss = -G.mean()
-            first = loss.item() if first is None else first
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        return w.detach().cpu(), first, loss.item()
-
-    runs = {b: train(b) for b in ("loop", "torch", "triton")}
-    w_ref, first, last = runs["loop"]
-    assert last < 0.5 * first  # it learned
-    for b, (w, _, _) in runs.items():
-        torch.testing.assert_close(w, w_ref, atol=1e-4, rtol=1e-4, msg=b)
-
-
-def test_meta_gradient_learns_lambda(device):
-    """A per-row lambda that requires grad gets its gradient: descending it moves the
-    lambda-returns towards a target computed with another lambda (semantics §6 example)."""
-    case = make_case("lambda_returns", 32, (4,), device=device, seed=9)
-    s, e = case.steps, case.extra
-    target = rl_triton.lambda_returns(**s, last_value=e["last_value"], gamma=0.97, lam=0.3)
-    lam = torch.full((4,), 0.9, device=device, requires_grad=True)
-    opt = torch.optim.Adam([lam], lr=0.05)
-    for _ in range(60):
-        G = rl_triton.lambda_returns(**s, last_value=e["last_value"], gamma=0.97, lam=lam)
-        loss = ((G - target) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        with torch.no_grad():
-            lam.clamp_(0.0, 1.0)
-    torch.testing.assert_close(lam.detach().cpu(), torch.full((4,), 0.3), atol=0.05, rtol=0)

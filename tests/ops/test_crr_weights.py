@@ -1,0 +1,11 @@
+"""`crr_weights` (docs/semantics.md §9): against its float64 reference
+(rl_triton/reference.py), forward and backward; its masks, packed rows, non-finite inputs and
+boundaries; its large shapes on a CUDA device (marked gpu_large). The checks it shares with
+other ops (tests/ops/op_checks) run here for it too."""
+import pytest
+import torch
+
+import op_checks
+import rl_triton
+
+OPS = ["crr_weights"]

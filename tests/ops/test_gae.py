@@ -1,0 +1,186 @@
+"""Generalized advantage estimation, `gae` (docs/semantics.md §3): against its float64 reference
+(rl_triton/reference.py), forward and backward; its masks, packed rows, non-finite inputs and
+boundaries; its large shapes on a CUDA device (marked gpu_large). The checks it shares with
+other ops (tests/ops/op_checks) run here for it too."""
+import pytest
+import torch
+
+import op_checks
+import rl_triton
+
+OPS = ["gae"]
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_dtype(out_dtype, backend, device):
+    case = make_case("gae", 21, (4,), device=device)
+    outs = case.call(backend=backend, out_dtype=out_dtype)
+    assert all(o.dtype == out_dtype for o in outs)
+    tol = 1e-2 if out_dtype == torch.bfloat16 else 1e-5
+    assert_close(outs, case.reference(), tol=tol)
+
+
+def test_outputs_in_caller_layout(device):
+    case = make_case("gae", 12, (7,), device=device)
+    adv, ret = case.fn(**{k: to_layout(v, "transposed-view") for k, v in case.steps.items()},
+                       **case.extra, time_dim=-1, backend="triton")
+    assert adv.shape == (7, 12) and adv.is_contiguous() and ret.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int32, torch.float32])
+def test_mask_dtypes_and_masked_inputs_are_ignored(dtype, device):
+    """A mask is set wherever nonzero, whatever its dtype; NaN rewards, values and flags at
+    masked steps change nothing."""
+    T, N = 30, 5
+    case = make_case("gae", T, (N,), device=device)
+    mask = mask_rows(T, N, seed=1).to(device)
+    want = deleted(case, mask)
+    dirty = dict(case.steps)
+    off = ~mask
+    dirty["rewards"] = case.steps["rewards"].masked_fill(off, float("nan"))
+    dirty["values"] = case.steps["values"].masked_fill(off, float("inf"))
+    dirty["terminated"] = case.steps["terminated"] | off
+    m = (mask.to(dtype) * (3 if dtype != torch.bool else 1))
+    for backend in ("loop", "torch", "triton"):
+        got = rl_triton.gae(**dirty, **case.extra, mask=m, backend=backend)
+        assert_close(got, want)
+
+
+def test_masked_gae_by_hand(device):
+    """One row: decisions at t = 0, 2, 5 of 7; the successor of t = 0 is t = 2, and the trace
+    decays once per decision step."""
+    r = torch.tensor([[1.0], [9.0], [2.0], [9.0], [9.0], [3.0], [9.0]])
+    v = torch.tensor([[0.5], [9.0], [0.25], [9.0], [9.0], [0.125], [9.0]])
+    mask = torch.tensor([[1], [0], [1], [0], [0], [1], [0]], dtype=torch.bool)
+    term = torch.zeros(7, 1, dtype=torch.bool)
+    g, lam, last = 0.5, 0.5, torch.tensor([4.0])
+    d5 = 3.0 + g * 4.0 - 0.125
+    d2 = 2.0 + g * 0.125 - 0.25
+    d0 = 1.0 + g * 0.25 - 0.5
+    a5, a2 = d5, d2 + g * lam * d5
+    a0 = d0 + g * lam * a2
+    want = torch.tensor([[a0], [0], [a2], [0], [0], [a5], [0]])
+    r, v, mask, term, last, want = (x.to(device) for x in (r, v, mask, term, last, want))
+    for backend in ("loop", "torch", "triton"):
+        adv, ret = rl_triton.gae(r, v, term, last_value=last, mask=mask, gamma=g, lam=lam,
+                                 backend=backend)
+        torch.testing.assert_close(adv, want)
+        torch.testing.assert_close(ret, torch.where(mask, want + v, 0.0))
+
+
+def test_mask_shape_is_checked():
+    case = make_case("gae", 10, (4,))
+    with pytest.raises(ValueError, match="mask"):
+        case.call(mask=torch.ones(10, 3, dtype=torch.bool))
+    with pytest.raises(TypeError, match="mask"):
+        case.call(mask=[1, 0])
+
+
+def test_masked_gradients_match_deletion(device):
+    """Gradients through a masked call agree on every backend; masked rewards get none."""
+    T, N = 21, 5
+    case = make_case("gae", T, (N,), dtype=torch.float64, device=device)
+    mask = mask_rows(T, N, seed=5).to(device)
+    leaves = {k: case.steps[k].clone().requires_grad_() for k in ("rewards", "values")}
+    lv = case.extra["last_value"].clone().requires_grad_()
+    w = torch.randn(T, N, dtype=torch.float64, device=device)
+    want = None
+    for backend in ("loop", "torch", "triton"):
+        steps = dict(case.steps, **leaves)
+        adv, _ = rl_triton.gae(**steps, last_value=lv, mask=mask, gamma=0.97, lam=0.9,
+                               backend=backend)
+        got = torch.autograd.grad((adv * w).sum(), [*leaves.values(), lv])
+        if want is None:
+            want = got
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+    assert torch.all(want[0][~mask] == 0)  # masked rewards do not matter
+
+
+def test_packed_offsets_are_checked():
+    r, v = torch.randn(6), torch.randn(6)
+    term = torch.zeros(6, dtype=torch.bool)
+    lv = torch.zeros(2)
+    for bad in ([1, 3, 6], [0, 3, 5], [0, 4, 3, 6]):
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            rl_triton.gae(r, v, term, last_value=lv[:len(bad) - 1], cu_seqlens=torch.tensor(bad))
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        rl_triton.gae(r, v, term, last_value=lv, cu_seqlens=torch.tensor([0.0, 3.0, 6.0]))
+    with pytest.raises(ValueError, match="time_dim"):
+        rl_triton.gae(r, v, term, last_value=lv, cu_seqlens=torch.tensor([0, 3, 6]),
+                      time_dim=1)
+    with pytest.raises(ValueError, match="last_value"):
+        rl_triton.gae(r, v, term, last_value=torch.zeros(3), cu_seqlens=torch.tensor([0, 3, 6]))
+
+
+def test_packed_gradients_flow(device):
+    """Gradients through packed rows reach the packed inputs (and the per-segment bootstrap)
+    as through each segment called alone."""
+    lengths = [4, 0, 7, 2]
+    cu = torch.tensor([0] + lengths).cumsum(0).to(device)
+    L = sum(lengths)
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn(L, generator=g, dtype=torch.float64).to(device).requires_grad_()
+    v = torch.randn(L, generator=g, dtype=torch.float64).to(device).requires_grad_()
+    lv = torch.randn(4, generator=g, dtype=torch.float64).to(device).requires_grad_()
+    term = torch.zeros(L, dtype=torch.bool, device=device)
+    adv, _ = rl_triton.gae(r, v, term, last_value=lv, cu_seqlens=cu, gamma=0.9, lam=0.8)
+    got = torch.autograd.grad(adv.square().sum(), (r, v, lv))
+    total = 0
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if e > s:
+            a, _ = rl_triton.gae(r[s:e, None], v[s:e, None], term[s:e, None],
+                                 last_value=lv[i:i + 1], gamma=0.9, lam=0.8, backend="torch")
+            total = total + a.square().sum()
+    want = torch.autograd.grad(total, (r, v, lv))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_packed_kernel_offsets_are_checked(device, in_place):
+    """Bad offsets raise ValueError naming cu_seqlens on the in-place path too, before any
+    kernel; offsets of any integer dtype are read."""
+    steps, extra, cu = packed_inputs("gae", [3, 3], False, device=device)
+    for bad in ([1, 3, 6], [0, 3, 5], [0, 4, 3, 6]):
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            rl_triton.gae(**steps, last_value=torch.zeros(len(bad) - 1, device=device),
+                          cu_seqlens=torch.tensor(bad), backend="triton")
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        rl_triton.gae(**steps, **extra, cu_seqlens=cu.float(), backend="triton")
+    with pytest.raises(ValueError, match="last_value"):
+        rl_triton.gae(**{**steps, "truncated": None}, last_value=torch.zeros(3, device=device),
+                      cu_seqlens=cu, backend="triton")
+    want = rl_triton.gae(**steps, **extra, cu_seqlens=cu, backend="triton")
+    for dtype in (torch.int16, torch.int32, torch.uint8):
+        for a, b in zip(rl_triton.gae(**steps, **extra, cu_seqlens=cu.to(dtype),
+                                      backend="triton"), want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_packed_gradients_run_the_torch_route(device):
+    """A packed call that needs gradients runs the torch implementation on the packed row (the
+    kernels' backward does not take segments yet): gradients reach the packed inputs on the
+    Triton backend as on torch."""
+    steps, extra, cu = packed_inputs("gae", [4, 0, 7, 2], True, device=device)
+    steps = dict(steps, rewards=steps["rewards"].double().requires_grad_())
+    grads = []
+    for backend in ("triton", "torch"):
+        adv, _ = rl_triton.gae(**steps, **extra, cu_seqlens=cu, backend=backend)
+        grads.append(torch.autograd.grad(adv.square().sum(), steps["rewards"])[0])
+    torch.testing.assert_close(grads[0], grads[1])
+    assert grads[0].abs().sum() > 0
+
+
+def test_packed_per_row_discounts_keep_the_padded_route(device):
+    """gamma per segment (a tensor) runs as padded rows, as each segment alone."""
+    steps, extra, cu = packed_inputs("gae", [4, 0, 7, 2], False, device=device)
+    gamma = torch.tensor([0.9, 0.8, 0.7, 0.6], device=device)
+    got = rl_triton.gae(**steps, **{**extra, "gamma": gamma}, cu_seqlens=cu, backend="triton")
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if e > s:
+            row = {k: None if v is None else v[s:e, None] for k, v in steps.items()}
+            want = rl_triton.gae(**row, last_value=extra["last_value"][i:i + 1],
+                                 gamma=gamma[i].item(), lam=extra["lam"], backend="torch")
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a[s:e], b[:, 0])

@@ -1,0 +1,129 @@
+def test_row_vector_rule():
+    from rl_triton.scan.launch import row_vector
+    f32 = torch.zeros(6, 300)
+    assert row_vector([f32, torch.zeros(6, 300, dtype=torch.bool)], 300, 1) == 4
+    assert row_vector([torch.zeros(6, 50)], 50, 1) == 2
+    assert row_vector([torch.zeros(6, 64)], 64, 1) == 1  # the compiler knows 64 already
+    assert row_vector([torch.zeros(6, 301)[:, :300]], 300, 1) == 1  # time stride 301
+    assert row_vector([f32], 300, 4) == 1  # rows in two groups
+    assert row_vector([torch.zeros(6, 302)[:, :300]], 300, 1) == 2
+    assert row_vector([f32, torch.zeros(6, 302)[:, :300]], 300, 1) == 2  # all tensors
+
+
+def test_look_back_tags_name_the_launch(device):
+    """Every launch tags every tile's words with one new tag base (the last one + 2, from 0 in
+    fresh scratch), which each tile reads from the word it wrote itself the launch before;
+    a tile that derived another base would wait forever for its predecessors' words."""
+    case = make_case("gae", 5 * 16 + 7, (3,), device=device, seed=5)
+    ref = case.reference()
+    _plans._PLANS.clear()
+    with tiles.override(block_t=16, block_b=2, walk=False):
+        for launch in range(3):
+            assert_close(case.call("time-major", backend="triton"), ref)
+            (plan,) = _plans._PLANS.values()
+            ((state, _),) = plan.states.values()
+            tags = (state.cpu() >> 32)[: state.numel() // 2]  # the words_a of every tile row
+            assert set(tags.tolist()) == {2 * launch + 1, 2 * launch + 2}, (launch, tags)
+
+
+def test_backends_agree_with_each_other(device):
+    for name in ESTIMATORS:
+        case = make_case(name, 90, (7,), device=device, seed=31)
+        outs = {b: case.call(backend=b) for b in BACKENDS}
+        for a, b in itertools.combinations(BACKENDS, 2):
+            for x, y in zip(outs[a], outs[b]):
+                assert rel_err(x, y) < 2e-6, (name, a, b)
+
+
+@pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
+def test_check_offsets_false_reads_nothing(backend, monkeypatch):
+    """check_offsets=True reads the offsets' values on every call, check_offsets=False on none
+    (their type and shape still checked); it must be a bool. Whatever unchecked offsets hold,
+    the call stays inside its tensors and returns outputs of the packed shape."""
+    reads = []
+    real = rl_triton._args.check_offsets
+
+    def spy(*args, data=True, **kwargs):
+        reads.append(data)
+        return real(*args, data=data, **kwargs)
+
+    monkeypatch.setattr(rl_triton._plans, "check_offsets", spy)
+    cu = torch.tensor([0, 3, 7])
+    want = packed_call("gae", [3, 4], True, cu, backend)
+    for _ in range(2):
+        packed_call("gae", [3, 4], True, cu, backend)
+    got = packed_call("gae", [3, 4], True, cu, backend, check_offsets=False)
+    assert reads == [True, True, True, False]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    for bad in ([0, 9, 7], [0, 5, 2, 7], [3, 1, 2], [0, -4, 7], [0, 2, 3], [0, 99, 200],
+                [0, 10**12, 7]):
+        for name in FLAGGED:
+            outs = packed_call(name, [3, 4], True, torch.tensor(bad), backend,
+                               check_offsets=False)
+            for o in outs if isinstance(outs, tuple) else (outs,):
+                assert o.shape[0] == 7
+    for flag in ("yes", 1, None):
+        with pytest.raises(TypeError, match="check_offsets must be a bool"):
+            packed_call("gae", [3, 4], True, cu, backend, check_offsets=flag)
+        with pytest.raises(TypeError, match="check_offsets must be a bool"):
+            z = torch.zeros(3, device=DEVICE if backend == "triton" else "cpu")
+            rl_triton.gae(z, z, z, last_value=z[0], backend=backend, check_offsets=flag)
+    with pytest.raises(ValueError, match="no segment"):
+        packed_call("gae", [3, 4], True, torch.tensor([0]), backend, check_offsets=False)
+
+
+LOOK_BACK = r'''
+import os, struct, sys
+os.environ["TRITON_INTERPRET"] = "1"
+import torch, triton, triton.language as tl
+from rl_triton.scan import kernel as scan
+
+@triton.jit
+def probe(words, out, order, tag, n_chunks, WINDOW: tl.constexpr, DEPTH: tl.constexpr):
+    r = tl.arange(0, 2)[:, None]
+    carry_in = tl.zeros(r.shape, tl.float32)
+    acc = scan.look_back(words, words + n_chunks * 2, 0, order, 1, r, r < 2, tag, carry_in, 1,
+                         WINDOW, DEPTH, 2)
+    tl.store(out + r, acc)
+
+def word(value, tag):
+    return struct.unpack("<I", struct.pack("<f", value))[0] | (tag << 32)
+
+tag = 4
+# tiles 0..2 in scan order, as tile 3 finds them: tile 0 published its outgoing value (a constant
+# map), tiles 1 and 2 their maps a + b * A; one row per column
+cases = {"nan map": [(5.0, None), (float("nan"), float("nan")), (2.0, 3.0)],
+         "cut": [(float("nan"), None), (2.0, 0.0), (1.0, 2.0)],
+         "inf before a cut": [(float("inf"), None), (7.0, 0.0), (0.5, 0.5)]}
+for window, depth in ((1, 1), (4, 4), (4, 1)):
+    for label, tiles in cases.items():
+        a = [word(v, tag + (2 if b is None else 1)) for v, b in tiles for _ in range(2)]
+        b = [word(0.0 if bb is None else bb, tag + 1) for _, bb in tiles for _ in range(2)]
+        words = torch.tensor(a + [0, 0] + b + [0, 0], dtype=torch.int64)
+        out = torch.zeros(2)
+        probe[(1,)](words, out, 3, tag, 4, window, depth)
+        print(window, depth, label, out.tolist(), flush=True)
+'''
+
+
+def test_look_back_ends_and_selects():
+    """The look-back composes the maps its predecessors published until the composition no longer
+    depends on anything earlier. A map holding NaN (a NaN ratio in the tile) never becomes
+    constant by multiplication (NaN * 0 is NaN): the look-back still ends at the initial carry,
+    at the latest (it used to loop forever on a GPU, where it can find such a map). A map with
+    b = 0 (a cut) selects its own value, whatever the tiles before it hold (inf or NaN). Run in
+    a subprocess, so that a look-back that never ends fails the test instead of hanging it."""
+    done = subprocess.run([sys.executable, "-c", LOOK_BACK], capture_output=True, text=True,
+                          timeout=900, cwd=Path(__file__).parent.parent, env=subprocess_env())
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    lines = done.stdout.strip().split("\n")
+    assert len(lines) == 9, lines
+    for line in lines:
+        window, depth, rest = line.split(" ", 2)
+        label, values = rest.rsplit(" [", 1)
+        values = [float(v) for v in values.rstrip("]").split(",")]
+        # tile 2's map over tile 1's over tile 0's value
+        want = {"nan map": math.nan, "cut": 1.0 + 2.0 * 2.0, "inf before a cut": 0.5 + 0.5 * 7.0}
+        for v in values:
+            assert (math.isnan(v) and math.isnan(want[label])) or v == want[label], line

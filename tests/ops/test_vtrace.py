@@ -1,0 +1,136 @@
+"""`vtrace` (docs/semantics.md §3): against its float64 reference
+(rl_triton/reference.py), forward and backward; its masks, packed rows, non-finite inputs and
+boundaries; its large shapes on a CUDA device (marked gpu_large). The checks it shares with
+other ops (tests/ops/op_checks) run here for it too."""
+import pytest
+import torch
+
+import op_checks
+import rl_triton
+
+OPS = ["vtrace"]
+
+
+def test_vtrace_backward_sub_tiles(device):
+    """V-trace's backward holds many values per step (`tiles.choose`'s `heavy`): its time-major
+    tiles run one sub-tile per step a thread holds (2 at 8 values per thread: 512x4096 on an
+    H200). Here 37 steps x 5 rows take 8 values per thread, so 2 sub-tiles (default: 1)."""
+    with tiles.rule(ELEMENTS_PER_THREAD_HEAVY_TIME_MAJOR=8):
+        cfg = tiles.choose(37, 5, time_contiguous=False, device=torch.device(device),
+                           exclusive=True, aux=True, heavy=True)
+        assert cfg.sub == 2, cfg
+        clear_plans()  # plans keep the tiles of the rule they were built under
+        try:
+            _triton_vs_reference("vtrace", 37, (5,), "time-major", per_row=True, device=device)
+        finally:
+            clear_plans()
+
+
+def refuse_vtrace_torch(monkeypatch):
+    """V-trace's torch backend raises from here on: masked calls must run the kernel."""
+    from rl_triton.ops import vtrace
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("masked V-trace ran on the torch backend")
+    monkeypatch.setattr(vtrace.OP, "torch", refuse)
+
+
+@pytest.fixture
+def vtrace_kernel(monkeypatch):
+    refuse_vtrace_torch(monkeypatch)
+
+
+@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
+@pytest.mark.parametrize("T, N", [(1, 5), (37, 1), (37, 9), (333, 50)])
+def test_masked_vtrace_next_values_kernel(T, N, layout, device, vtrace_kernel):
+    """The kernel against deletion: masks in the middle, at the start, at the end, all masked,
+    none masked, one decision step (its own window end, then vs' = next_values)."""
+    case = make_case("vtrace", T, (N,), bootstrap="next_values", device=device, seed=T + N)
+    mask = mask_rows(T, max(N, 2), seed=T)[:, -N:].to(device)  # N = 1: a mask with spans
+    got = case.call(layout, mask=to_layout(mask, layout), backend="triton")
+    assert_close(got, deleted(case, mask))
+
+
+@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
+def test_masked_vtrace_next_values_split_across_programs(layout, device, vtrace_kernel):
+    """Six tiles per row: whether a decision step follows (the W carry's NaN) crosses tiles by
+    look-back (windows of 1 and 16) and by walking, and through tiles of no decision step."""
+    T, N = 5 * 16 + 7, 5
+    case = make_case("vtrace", T, (N,), seed=13, bootstrap="next_values", device=device)
+    mask = long_masks(T, N, seed=7).to(device)
+    assert_split_rows(case, mask, layout, deleted(case, mask))
+
+
+@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
+def test_masked_vtrace_next_values_nan(layout, device, monkeypatch):
+    """Non-finite values at decision steps (NaN and inf, also past tile ends and where no
+    decision step follows) and next_values give the torch backend's outputs, NaN and inf
+    included, and the deletion's NaN pattern and values wherever it is finite."""
+    T, N = 5 * 16 + 7, 5
+    case = make_case("vtrace", T, (N,), seed=21, bootstrap="next_values", device=device)
+    mask = long_masks(T, N, seed=9).to(device)
+    values, nv = case.steps["values"].clone(), case.steps["next_values"].clone()
+    for n in range(N):  # a decision step's value NaN, another's inf, one next_value NaN
+        steps = mask[:, n].nonzero().squeeze(1).tolist()
+        if len(steps) > 2:
+            values[steps[len(steps) // 2], n] = float("nan")
+            values[steps[1], n] = float("inf")
+            nv[steps[-2], n] = float("nan")
+        elif steps:
+            values[steps[0], n] = float("nan")
+    values[~mask] = float("nan")  # masked steps are ignored
+    case.steps.update(values=values, next_values=nv)
+    want = case.call(layout, mask=to_layout(mask, layout), backend="torch")
+    ref = deleted(case, mask)
+    refuse_vtrace_torch(monkeypatch)
+    with tiles.override(block_t=16, block_b=2):
+        got = case.call(layout, mask=to_layout(mask, layout), backend="triton")
+    for g, w, r in zip(got, want, ref):
+        torch.testing.assert_close(g, w, equal_nan=True, rtol=1e-5, atol=1e-5)
+        assert torch.equal(g.isnan(), r.isnan().to(g.device))
+        fine = torch.isfinite(r).to(g.device)
+        assert fine.sum() > N  # most steps are untouched
+        assert_close([g[fine]], [r.to(g.device)[fine]])
+
+
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+def test_packed_masked_vtrace_next_values(lengths, device, in_place, vtrace_kernel):
+    """Packed rows in place, with a mask and next_values (empty segments, segments of one
+    step, L = 1), against each segment alone."""
+    steps, extra, cu = packed_inputs("vtrace", LENGTHS[lengths], True, device=device,
+                                     bootstrap="next_values")
+    got = rl_triton.vtrace(**steps, **extra, cu_seqlens=cu, backend="triton")
+    assert_close(got, per_segment("vtrace", steps, extra, cu))
+
+
+def test_packed_masked_vtrace_next_values_split(device, in_place, vtrace_kernel):
+    """A stream of 333 steps in tiles of 16, a mask and next_values: segment ends (a restart
+    of both carries) inside tiles and on their edges, carries by look-back and walking."""
+    steps, extra, cu = packed_inputs("vtrace", SPLIT, True, device=device,
+                                     bootstrap="next_values")
+    want = per_segment("vtrace", steps, extra, cu)
+    for run in [dict(window=1, depth=0, walk=False), dict(window=16, depth=3, walk=False),
+                dict(window=16, depth=0, walk=True)]:
+        with tiles.override(block_t=16, block_b=1, **run):
+            assert_close(rl_triton.vtrace(**steps, **extra, cu_seqlens=cu, backend="triton"),
+                         want)
+
+
+@pytest.mark.parametrize("which", ["target_log_probs", "behavior_log_probs"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("T,N", SHAPES)
+def test_vtrace_nan_log_prob_gives_nan(which, backend, layout, T, N, device):
+    """A NaN log-probability at step j makes ratio[j] NaN: rho[j], c[j] and the pg clip of step j
+    use it, so vs and pg_advantages are NaN at j and at every step before it in the episode
+    (through D and vs'), and finite after it. It is never clipped into a finite ratio."""
+    case = make_case("vtrace", T, (N,), device=device, seed=T + N)
+    quiet(case)
+    j = T // 2
+    case.steps[which][j, N - 1] = math.nan
+    vs, pg = case.call(layout, backend=backend)
+    want = torch.zeros(T, N, dtype=torch.bool)
+    want[:j + 1, N - 1] = True
+    assert torch.equal(torch.isnan(vs.cpu()), want), vs
+    assert torch.equal(torch.isnan(pg.cpu()), want), pg
+    assert torch.isfinite(vs.cpu()[~want]).all() and torch.isfinite(pg.cpu()[~want]).all()
