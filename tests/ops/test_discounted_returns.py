@@ -18,3 +18,19 @@ def test_packed_discounted_returns_without_bootstrap(device, in_place):
                                          bootstrap=None)
         got = rl_triton.discounted_returns(**steps, **extra, cu_seqlens=cu, backend="triton")
         assert_close((got,), per_segment("discounted_returns", steps, extra, cu))
+
+
+def test_discounted_returns_by_hand(backend, device):
+    r, no = R.to(device), flags(0, 0, 0).to(device)
+    close(rl_triton.discounted_returns(r, no, gamma=G, backend=backend), [2.75, 3.5, 3.0])
+    close(rl_triton.discounted_returns(r, no, last_value=LAST.to(device), gamma=G,
+                                       backend=backend), [3.0, 4.0, 4.0])
+    close(rl_triton.discounted_returns(r, flags(1, 0, 0).to(device), gamma=G, backend=backend),
+          [1.0, 3.5, 3.0])
+    # truncation at t=0 without next_values: bootstrap zero, trace cut
+    close(rl_triton.discounted_returns(r, no, flags(1, 0, 0).to(device), gamma=G,
+                                       backend=backend), [1.0, 3.5, 3.0])
+    # with next_values: bootstrap next_values[0] = 10
+    close(rl_triton.discounted_returns(r, no, flags(1, 0, 0).to(device),
+                                       next_values=t(10.0, 0.0, 0.0).to(device), gamma=G,
+                                       backend=backend), [6.0, 3.5, 3.0])

@@ -9,3 +9,15 @@ import op_checks
 import rl_triton
 
 OPS = ["eligibility_traces"]
+
+
+def test_forward_scans_by_hand(backend, device):
+    dones = flags(0, 1, 0, 0).to(device)
+    z = rl_triton.eligibility_traces(t(1.0, 1.0, 1.0, 1.0).to(device), dones, gamma=1.0, lam=0.5,
+                                     backend=backend)
+    close(z, [1.0, 1.5, 1.0, 1.5])
+    c = rl_triton.episodic_cumsum(t(1.0, 2.0, 3.0, 4.0).to(device), dones, backend=backend)
+    close(c, [1.0, 3.0, 3.0, 7.0])
+    c = rl_triton.episodic_cumsum(t(1.0, 2.0, 3.0, 4.0).to(device), dones,
+                                  initial=torch.tensor([10.0], device=device), backend=backend)
+    close(c, [11.0, 13.0, 3.0, 7.0])

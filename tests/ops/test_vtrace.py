@@ -134,3 +134,37 @@ def test_vtrace_nan_log_prob_gives_nan(which, backend, layout, T, N, device):
     assert torch.equal(torch.isnan(vs.cpu()), want), vs
     assert torch.equal(torch.isnan(pg.cpu()), want), pg
     assert torch.isfinite(vs.cpu()[~want]).all() and torch.isfinite(pg.cpu()[~want]).all()
+
+
+def test_vtrace_by_hand(backend, device):
+    r, v, no = t(1.0, 1.0).to(device), t(0.0, 0.0).to(device), flags(0, 0).to(device)
+    lv = torch.zeros(1, device=device)
+    zero = t(0.0, 0.0).to(device)
+    vs, pg = rl_triton.vtrace(r, v, no, zero, zero, last_value=lv, gamma=1.0, backend=backend)
+    close(vs, [2.0, 1.0])
+    close(pg, [2.0, 1.0])
+    # target twice as likely at t=0: rho_0 clipped to 1, c_0 clipped to 1; pg clipped to 1
+    tlp = t(float(torch.log(torch.tensor(2.0))), 0.0).to(device)
+    vs, pg = rl_triton.vtrace(r, v, no, tlp, zero, last_value=lv, gamma=1.0, backend=backend)
+    close(vs, [2.0, 1.0])
+    # without clipping: delta_0 = 2 * 1, c_0 = 2 -> vs_0 = 2 + 2 * 1 = 4; pg_0 = 2 * (1 + 1)
+    vs, pg = rl_triton.vtrace(r, v, no, tlp, zero, last_value=lv, gamma=1.0, rho_clip=5.0,
+                              c_clip=5.0, pg_rho_clip=5.0, backend=backend)
+    close(vs, [4.0, 1.0])
+    close(pg, [4.0, 1.0])
+    # half the target probability at t=1: vs_1 = .5, vs_0 = 1 + .5 * 1 ... with lam = 1
+    tlp = t(0.0, float(torch.log(torch.tensor(0.5)))).to(device)
+    vs, pg = rl_triton.vtrace(r, v, no, tlp, zero, last_value=lv, gamma=1.0, backend=backend)
+    close(vs, [1.0 + 0.5, 0.5])
+    close(pg, [1.0 + 0.5, 0.5])
+
+
+def test_onpolicy_vtrace_lambda_one_is_lambda_return(backend, device):
+    c = make_case("gae", 150, (6,), device=device, seed=47)
+    lp = torch.randn(c.steps["rewards"].shape, device=device)
+    vs, _ = rl_triton.vtrace(**c.steps, target_log_probs=lp, behavior_log_probs=lp,
+                             last_value=c.extra["last_value"], gamma=0.97, lam=1.0,
+                             backend=backend)
+    lr = rl_triton.lambda_returns(**c.steps, last_value=c.extra["last_value"], gamma=0.97,
+                                  lam=1.0, backend=backend)
+    assert rel_err(vs, lr) < 1e-5
