@@ -47,6 +47,7 @@ def weighted(outs, seed=9, ws=None):
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean",
                                          "seq-mean-token-sum", "none"])
 @pytest.mark.parametrize("B,T", [(1, 2**24), (2**16, 16), (512, 4096), (3, 333_333)])
+@pytest.mark.gpu_large
 def test_token_shapes(B, T, aggregation):
     """Outputs and gradients against autograd through the torch backend in float64 (loose
     where float32 and float64 sides of a clip's kink differ among millions of positions)."""
@@ -61,6 +62,7 @@ def test_token_shapes(B, T, aggregation):
         assert rel_err(x, y) < 1e-3, i
 
 
+@pytest.mark.gpu_large
 def test_packed_token_shapes():
     L = 2**22
     cu = torch.cat([torch.zeros(1, dtype=torch.long), torch.randint(
@@ -75,6 +77,7 @@ def test_packed_token_shapes():
             assert rel_err(o, w) < 1e-4
 
 
+@pytest.mark.gpu_large
 def test_sac_and_crr_large():
     N, A = 2**20, 18
     r, q = rnd(N), rnd(N, A, 2, seed=1)
@@ -91,6 +94,7 @@ def test_sac_and_crr_large():
                    rl_triton.crr_weights(r.double(), sampled.double(), backend="torch")) < 1e-5
 
 
+@pytest.mark.gpu_large
 def test_inductor_fullgraph():
     xs, mask = inputs(64, 1000)
     alpha = torch.tensor(0.2, device=DEV, requires_grad=True)
@@ -114,6 +118,7 @@ def test_inductor_fullgraph():
 
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.gpu_large
 def test_cuda_graph_forward_and_backward(aggregation):
     """Forward and backward of every loss in one captured graph, replayed on new inputs: no
     host sync anywhere (the mask's counts stay on the device)."""
@@ -153,6 +158,7 @@ def test_cuda_graph_forward_and_backward(aggregation):
             torch.testing.assert_close(c, w, rtol=1e-6, atol=0)
 
 
+@pytest.mark.gpu_large
 def test_other_device_index():
     idx = torch.cuda.device_count() - 1
     dev = f"cuda:{idx}"

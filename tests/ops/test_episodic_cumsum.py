@@ -9,3 +9,18 @@ import op_checks
 import rl_triton
 
 OPS = ["episodic_cumsum"]
+
+
+@pytest.mark.gpu_large
+def test_64bit_indexing():
+    """More than 2^31 elements: offsets need 64 bits."""
+    n, T, k = 2**21 + 5, 1024, 7
+    x = torch.ones(n, T, device=DEV)
+    t = torch.arange(T, device=DEV)
+    dones = ((t % k) == k - 1).expand(n, T)  # a stride-0 view: read in place
+    out = rl_triton.episodic_cumsum(x, dones, time_dim=1)
+    expected = ((t % k) + 1).float()
+    assert out.numel() > 2**31
+    assert torch.equal(out[0], expected) and torch.equal(out[-1], expected)
+    assert torch.equal(out[n // 2 + 3], expected)
+    del x, out

@@ -227,3 +227,51 @@ def test_gae_returns_equal_lambda_returns(backend, device):
     _, ret = rl_triton.gae(**c.steps, **c.extra, backend=backend)
     lr = rl_triton.lambda_returns(**c.steps, **c.extra, backend=backend)
     assert rel_err(ret, lr) < 1e-5
+
+
+@pytest.mark.gpu_large
+def test_torch_compile_fullgraph():
+    case = make_case("gae", 128, (64,), device=DEV, seed=3)
+
+    def step(r, v, term, trunc, lv):
+        adv, ret = rl_triton.gae(r, v, term, trunc, last_value=lv)
+        return (adv - adv.mean()) / (adv.std() + 1e-8), ret
+
+    s = case.steps
+    args = (s["rewards"], s["values"], s["terminated"], s["truncated"], case.extra["last_value"])
+    compiled = torch.compile(step, fullgraph=True)
+    for a, b in zip(compiled(*args), step(*args)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T,n", [(128, 256), (8192, 4)])  # one tile per row; look-back
+@pytest.mark.gpu_large
+def test_cuda_graph_replay(T, n):
+    case = make_case("gae", T, (n,), device=DEV, seed=5)
+    static = {k: v.clone() for k, v in case.steps.items()}
+    lv = case.extra["last_value"].clone()
+    params = dict(gamma=case.extra["gamma"], lam=case.extra["lam"])  # as the reference uses
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        rl_triton.gae(**static, last_value=lv, **params)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        adv, ret = rl_triton.gae(**static, last_value=lv, **params)
+    for seed in (6, 7, 8):
+        new = make_case("gae", T, (n,), device=DEV, seed=seed)
+        for k, v in new.steps.items():
+            static[k].copy_(v)
+        lv.copy_(new.extra["last_value"])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close((adv, ret), new.reference())
+
+
+@pytest.mark.gpu_large
+def test_other_device_index():
+    """Tensors on the current device only are assumed nowhere: works on any visible index."""
+    idx = torch.cuda.device_count() - 1
+    case = make_case("gae", 64, (8,), device=f"cuda:{idx}")
+    assert_close(case.call(backend="triton"), case.reference())

@@ -168,3 +168,49 @@ def test_onpolicy_vtrace_lambda_one_is_lambda_return(backend, device):
     lr = rl_triton.lambda_returns(**c.steps, last_value=c.extra["last_value"], gamma=0.97,
                                   lam=1.0, backend=backend)
     assert rel_err(vs, lr) < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["time-major", "transposed-view", "batch-major"])
+@pytest.mark.gpu_large
+def test_no_hidden_copies(layout):
+    """Device memory grows by the outputs alone (plus a few kB of carries)."""
+    case = make_case("vtrace", 4096, (1024,), device=DEV)
+    steps = {k: v if layout == "time-major" else (
+        v.movedim(0, 1) if layout == "transposed-view" else v.movedim(0, 1).contiguous())
+             for k, v in case.steps.items()}
+    td = 0 if layout == "time-major" else 1
+    rl_triton.vtrace(**steps, **case.extra, time_dim=td)  # compile outside the measurement
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    outs = rl_triton.vtrace(**steps, **case.extra, time_dim=td)
+    torch.cuda.synchronize()
+    out_bytes = sum(o.numel() * o.element_size() for o in outs)
+    assert torch.cuda.max_memory_allocated() - base <= out_bytes + 2**20
+
+
+@pytest.mark.parametrize("shape", [(512, 4096), (4, 1048576), (16384, 64)])
+@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
+@pytest.mark.gpu_large
+def test_masked_vtrace_next_values_large(shape, layout, monkeypatch):
+    """V-trace with a mask and next_values: its kernel (the torch backend refused) against
+    float64."""
+    from rl_triton.ops import vtrace
+    N, T = shape
+    case = make_case("vtrace", T, (N,), device="cuda", seed=N, bootstrap="next_values")
+    mask = multi_turn(T, N).cuda()
+    want = testing.vectorized("vtrace", **case.steps, **case.extra, mask=mask)
+    monkeypatch.setattr(vtrace.OP, "torch", refuse)
+    got = case.call(layout, mask=to_layout(mask, layout), backend="triton")
+    for o, w in zip(got, want):
+        assert rel_err(o, w) < 1e-5
+
+
+@pytest.mark.gpu_large
+def test_packed_vtrace_next_values_large(monkeypatch):
+    """Packed V-trace with a mask and next_values, in place (padded rows refused): 512
+    segments summing to 512 x 4096 tokens (every 37th empty) against float64."""
+    monkeypatch.setattr(rl_triton._plans.Op, "_padded", refuse)
+    lengths = random_lengths(512, 512 * 4096, seed=7, empty_every=37)
+    assert all(e < 1e-5 for e in packed_against_float64("vtrace", lengths, True,
+                                                        bootstrap="next_values"))

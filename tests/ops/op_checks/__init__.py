@@ -27,8 +27,8 @@ def install(namespace: dict, ops) -> None:
                 assert spec is not None, f"{module.__name__}.{key}: a shared check needs per_op"
                 if not any(spec.op(row) in ops for row in spec.rows):
                     continue
-            elif not isinstance(value, _FIXTURE) or getattr(value, "__module__", module.__name__) != module.__name__:
-                continue
+            elif not isinstance(value, _FIXTURE) or value.__module__ != module.__name__:
+                continue  # not a fixture, or one the check module imported
             if namespace.get(key, value) is not value:
                 raise AssertionError(f"{key} of {module.__name__} is already in the test module")
             namespace[key] = value

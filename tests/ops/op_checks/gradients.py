@@ -1,6 +1,6 @@
-"""Gradients (semantics §6), checks shared by the scan ops: every op is differentiable with respect to every floating input on
-every backend, gamma and lam may be per-row tensors, second-order gradients raise, nothing is ever
-silently detached.
+"""Gradients (semantics §6), checks shared by the scan ops (run in each op's module): every op is
+differentiable with respect to every floating input on every backend, gamma and lam may be
+per-row tensors, second-order gradients raise, nothing is ever silently detached.
 
 The torch and loop backends are checked by `torch.autograd.gradcheck` in float64; the Triton
 backward (its own kernels) against the float64 autograd gradient of the sequential references.

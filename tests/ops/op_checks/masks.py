@@ -1,4 +1,5 @@
-"""Masks and packed rows (semantics §7), checks shared by the scan ops: every op with flags as if the masked steps were deleted from each row.
+"""Masks and packed rows (semantics §7), checks shared by the scan ops (run in each op's module):
+every op with flags as if the masked steps were deleted from each row.
 
 The reference here literally deletes them: for each row it keeps the decision steps, runs the
 plain float64 reference (no mask) on that shorter row, and scatters the result back, zeros

@@ -1,5 +1,6 @@
 """Float flags and non-finite inputs (semantics §1, "Flags" and "Non-finite inputs"), checks
-shared by the ops (run in each op's module, tests/ops/test_<op>.py), on every backend, in both layouts, at small odd shapes, through the public functions.
+shared by the ops (run in each op's module, tests/ops/test_<op>.py), on every backend, in both
+layouts, at small odd shapes, through the public functions.
 
 A flag is set wherever it is nonzero, whatever its dtype. A NaN or inf reaches only the outputs
 that depend on it through the formula and never crosses an episode boundary: a cut is a select,

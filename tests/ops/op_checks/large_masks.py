@@ -1,15 +1,12 @@
-"""Masked calls (semantics §7) at the benchmark's token shapes on the GPU: the kernels (one tile per
+"""Masked calls (semantics §7) at the benchmark's token shapes on the GPU (marked gpu_large; shared
+checks, run in each op's module): the kernels (one tile per
 row, look-back over many tiles, walked rows) against the torch backend in float64."""
 import pytest
 import torch
 
 import rl_triton
-from cases import make_case, rel_err, to_layout
+from cases import FLAGGED, make_case, per_op, rel_err, to_layout
 from rl_triton import testing
-from rl_triton.scan import tiles
-
-NAMES = ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
-         "eligibility_traces", "episodic_cumsum"]
 
 
 def multi_turn(T, N, seed=0):
@@ -21,9 +18,10 @@ def multi_turn(T, N, seed=0):
     return (turn & (pos < length)).T.contiguous()  # [T, N]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@per_op("name", FLAGGED)
 @pytest.mark.parametrize("shape", [(512, 4096), (4, 1048576), (16384, 64)])
 @pytest.mark.parametrize("layout", ["time-major", "batch-major"])
+@pytest.mark.gpu_large
 def test_masked_large(name, shape, layout):
     N, T = shape
     case = make_case(name, T, (N,), device="cuda", seed=N)
@@ -38,32 +36,8 @@ def refuse(*args, **kwargs):
     raise AssertionError("not the kernel")
 
 
-@pytest.mark.parametrize("shape", [(512, 4096), (4, 1048576), (16384, 64)])
-@pytest.mark.parametrize("layout", ["time-major", "batch-major"])
-def test_masked_vtrace_next_values_large(shape, layout, monkeypatch):
-    """V-trace with a mask and next_values: its kernel (the torch backend refused) against
-    float64."""
-    from rl_triton.ops import vtrace
-    N, T = shape
-    case = make_case("vtrace", T, (N,), device="cuda", seed=N, bootstrap="next_values")
-    mask = multi_turn(T, N).cuda()
-    want = testing.vectorized("vtrace", **case.steps, **case.extra, mask=mask)
-    monkeypatch.setattr(vtrace.OP, "torch", refuse)
-    got = case.call(layout, mask=to_layout(mask, layout), backend="triton")
-    for o, w in zip(got, want):
-        assert rel_err(o, w) < 1e-5
-
-
-def test_packed_vtrace_next_values_large(monkeypatch):
-    """Packed V-trace with a mask and next_values, in place (padded rows refused): 512
-    segments summing to 512 x 4096 tokens (every 37th empty) against float64."""
-    monkeypatch.setattr(rl_triton._plans.Op, "_padded", refuse)
-    lengths = random_lengths(512, 512 * 4096, seed=7, empty_every=37)
-    assert all(e < 1e-5 for e in packed_against_float64("vtrace", lengths, True,
-                                                        bootstrap="next_values"))
-
-
-@pytest.mark.parametrize("name", NAMES)
+@per_op("name", FLAGGED)
+@pytest.mark.gpu_large
 def test_packed_large(name):
     """512 packed responses of 1 to 4096 tokens against the same rows padded and masked."""
     g = torch.Generator().manual_seed(1)
@@ -119,7 +93,8 @@ def packed_against_float64(name, lengths, masked, dtype=torch.float32, features=
 
 
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("name", NAMES)
+@per_op("name", FLAGGED)
+@pytest.mark.gpu_large
 def test_packed_in_place_large(name, masked):
     """512 segments of random lengths summing to 512 x 4096 tokens (every 37th empty), one
     stream of look-back tiles, against float64."""
@@ -127,22 +102,11 @@ def test_packed_in_place_large(name, masked):
     assert all(e < 1e-5 for e in packed_against_float64(name, lengths, masked))
 
 
-@pytest.mark.parametrize("name", ["gae", "episodic_cumsum"])
+@per_op("name", ["gae", "episodic_cumsum"])
+@pytest.mark.gpu_large
 def test_packed_in_place_many_short_segments(name):
     """2^17 segments of 0 to 31 tokens (the offsets' search in three rounds, many segments per
     tile), with a mask."""
     g = torch.Generator().manual_seed(3)
     lengths = torch.randint(0, 32, (2**17,), generator=g)
     assert all(e < 1e-5 for e in packed_against_float64(name, lengths, True))
-
-
-def test_packed_in_place_bf16_features_and_walk():
-    """bf16 GAE with next_values; eligibility traces of 16-vectors (time-major tiles); episodic
-    sums walked (tiles forced to walk one row)."""
-    lengths = random_lengths(64, 2**20, seed=4, empty_every=9)
-    assert all(e < 1e-5 for e in packed_against_float64(
-        "gae", lengths, True, dtype=torch.bfloat16, bootstrap="next_values"))
-    assert all(e < 1e-5 for e in packed_against_float64("eligibility_traces", lengths[:16],
-                                                        True, features=(16,)))
-    with tiles.override(walk=True):
-        assert all(e < 1e-5 for e in packed_against_float64("episodic_cumsum", lengths, True))

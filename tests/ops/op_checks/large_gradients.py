@@ -1,14 +1,14 @@
-"""On a CUDA device only: gradients at long rows and many rows, inside torch.compile with
-Inductor, and in a captured CUDA graph of forward plus backward (semantics §5 and 6).
+"""On a CUDA device only (marked gpu_large; shared checks, run in each op's module): gradients at
+long rows and many rows, inside torch.compile with Inductor, and in a captured CUDA graph of
+forward plus backward (semantics §5 and 6).
 
 Large shapes are checked against autograd through the vectorized torch backend in float64.
 """
 import pytest
 import torch
 
-import rl_triton
-from cases import ESTIMATORS, rel_err, to_layout
-from test_gradients import call, differentiable, grads, weights_like
+from cases import ESTIMATORS, per_op, rel_err
+from op_checks.gradients import call, differentiable, grads, weights_like
 
 DEV = "cuda"
 
@@ -27,9 +27,10 @@ def _against_torch64(name, T, batch, layout, tol=5e-4, **kw):
         assert err < tol, f"d {k}: relative error {err:.3g}"
 
 
-@pytest.mark.parametrize("name", ESTIMATORS)
+@per_op("name", ESTIMATORS)
 @pytest.mark.parametrize("T,batch", [(2**20, (1,)), (16, (2**20,)), (3 * 2**15 + 5, (3,))])
 @pytest.mark.parametrize("layout", ["time-major", "batch-major"])
+@pytest.mark.gpu_large
 def test_backward_large_shapes(name, T, batch, layout):
     # V-trace's and Retrace's clipped ratios: among 2^24 steps some ratios lie within float32
     # rounding of a clip, where the float32 and float64 sides of the derivative's jump differ
@@ -39,12 +40,14 @@ def test_backward_large_shapes(name, T, batch, layout):
                      p_trunc=0.001)
 
 
-@pytest.mark.parametrize("name", ["gae", "vtrace", "linear_scan_reverse"])
+@per_op("name", ["gae", "vtrace", "linear_scan_reverse"])
+@pytest.mark.gpu_large
 def test_backward_one_row_of_2_pow_24_steps(name):
     _against_torch64(name, 2**24, (1,), "batch-major", p_term=1e-4, p_trunc=1e-4)
 
 
-@pytest.mark.parametrize("name", ESTIMATORS)
+@per_op("name", ESTIMATORS)
+@pytest.mark.gpu_large
 def test_backward_inductor_fullgraph(name):
     case, leaves = differentiable(name, 256, (64,), dtype=torch.float32, device=DEV,
                                   per_row=True)
@@ -64,8 +67,9 @@ def test_backward_inductor_fullgraph(name):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=k)
 
 
-@pytest.mark.parametrize("name", ["gae", "vtrace", "retrace", "eligibility_traces"])
+@per_op("name", ["gae", "vtrace", "retrace", "eligibility_traces"])
 @pytest.mark.parametrize("T,n", [(128, 256), (8192, 4)])  # one tile per row; look-back
+@pytest.mark.gpu_large
 def test_cuda_graph_forward_and_backward(name, T, n):
     """Forward and backward captured in one CUDA graph, replayed on new inputs copied in."""
     case, leaves = differentiable(name, T, (n,), dtype=torch.float32, device=DEV)
@@ -106,7 +110,8 @@ def test_cuda_graph_forward_and_backward(name, T, n):
             torch.testing.assert_close(g, want[k].float(), rtol=1e-5, atol=1e-5, msg=k)
 
 
-@pytest.mark.parametrize("name", ESTIMATORS)
+@per_op("name", ESTIMATORS)
+@pytest.mark.gpu_large
 def test_no_grad_forward_records_nothing(name):
     """Without an input requiring grad the call is the forward of today: the plan's own
     launch, no custom-op dispatch, no graph, nothing saved."""
