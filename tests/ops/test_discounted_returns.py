@@ -2,11 +2,12 @@
 (rl_triton/reference.py), forward and backward; its masks, packed rows, non-finite inputs and
 boundaries; its large shapes on a CUDA device (marked gpu_large). The checks it shares with
 other ops (tests/ops/op_checks) run here for it too."""
-import pytest
-import torch
-
-import op_checks
 import rl_triton
+from by_hand import G, LAST, R, close, flags, t
+from by_hand import backend  # noqa: F401 (a fixture: every backend)
+from cases import assert_close
+import op_checks
+from op_checks.masks import SPLIT, packed_inputs, per_segment
 
 OPS = ["discounted_returns"]
 
@@ -34,3 +35,7 @@ def test_discounted_returns_by_hand(backend, device):
     close(rl_triton.discounted_returns(r, no, flags(1, 0, 0).to(device),
                                        next_values=t(10.0, 0.0, 0.0).to(device), gamma=G,
                                        backend=backend), [6.0, 3.5, 3.0])
+
+
+# the checks shared with other ops (tests/ops/op_checks), for this module's OPS
+op_checks.install(globals(), OPS)

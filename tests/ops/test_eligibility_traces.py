@@ -2,11 +2,12 @@
 (rl_triton/reference.py), forward and backward; its masks, packed rows, non-finite inputs and
 boundaries; its large shapes on a CUDA device (marked gpu_large). The checks it shares with
 other ops (tests/ops/op_checks) run here for it too."""
-import pytest
 import torch
 
-import op_checks
 import rl_triton
+from by_hand import close, flags, t
+from by_hand import backend  # noqa: F401 (a fixture: every backend)
+import op_checks
 
 OPS = ["eligibility_traces"]
 
@@ -21,3 +22,7 @@ def test_forward_scans_by_hand(backend, device):
     c = rl_triton.episodic_cumsum(t(1.0, 2.0, 3.0, 4.0).to(device), dones,
                                   initial=torch.tensor([10.0], device=device), backend=backend)
     close(c, [11.0, 13.0, 3.0, 7.0])
+
+
+# the checks shared with other ops (tests/ops/op_checks), for this module's OPS
+op_checks.install(globals(), OPS)

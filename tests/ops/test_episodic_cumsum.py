@@ -5,10 +5,11 @@ other ops (tests/ops/op_checks) run here for it too."""
 import pytest
 import torch
 
-import op_checks
 import rl_triton
+import op_checks
 
 OPS = ["episodic_cumsum"]
+DEV = "cuda"  # the gpu_large tests' device
 
 
 @pytest.mark.gpu_large
@@ -24,3 +25,7 @@ def test_64bit_indexing():
     assert torch.equal(out[0], expected) and torch.equal(out[-1], expected)
     assert torch.equal(out[n // 2 + 3], expected)
     del x, out
+
+
+# the checks shared with other ops (tests/ops/op_checks), for this module's OPS
+op_checks.install(globals(), OPS)

@@ -5,10 +5,15 @@ other ops (tests/ops/op_checks) run here for it too."""
 import pytest
 import torch
 
-import op_checks
 import rl_triton
+from by_hand import G, L, LAST, R, V, close, flags, successor
+from by_hand import backend  # noqa: F401 (a fixture: every backend)
+from cases import BACKENDS, assert_close, make_case, rel_err, to_layout
+import op_checks
+from op_checks.masks import deleted, mask_rows, packed_inputs
 
 OPS = ["gae"]
+DEV = "cuda"  # the gpu_large tests' device
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
@@ -275,3 +280,7 @@ def test_other_device_index():
     idx = torch.cuda.device_count() - 1
     case = make_case("gae", 64, (8,), device=f"cuda:{idx}")
     assert_close(case.call(backend="triton"), case.reference())
+
+
+# the checks shared with other ops (tests/ops/op_checks), for this module's OPS
+op_checks.install(globals(), OPS)

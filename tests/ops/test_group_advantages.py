@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-import op_checks
 import rl_triton
+import op_checks
 
 OPS = ["group_advantages"]
 DEV = "cuda"  # the gpu_large tests' device

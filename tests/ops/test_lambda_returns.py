@@ -2,11 +2,13 @@
 (rl_triton/reference.py), forward and backward; its masks, packed rows, non-finite inputs and
 boundaries; its large shapes on a CUDA device (marked gpu_large). The checks it shares with
 other ops (tests/ops/op_checks) run here for it too."""
-import pytest
 import torch
 
-import op_checks
 import rl_triton
+from by_hand import G, L, LAST, R, V, close, flags
+from by_hand import backend  # noqa: F401 (a fixture: every backend)
+from cases import make_case
+import op_checks
 
 OPS = ["lambda_returns"]
 
@@ -72,3 +74,7 @@ def test_lambda_returns_by_hand(backend, device):
     g = rl_triton.lambda_returns(R.to(device), V.to(device), flags(0, 1, 0).to(device),
                                  last_value=LAST.to(device), gamma=G, lam=L, backend=backend)
     close(g, [1 + 0.5 * (0.5 + 0.5 * 2.0), 2.0, 4.0])
+
+
+# the checks shared with other ops (tests/ops/op_checks), for this module's OPS
+op_checks.install(globals(), OPS)

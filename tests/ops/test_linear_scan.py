@@ -1,15 +1,19 @@
-"""The primitive `linear_scan` (docs/semantics.md §2), both directions: against its float64 reference
-(rl_triton/reference.py), forward and backward; its masks, packed rows, non-finite inputs and
+"""The primitive `linear_scan` (docs/semantics.md §2), both directions: against its float64
+reference (rl_triton/reference.py), forward and backward; its masks, packed rows, non-finite inputs and
 boundaries; its large shapes on a CUDA device (marked gpu_large). The checks it shares with
 other ops (tests/ops/op_checks) run here for it too."""
 import pytest
 import torch
 
-import op_checks
 import rl_triton
-from rl_triton.testing import NAMES
+from rl_triton.testing import NAMES, vectorized
+from by_hand import close, t
+from by_hand import backend  # noqa: F401 (a fixture: every backend)
+from cases import assert_close
+import op_checks
 
 OPS = [n for n in NAMES if n.startswith("linear_scan")]
+DEV = "cuda"  # the gpu_large tests' device
 
 
 def test_linear_scan_by_hand(backend, device):
@@ -59,3 +63,7 @@ def test_look_back_without_cuts(layout):
             for _ in range(3):
                 out = rl_triton.linear_scan(a, b, reverse=reverse, time_dim=td).movedim(td, 0)
                 assert_close((out,), (ref,))
+
+
+# the checks shared with other ops (tests/ops/op_checks), for this module's OPS
+op_checks.install(globals(), OPS)

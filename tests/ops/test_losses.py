@@ -1,3 +1,352 @@
+"""What the losses (semantics §9) share, in tests that call several of them at once: masks and
+aggregations, NaN and masked non-finite inputs, gradients, empty inputs, 64-bit indexing, offsets
+read on every call, CleanRL's PPO lines, torch.compile, the custom ops, bad input; their large
+shapes on a CUDA device (marked gpu_large). Each loss's own tests: tests/ops/test_<loss>.py."""
+import pytest
+import torch
+
+import rl_triton
+from cases import rel_err
+from conftest import DEVICE
+from loss_cases import (AGGREGATIONS, BACKENDS, CU, SEQ_MODES, assert_close, both_ways,
+                        check_against_spec, cleanrl_ppo, grads_of, leaves, ppo_case, randn,
+                        random_mask, sac_case, spec_crr, spec_kl, spec_ppo, spec_sac, spec_value)
+
+# ---- semantics -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_empty_selection_is_zero(aggregation, backend, device):
+    """No position counts: the loss is 0 (not NaN) and so are its gradients; a row without a
+    position that counts is left out of the mean over sequences."""
+    lp, old, adv = leaves(*ppo_case((3, 7), dtype=torch.float32, device=device))
+    none = torch.zeros(3, 7, dtype=torch.bool, device=device)
+    loss, clip, kl = rl_triton.ppo_policy_loss(lp, old, adv, none, aggregation=aggregation,
+                                               backend=backend)
+    assert loss.abs().sum().item() == 0 and clip.item() == 0 and kl.item() == 0
+    (loss.sum() + kl).backward()
+    assert lp.grad.abs().sum() == 0 and adv.grad.abs().sum() == 0
+    v = rl_triton.value_loss(lp, old, mask=none, aggregation=aggregation, backend=backend)
+    assert v.abs().sum().item() == 0
+    if aggregation in SEQ_MODES:
+        one_row = none.clone()
+        one_row[1] = True
+        full = rl_triton.ppo_policy_loss(lp, old, adv, one_row, aggregation=aggregation,
+                                         backend=backend)[0]
+        alone = rl_triton.ppo_policy_loss(lp[1:2], old[1:2], adv[1:2],
+                                          aggregation=aggregation, backend=backend)[0]
+        assert abs(full.item() - alone.item()) < 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("packed_rows,aggregation", [(False, a) for a in AGGREGATIONS]
+                         + [(True, a) for a in SEQ_MODES])
+def test_mask_is_binary(packed_rows, aggregation, backend, device):
+    """The mask is set where nonzero: 0.5, 2.0 and -3.0 count as 1 (a weight goes in through
+    the inputs, not the mask), the same losses, metrics and gradients bit for bit as a bool
+    mask; a sequence without a set position (a masked-out row or segment, an empty segment)
+    does not count in the mean over sequences."""
+    shape = (37,) if packed_rows else (4, 9)
+    lp, old, adv = ppo_case(shape, dtype=torch.float32, device=device)
+    mask = random_mask(shape, 3, device)
+    kw = dict(aggregation=aggregation)
+    if packed_rows:
+        kw["cu_seqlens"] = torch.tensor(CU, device=device)
+        mask[5:20] = False  # segment 2 (segment 1 is empty)
+    else:
+        mask[2] = False
+    weights = torch.tensor([0.5, 2.0, -3.0], device=device)[torch.arange(mask.numel(),
+                                                                         device=device) % 3]
+    results = []
+    for m in (mask, torch.where(mask, weights.view(shape), 0.0)):
+        xs = leaves(lp, old, adv)
+        outs = rl_triton.ppo_policy_loss(*xs, m, **kw, backend=backend)
+        v = leaves(lp, adv, old)
+        outs = (*outs, rl_triton.value_loss(*v, m, clip=0.2, **kw, backend=backend))
+        results.append([o.detach() for o in outs] + grads_of(outs, xs + v))
+    for a, b in zip(*results):
+        assert torch.equal(a, b), (a, b)
+    if aggregation in SEQ_MODES:  # the mean over the sequences with a set position
+        l = -adv * torch.exp(lp - old)
+        l = torch.maximum(l, -adv * torch.exp(lp - old).clamp(0.8, 1.2))
+        seqs = ([slice(a, b) for a, b in zip(CU[:-1], CU[1:])] if packed_rows
+                else [slice(b, b + 1) for b in range(4)])
+        per = [l[s][mask[s]].sum() / (mask[s].sum() if aggregation.endswith("mean") else 1)
+               for s in seqs if mask[s].any()]
+        assert len(per) < len(seqs)
+        assert abs(results[0][0].item() - (sum(per) / len(per)).item()) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan(backend, device):
+    """A NaN at a position that counts gives NaN (a NaN ratio is never clipped); at a masked
+    position it reaches nothing."""
+    lp, old, adv = ppo_case((2, 6), dtype=torch.float32, device=device)
+    lp[0, 2] = float("nan")
+    mask = torch.ones(2, 6, dtype=torch.bool, device=device)
+    per = rl_triton.ppo_policy_loss(lp, old, adv, mask, aggregation="none", backend=backend)[0]
+    assert per[0, 2].isnan() and per.isnan().sum() == 1
+    assert rl_triton.ppo_policy_loss(lp, old, adv, mask, backend=backend)[0].isnan()
+    mask[0, 2] = False
+    out = rl_triton.ppo_policy_loss(lp, old, adv, mask, dual_clip=3.0, backend=backend)
+    assert all(o.isfinite() for o in out)
+    assert rl_triton.value_loss(lp, old, old, mask, clip=0.2, backend=backend).isfinite()
+    assert rl_triton.kl_penalty(lp, old, "k3", 10.0, backend=backend).isnan().sum() == 1
+    case = sac_case(6, 2, device=device)
+    case["next_q_values"][1, 0] = float("nan")
+    case["terminated"][:] = False
+    case["terminated"][3] = True
+    case["next_q_values"][3, 1] = float("nan")  # terminal: its bootstrap is dropped (a select)
+    y = rl_triton.sac_targets(**case, backend=backend)
+    assert y[1].isnan() and y.isnan().sum() == 1
+    q = torch.zeros(4, device=device)
+    sampled = torch.randn(4, 3, device=device)
+    sampled[2, 1] = float("nan")
+    for kind in ("exp", "binary"):
+        for baseline in ("mean", "max"):
+            w = rl_triton.crr_weights(q, sampled, kind=kind, baseline=baseline,
+                                      backend=backend)
+            assert w[2].isnan() and w.isnan().sum() == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_input_gets_its_gradient_and_none_is_written(backend, device):
+    """No silent detach; inputs never modified; outputs in out_dtype; second order refused."""
+    lp, old, adv = ppo_case((4, 9), dtype=torch.float32, device=device)
+    mask = random_mask((4, 9), 2, device)
+    xs = leaves(lp, old, adv)
+    before = [x.detach().clone() for x in xs]
+    loss, clip, kl = rl_triton.ppo_policy_loss(*xs, mask, out_dtype=torch.float64,
+                                               backend=backend)
+    assert loss.dtype == clip.dtype == kl.dtype == torch.float64
+    assert loss.requires_grad and kl.requires_grad and not clip.requires_grad
+    (loss + kl).backward()
+    assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in xs)
+    assert all(torch.equal(x.detach(), b) for x, b in zip(xs, before))
+    v, ret, vold = leaves(lp, adv, old)
+    rl_triton.value_loss(v, ret, vold, mask, clip=0.1, backend=backend).backward()
+    assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in (v, ret, vold))
+    case = sac_case(9, 2, 3, device=device)
+    floats = {k: leaves(t)[0] for k, t in case.items() if t.is_floating_point()}
+    alpha = torch.tensor(0.2, device=device, requires_grad=True)
+    rl_triton.sac_targets(**dict(case, **floats), alpha=alpha, backend=backend).sum().backward()
+    assert all(t.grad is not None for t in floats.values()) and alpha.grad is not None
+    a, b = leaves(lp, old)
+    out = rl_triton.kl_penalty(a, b, backend=backend)
+    with pytest.raises(RuntimeError, match="first-order"):
+        torch.autograd.grad(out.sum(), a, create_graph=True)
+    with pytest.raises(RuntimeError, match="mask requires grad"):
+        rl_triton.ppo_policy_loss(lp, old, adv, mask.float().requires_grad_(), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_non_finite_reaches_no_gradient(backend, device):
+    """An inf advantage (PPO) or a NaN return (value loss) at a masked position: the loss and
+    every gradient are those of a finite value there, the masked positions' gradients 0."""
+    lp, old, adv = ppo_case((3, 7), dtype=torch.float32, device=device)
+    mask = random_mask((3, 7), 4, device)
+    mask[1, 2] = False
+    for op, inputs, spoilt in [
+            (lambda x: rl_triton.ppo_policy_loss(*x, mask, backend=backend)[::2],
+             (lp, old, adv), 2),
+            (lambda x: (rl_triton.value_loss(*x, mask, clip=0.2, backend=backend),),
+             (lp, old, adv), 1)]:
+        results = []
+        for value in (0.5, float("inf"), float("nan")):
+            xs = [t.clone() for t in inputs]
+            xs[spoilt][1, 2] = value
+            xs = leaves(*xs)
+            outs = op(xs)
+            results.append([o.detach() for o in outs] + grads_of(outs, xs))
+        for got in results[1:]:
+            for a, b in zip(got, results[0]):
+                assert a.isfinite().all() and torch.equal(a, b), (a, b)
+        assert all((g[~mask] == 0).all() for g in results[0][-3:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_inputs(backend, device):
+    for shape in [(0,), (2, 0)]:
+        xs = leaves(*ppo_case(shape, dtype=torch.float32, device=device))
+        for aggregation in AGGREGATIONS:
+            if aggregation in SEQ_MODES and len(shape) == 1:
+                continue
+            loss, clip, kl = rl_triton.ppo_policy_loss(*xs, aggregation=aggregation,
+                                                       backend=backend)
+            assert loss.shape == (shape if aggregation == "none" else ())
+            (loss.sum() + kl).backward()
+            assert xs[0].grad.shape == shape
+            assert rl_triton.value_loss(*xs[:2], aggregation=aggregation,
+                                        backend=backend).sum().item() == 0
+        assert rl_triton.kl_penalty(*xs[:2], backend=backend).shape == shape
+    case = sac_case(0, 2, 3, device=device)
+    assert rl_triton.sac_targets(**case, backend=backend).shape == (0,)
+    assert rl_triton.crr_weights(torch.zeros(0, device=device), torch.zeros(0, 4, device=device),
+                                 backend=backend).shape == (0,)
+
+
+def test_64_bit_indexing(monkeypatch, device):
+    """The kernels' 64-bit indexing (tensors past 2^31 elements), taken here at small shapes."""
+    from rl_triton.ops import _losses
+    monkeypatch.setattr(_losses, "INT32_MAX", 16)
+    xs = leaves(*ppo_case((5, 50), dtype=torch.float32, device=device))
+    mask = random_mask((5, 50), 1, device)
+    check_against_spec(
+        lambda *xs: rl_triton.ppo_policy_loss(*xs, mask, aggregation="seq-mean-token-mean",
+                                              backend="triton"),
+        lambda *xs: spec_ppo(*xs, mask, aggregation="seq-mean-token-mean"), xs)
+    check_against_spec(lambda *xs: rl_triton.value_loss(*xs, mask, clip=0.2, backend="triton"),
+                       lambda *xs: spec_value(*xs, mask, clip=0.2), xs)
+    check_against_spec(lambda a, b: rl_triton.kl_penalty(a, b, backend="triton"),
+                       lambda a, b: spec_kl(a, b, "k3"), xs[:2])
+    case = sac_case(37, 2, 5, device=device)
+    names = [k for k, v in case.items() if v.is_floating_point()]
+    check_against_spec(
+        lambda *xs: rl_triton.sac_targets(**dict(case, **dict(zip(names, xs))), backend="triton"),
+        lambda *xs: spec_sac(xs[0], case["terminated"], *xs[1:3], gamma=0.99, alpha=0.2,
+                             probs=xs[3]), leaves(*(case[k] for k in names)))
+    q, sampled = randn((37,), 1, device=device), randn((37, 5), 2, device=device)
+    assert_close(rl_triton.crr_weights(q, sampled, backend="triton"), spec_crr(q, sampled), 1e-6)
+
+
+# ---- CleanRL's PPO lines -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cleanrl_ppo(backend, device):
+    """CleanRL's pg_loss, v_loss and approx_kl (its clipfracs counts |ratio - 1| > clip_coef
+    whatever the advantage's sign: not ours, not compared)."""
+    lp, old, adv = ppo_case((256,), seed=2, dtype=torch.float32)
+    v, ret = randn((256,), 3), randn((256,), 4)
+    old_v = v + randn((256,), 5, 0.3)
+
+    def ours(lp, old, adv, v, old_v, ret):
+        pg, _, kl = rl_triton.ppo_policy_loss(lp, old, adv, backend=backend)
+        return pg, rl_triton.value_loss(v, ret, old_v, clip=0.2, backend=backend), kl
+    both_ways(ours, lambda *xs: cleanrl_ppo(*xs, clip_coef=0.2), (lp, old, adv, v, old_v, ret), device)
+
+
+# ---- torch.compile -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fullgraph_compile(backend, device):
+    """Every loss inside one compiled step, forward and backward, without graph breaks (the
+    kernels as custom ops; aot_eager on the CPU), equal to the eager step."""
+    lp0, old, adv = ppo_case((5, 50), dtype=torch.float32, device=device)
+    mask = random_mask((5, 50), 1, device)
+    sac = sac_case(37, 2, 4, device=device)
+    q, sampled = randn((37,), 2, device=device), randn((37, 5), 3, device=device)
+    packed_x = ppo_case((37,), seed=5, dtype=torch.float32, device=device)
+    cu = torch.tensor(CU, device=device)
+
+    def step(lp, q_next, alpha):
+        pg, clip, kl = rl_triton.ppo_policy_loss(lp, old, adv, mask, dual_clip=3.0,
+                                                 aggregation="seq-mean-token-mean",
+                                                 backend=backend)
+        v = rl_triton.value_loss(lp, adv, old, mask, clip=0.2, kind="huber", backend=backend)
+        k = rl_triton.kl_penalty(lp, old, "k3", 10.0, backend=backend)
+        y = rl_triton.sac_targets(sac["rewards"], sac["terminated"], q_next,
+                                  sac["next_log_probs"], alpha=alpha,
+                                  next_probs=sac["next_probs"], backend=backend)
+        w = rl_triton.crr_weights(q, sampled, backend=backend)
+        packed_loss = rl_triton.ppo_policy_loss(*packed_x, cu_seqlens=cu,
+                                                aggregation="seq-mean-token-sum",
+                                                backend=backend)[0]
+        return pg + v + (k * mask).mean() + kl + y.sum() + packed_loss, clip, w
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn in (step, compiled):
+        xs = leaves(lp0, sac["next_q_values"], torch.tensor(0.2, device=device))
+        total, clip, w = fn(*xs)
+        total.backward()
+        results.append([total.detach(), clip, w] + [x.grad for x in xs])
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_custom_ops_are_registered():
+    for name in ("ppo_policy_loss", "value_loss", "kl_penalty", "sac_targets"):
+        assert hasattr(torch.ops.rl_triton, name) and hasattr(torch.ops.rl_triton,
+                                                               name + "_backward")
+    assert hasattr(torch.ops.rl_triton, "crr_weights")
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_input(backend):
+    lp, old, adv = ppo_case((3, 7), dtype=torch.float32)
+
+    def raises(exc, match, fn, *args, **kw):
+        with pytest.raises(exc, match=match):
+            fn(*args, **kw, backend=backend)
+
+    ppo = rl_triton.ppo_policy_loss
+    raises(ValueError, r"old_log_probs has shape \(3, 6\) but log_probs has shape \(3, 7\)", ppo,
+           lp, old[:, :6], adv)
+    raises(ValueError, r"mask has shape \(7,\)", ppo, lp, old, adv, torch.ones(7))
+    raises(TypeError, "advantages has dtype torch.int64", ppo, lp, old, adv.long())
+    raises(TypeError, "log_probs must be a torch.Tensor", ppo, [0.0], old, adv)
+    raises(ValueError, "old_log_probs is on meta but log_probs is on cpu", ppo, lp,
+           old.to("meta"), adv)
+    raises(ValueError, "aggregation must be one of", ppo, lp, old, adv, aggregation="mean")
+    raises(ValueError, r"clip_low=1.5 is outside \[0.0, 1.0\]", ppo, lp, old, adv,
+           clip_low=1.5)
+    raises(ValueError, r"dual_clip=1.0 is outside \(1.0, inf\)", ppo, lp, old, adv,
+           dual_clip=1.0)
+    raises(ValueError, "log_ratio_clamp=0.0 is outside", ppo, lp, old, adv, log_ratio_clamp=0.0)
+    raises(ValueError, "averages over sequences", ppo, lp[0], old[0], adv[0],
+           aggregation="seq-mean-token-mean")
+    raises(ValueError, r"with cu_seqlens the inputs are packed sequences \[L\]", ppo, lp, old,
+           adv, cu_seqlens=torch.tensor([0, 21]))
+    raises(ValueError, "cu_seqlens must start at 0, end at L = 7", ppo, lp[0], old[0], adv[0],
+           cu_seqlens=torch.tensor([0, 3, 6]))
+    raises(ValueError, "and it decreases", ppo, lp[0], old[0], adv[0],
+           cu_seqlens=torch.tensor([0, 5, 3, 7]))
+    raises(TypeError, "cu_seqlens has dtype torch.float32", ppo, lp[0], old[0], adv[0],
+           cu_seqlens=torch.tensor([0.0, 7.0]))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ppo(lp, old, adv, backend="cuda")
+    vl = rl_triton.value_loss
+    raises(ValueError, "clip needs old_values", vl, lp, old, clip=0.2)
+    raises(ValueError, "kind must be one of", vl, lp, old, kind="l1")
+    raises(ValueError, "huber_delta=0.0 is outside", vl, lp, old, kind="huber", huber_delta=0.0)
+    raises(ValueError, r"returns has shape \(7,\)", vl, lp, old[0])
+    raises(ValueError, "kind must be one of", rl_triton.kl_penalty, lp, old, "k4")
+    raises(ValueError, "clamp=-1.0 is outside", rl_triton.kl_penalty, lp, old, "k3", -1.0)
+    raises(ValueError, r"ref_log_probs has shape \(3, 6\)", rl_triton.kl_penalty, lp, old[:, :6])
+    sac = sac_case(5, 2, 3)
+    raises(ValueError, "next_q_values has shape .* next_probs has 3 actions",
+           rl_triton.sac_targets, **dict(sac, next_q_values=torch.randn(5, 4, 2)))
+    raises(ValueError, r"next_log_probs has shape \(5,\)", rl_triton.sac_targets,
+           **dict(sac, next_log_probs=torch.randn(5)))
+    raises(ValueError, r"next_q_values has shape \(5,\)", rl_triton.sac_targets,
+           **dict(sac_case(5, 2), next_q_values=torch.randn(5)))
+    raises(ValueError, "no critic", rl_triton.sac_targets,
+           **dict(sac_case(5, 2), next_q_values=torch.randn(5, 0)))
+    raises(ValueError, r"alpha must be a number or a tensor of one element; got shape \(2,\)",
+           rl_triton.sac_targets, **sac, alpha=torch.ones(2))
+    raises(TypeError, "alpha is a tensor of dtype torch.int64", rl_triton.sac_targets, **sac,
+           alpha=torch.tensor(1))
+    raises(TypeError, "alpha must be a number or a tensor", rl_triton.sac_targets, **sac,
+           alpha="0.2")
+    raises(ValueError, "gamma=1.5 is outside", rl_triton.sac_targets, **sac, gamma=1.5)
+    raises(TypeError, "terminated has dtype torch.complex64", rl_triton.sac_targets,
+           **dict(sac, terminated=torch.zeros(5, dtype=torch.complex64)))
+    raises(RuntimeError, "terminated requires grad", rl_triton.sac_targets,
+           **dict(sac, terminated=torch.zeros(5).requires_grad_()))
+    q, sampled = torch.randn(4), torch.randn(4, 3)
+    raises(ValueError, "beta=0.0 is outside", rl_triton.crr_weights, q, sampled, beta=0.0)
+    raises(ValueError, "kind must be one of", rl_triton.crr_weights, q, sampled, kind="soft")
+    raises(ValueError, "baseline must be one of", rl_triton.crr_weights, q, sampled,
+           baseline="median")
+    raises(ValueError, "no sampled action", rl_triton.crr_weights, q, sampled[:, :0])
+    raises(ValueError, r"sampled_q_values has shape \(3, 4\)", rl_triton.crr_weights, q,
+           sampled.t())
+
+
 @pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
 def test_loss_offsets_checked_on_every_call(backend):
     """The losses that take cu_seqlens read their offsets on every call too (edits through a
@@ -23,3 +372,172 @@ def test_loss_offsets_checked_on_every_call(backend):
         torch.testing.assert_close(call(check_offsets=False), want)
         with pytest.raises(TypeError, match="check_offsets must be a bool"):
             call(check_offsets="no")
+
+
+# ---- on a CUDA device only (gpu_large): token shapes (2^20 to 2^24 positions) against the torch
+# backend in float64, inside torch.compile with Inductor, forward plus backward in a captured CUDA
+# graph, and on any device index
+
+DEV = "cuda"
+G = torch.Generator(device=DEV) if torch.cuda.is_available() else None  # none on a CPU machine
+
+
+def rnd(*shape, scale=1.0, seed=0):
+    return scale * torch.randn(shape, generator=G.manual_seed(seed), device=DEV)
+
+
+def inputs(B, T, seed=0):
+    lp = rnd(B, T, scale=0.3, seed=seed)
+    mask = torch.rand(B, T, generator=G.manual_seed(seed + 3), device=DEV) < 0.8
+    return [lp, lp + rnd(B, T, scale=0.4, seed=seed + 1), rnd(B, T, seed=seed + 2)], mask
+
+
+def calls(xs, mask, aggregation, backend, cu_seqlens=None):
+    """Every differentiable loss of the same inputs, as one list of outputs."""
+    lp, old, adv = xs
+    loss, _, kl = rl_triton.ppo_policy_loss(lp, old, adv, mask, clip_high=0.28, dual_clip=3.0,
+                                            aggregation=aggregation, cu_seqlens=cu_seqlens,
+                                            backend=backend)
+    v = rl_triton.value_loss(adv, lp, old, mask, clip=0.2, kind="huber",
+                             aggregation=aggregation, cu_seqlens=cu_seqlens, backend=backend)
+    k = rl_triton.kl_penalty(lp, old, "k3", 10.0, backend=backend)
+    return [loss, kl, v, k]
+
+
+def weights(outs, seed=9):
+    return [torch.randn(o.shape, generator=G.manual_seed(seed + i), device=DEV,
+                        dtype=torch.float64) for i, o in enumerate(outs)]
+
+
+def weighted(outs, seed=9, ws=None):
+    """A random weighting of the outputs (`ws`, drawn beforehand inside a CUDA graph capture,
+    which cannot reseed a generator)."""
+    return sum((o.double() * w).sum() for o, w in zip(outs, ws or weights(outs, seed)))
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean",
+                                         "seq-mean-token-sum", "none"])
+@pytest.mark.parametrize("B,T", [(1, 2**24), (2**16, 16), (512, 4096), (3, 333_333)])
+@pytest.mark.gpu_large
+def test_token_shapes(B, T, aggregation):
+    """Outputs and gradients against autograd through the torch backend in float64 (loose
+    where float32 and float64 sides of a clip's kink differ among millions of positions)."""
+    xs, mask = inputs(B, T)
+    a = [x.clone().requires_grad_() for x in xs]
+    b = [x.double().requires_grad_() for x in xs]
+    got, want = calls(a, mask, aggregation, "triton"), calls(b, mask, aggregation, "torch")
+    for i, (o, w) in enumerate(zip(got, want)):
+        assert rel_err(o, w) < 1e-4, i
+    for i, (x, y) in enumerate(zip(torch.autograd.grad(weighted(got), a),
+                                   torch.autograd.grad(weighted(want), b))):
+        assert rel_err(x, y) < 1e-3, i
+
+
+@pytest.mark.gpu_large
+def test_packed_token_shapes():
+    L = 2**22
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), torch.randint(
+        0, L, (4095,), generator=torch.Generator().manual_seed(1)).sort().values,
+        torch.tensor([L])]).to(DEV)
+    xs, mask = inputs(1, L)
+    xs, mask = [x[0] for x in xs], mask[0]
+    for aggregation in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        got = calls(xs, mask, aggregation, "triton", cu)
+        want = calls([x.double() for x in xs], mask, aggregation, "torch", cu)
+        for o, w in zip(got, want):
+            assert rel_err(o, w) < 1e-4
+
+
+@pytest.mark.gpu_large
+def test_sac_and_crr_large():
+    N, A = 2**20, 18
+    r, q = rnd(N), rnd(N, A, 2, seed=1)
+    logits = rnd(N, A, seed=2)
+    term = torch.rand(N, generator=G.manual_seed(3), device=DEV) < 0.01
+    args = (r, term, q, torch.log_softmax(logits, -1))
+    kw = dict(next_probs=torch.softmax(logits, -1), gamma=0.99, alpha=0.2)
+    assert rel_err(rl_triton.sac_targets(*args, **kw, backend="triton"),
+                   rl_triton.sac_targets(*(t.double() if t.is_floating_point() else t
+                                           for t in args), **kw, backend="torch",
+                                         out_dtype=torch.float64)) < 1e-5
+    sampled = rnd(N, 10, seed=4)
+    assert rel_err(rl_triton.crr_weights(r, sampled, backend="triton"),
+                   rl_triton.crr_weights(r.double(), sampled.double(), backend="torch")) < 1e-5
+
+
+@pytest.mark.gpu_large
+def test_inductor_fullgraph():
+    xs, mask = inputs(64, 1000)
+    alpha = torch.tensor(0.2, device=DEV, requires_grad=True)
+    q = rnd(4096, 2, seed=5).requires_grad_()
+    r, log_pi = rnd(4096, seed=6), rnd(4096, seed=7)
+    term = torch.zeros(4096, dtype=torch.bool, device=DEV)
+    weights = [torch.randn(shape, generator=G.manual_seed(9 + i), device=DEV)
+               for i, shape in enumerate([(), (), (), (64, 1000)])]
+
+    def step(lp, q, alpha):
+        outs = calls([lp, xs[1], xs[2]], mask, "seq-mean-token-mean", "triton")
+        y = rl_triton.sac_targets(r, term, q, log_pi, alpha=alpha)
+        return sum((o * w).sum() for o, w in zip(outs, weights)) + y.sum()
+
+    lp = xs[0].clone().requires_grad_()
+    eager = torch.autograd.grad(step(lp, q, alpha), [lp, q, alpha])
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(step, fullgraph=True)(lp, q, alpha), [lp, q, alpha])
+    for e, g in zip(eager, got):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.gpu_large
+def test_cuda_graph_forward_and_backward(aggregation):
+    """Forward and backward of every loss in one captured graph, replayed on new inputs: no
+    host sync anywhere (the mask's counts stay on the device)."""
+    xs, mask = inputs(64, 1000)
+    static = [x.clone().requires_grad_() for x in xs]
+    static_mask = mask.clone()
+    alpha = torch.tensor(0.2, device=DEV, requires_grad=True)
+    sac = [rnd(4096, seed=5), torch.zeros(4096, dtype=torch.bool, device=DEV),
+           rnd(4096, 2, seed=6).requires_grad_(), rnd(4096, seed=7)]
+
+    ws = weights(calls(static, static_mask, aggregation, "triton"))
+
+    def step():
+        outs = calls(static, static_mask, aggregation, "triton")
+        y = rl_triton.sac_targets(*sac, alpha=alpha, backend="triton")
+        w = rl_triton.crr_weights(sac[0], sac[2].detach(), backend="triton")
+        return torch.autograd.grad(weighted(outs, ws=ws) + (y * w).sum(),
+                                   static + [sac[2], alpha])
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in (11, 12):
+        new, new_mask = inputs(64, 1000, seed=seed)
+        for s, n in zip(static, new):
+            s.data.copy_(n)
+        static_mask.copy_(new_mask)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = step()
+        for c, w in zip(captured, want):
+            torch.testing.assert_close(c, w, rtol=1e-6, atol=0)
+
+
+@pytest.mark.gpu_large
+def test_other_device_index():
+    idx = torch.cuda.device_count() - 1
+    dev = f"cuda:{idx}"
+    xs, mask = inputs(5, 50)
+    xs, mask = [x.to(dev).requires_grad_() for x in xs], mask.to(dev)
+    got = rl_triton.ppo_policy_loss(*xs, mask, aggregation="seq-mean-token-mean",
+                                    backend="triton")
+    want = rl_triton.ppo_policy_loss(*xs, mask, aggregation="seq-mean-token-mean",
+                                     backend="torch")
+    for o, w in zip(got, want):
+        assert o.device == torch.device(dev) and rel_err(o, w) < 1e-5

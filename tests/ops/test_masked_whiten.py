@@ -3,7 +3,6 @@ forward and backward, by hand, NaN isolation, whitening global over a 2-process 
 large shapes on a CUDA device (marked gpu_large). The checks it shares with other ops
 (tests/ops/op_checks) run here for it too."""
 from __future__ import annotations
-
 import itertools
 import os
 
@@ -12,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import op_checks
 import rl_triton
 from rl_triton.ops import _whiten
+import op_checks
 
 OPS = ["masked_whiten"]
 DEV = "cuda"  # the gpu_large tests' device

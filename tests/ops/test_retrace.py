@@ -2,11 +2,24 @@
 (rl_triton/reference.py), forward and backward; its masks, packed rows, non-finite inputs and
 boundaries; its large shapes on a CUDA device (marked gpu_large). The checks it shares with
 other ops (tests/ops/op_checks) run here for it too."""
+import math
+
 import pytest
 import torch
 
-import op_checks
 import rl_triton
+from rl_triton import _plans
+from rl_triton.ops import retrace as retrace_op
+from rl_triton.scan import tiles
+from by_hand import close, flags, successor, t
+from by_hand import backend  # noqa: F401 (a fixture: every backend)
+from cases import BACKENDS, assert_close, make_case, rel_err, to_layout
+import op_checks
+from op_checks.gradients import (assert_grads_close, call, differentiable, grads, reference_grads,
+                                 weights_like)
+from op_checks.masks import (BOOTS, SPLIT, assert_split_rows, deleted, long_masks, mask_rows,
+                             packed_inputs, per_segment)
+from op_checks.nonfinite import LAYOUTS, SHAPES, quiet
 
 OPS = ["retrace"]
 
@@ -303,3 +316,7 @@ def test_retrace_onpolicy_state_values_is_bootstrapped_return(backend, device):
                                        next_values=successor(state_v, last_v), gamma=0.9,
                                        backend=backend)
     assert rel_err(g, ret) < 1e-5
+
+
+# the checks shared with other ops (tests/ops/op_checks), for this module's OPS
+op_checks.install(globals(), OPS)

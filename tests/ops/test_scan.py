@@ -1,3 +1,24 @@
+"""The scan engine the scan ops share, through them: look-back tags and ends, row vectors, the
+backends agreeing with each other, offsets unread when asked, and on a CUDA device (marked
+gpu_large) streams, cold launches and launch hooks. Each op's own tests: tests/ops/test_<op>.py."""
+import itertools
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import rl_triton
+from rl_triton import _plans
+from rl_triton.scan import tiles
+from cases import BACKENDS, ESTIMATORS, FLAGGED, assert_close, make_case, rel_err, subprocess_env
+from conftest import DEVICE
+from op_checks.large import float64_vectorized
+from op_checks.large_masks import packed_against_float64, random_lengths
+from op_checks.masks import packed_call
+
 def test_row_vector_rule():
     from rl_triton.scan.launch import row_vector
     f32 = torch.zeros(6, 300)
@@ -8,6 +29,8 @@ def test_row_vector_rule():
     assert row_vector([f32], 300, 4) == 1  # rows in two groups
     assert row_vector([torch.zeros(6, 302)[:, :300]], 300, 1) == 2
     assert row_vector([f32, torch.zeros(6, 302)[:, :300]], 300, 1) == 2  # all tensors
+
+DEV = "cuda"  # the gpu_large tests' device
 
 
 def test_look_back_tags_name_the_launch(device):

@@ -5,7 +5,81 @@ other ops (tests/ops/op_checks) run here for it too."""
 import pytest
 import torch
 
-import op_checks
 import rl_triton
+from loss_cases import (AGGREGATIONS, CU, SEQ_MODES, both_ways, check_against_spec, leaves, randn,
+                        random_mask, spec_value)
+import op_checks
 
 OPS = ["value_loss"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "loop"])
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("kind,clip", [("mse", None), ("mse", 0.3), ("huber", 0.3)])
+def test_gradcheck_value_loss(kind, clip, aggregation, backend):
+    v, ret = randn((3, 7), 3, dtype=torch.float64), randn((3, 7), 4, dtype=torch.float64)
+    xs = leaves(v, ret, v + randn((3, 7), 5, 0.5, torch.float64))
+
+    def fn(*xs):
+        return rl_triton.value_loss(*xs, random_mask((3, 7), 6), clip=clip, kind=kind,
+                                    huber_delta=0.7, aggregation=aggregation, backend=backend,
+                                    out_dtype=torch.float64)
+    assert torch.autograd.gradcheck(fn, xs)
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("kind,clip", [("mse", None), ("mse", 0.3), ("huber", None),
+                                       ("huber", 0.3)])
+def test_value_loss_triton(kind, clip, aggregation, device):
+    shapes = [(5, 50)] if aggregation in SEQ_MODES else [(37,), (5, 50), (3, 7, 11)]
+    for shape in shapes:
+        v = randn(shape, 1, device=device)
+        xs = leaves(v, randn(shape, 2, device=device), v + randn(shape, 3, 0.5, device=device))
+        for mask in (None, random_mask(shape, 4, device)):
+            m = torch.ones(shape, dtype=torch.bool, device=device) if mask is None else mask
+            kw = dict(clip=clip, kind=kind, huber_delta=0.7, aggregation=aggregation)
+            check_against_spec(
+                lambda *xs: rl_triton.value_loss(*xs, mask, **kw, backend="triton"),
+                lambda *xs: spec_value(*xs, m, **kw), xs)
+
+
+@pytest.mark.parametrize("aggregation", SEQ_MODES)
+def test_value_loss_triton_packed_bf16(aggregation, device):
+    v = randn((37,), 1, device=device)
+    xs = leaves(*(t.to(torch.bfloat16) for t in (v, randn((37,), 2, device=device),
+                                                  v + randn((37,), 3, 0.5, device=device))))
+    mask = random_mask((37,), 4, device)
+    kw = dict(clip=0.2, kind="huber", aggregation=aggregation)
+    check_against_spec(
+        lambda *xs: rl_triton.value_loss(*xs, mask, **kw, cu_seqlens=torch.tensor(CU),
+                                         backend="triton"),
+        lambda *xs: spec_value(*xs, mask, **kw, cu=CU), xs, grad_tol=1e-2)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_verl_value_loss(frameworks, mode, backend, device):
+    v, ret = randn((6, 40), 1), randn((6, 40), 2)
+    old = v + randn((6, 40), 3, 0.5)
+    mask = random_mask((6, 40), 4, device)
+    both_ways(lambda v, ret, old: rl_triton.value_loss(v, ret, old, mask, clip=0.2,
+                                                       aggregation=mode, backend=backend),
+              lambda v, ret, old: frameworks.verl.compute_value_loss(v, ret, old, mask.float(),
+                                                                     0.2, mode)[0],
+              (v, ret, old), device)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("clip", [None, 0.2])
+def test_openrlhf_value_loss(frameworks, clip, backend, device):
+    value_loss = frameworks.openrlhf_loss.ValueLoss(clip_eps=clip)
+    v = randn((6, 40), 1)
+    mask = random_mask((6, 40), 2, device)
+    both_ways(lambda v, old, ret: rl_triton.value_loss(v, ret, old if clip else None, mask,
+                                                       clip=clip, backend=backend),
+              lambda v, old, ret: value_loss(v, old, ret, mask.float()),
+              (v, v + randn((6, 40), 3, 0.5), randn((6, 40), 4)), device)
+
+
+# the checks shared with other ops (tests/ops/op_checks), for this module's OPS
+op_checks.install(globals(), OPS)

@@ -2,13 +2,27 @@
 (rl_triton/reference.py), forward and backward; its masks, packed rows, non-finite inputs and
 boundaries; its large shapes on a CUDA device (marked gpu_large). The checks it shares with
 other ops (tests/ops/op_checks) run here for it too."""
+import math
+
 import pytest
 import torch
 
-import op_checks
 import rl_triton
+from rl_triton import testing
+from rl_triton._plans import clear_plans
+from rl_triton.scan import tiles
+from by_hand import close, flags, t
+from by_hand import backend  # noqa: F401 (a fixture: every backend)
+from cases import BACKENDS, assert_close, make_case, rel_err, to_layout
+import op_checks
+from op_checks.gradients import triton_vs_reference
+from op_checks.large_masks import multi_turn, packed_against_float64, random_lengths, refuse
+from op_checks.masks import (LENGTHS, SPLIT, assert_split_rows, deleted, long_masks, mask_rows,
+                             packed_inputs, per_segment)
+from op_checks.nonfinite import LAYOUTS, SHAPES, quiet
 
 OPS = ["vtrace"]
+DEV = "cuda"  # the gpu_large tests' device
 
 
 def test_vtrace_backward_sub_tiles(device):
@@ -21,7 +35,7 @@ def test_vtrace_backward_sub_tiles(device):
         assert cfg.sub == 2, cfg
         clear_plans()  # plans keep the tiles of the rule they were built under
         try:
-            _triton_vs_reference("vtrace", 37, (5,), "time-major", per_row=True, device=device)
+            triton_vs_reference("vtrace", 37, (5,), "time-major", per_row=True, device=device)
         finally:
             clear_plans()
 
@@ -214,3 +228,7 @@ def test_packed_vtrace_next_values_large(monkeypatch):
     lengths = random_lengths(512, 512 * 4096, seed=7, empty_every=37)
     assert all(e < 1e-5 for e in packed_against_float64("vtrace", lengths, True,
                                                         bootstrap="next_values"))
+
+
+# the checks shared with other ops (tests/ops/op_checks), for this module's OPS
+op_checks.install(globals(), OPS)

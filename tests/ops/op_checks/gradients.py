@@ -96,7 +96,7 @@ def test_gradcheck(name, bootstrap, trunc, per_row, layout, backend):
     assert torch.autograd.gradcheck(fn, tuple(leaves.values()))
 
 
-def _triton_vs_reference(name, T, batch, layout, *, dtype=torch.float32, tol=1e-4,
+def triton_vs_reference(name, T, batch, layout, *, dtype=torch.float32, tol=1e-4,
                          per_row=False, **kw):
     case, leaves = differentiable(name, T, batch, dtype=dtype, per_row=per_row, **kw)
     out = call(case, leaves, list(leaves.values()), layout, backend="triton")
@@ -120,21 +120,21 @@ SHAPES = [(37, (5,), "time-major"), (37, (5,), "batch-major"), (1, (3,), "time-m
 @pytest.mark.parametrize("T,batch,layout", SHAPES)
 @per_op("name", ESTIMATORS)
 def test_triton_backward_matches_reference(name, T, batch, layout, device):
-    _triton_vs_reference(name, T, batch, layout, device=device)
+    triton_vs_reference(name, T, batch, layout, device=device)
 
 
 @per_op("name", ESTIMATORS)
 def test_triton_backward_every_option(name, device):
     """next_values, no truncations, per-row gamma and lam."""
-    _triton_vs_reference(name, 29, (3,), "batch-major", bootstrap="next_values", trunc=False,
+    triton_vs_reference(name, 29, (3,), "batch-major", bootstrap="next_values", trunc=False,
                          per_row=True, device=device)
-    _triton_vs_reference(name, 29, (3,), "time-major", per_row=True, device=device)
+    triton_vs_reference(name, 29, (3,), "time-major", per_row=True, device=device)
 
 
 @per_op("name", ESTIMATORS)
 def test_triton_backward_bf16(name, device):
     """bf16 inputs: gradients in bf16, computed in float32."""
-    _triton_vs_reference(name, 37, (4,), "batch-major", dtype=torch.bfloat16, tol=2e-2,
+    triton_vs_reference(name, 37, (4,), "batch-major", dtype=torch.bfloat16, tol=2e-2,
                          device=device)
 
 
@@ -144,13 +144,13 @@ def test_triton_backward_long_rows(name, layout, device):
     """Rows of six tiles: the backward scan's carries found by look-back and by walking."""
     for walk in (False, True):
         with tiles.override(block_t=16, block_b=2, window=16, walk=walk):
-            _triton_vs_reference(name, 5 * 16 + 7, (3,), layout, per_row=True, device=device)
+            triton_vs_reference(name, 5 * 16 + 7, (3,), layout, per_row=True, device=device)
 
 
 @per_op("name", ["eligibility_traces", "episodic_cumsum"])
 @pytest.mark.parametrize("layout", ["time-major", "batch-major"])
 def test_triton_backward_trailing_features(name, layout, device):
-    _triton_vs_reference(name, 23, (3,), layout, features=(2, 3), per_row=True, device=device)
+    triton_vs_reference(name, 23, (3,), layout, features=(2, 3), per_row=True, device=device)
 
 
 @per_op("name", ESTIMATORS)
