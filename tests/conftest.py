@@ -32,10 +32,6 @@ if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
-# Large-shape tests need a real GPU: not collected elsewhere.
-collect_ignore_glob = [] if torch.cuda.is_available() else ["test_gpu*.py"]
-
-
 def pytest_generate_tests(metafunc):
     """A shared check (`cases.per_op`) runs the rows of the ops of the module it is installed in."""
     spec = getattr(metafunc.function, "per_op", None)
