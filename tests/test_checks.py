@@ -1,5 +1,5 @@
 """Checks on every call, views read as their values, Retrace's actions (gradients, and never a
-silent detach: test_gradients.py)."""
+silent detach: tests/ops/op_checks/gradients.py)."""
 import pytest
 import torch
 

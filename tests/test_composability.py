@@ -2,7 +2,7 @@
 
 On the CPU the kernels run in Triton's interpreter and the graph runs with the aot_eager
 backend (the custom ops' fake implementations, schemas and output rules are what is checked);
-the GPU suite compiles with Inductor and captures CUDA graphs (tests/test_gpu.py).
+the GPU suite compiles with Inductor and captures CUDA graphs (the gpu_large tests of tests/ops).
 """
 import pytest
 import torch

@@ -1,7 +1,6 @@
-"""`crr_weights` (docs/semantics.md §9): against its float64 reference
-(rl_triton/reference.py), forward and backward; its masks, packed rows, non-finite inputs and
-boundaries; its large shapes on a CUDA device (marked gpu_large). The checks it shares with
-other ops (tests/ops/op_checks) run here for it too."""
+"""`crr_weights` (docs/semantics.md §9): every backend against the plain PyTorch transcription of
+the spec (loss_cases.spec_crr). What the losses share: tests/ops/test_losses.py; the checks shared
+with other ops (tests/ops/op_checks) run here too."""
 import pytest
 import torch
 

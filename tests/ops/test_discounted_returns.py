@@ -1,7 +1,7 @@
-"""`discounted_returns` (docs/semantics.md §3): against its float64 reference
-(rl_triton/reference.py), forward and backward; its masks, packed rows, non-finite inputs and
-boundaries; its large shapes on a CUDA device (marked gpu_large). The checks it shares with
-other ops (tests/ops/op_checks) run here for it too."""
+"""`discounted_returns` (docs/semantics.md §3): by hand, and packed rows without a bootstrap. The
+checks every scan op shares (tests/ops/op_checks: every backend, layout and dtype against the
+float64 reference, gradcheck and the Triton backward, masks, packed rows, non-finite inputs, large
+shapes) run here for it too."""
 import rl_triton
 from by_hand import G, LAST, R, close, flags, t
 from by_hand import backend  # noqa: F401 (a fixture: every backend)

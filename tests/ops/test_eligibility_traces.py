@@ -1,7 +1,7 @@
-"""`eligibility_traces` (docs/semantics.md §4): against its float64 reference
-(rl_triton/reference.py), forward and backward; its masks, packed rows, non-finite inputs and
-boundaries; its large shapes on a CUDA device (marked gpu_large). The checks it shares with
-other ops (tests/ops/op_checks) run here for it too."""
+"""`eligibility_traces` (docs/semantics.md §4): by hand (with `episodic_cumsum`, the other forward
+scan). The checks every scan op shares (tests/ops/op_checks: every backend, layout and dtype
+against the float64 reference, gradcheck and the Triton backward, trailing feature axes, masks,
+packed rows, non-finite inputs, large shapes) run here for it too."""
 import torch
 
 import rl_triton

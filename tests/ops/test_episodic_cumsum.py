@@ -1,7 +1,8 @@
-"""`episodic_cumsum` (docs/semantics.md §4): against its float64 reference
-(rl_triton/reference.py), forward and backward; its masks, packed rows, non-finite inputs and
-boundaries; its large shapes on a CUDA device (marked gpu_large). The checks it shares with
-other ops (tests/ops/op_checks) run here for it too."""
+"""`episodic_cumsum` (docs/semantics.md §4): 64-bit indexing on a CUDA device (marked gpu_large);
+by hand with `eligibility_traces` (tests/ops/test_eligibility_traces.py). The checks every scan op
+shares (tests/ops/op_checks: every backend, layout and dtype against the float64 reference,
+gradcheck and the Triton backward, trailing feature axes, masks, packed rows, non-finite inputs,
+large shapes) run here for it too."""
 import pytest
 import torch
 

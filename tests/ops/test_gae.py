@@ -1,7 +1,9 @@
-"""Generalized advantage estimation, `gae` (docs/semantics.md §3): against its float64 reference
-(rl_triton/reference.py), forward and backward; its masks, packed rows, non-finite inputs and
-boundaries; its large shapes on a CUDA device (marked gpu_large). The checks it shares with
-other ops (tests/ops/op_checks) run here for it too."""
+"""Generalized advantage estimation, `gae` (docs/semantics.md §3): by hand and its identities with
+the other estimators, out_dtype and the caller's layout, masks (by hand, dtypes, gradients, the
+mask's checks), packed rows (offsets, gradients, per-row discounts), and on a CUDA device (marked
+gpu_large) torch.compile, CUDA graphs and device indices. The checks every scan op shares
+(tests/ops/op_checks: every backend, layout and dtype against the float64 reference, gradcheck and
+the Triton backward, masks, packed rows, non-finite inputs, large shapes) run here for it too."""
 import pytest
 import torch
 

@@ -1,7 +1,7 @@
-"""`group_advantages` (docs/semantics.md §8): against its float64 reference
-(rl_triton/reference.py), forward and backward; its masks, packed rows, non-finite inputs and
-boundaries; its large shapes on a CUDA device (marked gpu_large). The checks it shares with
-other ops (tests/ops/op_checks) run here for it too."""
+"""`group_advantages` (docs/semantics.md §8): every backend against its float64 reference
+(rl_triton/reference.py) and by hand, gradcheck, NaN isolation, masked tokens, the kernel and its
+inputs, errors, and the kernel at large sizes on a CUDA device (marked gpu_large). The checks it
+shares with other ops (tests/ops/op_checks: what a mask removes reaches nothing) run here too."""
 import itertools
 
 import pytest

@@ -1,7 +1,7 @@
-"""`lambda_returns` (docs/semantics.md §3): against its float64 reference
-(rl_triton/reference.py), forward and backward; its masks, packed rows, non-finite inputs and
-boundaries; its large shapes on a CUDA device (marked gpu_large). The checks it shares with
-other ops (tests/ops/op_checks) run here for it too."""
+"""`lambda_returns` (docs/semantics.md §3): by hand, a Dreamer-style actor trained through it on
+every backend, and a meta-gradient that learns lambda. The checks every scan op shares
+(tests/ops/op_checks: every backend, layout and dtype against the float64 reference, gradcheck and
+the Triton backward, masks, packed rows, non-finite inputs, large shapes) run here for it too."""
 import torch
 
 import rl_triton

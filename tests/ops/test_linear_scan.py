@@ -1,7 +1,8 @@
-"""The primitive `linear_scan` (docs/semantics.md §2), both directions: against its float64
-reference (rl_triton/reference.py), forward and backward; its masks, packed rows, non-finite inputs and
-boundaries; its large shapes on a CUDA device (marked gpu_large). The checks it shares with
-other ops (tests/ops/op_checks) run here for it too."""
+"""The primitive `linear_scan` (docs/semantics.md §2), reverse and forward (`linear_scan_reverse`
+and `linear_scan_forward` in rl_triton.testing): by hand, and scans of 2^20 steps without a cut on a
+CUDA device (marked gpu_large). The checks the scan ops share (tests/ops/op_checks: every backend,
+layout and dtype against the float64 reference, gradcheck and the Triton backward, non-finite
+inputs, large shapes) run here for both directions."""
 import pytest
 import torch
 

@@ -1,7 +1,9 @@
-"""`retrace` (docs/semantics.md §3): against its float64 reference
-(rl_triton/reference.py), forward and backward; its masks, packed rows, non-finite inputs and
-boundaries; its large shapes on a CUDA device (marked gpu_large). The checks it shares with
-other ops (tests/ops/op_checks) run here for it too."""
+"""`retrace` (docs/semantics.md §3): by hand and its identities (lambda = 0, on-policy state
+values), the action axis (many actions, vectors and blocks, the bootstrap state, forward and
+backward), NaN probabilities, and masked and packed calls on its kernel. The checks every scan op
+shares (tests/ops/op_checks: every backend, layout and dtype against the float64 reference,
+gradcheck and the Triton backward, masks, packed rows, non-finite inputs, large shapes) run here for
+it too."""
 import math
 
 import pytest

@@ -1,7 +1,8 @@
-"""`sac_targets` (docs/semantics.md §9): against its float64 reference
-(rl_triton/reference.py), forward and backward; its masks, packed rows, non-finite inputs and
-boundaries; its large shapes on a CUDA device (marked gpu_large). The checks it shares with
-other ops (tests/ops/op_checks) run here for it too."""
+"""`sac_targets` (docs/semantics.md §9): the torch and loop backends by float64 gradcheck, the
+Triton kernels against the plain PyTorch transcription of the spec (loss_cases.spec_sac), bf16 and
+flags, alpha's gradient, tied critics, zero probabilities; CleanRL's SAC targets. What the losses
+share: tests/ops/test_losses.py; the checks shared with other ops (tests/ops/op_checks) run here
+too."""
 import pytest
 import torch
 

@@ -1,7 +1,9 @@
-"""`vtrace` (docs/semantics.md §3): against its float64 reference
-(rl_triton/reference.py), forward and backward; its masks, packed rows, non-finite inputs and
-boundaries; its large shapes on a CUDA device (marked gpu_large). The checks it shares with
-other ops (tests/ops/op_checks) run here for it too."""
+"""`vtrace` (docs/semantics.md §3): by hand and on-policy as lambda-returns, NaN log-probabilities,
+the backward's sub-tiles, masked and packed calls with next_values on its kernel, and on a CUDA
+device (marked gpu_large) memory traffic and masked and packed rows at token shapes. The checks
+every scan op shares (tests/ops/op_checks: every backend, layout and dtype against the float64
+reference, gradcheck and the Triton backward, masks, packed rows, non-finite inputs, large shapes)
+run here for it too."""
 import math
 
 import pytest

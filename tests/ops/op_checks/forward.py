@@ -130,7 +130,7 @@ def test_full_tiles_drop_their_masks(name, device):
                 assert_close(case.call(layout, backend="triton"), ref)
                 (plan,) = _plans._PLANS.values()
                 full = T % block_t == 0 and n % block_b == 0
-                # a GPU keeps the masks where dropping them costs warps (test_gpu.py)
+                # a GPU keeps the masks where dropping them costs warps (op_checks/large.py)
                 assert plan.meta["EVEN"] is full or (device != "cpu" and not plan.meta["EVEN"])
 
 
