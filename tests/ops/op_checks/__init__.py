@@ -8,18 +8,17 @@ they use, become its own, run for its ops only.
 from __future__ import annotations
 
 import importlib
+import pkgutil
 
 import pytest
 
-MODULES = ("forward", "gradients", "masks", "nonfinite", "large", "large_gradients",
-           "large_masks")
 _FIXTURE = type(pytest.fixture(lambda: None))
 
 
 def install(namespace: dict, ops) -> None:
     """Put the shared checks that apply to any of `ops`, and every shared fixture, into
     `namespace` (a test module's globals); a name the module already has is an error."""
-    for name in MODULES:
+    for name in sorted(m.name for m in pkgutil.iter_modules(__path__)):
         module = importlib.import_module(f"{__name__}.{name}")
         for key, value in vars(module).items():
             if key.startswith("test_") and callable(value):
