@@ -12,14 +12,7 @@ from op_checks.masks import SPLIT, packed_inputs, per_segment
 OPS = ["discounted_returns"]
 
 
-def test_packed_discounted_returns_without_bootstrap(device, in_place):
-    """A missing bootstrap is zero at every segment end (discounted returns only)."""
-    for masked in (False, True):
-        steps, extra, cu = packed_inputs("discounted_returns", SPLIT, masked, device=device,
-                                         bootstrap=None)
-        got = rl_triton.discounted_returns(**steps, **extra, cu_seqlens=cu, backend="triton")
-        assert_close((got,), per_segment("discounted_returns", steps, extra, cu))
-
+# ---- by hand -------------------------------------------------------------------------------------
 
 def test_discounted_returns_by_hand(backend, device):
     r, no = R.to(device), flags(0, 0, 0).to(device)
@@ -35,6 +28,17 @@ def test_discounted_returns_by_hand(backend, device):
     close(rl_triton.discounted_returns(r, no, flags(1, 0, 0).to(device),
                                        next_values=t(10.0, 0.0, 0.0).to(device), gamma=G,
                                        backend=backend), [6.0, 3.5, 3.0])
+
+
+# ---- packed rows (semantics §7) ------------------------------------------------------------------
+
+def test_packed_discounted_returns_without_bootstrap(device, in_place):
+    """A missing bootstrap is zero at every segment end (discounted returns only)."""
+    for masked in (False, True):
+        steps, extra, cu = packed_inputs("discounted_returns", SPLIT, masked, device=device,
+                                         bootstrap=None)
+        got = rl_triton.discounted_returns(**steps, **extra, cu_seqlens=cu, backend="triton")
+        assert_close((got,), per_segment("discounted_returns", steps, extra, cu))
 
 
 # the checks shared with other ops (tests/ops/op_checks), for this module's OPS

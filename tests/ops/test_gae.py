@@ -18,6 +18,53 @@ OPS = ["gae"]
 DEV = "cuda"  # the gpu_large tests' device
 
 
+# ---- by hand, and identities with the other estimators -------------------------------------------
+
+def _gae(term, trunc, backend, device):
+    args = [x.to(device) for x in (R, V, term)]
+    return rl_triton.gae(*args, None if trunc is None else trunc.to(device),
+                         last_value=LAST.to(device), gamma=G, lam=L, backend=backend)
+
+
+def test_gae_by_hand(backend, device):
+    none = flags(0, 0, 0)
+    # delta = [1 + .5*1 - .5, 2 + .5*1.5 - 1, 3 + .5*2 - 1.5] = [1, 1.75, 2.5]; gamma*lam = .25
+    adv, ret = _gae(none, None, backend, device)
+    close(adv, [1 + 0.25 * (1.75 + 0.25 * 2.5), 1.75 + 0.25 * 2.5, 2.5])
+    close(ret, [1 + 0.25 * 2.375 + 0.5, 2.375 + 1.0, 2.5 + 1.5])
+    # termination at t=1: no successor value there, trace cut
+    adv, _ = _gae(flags(0, 1, 0), None, backend, device)
+    close(adv, [1 + 0.25 * 1.0, 2 - 1.0, 2.5])
+    # truncation at t=1: successor value V[2] = 1.5 kept, trace cut
+    adv, _ = _gae(none, flags(0, 1, 0), backend, device)
+    close(adv, [1 + 0.25 * 1.75, 1.75, 2.5])
+    # termination at the last step: last_value ignored
+    adv, _ = _gae(flags(0, 0, 1), None, backend, device)
+    close(adv, [1 + 0.25 * (1.75 + 0.25 * 1.5), 1.75 + 0.25 * 1.5, 3 - 1.5])
+    # truncation at the last step: same as the window end
+    adv, _ = _gae(none, flags(0, 0, 1), backend, device)
+    close(adv, [1 + 0.25 * 2.375, 2.375, 2.5])
+
+
+def test_gae_lambda_one_is_monte_carlo_advantage(backend, device):
+    c = make_case("gae", 150, (6,), device=device, seed=41)
+    s, lv = c.steps, c.extra["last_value"]
+    adv, _ = rl_triton.gae(**s, last_value=lv, gamma=0.97, lam=1.0, backend=backend)
+    mc = rl_triton.discounted_returns(s["rewards"], s["terminated"], s["truncated"],
+                                      next_values=successor(s["values"], lv), gamma=0.97,
+                                      backend=backend)
+    assert rel_err(adv, mc - s["values"].float()) < 1e-5
+
+
+def test_gae_returns_equal_lambda_returns(backend, device):
+    c = make_case("gae", 150, (6,), device=device, seed=43)
+    _, ret = rl_triton.gae(**c.steps, **c.extra, backend=backend)
+    lr = rl_triton.lambda_returns(**c.steps, **c.extra, backend=backend)
+    assert rel_err(ret, lr) < 1e-5
+
+
+# ---- outputs -------------------------------------------------------------------------------------
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_out_dtype(out_dtype, backend, device):
@@ -34,6 +81,8 @@ def test_outputs_in_caller_layout(device):
                        **case.extra, time_dim=-1, backend="triton")
     assert adv.shape == (7, 12) and adv.is_contiguous() and ret.is_contiguous()
 
+
+# ---- masks (semantics §7) ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.int32, torch.float32])
 def test_mask_dtypes_and_masked_inputs_are_ignored(dtype, device):
@@ -104,6 +153,8 @@ def test_masked_gradients_match_deletion(device):
             torch.testing.assert_close(a, b)
     assert torch.all(want[0][~mask] == 0)  # masked rewards do not matter
 
+
+# ---- packed rows (semantics §7) ------------------------------------------------------------------
 
 def test_packed_offsets_are_checked():
     r, v = torch.randn(6), torch.randn(6)
@@ -193,48 +244,7 @@ def test_packed_per_row_discounts_keep_the_padded_route(device):
                 torch.testing.assert_close(a[s:e], b[:, 0])
 
 
-def _gae(term, trunc, backend, device):
-    args = [x.to(device) for x in (R, V, term)]
-    return rl_triton.gae(*args, None if trunc is None else trunc.to(device),
-                         last_value=LAST.to(device), gamma=G, lam=L, backend=backend)
-
-
-def test_gae_by_hand(backend, device):
-    none = flags(0, 0, 0)
-    # delta = [1 + .5*1 - .5, 2 + .5*1.5 - 1, 3 + .5*2 - 1.5] = [1, 1.75, 2.5]; gamma*lam = .25
-    adv, ret = _gae(none, None, backend, device)
-    close(adv, [1 + 0.25 * (1.75 + 0.25 * 2.5), 1.75 + 0.25 * 2.5, 2.5])
-    close(ret, [1 + 0.25 * 2.375 + 0.5, 2.375 + 1.0, 2.5 + 1.5])
-    # termination at t=1: no successor value there, trace cut
-    adv, _ = _gae(flags(0, 1, 0), None, backend, device)
-    close(adv, [1 + 0.25 * 1.0, 2 - 1.0, 2.5])
-    # truncation at t=1: successor value V[2] = 1.5 kept, trace cut
-    adv, _ = _gae(none, flags(0, 1, 0), backend, device)
-    close(adv, [1 + 0.25 * 1.75, 1.75, 2.5])
-    # termination at the last step: last_value ignored
-    adv, _ = _gae(flags(0, 0, 1), None, backend, device)
-    close(adv, [1 + 0.25 * (1.75 + 0.25 * 1.5), 1.75 + 0.25 * 1.5, 3 - 1.5])
-    # truncation at the last step: same as the window end
-    adv, _ = _gae(none, flags(0, 0, 1), backend, device)
-    close(adv, [1 + 0.25 * 2.375, 2.375, 2.5])
-
-
-def test_gae_lambda_one_is_monte_carlo_advantage(backend, device):
-    c = make_case("gae", 150, (6,), device=device, seed=41)
-    s, lv = c.steps, c.extra["last_value"]
-    adv, _ = rl_triton.gae(**s, last_value=lv, gamma=0.97, lam=1.0, backend=backend)
-    mc = rl_triton.discounted_returns(s["rewards"], s["terminated"], s["truncated"],
-                                      next_values=successor(s["values"], lv), gamma=0.97,
-                                      backend=backend)
-    assert rel_err(adv, mc - s["values"].float()) < 1e-5
-
-
-def test_gae_returns_equal_lambda_returns(backend, device):
-    c = make_case("gae", 150, (6,), device=device, seed=43)
-    _, ret = rl_triton.gae(**c.steps, **c.extra, backend=backend)
-    lr = rl_triton.lambda_returns(**c.steps, **c.extra, backend=backend)
-    assert rel_err(ret, lr) < 1e-5
-
+# ---- on a CUDA device only (gpu_large) -----------------------------------------------------------
 
 @pytest.mark.gpu_large
 def test_torch_compile_fullgraph():

@@ -13,6 +13,20 @@ import op_checks
 OPS = ["lambda_returns"]
 
 
+# ---- by hand -------------------------------------------------------------------------------------
+
+def test_lambda_returns_by_hand(backend, device):
+    # G2 = 3 + .5*2 = 4; G1 = 2 + .5*(.5*1.5 + .5*4) = 3.375; G0 = 1 + .5*(.5*1 + .5*3.375)
+    g = rl_triton.lambda_returns(R.to(device), V.to(device), flags(0, 0, 0).to(device),
+                                 last_value=LAST.to(device), gamma=G, lam=L, backend=backend)
+    close(g, [1 + 0.5 * (0.5 + 0.5 * 3.375), 3.375, 4.0])
+    g = rl_triton.lambda_returns(R.to(device), V.to(device), flags(0, 1, 0).to(device),
+                                 last_value=LAST.to(device), gamma=G, lam=L, backend=backend)
+    close(g, [1 + 0.5 * (0.5 + 0.5 * 2.0), 2.0, 4.0])
+
+
+# ---- training through it (semantics §6) ----------------------------------------------------------
+
 def test_dreamer_actor_trains_the_same_on_every_backend(device):
     """A tiny Dreamer-style actor, trained through `-lambda_returns(...).mean()`: the same
     parameters after training on every backend, and a better return than at the start."""
@@ -64,16 +78,6 @@ def test_meta_gradient_learns_lambda(device):
         with torch.no_grad():
             lam.clamp_(0.0, 1.0)
     torch.testing.assert_close(lam.detach().cpu(), torch.full((4,), 0.3), atol=0.05, rtol=0)
-
-
-def test_lambda_returns_by_hand(backend, device):
-    # G2 = 3 + .5*2 = 4; G1 = 2 + .5*(.5*1.5 + .5*4) = 3.375; G0 = 1 + .5*(.5*1 + .5*3.375)
-    g = rl_triton.lambda_returns(R.to(device), V.to(device), flags(0, 0, 0).to(device),
-                                 last_value=LAST.to(device), gamma=G, lam=L, backend=backend)
-    close(g, [1 + 0.5 * (0.5 + 0.5 * 3.375), 3.375, 4.0])
-    g = rl_triton.lambda_returns(R.to(device), V.to(device), flags(0, 1, 0).to(device),
-                                 last_value=LAST.to(device), gamma=G, lam=L, backend=backend)
-    close(g, [1 + 0.5 * (0.5 + 0.5 * 2.0), 2.0, 4.0])
 
 
 # the checks shared with other ops (tests/ops/op_checks), for this module's OPS

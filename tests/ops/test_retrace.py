@@ -26,6 +26,62 @@ from op_checks.nonfinite import LAYOUTS, SHAPES, quiet
 OPS = ["retrace"]
 
 
+# ---- by hand, and its identities -----------------------------------------------------------------
+
+def test_retrace_by_hand(backend, device):
+    # two steps, two actions; pi uniform, mu(a_t) = 1 -> c = lam * min(1, .5) = .5
+    r = t(1.0, 1.0).to(device)
+    q = torch.tensor([[[1.0, 3.0]], [[2.0, 4.0]]], device=device)
+    pi = torch.full((2, 1, 2), 0.5, device=device)
+    actions = torch.tensor([[0], [1]], device=device)
+    mu = torch.ones(2, 1, device=device)
+    lq, lpi = torch.tensor([[6.0, 2.0]], device=device), torch.tensor([[0.25, 0.75]],
+                                                                          device=device)
+    no = flags(0, 0).to(device)
+    g, adv = rl_triton.retrace(r, q, actions, pi, mu, no, last_q_values=lq,
+                               last_target_probs=lpi, gamma=1.0, lam=1.0, backend=backend,
+                               return_advantages=True)
+    # G1 = 1 + E_last = 1 + (1.5 + 1.5) = 4
+    # G0 = 1 + E_1 + c_1 * (G1 - Q(s1, a1)) = 1 + 3 + .5 * (4 - 4) = 4
+    close(g, [4.0, 4.0])
+    close(adv, [4.0 - 1.0, 4.0 - 4.0])
+    g = rl_triton.retrace(r, q, actions, pi, mu, flags(1, 0).to(device), last_q_values=lq,
+                          last_target_probs=lpi, gamma=1.0, backend=backend)
+    close(g, [1.0, 4.0])
+
+
+def test_retrace_lambda_zero_is_expected_sarsa(backend, device):
+    c = make_case("retrace", 80, (4,), device=device, seed=53)
+    s, e = c.steps, c.extra
+    g = rl_triton.retrace(**s, last_q_values=e["last_q_values"],
+                          last_target_probs=e["last_target_probs"], gamma=0.9, lam=0.0,
+                          backend=backend)
+    expected = (s["target_probs"] * s["q_values"]).sum(-1)
+    expected = torch.cat([expected[1:], (e["last_target_probs"] * e["last_q_values"]).sum(-1)[None]])
+    target = s["rewards"] + 0.9 * (~s["terminated"]) * expected
+    assert rel_err(g, target) < 1e-5
+
+
+def test_retrace_onpolicy_state_values_is_bootstrapped_return(backend, device):
+    c = make_case("retrace", 80, (4,), device=device, seed=59)
+    s, e = c.steps, c.extra
+    state_v = torch.randn(s["rewards"].shape, device=device)
+    q = state_v[..., None].expand_as(s["q_values"])  # Q(s, a) = V(s) for every a
+    pi_taken = s["target_probs"].gather(-1, s["actions"][..., None]).squeeze(-1)
+    last_v = torch.randn(s["rewards"].shape[1:], device=device)
+    g = rl_triton.retrace(s["rewards"], q, s["actions"], s["target_probs"], pi_taken,
+                          s["terminated"], s["truncated"],
+                          last_q_values=last_v[..., None].expand_as(e["last_q_values"]),
+                          last_target_probs=e["last_target_probs"], gamma=0.9, lam=1.0,
+                          backend=backend)
+    ret = rl_triton.discounted_returns(s["rewards"], s["terminated"], s["truncated"],
+                                       next_values=successor(state_v, last_v), gamma=0.9,
+                                       backend=backend)
+    assert rel_err(g, ret) < 1e-5
+
+
+# ---- the action axis, forward and backward -------------------------------------------------------
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_retrace_many_actions(backend, device):
     case = make_case("retrace", 45, (3,), n_act=37, device=device, seed=2)
@@ -129,6 +185,36 @@ def test_retrace_backward_action_axis(n_act, storage, layout, device):
     want = reference_grads(ref_case, ref_leaves, weights)
     assert_grads_close(got, {k: v.float() for k, v in want.items()}, 1e-4)
 
+
+# ---- NaN probabilities give NaN (semantics §1) ---------------------------------------------------
+
+@pytest.mark.parametrize("which", ["taken target prob", "other target prob", "behavior prob"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("T,N", SHAPES)
+def test_retrace_nan_probability_gives_nan(which, backend, layout, T, N, device):
+    """A NaN pi(a | s_j) or mu(a_j | s_j) at step j: the trace coefficient c[j] (pi / mu of the
+    action taken) or the expectation E[j-1] (any action) is NaN, so G and G - Q are NaN at every
+    step before j in the episode, and finite from j on (slot 0 is read by no step)."""
+    case = make_case("retrace", T, (N,), device=device, seed=T + N)
+    quiet(case)
+    j = T // 2
+    a = int(case.steps["actions"][j, N - 1])
+    if which == "behavior prob":
+        case.steps["behavior_probs"][j, N - 1] = math.nan
+    else:
+        n_act = case.steps["target_probs"].shape[-1]
+        case.steps["target_probs"][j, N - 1, a if which.startswith("taken") else (a + 1) % n_act] \
+            = math.nan
+    outs = case.call(layout, backend=backend)
+    want = torch.zeros(T, N, dtype=torch.bool)
+    want[:j, N - 1] = True
+    for out in outs:
+        assert torch.equal(torch.isnan(out.cpu()), want), out
+        assert torch.isfinite(out.cpu()[~want]).all()
+
+
+# ---- masked and packed calls run its kernel, never the torch backend -----------------------------
 
 @pytest.fixture
 def retrace_kernel(monkeypatch):
@@ -240,84 +326,6 @@ def test_masked_and_packed_retrace_need_the_bootstrap_state(device):
     with pytest.raises(ValueError, match="last_q_values"):
         rl_triton.retrace(**steps, **{**extra, "last_q_values": extra["last_q_values"][:2]},
                           cu_seqlens=cu, backend="triton")
-
-
-@pytest.mark.parametrize("which", ["taken target prob", "other target prob", "behavior prob"])
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("T,N", SHAPES)
-def test_retrace_nan_probability_gives_nan(which, backend, layout, T, N, device):
-    """A NaN pi(a | s_j) or mu(a_j | s_j) at step j: the trace coefficient c[j] (pi / mu of the
-    action taken) or the expectation E[j-1] (any action) is NaN, so G and G - Q are NaN at every
-    step before j in the episode, and finite from j on (slot 0 is read by no step)."""
-    case = make_case("retrace", T, (N,), device=device, seed=T + N)
-    quiet(case)
-    j = T // 2
-    a = int(case.steps["actions"][j, N - 1])
-    if which == "behavior prob":
-        case.steps["behavior_probs"][j, N - 1] = math.nan
-    else:
-        n_act = case.steps["target_probs"].shape[-1]
-        case.steps["target_probs"][j, N - 1, a if which.startswith("taken") else (a + 1) % n_act] \
-            = math.nan
-    outs = case.call(layout, backend=backend)
-    want = torch.zeros(T, N, dtype=torch.bool)
-    want[:j, N - 1] = True
-    for out in outs:
-        assert torch.equal(torch.isnan(out.cpu()), want), out
-        assert torch.isfinite(out.cpu()[~want]).all()
-
-
-def test_retrace_by_hand(backend, device):
-    # two steps, two actions; pi uniform, mu(a_t) = 1 -> c = lam * min(1, .5) = .5
-    r = t(1.0, 1.0).to(device)
-    q = torch.tensor([[[1.0, 3.0]], [[2.0, 4.0]]], device=device)
-    pi = torch.full((2, 1, 2), 0.5, device=device)
-    actions = torch.tensor([[0], [1]], device=device)
-    mu = torch.ones(2, 1, device=device)
-    lq, lpi = torch.tensor([[6.0, 2.0]], device=device), torch.tensor([[0.25, 0.75]],
-                                                                          device=device)
-    no = flags(0, 0).to(device)
-    g, adv = rl_triton.retrace(r, q, actions, pi, mu, no, last_q_values=lq,
-                               last_target_probs=lpi, gamma=1.0, lam=1.0, backend=backend,
-                               return_advantages=True)
-    # G1 = 1 + E_last = 1 + (1.5 + 1.5) = 4
-    # G0 = 1 + E_1 + c_1 * (G1 - Q(s1, a1)) = 1 + 3 + .5 * (4 - 4) = 4
-    close(g, [4.0, 4.0])
-    close(adv, [4.0 - 1.0, 4.0 - 4.0])
-    g = rl_triton.retrace(r, q, actions, pi, mu, flags(1, 0).to(device), last_q_values=lq,
-                          last_target_probs=lpi, gamma=1.0, backend=backend)
-    close(g, [1.0, 4.0])
-
-
-def test_retrace_lambda_zero_is_expected_sarsa(backend, device):
-    c = make_case("retrace", 80, (4,), device=device, seed=53)
-    s, e = c.steps, c.extra
-    g = rl_triton.retrace(**s, last_q_values=e["last_q_values"],
-                          last_target_probs=e["last_target_probs"], gamma=0.9, lam=0.0,
-                          backend=backend)
-    expected = (s["target_probs"] * s["q_values"]).sum(-1)
-    expected = torch.cat([expected[1:], (e["last_target_probs"] * e["last_q_values"]).sum(-1)[None]])
-    target = s["rewards"] + 0.9 * (~s["terminated"]) * expected
-    assert rel_err(g, target) < 1e-5
-
-
-def test_retrace_onpolicy_state_values_is_bootstrapped_return(backend, device):
-    c = make_case("retrace", 80, (4,), device=device, seed=59)
-    s, e = c.steps, c.extra
-    state_v = torch.randn(s["rewards"].shape, device=device)
-    q = state_v[..., None].expand_as(s["q_values"])  # Q(s, a) = V(s) for every a
-    pi_taken = s["target_probs"].gather(-1, s["actions"][..., None]).squeeze(-1)
-    last_v = torch.randn(s["rewards"].shape[1:], device=device)
-    g = rl_triton.retrace(s["rewards"], q, s["actions"], s["target_probs"], pi_taken,
-                          s["terminated"], s["truncated"],
-                          last_q_values=last_v[..., None].expand_as(e["last_q_values"]),
-                          last_target_probs=e["last_target_probs"], gamma=0.9, lam=1.0,
-                          backend=backend)
-    ret = rl_triton.discounted_returns(s["rewards"], s["terminated"], s["truncated"],
-                                       next_values=successor(state_v, last_v), gamma=0.9,
-                                       backend=backend)
-    assert rel_err(g, ret) < 1e-5
 
 
 # the checks shared with other ops (tests/ops/op_checks), for this module's OPS

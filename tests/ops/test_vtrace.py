@@ -27,6 +27,66 @@ OPS = ["vtrace"]
 DEV = "cuda"  # the gpu_large tests' device
 
 
+# ---- by hand, and on-policy as lambda-returns ----------------------------------------------------
+
+def test_vtrace_by_hand(backend, device):
+    r, v, no = t(1.0, 1.0).to(device), t(0.0, 0.0).to(device), flags(0, 0).to(device)
+    lv = torch.zeros(1, device=device)
+    zero = t(0.0, 0.0).to(device)
+    vs, pg = rl_triton.vtrace(r, v, no, zero, zero, last_value=lv, gamma=1.0, backend=backend)
+    close(vs, [2.0, 1.0])
+    close(pg, [2.0, 1.0])
+    # target twice as likely at t=0: rho_0 clipped to 1, c_0 clipped to 1; pg clipped to 1
+    tlp = t(float(torch.log(torch.tensor(2.0))), 0.0).to(device)
+    vs, pg = rl_triton.vtrace(r, v, no, tlp, zero, last_value=lv, gamma=1.0, backend=backend)
+    close(vs, [2.0, 1.0])
+    # without clipping: delta_0 = 2 * 1, c_0 = 2 -> vs_0 = 2 + 2 * 1 = 4; pg_0 = 2 * (1 + 1)
+    vs, pg = rl_triton.vtrace(r, v, no, tlp, zero, last_value=lv, gamma=1.0, rho_clip=5.0,
+                              c_clip=5.0, pg_rho_clip=5.0, backend=backend)
+    close(vs, [4.0, 1.0])
+    close(pg, [4.0, 1.0])
+    # half the target probability at t=1: vs_1 = .5, vs_0 = 1 + .5 * 1 ... with lam = 1
+    tlp = t(0.0, float(torch.log(torch.tensor(0.5)))).to(device)
+    vs, pg = rl_triton.vtrace(r, v, no, tlp, zero, last_value=lv, gamma=1.0, backend=backend)
+    close(vs, [1.0 + 0.5, 0.5])
+    close(pg, [1.0 + 0.5, 0.5])
+
+
+def test_onpolicy_vtrace_lambda_one_is_lambda_return(backend, device):
+    c = make_case("gae", 150, (6,), device=device, seed=47)
+    lp = torch.randn(c.steps["rewards"].shape, device=device)
+    vs, _ = rl_triton.vtrace(**c.steps, target_log_probs=lp, behavior_log_probs=lp,
+                             last_value=c.extra["last_value"], gamma=0.97, lam=1.0,
+                             backend=backend)
+    lr = rl_triton.lambda_returns(**c.steps, last_value=c.extra["last_value"], gamma=0.97,
+                                  lam=1.0, backend=backend)
+    assert rel_err(vs, lr) < 1e-5
+
+
+# ---- NaN log-probabilities give NaN (semantics §1) -----------------------------------------------
+
+@pytest.mark.parametrize("which", ["target_log_probs", "behavior_log_probs"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("T,N", SHAPES)
+def test_vtrace_nan_log_prob_gives_nan(which, backend, layout, T, N, device):
+    """A NaN log-probability at step j makes ratio[j] NaN: rho[j], c[j] and the pg clip of step j
+    use it, so vs and pg_advantages are NaN at j and at every step before it in the episode
+    (through D and vs'), and finite after it. It is never clipped into a finite ratio."""
+    case = make_case("vtrace", T, (N,), device=device, seed=T + N)
+    quiet(case)
+    j = T // 2
+    case.steps[which][j, N - 1] = math.nan
+    vs, pg = case.call(layout, backend=backend)
+    want = torch.zeros(T, N, dtype=torch.bool)
+    want[:j + 1, N - 1] = True
+    assert torch.equal(torch.isnan(vs.cpu()), want), vs
+    assert torch.equal(torch.isnan(pg.cpu()), want), pg
+    assert torch.isfinite(vs.cpu()[~want]).all() and torch.isfinite(pg.cpu()[~want]).all()
+
+
+# ---- gradients (semantics §6) --------------------------------------------------------------------
+
 def test_vtrace_backward_sub_tiles(device):
     """V-trace's backward holds many values per step (`tiles.choose`'s `heavy`): its time-major
     tiles run one sub-tile per step a thread holds (2 at 8 values per thread: 512x4096 on an
@@ -41,6 +101,8 @@ def test_vtrace_backward_sub_tiles(device):
         finally:
             clear_plans()
 
+
+# ---- a mask and next_values: vs is next_values at the last decision step, on the kernel ----------
 
 def refuse_vtrace_torch(monkeypatch):
     """V-trace's torch backend raises from here on: masked calls must run the kernel."""
@@ -132,59 +194,7 @@ def test_packed_masked_vtrace_next_values_split(device, in_place, vtrace_kernel)
                          want)
 
 
-@pytest.mark.parametrize("which", ["target_log_probs", "behavior_log_probs"])
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("T,N", SHAPES)
-def test_vtrace_nan_log_prob_gives_nan(which, backend, layout, T, N, device):
-    """A NaN log-probability at step j makes ratio[j] NaN: rho[j], c[j] and the pg clip of step j
-    use it, so vs and pg_advantages are NaN at j and at every step before it in the episode
-    (through D and vs'), and finite after it. It is never clipped into a finite ratio."""
-    case = make_case("vtrace", T, (N,), device=device, seed=T + N)
-    quiet(case)
-    j = T // 2
-    case.steps[which][j, N - 1] = math.nan
-    vs, pg = case.call(layout, backend=backend)
-    want = torch.zeros(T, N, dtype=torch.bool)
-    want[:j + 1, N - 1] = True
-    assert torch.equal(torch.isnan(vs.cpu()), want), vs
-    assert torch.equal(torch.isnan(pg.cpu()), want), pg
-    assert torch.isfinite(vs.cpu()[~want]).all() and torch.isfinite(pg.cpu()[~want]).all()
-
-
-def test_vtrace_by_hand(backend, device):
-    r, v, no = t(1.0, 1.0).to(device), t(0.0, 0.0).to(device), flags(0, 0).to(device)
-    lv = torch.zeros(1, device=device)
-    zero = t(0.0, 0.0).to(device)
-    vs, pg = rl_triton.vtrace(r, v, no, zero, zero, last_value=lv, gamma=1.0, backend=backend)
-    close(vs, [2.0, 1.0])
-    close(pg, [2.0, 1.0])
-    # target twice as likely at t=0: rho_0 clipped to 1, c_0 clipped to 1; pg clipped to 1
-    tlp = t(float(torch.log(torch.tensor(2.0))), 0.0).to(device)
-    vs, pg = rl_triton.vtrace(r, v, no, tlp, zero, last_value=lv, gamma=1.0, backend=backend)
-    close(vs, [2.0, 1.0])
-    # without clipping: delta_0 = 2 * 1, c_0 = 2 -> vs_0 = 2 + 2 * 1 = 4; pg_0 = 2 * (1 + 1)
-    vs, pg = rl_triton.vtrace(r, v, no, tlp, zero, last_value=lv, gamma=1.0, rho_clip=5.0,
-                              c_clip=5.0, pg_rho_clip=5.0, backend=backend)
-    close(vs, [4.0, 1.0])
-    close(pg, [4.0, 1.0])
-    # half the target probability at t=1: vs_1 = .5, vs_0 = 1 + .5 * 1 ... with lam = 1
-    tlp = t(0.0, float(torch.log(torch.tensor(0.5)))).to(device)
-    vs, pg = rl_triton.vtrace(r, v, no, tlp, zero, last_value=lv, gamma=1.0, backend=backend)
-    close(vs, [1.0 + 0.5, 0.5])
-    close(pg, [1.0 + 0.5, 0.5])
-
-
-def test_onpolicy_vtrace_lambda_one_is_lambda_return(backend, device):
-    c = make_case("gae", 150, (6,), device=device, seed=47)
-    lp = torch.randn(c.steps["rewards"].shape, device=device)
-    vs, _ = rl_triton.vtrace(**c.steps, target_log_probs=lp, behavior_log_probs=lp,
-                             last_value=c.extra["last_value"], gamma=0.97, lam=1.0,
-                             backend=backend)
-    lr = rl_triton.lambda_returns(**c.steps, last_value=c.extra["last_value"], gamma=0.97,
-                                  lam=1.0, backend=backend)
-    assert rel_err(vs, lr) < 1e-5
-
+# ---- on a CUDA device only (gpu_large) -----------------------------------------------------------
 
 @pytest.mark.parametrize("layout", ["time-major", "transposed-view", "batch-major"])
 @pytest.mark.gpu_large

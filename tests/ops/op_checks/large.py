@@ -54,8 +54,8 @@ def test_one_row_of_2_pow_24_steps(name):
 def test_full_tiles_drop_their_masks_where_that_keeps_the_warps(name, T, n, layout, full,
                                                                 monkeypatch):
     """A plan whose tiles divide the problem compiles its kernel with and without masks at its
-    first launch and runs the one `launch.even_keeps_occupancy` picks (its rule: tests/test_config.py);
-    other plans keep their masks. Either way the results are exact."""
+    first launch and runs the one `launch.even_keeps_occupancy` picks (its rule:
+    tests/test_config.py); other plans keep their masks. Either way the results are exact."""
     from rl_triton import _plans
     from rl_triton.scan import launch
     picked = []
