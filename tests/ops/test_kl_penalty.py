@@ -8,6 +8,7 @@ import torch
 
 import rl_triton
 from loss_cases import BACKENDS, both_ways, check_against_spec, leaves, randn, spec_kl
+from loss_cases import frameworks  # noqa: F401 (a fixture)
 import op_checks
 
 OPS = ["kl_penalty"]

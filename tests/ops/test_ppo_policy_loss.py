@@ -9,6 +9,7 @@ import torch
 import rl_triton
 from loss_cases import (AGGREGATIONS, BACKENDS, CU, PPO_OPTIONS, SEQ_MODES, assert_close, both_ways,
                         check_against_spec, leaves, packed, ppo_case, random_mask, spec_ppo)
+from loss_cases import frameworks  # noqa: F401 (a fixture)
 import op_checks
 
 OPS = ["ppo_policy_loss"]

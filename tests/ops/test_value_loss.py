@@ -8,6 +8,7 @@ import torch
 import rl_triton
 from loss_cases import (AGGREGATIONS, CU, SEQ_MODES, both_ways, check_against_spec, leaves, randn,
                         random_mask, spec_value)
+from loss_cases import frameworks  # noqa: F401 (a fixture)
 import op_checks
 
 OPS = ["value_loss"]
