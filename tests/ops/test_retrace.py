@@ -21,7 +21,7 @@ from op_checks.gradients import (assert_grads_close, call, differentiable, grads
                                  weights_like)
 from op_checks.masks import (BOOTS, SPLIT, assert_split_rows, deleted, long_masks, mask_rows,
                              packed_inputs, per_segment)
-from op_checks.nonfinite import LAYOUTS, SHAPES, quiet
+from op_checks.nonfinite import INTERPRETER_WARNINGS, LAYOUTS, SHAPES, quiet
 
 OPS = ["retrace"]
 
@@ -188,6 +188,7 @@ def test_retrace_backward_action_axis(n_act, storage, layout, device):
 
 # ---- NaN probabilities give NaN (semantics §1) ---------------------------------------------------
 
+@INTERPRETER_WARNINGS
 @pytest.mark.parametrize("which", ["taken target prob", "other target prob", "behavior prob"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", LAYOUTS)

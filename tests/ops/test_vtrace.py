@@ -21,7 +21,7 @@ from op_checks.gradients import triton_vs_reference
 from op_checks.large_masks import multi_turn, packed_against_float64, random_lengths, refuse
 from op_checks.masks import (LENGTHS, SPLIT, assert_split_rows, deleted, long_masks, mask_rows,
                              packed_inputs, per_segment)
-from op_checks.nonfinite import LAYOUTS, SHAPES, quiet
+from op_checks.nonfinite import INTERPRETER_WARNINGS, LAYOUTS, SHAPES, quiet
 
 OPS = ["vtrace"]
 DEV = "cuda"  # the gpu_large tests' device
@@ -65,6 +65,7 @@ def test_onpolicy_vtrace_lambda_one_is_lambda_return(backend, device):
 
 # ---- NaN log-probabilities give NaN (semantics §1) -----------------------------------------------
 
+@INTERPRETER_WARNINGS
 @pytest.mark.parametrize("which", ["target_log_probs", "behavior_log_probs"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
