@@ -138,7 +138,7 @@ def test_look_back_ends_and_selects():
     b = 0 (a cut) selects its own value, whatever the tiles before it hold (inf or NaN). Run in
     a subprocess, so that a look-back that never ends fails the test instead of hanging it."""
     done = subprocess.run([sys.executable, "-c", LOOK_BACK], capture_output=True, text=True,
-                          timeout=900, cwd=Path(__file__).parent.parent, env=subprocess_env())
+                          timeout=900, cwd=Path(__file__).parents[2], env=subprocess_env())
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     lines = done.stdout.strip().split("\n")
     assert len(lines) == 9, lines
