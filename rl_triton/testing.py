@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _plans
+from ._core.op import OPS
 
 # the public functions, and the test's names for linear_scan's two directions
 NAMES = ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
@@ -99,7 +99,7 @@ def public_name(name: str) -> str:
 def vectorized(name, *, dtype=torch.float64, **kwargs):
     """The op's torch implementation on time-major keyword arguments (those of the public
     function, without time_dim), computing in `dtype`: a tuple of its outputs."""
-    op = _plans.OPS[public_name(name)]
+    op = OPS[public_name(name)]
     pick = (lambda t: {f: kwargs.get(f) for f in t._fields})
     extra = op.extras(**pick(op.extras)) if op.extras is not None else ()
     out = op.torch(op.inputs(**pick(op.inputs)), op.scalars(**pick(op.scalars)), extra, dtype)

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from cases import make_case  # noqa: E402
 import rl_triton  # noqa: E402
 from rl_triton.testing import make_packed_inputs  # noqa: E402
-from rl_triton import _plans  # noqa: E402
+from rl_triton._core import plans as _plans  # noqa: E402
 from rl_triton.ops import _group  # noqa: E402
 from rl_triton.ops import _losses  # noqa: E402
 from rl_triton.ops import _whiten, outcome  # noqa: E402

@@ -35,7 +35,7 @@ def test_ops_are_registered():
 
 def test_eager_calls_reuse_the_launch_plan(device):
     """Repeated calls with one signature take the cached plan; new scalars are honoured."""
-    from rl_triton import _plans
+    from rl_triton._core import plans as _plans
     case = make_case("gae", 31, (3,), device=device, seed=8)
     _plans._PLANS.clear()
     a1 = rl_triton.gae(**case.steps, last_value=case.extra["last_value"], gamma=0.9, lam=0.8,
@@ -56,7 +56,7 @@ def test_eager_calls_reuse_the_launch_plan(device):
 def test_compiled_calls_reuse_the_launch_plan(device):
     """Inside a compiled step the custom op looks its plan up like an eager call: one plan (and
     one look-back scratch) for every call with one signature."""
-    from rl_triton import _plans
+    from rl_triton._core import plans as _plans
 
     def step(r, v, term, trunc, lv):
         adv, ret = rl_triton.gae(r, v, term, trunc, last_value=lv, backend="triton")

@@ -4,7 +4,7 @@ import itertools
 import pytest
 import torch
 
-from rl_triton import _plans
+from rl_triton._core import plans as _plans
 from rl_triton.ops import retrace as retrace_op
 from rl_triton.scan import tiles
 from cases import (BACKENDS, ESTIMATORS, FLAG_DTYPES, assert_close, make_case, rel_err,

@@ -53,7 +53,7 @@ def test_full_tiles_drop_their_masks_where_that_keeps_the_warps(name, T, n, layo
     """A plan whose tiles divide the problem compiles its kernel with and without masks at its
     first launch and runs the one `launch.even_keeps_occupancy` picks (its rule: test_config.py);
     other plans keep their masks. Either way the results are exact."""
-    from rl_triton import _plans
+    from rl_triton._core import plans as _plans
     from rl_triton.scan import launch
     picked = []
     rule = launch.even_keeps_occupancy
@@ -188,7 +188,7 @@ def test_look_back_on_cold_launches(T, n, layout, rows):
     launches (docs/dev/kernel-decisions.md#the-window-no-word-held-by-two-threads). Every
     launch is checked, for tiles of one to 32 rows (the rule's window for each: one warp's worth
     for several rows, one word per thread for one)."""
-    from rl_triton import _plans
+    from rl_triton._core import plans as _plans
     from rl_triton.scan import tiles
 
     case = make_case("gae", T, (n,), device=DEV, seed=11, p_term=0.01, p_trunc=0.01)
@@ -205,7 +205,7 @@ def test_look_back_on_cold_launches(T, n, layout, rows):
 def test_look_back_without_cuts(layout):
     """beta close to 1 and no cut: every tile's carry depends on every tile before it, so the
     look-back must reach back to published values or to the start (fresh plans, cold launches)."""
-    from rl_triton import _plans
+    from rl_triton._core import plans as _plans
 
     T, n, td = 2**20, 4, 0 if layout == "time-major" else 1
     g = torch.Generator(device=DEV).manual_seed(3)
@@ -227,7 +227,7 @@ def test_launch_hooks_see_every_launch():
     call them as Triton's own launch path does."""
     from triton import knobs
 
-    from rl_triton import _plans
+    from rl_triton._core import plans as _plans
 
     seen = []
 

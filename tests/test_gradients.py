@@ -10,7 +10,7 @@ import torch
 
 import rl_triton
 from cases import ESTIMATORS, make_case, rel_err, to_layout
-from rl_triton._plans import clear_plans
+from rl_triton._core.plans import clear_plans
 from rl_triton.scan import tiles
 
 FLAGS = ("terminated", "truncated", "dones")

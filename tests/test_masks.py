@@ -307,7 +307,7 @@ def in_place(monkeypatch):
     """Packed calls must not fall back to padded rows."""
     def refuse(*args, **kwargs):
         raise AssertionError("packed rows ran as padded rows")
-    monkeypatch.setattr(rl_triton._plans.Op, "_padded", refuse)
+    monkeypatch.setattr(rl_triton._core.scan.ScanOp, "_padded", refuse)
 
 
 def packed_inputs(name, lengths, masked, seed=2, **kw):
@@ -533,7 +533,7 @@ def test_check_offsets_false_reads_nothing(backend, monkeypatch):
         reads.append(data)
         return real(*args, data=data, **kwargs)
 
-    monkeypatch.setattr(rl_triton._plans, "check_offsets", spy)
+    monkeypatch.setattr(rl_triton._core.scan, "check_offsets", spy)
     cu = torch.tensor([0, 3, 7])
     want = packed_call("gae", [3, 4], True, cu, backend)
     for _ in range(2):
@@ -835,7 +835,7 @@ def retrace_kernel(monkeypatch):
     def refuse_padded(*args, **kwargs):
         raise AssertionError("packed rows ran as padded rows")
     monkeypatch.setattr(rl_triton.ops.retrace.OP, "torch", refuse)
-    monkeypatch.setattr(rl_triton._plans.Op, "_padded", refuse_padded)
+    monkeypatch.setattr(rl_triton._core.scan.ScanOp, "_padded", refuse_padded)
 
 
 @pytest.mark.parametrize("n_act", [1, 3, 18])

@@ -1,4 +1,5 @@
-"""`masked_whiten`'s Triton path (semantics §8), forward and backward, three launches each.
+"""`masked_whiten`'s Triton path (semantics §8), forward and backward, three launches each: the
+kernels of the op `outcome.WHITEN` (its autograd and custom op are the framework's, `_core.op`).
 
 Forward: a reduction pass (each program its block's count, mean and centered sum of squares),
 one program combining the blocks in float64 (Chan's parallel formula), the all-reduce over a
@@ -22,7 +23,6 @@ import contextlib
 
 import torch
 
-from .._plans import SECOND_ORDER
 from ..scan.jit import cdiv, tl, triton
 from ..scan.launch import _current_device, launch
 
@@ -354,31 +354,3 @@ def _backward(x: Tensor, mask, stats: Tensor, g: Tensor, opts) -> Tensor:
                **meta, SUMS=group is not None, SHIFT=shift_mean, BLOCK=APPLY_BLOCK,
                num_warps=APPLY_WARPS)
     return _unflat(dx, x, order)
-
-
-class _Whiten(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mask, opts):
-        y, stats = _forward(x, mask, opts)
-        ctx.save_for_backward(x, mask, stats)
-        ctx.opts = opts
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        if torch.is_grad_enabled():
-            raise RuntimeError(SECOND_ORDER)
-        x, mask, stats = ctx.saved_tensors
-        with _on(x.device):
-            return _backward(x, mask, stats, g, ctx.opts), None, None
-
-
-def masked_whiten(x: Tensor, mask, shift_mean: bool, eps: float, correction: int, group,
-                  out_dtype: torch.dtype) -> Tensor:
-    """The Triton path of `rl_triton.masked_whiten` on checked arguments (mask: None or the
-    caller's, set where nonzero); differentiable in x."""
-    opts = (shift_mean, eps, correction, group, out_dtype)
-    with _on(x.device):
-        if x.requires_grad and torch.is_grad_enabled():
-            return _Whiten.apply(x, mask, opts)
-        return _forward(x, mask, opts)[0]

@@ -7,7 +7,7 @@ import torch
 
 from .. import reference
 from .._args import check_discount
-from .._plans import Op
+from .._core.scan import ScanOp
 from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
@@ -205,11 +205,11 @@ def _plan(x, call, out_dtype, extra):
                      carried="last_value" if carried else None)
 
 
-OP = Op("discounted_returns", Inputs, Scalars,
-        check=lambda x, td, extra, segments=None: value_args(x, td, bootstrap=False,
-                                                             segments=segments), plan=_plan,
-        torch=torch_impl, loop=loop_impl, row_params=1, backward=backward,
-        masked_kernels=lambda x: True, packed_kernels=lambda x: True)
+OP = ScanOp("discounted_returns", Inputs, Scalars,
+            check=lambda x, td, extra, segments=None: value_args(x, td, bootstrap=False,
+                                                                 segments=segments), plan=_plan,
+            torch=torch_impl, loop=loop_impl, row_params=1, backward=backward,
+            masked_kernels=lambda x: True, packed_kernels=lambda x: True)
 
 
 def discounted_returns(rewards, terminated, truncated=None, *, last_value=None, next_values=None,

@@ -7,7 +7,8 @@ import torch
 
 from .. import reference
 from .._args import FLAG, Call, check_discount
-from .._plans import OPS, Op
+from .._core.op import OPS
+from .._core.scan import ScanOp
 from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
@@ -242,18 +243,18 @@ def _cumsum_torch(x: Inputs, s: NoScalars, extra=(), dtype=torch.float32, packed
     return _scan_torch(xs, d, x.mask, init, 1.0, packed)
 
 
-TRACES = Op("eligibility_traces", Inputs, TraceScalars, check=_check, plan=_plan, copy=_copy,
-            kernel_scalars=lambda s: (s.gamma * s.lam,), torch=_traces_torch, row_params=1,
-            masked_kernels=lambda x: True, packed_kernels=lambda x: True,
-            loop=lambda x, s, extra, dtype: reference.eligibility_traces(
-                *x[:2], initial=x.initial, mask=x.mask, **s._asdict(), dtype=dtype),
-            backward=_backward("eligibility_traces", 1))
-CUMSUM = Op("episodic_cumsum", Inputs, NoScalars, check=_check, plan=_plan, copy=_copy,
-            kernel_scalars=lambda s: (1.0,), torch=_cumsum_torch, masked_kernels=lambda x: True,
-            packed_kernels=lambda x: True,
-            loop=lambda x, s, extra, dtype: reference.episodic_cumsum(
-                *x[:2], initial=x.initial, mask=x.mask, dtype=dtype),
-            backward=_backward("episodic_cumsum", 0))
+TRACES = ScanOp("eligibility_traces", Inputs, TraceScalars, check=_check, plan=_plan, copy=_copy,
+                kernel_scalars=lambda s: (s.gamma * s.lam,), torch=_traces_torch, row_params=1,
+                masked_kernels=lambda x: True, packed_kernels=lambda x: True,
+                loop=lambda x, s, extra, dtype: reference.eligibility_traces(
+                    *x[:2], initial=x.initial, mask=x.mask, **s._asdict(), dtype=dtype),
+                backward=_backward("eligibility_traces", 1))
+CUMSUM = ScanOp("episodic_cumsum", Inputs, NoScalars, check=_check, plan=_plan, copy=_copy,
+                kernel_scalars=lambda s: (1.0,), torch=_cumsum_torch, masked_kernels=lambda x: True,
+                packed_kernels=lambda x: True,
+                loop=lambda x, s, extra, dtype: reference.episodic_cumsum(
+                    *x[:2], initial=x.initial, mask=x.mask, dtype=dtype),
+                backward=_backward("episodic_cumsum", 0))
 
 
 def eligibility_traces(x, dones, *, gamma, lam, initial=None, mask=None, cu_seqlens=None,

@@ -7,7 +7,7 @@ import torch
 
 from .. import reference
 from .._args import check_discount
-from .._plans import Op
+from .._core.scan import ScanOp
 from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
@@ -218,12 +218,12 @@ def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
     return reference.gae(**x._asdict(), **s._asdict(), dtype=dtype)
 
 
-OP = Op("gae", Inputs, Scalars, outputs=2,
-        check=lambda x, td, extra, segments=None: value_args(x, td, segments=segments),
-        plan=lambda x, call, out_dtype, extra: scan_plan(
-            KERNEL if x.mask is None else KERNEL_MASKED, x, call, 2, out_dtype),
-        torch=torch_impl, loop=loop_impl, row_params=2,
-        backward=backward, masked_kernels=lambda x: True, packed_kernels=lambda x: True)
+OP = ScanOp("gae", Inputs, Scalars, outputs=2,
+            check=lambda x, td, extra, segments=None: value_args(x, td, segments=segments),
+            plan=lambda x, call, out_dtype, extra: scan_plan(
+                KERNEL if x.mask is None else KERNEL_MASKED, x, call, 2, out_dtype),
+            torch=torch_impl, loop=loop_impl, row_params=2,
+            backward=backward, masked_kernels=lambda x: True, packed_kernels=lambda x: True)
 
 
 def gae(rewards, values, terminated, truncated=None, *, last_value=None, next_values=None,

@@ -9,6 +9,7 @@ import torch
 from .. import reference
 from .._args import Call, check_backend, check_choice, check_out_dtype, check_scalar
 from ..scan.jit import cdiv, tl, triton
+from .._core.op import Op
 from . import _losses as L
 
 Tensor = torch.Tensor
@@ -81,10 +82,10 @@ def _meta(o: Options, lay: L.Layout, N: int) -> dict:
                 INT64=lay.INT64, BLOCK=L.block(N), num_warps=L.NUM_WARPS)
 
 
-def forward(x: Inputs, o: Options):
+def forward(x: Inputs, o: Options, plan=None):
     lp = x.log_probs
     out = torch.empty(lp.shape, dtype=o.out_dtype, device=lp.device)
-    lay = L.layout(tuple(lp.shape), lp, x.ref_log_probs)
+    lay = L.layout(tuple(lp.shape), lp, x.ref_log_probs, plan=plan)
     N = lp.numel()
     meta = _meta(o, lay, N)
     L.launch(forward_kernel, cdiv(N, meta["BLOCK"]), *lay.tensors, out, N, lay.C,
@@ -92,7 +93,7 @@ def forward(x: Inputs, o: Options):
     return [out], []
 
 
-def backward(x: Inputs, o: Options, saved, grads, needs):
+def backward(x: Inputs, o: Options, saved, grads, needs, plan=None):
     lp, ref = x
     outs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) if need else None
             for t, need in zip(x, needs)]
@@ -130,8 +131,25 @@ def loop_impl(x: Inputs, o: Options, dtype):
     return (reference.kl_penalty(*x, kind=o.kind, clamp=o.clamp, dtype=dtype),)
 
 
-OP = L.Fused("kl_penalty", Inputs, Options, forward=forward, backward=backward, fake=fake,
-             n_out=1, n_saved=0)
+
+
+def _check(t: tuple, a: tuple):
+    """The public call's arguments checked (`kl_penalty`'s order): (inputs, plan)."""
+    log_probs, ref_log_probs = t
+    kind, clamp, backend, out_dtype = a
+    backend = check_backend(backend)
+    out_dtype = check_out_dtype(out_dtype)
+    call = Call("log_probs", log_probs, None)
+    lp = call.step("log_probs", log_probs)
+    ref = call.step("ref_log_probs", ref_log_probs)
+    kind = check_choice("kind", kind, KINDS)
+    if clamp is not None:
+        clamp = check_scalar("clamp", clamp, high=None, low_open=True)
+    return Inputs(lp, ref), L.plan(call, backend, Options(kind, clamp, out_dtype))
+
+
+OP = Op("kl_penalty", "loss", Inputs, Options, outputs=1, forward=forward, backward=backward,
+        fake=fake, check=_check, torch=torch_impl, loop=loop_impl)
 
 
 def kl_penalty(log_probs, ref_log_probs, kind="k3", clamp=None, *, backend="auto",
@@ -153,13 +171,5 @@ def kl_penalty(log_probs, ref_log_probs, kind="k3", clamp=None, *, backend="auto
         >>> kl = rl_triton.kl_penalty(log_probs, ref_log_probs, "k3", clamp=10.0)
         >>> loss = pg_loss + 0.001 * (kl * mask).sum() / mask.sum()
     """
-    backend = check_backend(backend)
-    out_dtype = check_out_dtype(out_dtype)
-    call = Call("log_probs", log_probs, None)
-    lp = call.step("log_probs", log_probs)
-    ref = call.step("ref_log_probs", ref_log_probs)
-    kind = check_choice("kind", kind, KINDS)
-    if clamp is not None:
-        clamp = check_scalar("clamp", clamp, high=None, low_open=True)
-    return L.run(OP, Inputs(lp, ref), Options(kind, clamp, out_dtype), call, backend,
-                 torch_impl, loop_impl, out_dtype)
+    return OP((log_probs, ref_log_probs),
+              (kind, clamp, backend, out_dtype))

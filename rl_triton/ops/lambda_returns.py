@@ -7,7 +7,7 @@ import torch
 
 from .. import reference
 from .._args import check_discount
-from .._plans import Op
+from .._core.scan import ScanOp
 from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
@@ -209,13 +209,13 @@ def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
     return reference.lambda_returns(**x._asdict(), **s._asdict(), dtype=dtype)
 
 
-OP = Op("lambda_returns", Inputs, Scalars,
-        check=lambda x, td, extra, segments=None: value_args(
-            x, td, values_optional=x.next_values is not None, segments=segments),
-        plan=lambda x, call, out_dtype, extra: scan_plan(
-            KERNEL if x.mask is None else KERNEL_MASKED, x, call, 1, out_dtype),
-        masked_kernels=lambda x: True, packed_kernels=lambda x: True,
-        torch=torch_impl, loop=loop_impl, row_params=2, backward=backward)
+OP = ScanOp("lambda_returns", Inputs, Scalars,
+            check=lambda x, td, extra, segments=None: value_args(
+                x, td, values_optional=x.next_values is not None, segments=segments),
+            plan=lambda x, call, out_dtype, extra: scan_plan(
+                KERNEL if x.mask is None else KERNEL_MASKED, x, call, 1, out_dtype),
+            masked_kernels=lambda x: True, packed_kernels=lambda x: True,
+            torch=torch_impl, loop=loop_impl, row_params=2, backward=backward)
 
 
 def lambda_returns(rewards, values, terminated, truncated=None, *, last_value=None,

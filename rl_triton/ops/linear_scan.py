@@ -7,7 +7,7 @@ import torch
 
 from .. import reference
 from .._args import Call, check_bool
-from .._plans import Op
+from .._core.scan import ScanOp
 from ..reference import _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
@@ -140,14 +140,14 @@ def _torch(x: Inputs, s, extra: Extras, dtype=torch.float32):
     return torch_scan.scan(al, be, reverse=extra.reverse, initial=init)
 
 
-OP = Op("linear_scan", Inputs, NoScalars, extras=Extras, check=_check,
-        plan=lambda x, call, out_dtype, extra: scan_plan(
-            REVERSE if extra.reverse else FORWARD, x, call, 1, out_dtype,
-            carried="initial" if x.initial is not None else None),
-        kernel_scalars=lambda s: (0.0,), torch=_torch,
-        loop=lambda x, s, extra, dtype: reference.linear_scan(
-            x.alpha, x.beta, reverse=extra.reverse, initial=x.initial, dtype=dtype),
-        backward=backward)
+OP = ScanOp("linear_scan", Inputs, NoScalars, extras=Extras, check=_check,
+            plan=lambda x, call, out_dtype, extra: scan_plan(
+                REVERSE if extra.reverse else FORWARD, x, call, 1, out_dtype,
+                carried="initial" if x.initial is not None else None),
+            kernel_scalars=lambda s: (0.0,), torch=_torch,
+            loop=lambda x, s, extra, dtype: reference.linear_scan(
+                x.alpha, x.beta, reverse=extra.reverse, initial=x.initial, dtype=dtype),
+            backward=backward)
 
 
 def linear_scan(alpha, beta, *, reverse=True, initial=None, time_dim=0, backend="auto",

@@ -8,7 +8,7 @@ import torch
 from .. import reference
 from .._args import (FLAG, INDEX, VALUE, Call, check_actions, check_bool, check_discount,
                      check_scalar)
-from .._plans import Op
+from .._core.scan import ScanOp
 from ..reference import _decided, _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
@@ -513,13 +513,13 @@ def _check_actions(x: Inputs, extra: Extras):
         check_actions(acts, x.q_values.shape[-1])
 
 
-OP = Op("retrace", Inputs, Scalars, outputs=2, extras=Extras, check=_check,
-        plan=lambda x, call, out_dtype, extra: scan_plan(
-            KERNEL if x.mask is None else KERNEL_MASKED, x, call, 1 + extra.return_advantages,
-            out_dtype, variant=int(extra.return_advantages)),
-        torch=torch_impl, loop=loop_impl, n_out=lambda extra: 1 + extra.return_advantages,
-        runtime_check=_check_actions, row_params=2, backward=backward,
-        masked_kernels=lambda x: True, packed_kernels=lambda x: True)
+OP = ScanOp("retrace", Inputs, Scalars, outputs=2, extras=Extras, check=_check,
+            plan=lambda x, call, out_dtype, extra: scan_plan(
+                KERNEL if x.mask is None else KERNEL_MASKED, x, call, 1 + extra.return_advantages,
+                out_dtype, variant=int(extra.return_advantages)),
+            torch=torch_impl, loop=loop_impl, n_out=lambda extra: 1 + extra.return_advantages,
+            runtime_check=_check_actions, row_params=2, backward=backward,
+            masked_kernels=lambda x: True, packed_kernels=lambda x: True)
 
 
 def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated, truncated=None,

@@ -7,7 +7,7 @@ import torch
 
 from .. import reference
 from .._args import check_discount, check_scalar
-from .._plans import Op
+from .._core.scan import ScanOp
 from ..reference import _decided, _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
@@ -340,13 +340,13 @@ def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
     return reference.vtrace(**x._asdict(), **s._asdict(), dtype=dtype)
 
 
-OP = Op("vtrace", Inputs, Scalars, outputs=2,
-        check=lambda x, td, extra, segments=None: value_args(x, td, segments=segments),
-        plan=lambda x, call, out_dtype, extra: scan_plan(
-            KERNEL if x.mask is None else KERNEL_MASKED, x, call, 2, out_dtype,
-            variant=int(x.mask is not None and x.next_values is not None)),
-        masked_kernels=lambda x: True, packed_kernels=lambda x: True,
-        torch=torch_impl, loop=loop_impl, row_params=2, backward=backward)
+OP = ScanOp("vtrace", Inputs, Scalars, outputs=2,
+            check=lambda x, td, extra, segments=None: value_args(x, td, segments=segments),
+            plan=lambda x, call, out_dtype, extra: scan_plan(
+                KERNEL if x.mask is None else KERNEL_MASKED, x, call, 2, out_dtype,
+                variant=int(x.mask is not None and x.next_values is not None)),
+            masked_kernels=lambda x: True, packed_kernels=lambda x: True,
+            torch=torch_impl, loop=loop_impl, row_params=2, backward=backward)
 
 
 def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, truncated=None, *,
