@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from ._core.op import OPS
+from ._core.op import OPS, ops
 
-# the public functions, and the test's names for linear_scan's two directions
-NAMES = ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
-         "eligibility_traces", "episodic_cumsum", "linear_scan_reverse", "linear_scan_forward"]
+# the registry's scans, linear_scan as the test's names for its two directions
+NAMES = [n for n in ops("scan") if n != "linear_scan"] + ["linear_scan_reverse",
+                                                            "linear_scan_forward"]
 VALUE_ESTIMATORS = ("gae", "lambda_returns", "discounted_returns", "vtrace")
 
 

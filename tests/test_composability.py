@@ -28,9 +28,12 @@ def test_fullgraph_compile_matches_eager(name, device):
 
 
 def test_ops_are_registered():
-    for name in ("gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
-                 "eligibility_traces", "episodic_cumsum", "linear_scan"):
-        assert hasattr(torch.ops.rl_triton, name)
+    """Every op of the registry has its custom op, and its backward where it has gradients."""
+    from rl_triton._core.op import OPS, ops
+    assert len(ops()) == len(OPS) == len(rl_triton.__all__)
+    for name in ops():
+        assert getattr(torch.ops.rl_triton, name) is not None
+        assert hasattr(torch.ops.rl_triton, name + "_backward") == OPS[name].differentiable
 
 
 def test_eager_calls_reuse_the_launch_plan(device):

@@ -935,10 +935,13 @@ def test_fullgraph_compile(backend, device):
 
 
 def test_custom_ops_are_registered():
-    for name in ("ppo_policy_loss", "value_loss", "kl_penalty", "sac_targets"):
-        assert hasattr(torch.ops.rl_triton, name) and hasattr(torch.ops.rl_triton,
-                                                               name + "_backward")
-    assert hasattr(torch.ops.rl_triton, "crr_weights")
+    from rl_triton._core.op import OPS, ops
+    assert ops("loss") == ["ppo_policy_loss", "value_loss", "kl_penalty", "sac_targets",
+                           "crr_weights"]
+    for name in ops("loss"):
+        assert hasattr(torch.ops.rl_triton, name)
+        assert hasattr(torch.ops.rl_triton, name + "_backward") == (name != "crr_weights")
+        assert OPS[name].function is getattr(rl_triton, name)
 
 
 # ---- bad input -----------------------------------------------------------------------------------

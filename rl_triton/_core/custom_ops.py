@@ -4,7 +4,7 @@ tensors its backward reads) with its autograd, whose backward is a second custom
 `torch.ops.rl_triton.<name>_backward` (the tensors, the outputs, the saved tensors, the outputs'
 gradients, the options and which gradients to form; one gradient per tensor, empty where not
 formed). torch.compile traces both without a graph break (semantics §6: first-order gradients
-only; a second-order backward raises `op.SECOND_ORDER`).
+only; a second-order backward raises `SECOND_ORDER`, as every path does).
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from typing import Callable, Optional
 
 import torch
 
-from .op import SECOND_ORDER
-
 Tensor = torch.Tensor
+SECOND_ORDER = ("rl_triton computes first-order gradients only: a backward pass with "
+                "create_graph=True (second-order gradients) through it is not supported")
 
 
 def define(name: str, impl: Callable, fake: Callable, hints: list, returns) -> object:

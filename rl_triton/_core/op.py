@@ -26,13 +26,13 @@ import torch
 
 from .. import reference
 from .._args import signature
+from . import custom_ops
+from .custom_ops import SECOND_ORDER
 from .plans import _PLANS, store
 
 Tensor = torch.Tensor
 OPS: dict = {}  # every public op, by name, in declaration order
 KINDS = ("scan", "loss", "outcome")
-SECOND_ORDER = ("rl_triton computes first-order gradients only: a backward pass with "
-                "create_graph=True (second-order gradients) through it is not supported")
 
 
 def ops(kind: Optional[str] = None) -> list:
@@ -89,8 +89,6 @@ class Op:
                  runtime_check: Optional[Callable] = None, torch: Optional[Callable] = None,
                  loop: Optional[Callable] = None, tensors: Optional[type] = None,
                  grad_like: Optional[Callable] = None, run: Optional[Callable] = None):
-        from . import custom_ops
-
         assert kind in KINDS, kind
         self.name, self.kind, self.inputs, self.options = name, kind, inputs, options
         self.tensors = tensors or inputs

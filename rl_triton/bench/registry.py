@@ -15,7 +15,7 @@ import torch
 
 import rl_triton
 from rl_triton import testing
-from rl_triton._core.op import OPS
+from rl_triton._core.op import OPS, ops
 
 
 def _has_rollout_inputs(name: str) -> bool:
@@ -28,8 +28,7 @@ def _has_rollout_inputs(name: str) -> bool:
 
 # the registry's public ops that take a rollout (`testing.make_inputs` makes their [T, N] steps),
 # in the API's order; linear_scan takes the recurrence's coefficients, not a rollout
-ESTIMATORS = [name for name in rl_triton.__all__ if name in OPS
-              and name != "linear_scan" and _has_rollout_inputs(name)]
+ESTIMATORS = [name for name in ops("scan") if name != "linear_scan" and _has_rollout_inputs(name)]
 SHAPES = ["16384x16", "4096x128", "16384x1024", "128x128", "1024x1024", "512x4096",
           "64x32768", "16x131072", "4x1048576"]
 LAYOUTS = ["time-major", "batch-major"]

@@ -198,13 +198,14 @@ def block(n: int) -> int:
     return max(16, min(MAX_BLOCK, next_power_of_2(max(n, 1))))
 
 
-def launch(kernel, programs: int, *args, **meta) -> None:
+def launch(kernel, programs: int, *args, plan: Optional[Plan] = None, **meta) -> None:
     """`kernel` on `programs` programs, on the device of the tensors (`meta`: constexprs), by
-    `scan.launch.launch` (the compiled kernel after the first call)."""
+    `scan.launch.launch` (the compiled kernel after the first call); `plan`: a forward's, whose
+    signature fixes the launch's specialization (the compiled kernel kept in its memo)."""
     if programs == 0:
         return
     device = next(a.device for a in args if isinstance(a, Tensor))
-    compiled_launch(kernel, programs, args, device, **meta)
+    compiled_launch(kernel, programs, args, device, None if plan is None else plan.memo, **meta)
 
 
 # ---- the kernels' shared pieces ------------------------------------------------------------------
@@ -307,12 +308,12 @@ def finish_kernel(parts, n, loss, inv, metric_a, metric_b, K: tl.constexpr,
 
 
 def finish(parts: Tensor, loss: Tensor, inv: Tensor, metrics: tuple = (), *,
-           mean: bool, write_loss: bool = True) -> None:
+           mean: bool, write_loss: bool = True, plan: Optional[Plan] = None) -> None:
     """`finish_kernel` over the partial sums of a forward kernel (metrics: none or two)."""
     a, b = metrics or (inv, inv)
     # 1024 partial sums a pass: 8 passes at 2^24 positions, 1 at 2^21
     launch(finish_kernel, 1, parts, parts.shape[0], loss, inv, a, b, K=parts.shape[1],
-           MEAN=mean, WRITE_LOSS=write_loss, BLOCK=1024, num_warps=8)
+           MEAN=mean, WRITE_LOSS=write_loss, BLOCK=1024, num_warps=8, plan=plan)
 
 
 # ---- the op's plan and value checks -------------------------------------------------------------

@@ -309,10 +309,17 @@ def _operands(x: Tensor, mask, *others) -> tuple:
     return order, flat, meta
 
 
-def _forward(x: Tensor, mask, opts) -> tuple:
-    """(y, stats): the whitened x and the float64 statistics its backward reads."""
+def _forward(x: Tensor, mask, opts, plain: bool = False, memo=None) -> tuple:
+    """(y, stats): the whitened x and the float64 statistics its backward reads; `plain`: x
+    and the mask are contiguous and not negated (the plan's signature says so), read as they
+    are (a kernel reads only their address); `memo`: the plan's (`scan.launch.launch`)."""
     shift_mean, eps, correction, group, out_dtype = opts
-    order, (xf, mf), meta = _operands(x, mask)
+    if plain:
+        xf, mf, order = x, x if mask is None else mask, None
+        meta = dict(HAS_MASK=mask is not None, F64=x.dtype is torch.float64,
+                    VEC=16 // x.element_size())
+    else:
+        order, (xf, mf), meta = _operands(x, mask)
     N = xf.numel()
     P = cdiv(N, BLOCK)
     # one partial at least: the combining program takes its pointer even when P is 0
@@ -320,18 +327,18 @@ def _forward(x: Tensor, mask, opts) -> tuple:
                        device=x.device)
     stats = torch.empty(3, dtype=torch.float64, device=x.device)
     if N:
-        launch(_stats_kernel, P, (xf, mf, part, N, P), x.device, **meta, BLOCK=BLOCK,
+        launch(_stats_kernel, P, (xf, mf, part, N, P), x.device, memo, **meta, BLOCK=BLOCK,
                num_warps=WARPS)
-    launch(_combine_kernel, 1, (part, stats, P), x.device, SUMS=group is not None,
+    launch(_combine_kernel, 1, (part, stats, P), x.device, memo, SUMS=group is not None,
            BLOCK=COMBINE_BLOCK, num_warps=WARPS)
     _all_reduce(stats, group)  # on every rank, even one without data
-    y = torch.empty(N, dtype=out_dtype, device=x.device)
+    y = torch.empty(x.shape if plain else N, dtype=out_dtype, device=x.device)
     if N:
         launch(_apply_kernel, cdiv(N, APPLY_BLOCK),
-               (xf, mf, stats, y, N, float(correction), float(eps)), x.device, **meta,
+               (xf, mf, stats, y, N, float(correction), float(eps)), x.device, memo, **meta,
                SUMS=group is not None, SHIFT=shift_mean, BLOCK=APPLY_BLOCK,
                num_warps=APPLY_WARPS)
-    return _unflat(y, x, order), stats
+    return (y if plain else _unflat(y, x, order)), stats
 
 
 def _backward(x: Tensor, mask, stats: Tensor, g: Tensor, opts) -> Tensor:

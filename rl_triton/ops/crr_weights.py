@@ -72,7 +72,7 @@ def forward(x: Inputs, o: Options, plan=None):
     L.launch(forward_kernel, cdiv(N, block_n), qv, sv, out, N, J, qv.stride(0),
              *sv.stride(), o.beta, o.max_weight, EXP=o.kind == "exp", MEAN=o.baseline == "mean",
              INT64=max(extent, N * J) > L.INT32_MAX, BLOCK_N=block_n, BLOCK_J=block_j,
-             num_warps=4)
+             num_warps=4, plan=plan)
     return [out], []
 
 
@@ -90,7 +90,8 @@ def torch_impl(x: Inputs, o: Options, dtype):
 
 
 def loop_impl(x: Inputs, o: Options, dtype):
-    return (reference.crr_weights(*(t.detach() for t in x), beta=o.beta, kind=o.kind, max_weight=o.max_weight,
+    return (reference.crr_weights(*(t.detach() for t in x), beta=o.beta, kind=o.kind,
+                                  max_weight=o.max_weight,
                                   baseline=o.baseline, dtype=dtype),)
 
 

@@ -89,7 +89,7 @@ def forward(x: Inputs, o: Options, plan=None):
     N = lp.numel()
     meta = _meta(o, lay, N)
     L.launch(forward_kernel, cdiv(N, meta["BLOCK"]), *lay.tensors, out, N, lay.C,
-             *lay.strides, 0.0 if o.clamp is None else o.clamp, **meta)
+             *lay.strides, 0.0 if o.clamp is None else o.clamp, **meta, plan=plan)
     return [out], []
 
 

@@ -150,7 +150,8 @@ def _group_check(t: tuple, a: tuple):
 
 def _group_forward(x: GroupTensors, o: GroupOptions, plan=None):
     return [_group.group_advantages(x.scores, o.group_size, baseline=o.baseline, scale=o.scale,
-                                    eps=o.eps, std_correction=o.std_correction)], []
+                                    eps=o.eps, std_correction=o.std_correction,
+                                    memo=None if plan is None else plan.memo)], []
 
 
 def _group_run(x: GroupInputs, plan: Plan) -> Tensor:
@@ -281,8 +282,15 @@ def _whiten_opts(o: WhitenOptions, plan) -> tuple:
 
 
 def _whiten_forward(x: WhitenInputs, o: WhitenOptions, plan=None):
+    plain = False
+    if plan is not None:  # what the signature fixes, once
+        plain = plan.memo.get("plain")
+        if plain is None:
+            plain = plan.memo["plain"] = all(t is None or (t.is_contiguous() and not t.is_neg())
+                                             for t in x)
     with _whiten._on(x.x.device):
-        y, stats = _whiten._forward(x.x, x.mask, _whiten_opts(o, plan))
+        y, stats = _whiten._forward(x.x, x.mask, _whiten_opts(o, plan), plain,
+                                    plan.memo if plain else None)
     return [y], [stats]
 
 

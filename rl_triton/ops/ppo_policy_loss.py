@@ -158,9 +158,9 @@ def forward(x: Inputs, o: Options, plan=None):
     L.launch(forward_kernel, programs, *lay.tensors, scale, cu, loss, parts,
              N, lay.C, S, steps, *lay.strides, *_scalars(o), HAS_MASK=x.mask is not None,
              SEQ=seq, DUAL=o.dual_clip is not None, PER_POSITION=per_position, FLAT=lay.FLAT,
-             INT64=lay.INT64, BLOCK=bl, num_warps=L.NUM_WARPS)
+             INT64=lay.INT64, BLOCK=bl, num_warps=L.NUM_WARPS, plan=plan)
     L.finish(parts, loss, inv, (clip, kl), mean=o.aggregation == "token-mean",
-             write_loss=not per_position)
+             write_loss=not per_position, plan=plan)
     return [loss, clip, kl], [inv, scale if seq else lp.new_empty(0, dtype=torch.float32)]
 
 

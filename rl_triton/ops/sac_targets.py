@@ -188,7 +188,7 @@ def forward(x: Inputs, o: Options, plan=None):
     alpha_t, alpha = _alpha(x, o, y)
     L.launch(forward_kernel, cdiv(vw.N, meta["BLOCK_N"]), *vw.tensors, alpha_t, y, vw.N,
              vw.A, vw.K, *vw.strides, o.gamma, alpha, HAS_PROBS=x.next_probs is not None,
-             ALPHA_TENSOR=x.alpha is not None, INT64=vw.INT64, **meta)
+             ALPHA_TENSOR=x.alpha is not None, INT64=vw.INT64, **meta, plan=plan)
     return [y], []
 
 

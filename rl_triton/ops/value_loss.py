@@ -157,8 +157,9 @@ def forward(x: Inputs, o: Options, plan=None):
     parts = torch.empty((programs, 2), dtype=torch.float32, device=dev)
     L.launch(forward_kernel, programs, *lay.tensors, scale, cu, loss, parts, N, lay.C, S, steps,
              *lay.strides, *_scalars(o), **_flags(x, o), FLAT=lay.FLAT, INT64=lay.INT64,
-             BLOCK=bl, num_warps=L.NUM_WARPS)
-    L.finish(parts, loss, inv, mean=o.aggregation == "token-mean", write_loss=not per_position)
+             BLOCK=bl, num_warps=L.NUM_WARPS, plan=plan)
+    L.finish(parts, loss, inv, mean=o.aggregation == "token-mean", write_loss=not per_position,
+             plan=plan)
     seq = L.seq_kind(o.aggregation, x.cu_seqlens) != L.NO_SEQ
     return [loss], [inv, scale if seq else v.new_empty(0, dtype=torch.float32)]
 

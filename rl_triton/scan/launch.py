@@ -338,25 +338,32 @@ class Launch:
                 rows, *rest, cu, self.n_seg)
 
 
-def launch(fn, grid: int, args: tuple, device: torch.device, **meta) -> None:
+def launch(fn, grid: int, args: tuple, device: torch.device, memo: Optional[dict] = None,
+           **meta) -> None:
     """`fn[(grid,)](*args, **meta)` for a kernel other than the scan (`args`: its leading
     arguments, tensors and numbers; `meta`: its other arguments by name, constexprs, and launch
     options such as num_warps), with the host path `Launch` has: after the first launch of a
     specialization, its compiled kernel with the tensors' addresses as integers. The key holds
-    what Triton specializes on (`_spec`)."""
+    what Triton specializes on (`_spec`). `memo`: a dict of the caller's plan whose signature
+    fixes every specialization of this launch site (dtypes, alignment, integers, meta): the
+    compiled kernel is kept there under `fn`, and the key is not formed again."""
     if device.type != "cuda" or not HAS_TRITON:  # Triton's interpreter
         fn[(grid,)](*args, **meta)
         return
     on = device.index != _current_device()  # Triton launches on the current device
-    key = (fn, device.index, *meta.items(), *map(_spec, args))
-    hit = _COMPILED.get(key)
+    hit = None if memo is None else memo.get(fn)
     if hit is None:
-        with torch.cuda.device(device) if on else contextlib.nullcontext():
-            compiled = fn[(grid,)](*args, **meta)
-        if len(_COMPILED) >= _MAX_COMPILED:
-            _COMPILED.clear()
-        _COMPILED[key] = (compiled, tuple(meta[n] for n in fn.arg_names[len(args):]))
-        return
+        key = (fn, device.index, *meta.items(), *map(_spec, args))
+        hit = _COMPILED.get(key)
+        if hit is None:
+            with torch.cuda.device(device) if on else contextlib.nullcontext():
+                compiled = fn[(grid,)](*args, **meta)
+            if len(_COMPILED) >= _MAX_COMPILED:
+                _COMPILED.clear()
+            _COMPILED[key] = (compiled, tuple(meta[n] for n in fn.arg_names[len(args):]))
+            return
+        if memo is not None:
+            memo[fn] = hit
     kernel, tail = hit
     args = tuple(a.data_ptr() if isinstance(a, Tensor) else a for a in args)
     stream = _stream(device.index)
