@@ -2,7 +2,8 @@
 functions' defaults, their output counts and minimal bytes, and the calls of the other suites
 (token rows, the frameworks' loops, the losses, the host path).
 
-The op registry (`rl_triton.OPS`) gives the estimators, their outputs and their scalars;
+The op registry (`rl_triton._core.op.OPS`, `ops("scan")`) gives the estimators, their outputs
+and their scalars;
 the public functions' signatures give the defaults; `rl_triton.testing` gives the inputs. What
 none of them says is kept here, each with why.
 """
@@ -28,7 +29,8 @@ def _has_rollout_inputs(name: str) -> bool:
 
 # the registry's public ops that take a rollout (`testing.make_inputs` makes their [T, N] steps),
 # in the API's order; linear_scan takes the recurrence's coefficients, not a rollout
-ESTIMATORS = [name for name in ops("scan") if name != "linear_scan" and _has_rollout_inputs(name)]
+ESTIMATORS = [name for name in ops("scan")
+              if name != "linear_scan" and _has_rollout_inputs(name)]
 SHAPES = ["16384x16", "4096x128", "16384x1024", "128x128", "1024x1024", "512x4096",
           "64x32768", "16x131072", "4x1048576"]
 LAYOUTS = ["time-major", "batch-major"]
@@ -90,8 +92,8 @@ def n_out(name: str, kw: dict) -> int:
 
 
 def is_bootstrap(name: str) -> bool:
-    """Whether an input has no time axis (`last_*`, `initial`), as `rl_triton._core.scan.ScanOp` reads
-    the fields of an op's inputs."""
+    """Whether an input has no time axis (`last_*`, `initial`), as `rl_triton._core.scan.ScanOp`
+    reads the fields of an op's inputs."""
     return name.startswith(("last_", "initial"))
 
 
