@@ -161,8 +161,12 @@ def _group_run(x: GroupInputs, plan: Plan) -> Tensor:
     # one kernel (_group, through the framework: the custom op inside torch.compile); scores
     # that need gradients, float64 ones and groups by index run the torch ops (differentiable
     # by autograd)
-    if (plan.backend == "triton" and x.group_index is None and _group.usable(s, o.group_size)
-            and not plan.needs_grad):
+    fused = plan.memo.get("fused")  # (the signature fixes it)
+    if fused is None:
+        fused = plan.memo["fused"] = (
+            plan.backend == "triton" and x.group_index is None and not plan.needs_grad
+            and _group.usable(s, o.group_size))
+    if fused:
         (a,) = GROUP.triton(GroupTensors(s), o, plan, False)
     else:
         if x.group_index is None:
@@ -177,7 +181,7 @@ def _group_run(x: GroupInputs, plan: Plan) -> Tensor:
             a = _group_advantages_torch(s.to(_float(s)), ids, n_groups, **args)
     if x.mask is not None:  # a select: a NaN or inf advantage stays out of masked-out tokens
         a = torch.where(x.mask != 0, a[:, None], 0.0)
-    return a.to(o.out_dtype)
+    return a if a.dtype is o.out_dtype else a.to(o.out_dtype)
 
 
 GROUP = Op("group_advantages", "outcome", GroupInputs, GroupOptions, tensors=GroupTensors,

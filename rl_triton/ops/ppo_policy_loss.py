@@ -144,24 +144,33 @@ def _seq(x: Inputs, o: Options):
     return seq, scale, cu, S, max(S - 1, 0).bit_length()
 
 
+def _fixed(x: Inputs, o: Options):
+    """The forward's sizes, grid, scalars and flags (fixed by the call's signature)."""
+    N, per_position = x.log_probs.numel(), o.aggregation == "none"
+    bl = L.block(N)
+    return (N, cdiv(N, bl), x.log_probs.shape if per_position else (), _scalars(o),
+            dict(HAS_MASK=x.mask is not None, SEQ=L.seq_kind(o.aggregation, x.cu_seqlens),
+                 DUAL=o.dual_clip is not None, PER_POSITION=per_position, BLOCK=bl,
+                 num_warps=L.NUM_WARPS),
+            dict(mean=o.aggregation == "token-mean", write_loss=not per_position))
+
+
 def forward(x: Inputs, o: Options, plan=None):
     lp = x.log_probs
-    N, dev, per_position = lp.numel(), lp.device, o.aggregation == "none"
+    dev = lp.device
+    N, programs, loss_shape, scalars, meta, fin = L.fixed(plan, _fixed, x, o)
     seq, scale, cu, S, steps = _seq(x, o)
-    loss = torch.empty(lp.shape if per_position else (), dtype=o.out_dtype, device=dev)
-    clip, kl = (torch.empty((), dtype=o.out_dtype, device=dev) for _ in range(2))
+    loss = torch.empty(loss_shape, dtype=o.out_dtype, device=dev)
+    clip = torch.empty((), dtype=o.out_dtype, device=dev)
+    kl = torch.empty((), dtype=o.out_dtype, device=dev)
     inv = torch.empty((), dtype=torch.float32, device=dev)
     lay = L.layout(tuple(lp.shape), lp, x.old_log_probs, x.advantages, x.mask, plan=plan)
-    bl = L.block(N)
-    programs = cdiv(N, bl)
     parts = torch.empty((programs, 4), dtype=torch.float32, device=dev)
     L.launch(forward_kernel, programs, *lay.tensors, scale, cu, loss, parts,
-             N, lay.C, S, steps, *lay.strides, *_scalars(o), HAS_MASK=x.mask is not None,
-             SEQ=seq, DUAL=o.dual_clip is not None, PER_POSITION=per_position, FLAT=lay.FLAT,
-             INT64=lay.INT64, BLOCK=bl, num_warps=L.NUM_WARPS, plan=plan)
-    L.finish(parts, loss, inv, (clip, kl), mean=o.aggregation == "token-mean",
-             write_loss=not per_position, plan=plan)
-    return [loss, clip, kl], [inv, scale if seq else lp.new_empty(0, dtype=torch.float32)]
+             N, lay.C, S, steps, *lay.strides, *scalars, FLAT=lay.FLAT, INT64=lay.INT64,
+             **meta, plan=plan)
+    L.finish(parts, loss, inv, (clip, kl), **fin, plan=plan)
+    return [loss, clip, kl], [inv, scale if seq else inv.new_empty(0)]
 
 
 def backward(x: Inputs, o: Options, saved, grads, needs, plan=None):

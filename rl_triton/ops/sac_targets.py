@@ -181,10 +181,30 @@ def _alpha(x: Inputs, o: Options, like: Tensor):
     return (like if x.alpha is None else x.alpha), o.alpha_value
 
 
-def forward(x: Inputs, o: Options, plan=None):
+def _fixed(x: Inputs):
+    """(views' sizes and strides, which inputs they copy, grid, flags): fixed by the call's
+    signature; the inputs read in place are passed as they are (a kernel reads their address)."""
     vw = _views(x)
-    y = torch.empty(x.rewards.shape, dtype=o.out_dtype, device=x.rewards.device)
+    read = (x.rewards, x.terminated, x.next_q_values, x.next_log_probs,
+            x.next_probs if x.next_probs is not None else x.next_log_probs)
+    copied = [v.data_ptr() != t.data_ptr() for v, t in zip(vw.tensors, read)]
     meta = _blocks(vw.N, vw.A)
+    return vw._replace(tensors=None), copied, meta, cdiv(vw.N, meta["BLOCK_N"])
+
+
+def forward(x: Inputs, o: Options, plan=None):
+    if plan is None:
+        vw = _views(x)
+        meta = _blocks(vw.N, vw.A)
+    else:
+        vw, copied, meta, _ = L.fixed(plan, _fixed, x)
+        if any(copied):
+            vw = _views(x)
+        else:
+            vw = vw._replace(tensors=[x.rewards, x.terminated, x.next_q_values,
+                                      x.next_log_probs, x.next_probs if x.next_probs is not None
+                                      else x.next_log_probs])
+    y = torch.empty(x.rewards.shape, dtype=o.out_dtype, device=x.rewards.device)
     alpha_t, alpha = _alpha(x, o, y)
     L.launch(forward_kernel, cdiv(vw.N, meta["BLOCK_N"]), *vw.tensors, alpha_t, y, vw.N,
              vw.A, vw.K, *vw.strides, o.gamma, alpha, HAS_PROBS=x.next_probs is not None,

@@ -145,23 +145,30 @@ def _seq(x: Inputs, o: Options):
     return scale, v if x.cu_seqlens is None else x.cu_seqlens, S, max(S - 1, 0).bit_length()
 
 
+def _fixed(x: Inputs, o: Options):
+    """The forward's sizes, grid, scalars and flags (fixed by the call's signature)."""
+    N, per_position = x.values.numel(), o.aggregation == "none"
+    bl = L.block(N)
+    flags = _flags(x, o)
+    return (N, cdiv(N, bl), x.values.shape if per_position else (), _scalars(o),
+            dict(flags, BLOCK=bl, num_warps=L.NUM_WARPS),
+            dict(mean=o.aggregation == "token-mean", write_loss=not per_position),
+            flags["SEQ"] != L.NO_SEQ)
+
+
 def forward(x: Inputs, o: Options, plan=None):
     v = x.values
-    N, dev, per_position = v.numel(), v.device, o.aggregation == "none"
+    dev = v.device
+    N, programs, loss_shape, scalars, meta, fin, seq = L.fixed(plan, _fixed, x, o)
     scale, cu, S, steps = _seq(x, o)
-    loss = torch.empty(v.shape if per_position else (), dtype=o.out_dtype, device=dev)
+    loss = torch.empty(loss_shape, dtype=o.out_dtype, device=dev)
     inv = torch.empty((), dtype=torch.float32, device=dev)
     lay = L.layout(tuple(v.shape), v, x.returns, x.old_values, x.mask, plan=plan)
-    bl = L.block(N)
-    programs = cdiv(N, bl)
     parts = torch.empty((programs, 2), dtype=torch.float32, device=dev)
     L.launch(forward_kernel, programs, *lay.tensors, scale, cu, loss, parts, N, lay.C, S, steps,
-             *lay.strides, *_scalars(o), **_flags(x, o), FLAT=lay.FLAT, INT64=lay.INT64,
-             BLOCK=bl, num_warps=L.NUM_WARPS, plan=plan)
-    L.finish(parts, loss, inv, mean=o.aggregation == "token-mean", write_loss=not per_position,
-             plan=plan)
-    seq = L.seq_kind(o.aggregation, x.cu_seqlens) != L.NO_SEQ
-    return [loss], [inv, scale if seq else v.new_empty(0, dtype=torch.float32)]
+             *lay.strides, *scalars, FLAT=lay.FLAT, INT64=lay.INT64, **meta, plan=plan)
+    L.finish(parts, loss, inv, **fin, plan=plan)
+    return [loss], [inv, scale if seq else inv.new_empty(0)]
 
 
 def backward(x: Inputs, o: Options, saved, grads, needs, plan=None):
