@@ -205,6 +205,22 @@ def fixed(plan: Optional[Plan], build, *args):
     return f
 
 
+SMALL = 256  # elements of the largest template a plan keeps
+
+
+def new(plan: Optional[Plan], shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A new tensor: `empty_like` of a template the plan keeps, where it is small (the scalar
+    results, few partial sums: no shape, dtype or device to parse), else `torch.empty`."""
+    if plan is not None:
+        like = plan.memo.get((shape, dtype))
+        if like is not None:
+            return torch.empty_like(like)
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if plan is not None and out.numel() <= SMALL:
+        plan.memo[(shape, dtype)] = torch.empty_like(out)
+    return out
+
+
 def block(n: int) -> int:
     return max(16, min(MAX_BLOCK, next_power_of_2(max(n, 1))))
 

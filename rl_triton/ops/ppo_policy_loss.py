@@ -148,7 +148,7 @@ def _fixed(x: Inputs, o: Options):
     """The forward's sizes, grid, scalars and flags (fixed by the call's signature)."""
     N, per_position = x.log_probs.numel(), o.aggregation == "none"
     bl = L.block(N)
-    return (N, cdiv(N, bl), x.log_probs.shape if per_position else (), _scalars(o),
+    return (N, cdiv(N, bl), tuple(x.log_probs.shape) if per_position else (), _scalars(o),
             dict(HAS_MASK=x.mask is not None, SEQ=L.seq_kind(o.aggregation, x.cu_seqlens),
                  DUAL=o.dual_clip is not None, PER_POSITION=per_position, BLOCK=bl,
                  num_warps=L.NUM_WARPS),
@@ -160,17 +160,17 @@ def forward(x: Inputs, o: Options, plan=None):
     dev = lp.device
     N, programs, loss_shape, scalars, meta, fin = L.fixed(plan, _fixed, x, o)
     seq, scale, cu, S, steps = _seq(x, o)
-    loss = torch.empty(loss_shape, dtype=o.out_dtype, device=dev)
-    clip = torch.empty((), dtype=o.out_dtype, device=dev)
-    kl = torch.empty((), dtype=o.out_dtype, device=dev)
-    inv = torch.empty((), dtype=torch.float32, device=dev)
+    loss = L.new(plan, loss_shape, o.out_dtype, dev)
+    clip, kl = L.new(plan, (), o.out_dtype, dev), L.new(plan, (), o.out_dtype, dev)
+    inv = L.new(plan, (), torch.float32, dev)
     lay = L.layout(tuple(lp.shape), lp, x.old_log_probs, x.advantages, x.mask, plan=plan)
-    parts = torch.empty((programs, 4), dtype=torch.float32, device=dev)
+    parts = L.new(plan, (programs, 4), torch.float32, dev)
     L.launch(forward_kernel, programs, *lay.tensors, scale, cu, loss, parts,
              N, lay.C, S, steps, *lay.strides, *scalars, FLAT=lay.FLAT, INT64=lay.INT64,
              **meta, plan=plan)
     L.finish(parts, loss, inv, (clip, kl), **fin, plan=plan)
-    return [loss, clip, kl], [inv, scale if seq else inv.new_empty(0)]
+    # (no sequence weights: a placeholder, the backward reads none; eagerly `inv` itself)
+    return [loss, clip, kl], [inv, scale if seq else inv if plan else inv.new_empty(0)]
 
 
 def backward(x: Inputs, o: Options, saved, grads, needs, plan=None):

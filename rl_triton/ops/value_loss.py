@@ -150,7 +150,7 @@ def _fixed(x: Inputs, o: Options):
     N, per_position = x.values.numel(), o.aggregation == "none"
     bl = L.block(N)
     flags = _flags(x, o)
-    return (N, cdiv(N, bl), x.values.shape if per_position else (), _scalars(o),
+    return (N, cdiv(N, bl), tuple(x.values.shape) if per_position else (), _scalars(o),
             dict(flags, BLOCK=bl, num_warps=L.NUM_WARPS),
             dict(mean=o.aggregation == "token-mean", write_loss=not per_position),
             flags["SEQ"] != L.NO_SEQ)
@@ -161,14 +161,15 @@ def forward(x: Inputs, o: Options, plan=None):
     dev = v.device
     N, programs, loss_shape, scalars, meta, fin, seq = L.fixed(plan, _fixed, x, o)
     scale, cu, S, steps = _seq(x, o)
-    loss = torch.empty(loss_shape, dtype=o.out_dtype, device=dev)
-    inv = torch.empty((), dtype=torch.float32, device=dev)
+    loss = L.new(plan, loss_shape, o.out_dtype, dev)
+    inv = L.new(plan, (), torch.float32, dev)
     lay = L.layout(tuple(v.shape), v, x.returns, x.old_values, x.mask, plan=plan)
-    parts = torch.empty((programs, 2), dtype=torch.float32, device=dev)
+    parts = L.new(plan, (programs, 2), torch.float32, dev)
     L.launch(forward_kernel, programs, *lay.tensors, scale, cu, loss, parts, N, lay.C, S, steps,
              *lay.strides, *scalars, FLAT=lay.FLAT, INT64=lay.INT64, **meta, plan=plan)
     L.finish(parts, loss, inv, **fin, plan=plan)
-    return [loss], [inv, scale if seq else inv.new_empty(0)]
+    # (no sequence weights: a placeholder, the backward reads none; eagerly `inv` itself)
+    return [loss], [inv, scale if seq else inv if plan else inv.new_empty(0)]
 
 
 def backward(x: Inputs, o: Options, saved, grads, needs, plan=None):
