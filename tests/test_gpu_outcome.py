@@ -136,7 +136,7 @@ def test_masked_whiten_cuda_graph_replay():
 
 
 def test_masked_whiten_torch_compile_fullgraph():
-    """Inside torch.compile (Inductor) the torch backend's ops are traced: no graph break."""
+    """Inside torch.compile (Inductor) the kernels are the custom op: no graph break."""
     x, mask, m = inputs((64, 300), seed=5)
 
     def step(x, mask):

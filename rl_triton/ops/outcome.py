@@ -351,10 +351,15 @@ def _whiten_run(x: WhitenInputs, plan: Plan) -> Tensor:
 
 
 
+def _whiten_like(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """A new tensor laid out as the kernels write x's result or gradient (`_whiten._unflat`)."""
+    return _whiten._unflat(x.new_empty(x.numel(), dtype=dtype), x, _whiten._order(x))
+
+
 WHITEN = Op("masked_whiten", "outcome", WhitenInputs, WhitenOptions, outputs=1, saved=1,
             forward=_whiten_forward, backward=_whiten_backward, check=_whiten_check,
-            run=_whiten_run, grad_like=torch.empty_like,
-            fake=lambda x, o: ([torch.empty_like(x.x, dtype=o.out_dtype)],
+            run=_whiten_run, grad_like=lambda t: _whiten_like(t, t.dtype),
+            fake=lambda x, o: ([_whiten_like(x.x, o.out_dtype)],
                                [x.x.new_empty(3, dtype=torch.float64)]))
 
 
