@@ -89,7 +89,8 @@ class Op:
                  runtime_check: Optional[Callable] = None, torch: Optional[Callable] = None,
                  loop: Optional[Callable] = None, tensors: Optional[type] = None,
                  grad_like: Optional[Callable] = None, run: Optional[Callable] = None):
-        assert kind in KINDS, kind
+        if kind not in KINDS:
+            raise ValueError(f"an op's kind is one of {KINDS}; got {kind!r}")
         self.name, self.kind, self.inputs, self.options = name, kind, inputs, options
         self.tensors = tensors or inputs
         self.outputs, self.saved, self.nondiff = outputs, saved, nondiff
