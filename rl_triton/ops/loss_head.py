@@ -33,7 +33,9 @@ from .kl_penalty import KINDS as KL_KINDS
 
 Tensor = torch.Tensor
 HALF = (torch.bfloat16, torch.float16)
-LOGITS_BYTES = 2**30  # the default chunk: the float32 logits of this many bytes, at most
+# the default chunk: a power of two of tokens whose float32 logits hold at most this many bytes
+# (2048 tokens at V = 151936: docs/benchmarks.md's fused head section measured 1024 to 4096)
+LOGITS_BYTES = 3 * 2**29
 MAX_BLOCK_V = 4096  # vocabulary entries per step of a kernel's loop over a row
 NUM_WARPS = 8
 
@@ -305,6 +307,12 @@ def _finish(grads, weight, bias):
             None if d_b is None else d_b.to(bias.dtype))
 
 
+def default_chunk_size(V: int) -> int:
+    """The tokens per chunk when `chunk_size` is None (`LOGITS_BYTES`)."""
+    rows = max(1, LOGITS_BYTES // (4 * V))
+    return 1 << (rows.bit_length() - 1)
+
+
 # ---- arguments -----------------------------------------------------------------------------------
 
 class _Args(NamedTuple):
@@ -348,8 +356,7 @@ def _head_args(hidden, weight, labels, bias, temperature, ignore_index, chunk_si
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     N = labels.numel()
     if chunk_size is None:
-        rows = max(1, LOGITS_BYTES // (4 * V))
-        chunk_size = rows // 128 * 128 if rows >= 128 else rows
+        chunk_size = default_chunk_size(V)
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     if check_bool("check_labels", check_labels) and N:
@@ -421,8 +428,8 @@ def token_log_probs(hidden, weight, labels, *, bias=None, temperature=1.0, retur
     `ValueError` (one reduction, a sync on CUDA; `check_labels=False` skips it, and a kernel
     never reads outside the row whatever labels hold).
 
-    The tokens are processed `chunk_size` at a time (default: the float32 logits of at most
-    1 GiB, a multiple of 128 tokens): peak extra memory is O(chunk_size x V), whatever the
+    The tokens are processed `chunk_size` at a time (default: a power of two, the float32
+    logits of at most 1.5 GiB: 2048 tokens at V = 151936): peak extra memory is O(chunk_size x V), whatever the
     number of tokens. The backward recomputes each chunk's logits; gradients reach `hidden`,
     `weight` and `bias` in their own dtypes (d weight and d bias accumulated in float32).
 
