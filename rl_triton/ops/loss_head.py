@@ -34,7 +34,7 @@ from .kl_penalty import KINDS as KL_KINDS
 Tensor = torch.Tensor
 HALF = (torch.bfloat16, torch.float16)
 # the default chunk: a power of two of tokens whose float32 logits hold at most this many bytes
-# (2048 tokens at V = 151936: docs/benchmarks.md's fused head section measured 1024 to 4096)
+# (2048 tokens at V = 151936; docs/dev/fused-head.md measured 1024 to 4096)
 LOGITS_BYTES = 3 * 2**29
 MAX_BLOCK_V = 4096  # vocabulary entries per step of a kernel's loop over a row
 NUM_WARPS = 8
