@@ -313,3 +313,31 @@ def test_bad_input_names_the_argument():
         lpl(hidden, weight, labels, old, adv, kl_kind="k4")
     with pytest.raises(RuntimeError, match="mask requires grad"):
         lpl(hidden, weight, labels, old, adv, mask.float().requires_grad_())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_scales_by_the_loss_gradient(backend):
+    """linear_policy_loss stores its gradients in the forward; the backward multiplies them by
+    the loss's gradient (here 2.5, through a product and a sum with another term)."""
+    hidden, weight, labels, old, adv, _, mask = policy_inputs(2, 5, 8, 37, torch.float32)
+    h1, w1, h2, w2 = leaves(hidden, weight, hidden, weight)
+    loss, _ = rl_triton.linear_policy_loss(h1, w1, labels, old, adv, mask, backend=backend)
+    (2.5 * loss + h1.sum() * 0).backward()
+    loss2, _ = rl_triton.linear_policy_loss(h2, w2, labels, old, adv, mask, backend=backend)
+    loss2.backward()
+    assert rel(h1.grad, 2.5 * h2.grad) < 1e-6 and rel(w1.grad, 2.5 * w2.grad) < 1e-6
+
+
+def test_inside_torch_compile():
+    """Inside torch.compile the calls run (eagerly, between graphs) with their gradients."""
+    hidden, weight, labels, old, adv, _, mask = policy_inputs(2, 5, 8, 37, torch.float32)
+    h1, w1, h2, w2 = leaves(hidden, weight, hidden, weight)
+
+    def f(h, w):
+        loss, metrics = rl_triton.linear_policy_loss(h, w, labels, old, adv, mask,
+                                                     backend="torch")
+        return 2 * loss + rl_triton.token_log_probs(h, w, labels, backend="torch").sum()
+
+    torch.compile(f, backend="eager")(h1, w1).backward()
+    f(h2, w2).backward()
+    assert rel(h1.grad, h2.grad) < 1e-6 and rel(w1.grad, w2.grad) < 1e-6
