@@ -341,3 +341,34 @@ def test_inside_torch_compile():
     torch.compile(f, backend="eager")(h1, w1).backward()
     f(h2, w2).backward()
     assert rel(h1.grad, h2.grad) < 1e-6 and rel(w1.grad, w2.grad) < 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_labels_and_bias(backend):
+    """Views with strides (every other element) are read as their values."""
+    hidden, weight, labels, b = make(11, 8, 37, bias=True)
+    wide_labels = torch.stack([labels, torch.zeros_like(labels)], -1).reshape(-1)[::2]
+    wide_bias = torch.stack([b, torch.full_like(b, 99.0)], -1).reshape(-1)[::2]
+    assert not wide_labels.is_contiguous() and not wide_bias.is_contiguous()
+    got = rl_triton.token_log_probs(hidden, weight, wide_labels, bias=wide_bias, chunk_size=4,
+                                    backend=backend)
+    want = rl_triton.token_log_probs(hidden, weight, labels, bias=b, chunk_size=4,
+                                     backend=backend)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_at_a_masked_token_reaches_no_loss(backend):
+    """A masked token's inputs (its old log-probability, advantage, and its logits through the
+    bias-free head of a NaN hidden state) reach neither the loss nor d hidden."""
+    hidden, weight, labels, old, adv, _, mask = policy_inputs(2, 5, 8, 37, torch.float32)
+    mask[0, 1] = False
+    hidden, old, adv = hidden.clone(), old.clone(), adv.clone()
+    hidden[0, 1] = float("nan")
+    old[0, 1] = adv[0, 1] = float("nan")
+    h, = leaves(hidden)
+    loss, metrics = rl_triton.linear_policy_loss(h, weight, labels, old, adv, mask,
+                                                 entropy_coef=0.1, chunk_size=3, backend=backend)
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
+    assert torch.isfinite(h.grad).all() and (h.grad[0, 1] == 0).all()

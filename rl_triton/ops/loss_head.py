@@ -367,8 +367,10 @@ def _head_args(hidden, weight, labels, bias, temperature, ignore_index, chunk_si
             raise ValueError(f"labels holds {bad}, outside [0, {V}) (weight has {V} rows) and "
                              f"not ignore_index={ignore_index}")
     backend = backend_for(backend, call.device)
-    return _Args(call, hidden.reshape(N, H), weight, labels.reshape(N), bias, tuple(labels.shape),
-                 backend, chunk_size)
+    # the kernels index labels and bias by position: contiguous ([N] integers, [V]: cheap)
+    return _Args(call, hidden.reshape(N, H), weight, labels.reshape(N).contiguous(),
+                 None if bias is None else bias.contiguous(), tuple(labels.shape), backend,
+                 chunk_size)
 
 
 # ---- token_log_probs -----------------------------------------------------------------------------
@@ -650,6 +652,7 @@ def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, mask=N
       response's mean over its tokens, then the mean over responses with a token that counts):
       DeepSeekMath's GRPO objective, TRL's `loss_type="grpo"`.
 
+    `loss` is a 0-d float32 tensor (float64 for float64 inputs on the torch and loop backends);
     `metrics` (0-d float32 tensors, no gradient): "pg_loss" (the aggregated policy term alone),
     "clip_fraction", "approx_kl" (k3 of old against new), "dual_clip_fraction" (with
     `dual_clip`), "kl" (with `ref_log_probs`) and "entropy": means over the tokens that count.
@@ -711,7 +714,11 @@ def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, mask=N
         if call.needs_grad:
             (loss,) = _FirstOrder.apply(loss)
         return loss, {k: v.detach().float() for k, v in metrics.items()}
-    head = _Head(a.hidden, a.weight, a.labels, a.bias, float(temperature), ignore_index,
+    # a token that does not count is read as an ignored one: 0 log-probability, entropy and
+    # logit gradient, whatever its logits hold (semantics §9: a masked position's NaN reaches
+    # no gradient through the loss)
+    labels = a.labels if mask is None else torch.where(keep, a.labels, ignore_index)
+    head = _Head(a.hidden, a.weight, labels, a.bias, float(temperature), ignore_index,
                  a.chunk_size, a.backend)
     w = _token_weights(keep, aggregation, cu, a.shape, dt)
     plan = _Plan(head, kind.per_token, options, keep, w, kl_coef, kl_kind, kl_clamp,
