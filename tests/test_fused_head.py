@@ -134,12 +134,13 @@ def test_gradcheck_token_log_probs():
     assert torch.autograd.gradcheck(f, (h, w, bb))
 
 
-def test_float32_against_eager_moderate_shape():
-    """float32 at L = 512, V = 1000: the torch backend against eager PyTorch's
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float32_against_eager_moderate_shape(backend):
+    """float32 at L = 512, V = 1000: both backends against eager PyTorch's
     log_softmax(hidden @ weight.T), within float32 rounding (relative 1e-5)."""
     hidden, weight, labels, _ = make(512, 64, 1000, torch.float32, ignore=())
     h, w = leaves(hidden, weight)
-    lp = rl_triton.token_log_probs(h, w, labels, chunk_size=100, backend="torch")
+    lp = rl_triton.token_log_probs(h, w, labels, chunk_size=100, backend=backend)
     eh, ew = leaves(hidden, weight)
     elp = (eh @ ew.T).log_softmax(-1).gather(-1, labels[:, None]).squeeze(-1)
     g = torch.randn(512, generator=torch.Generator().manual_seed(3)).to(DEVICE)
