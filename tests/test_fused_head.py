@@ -373,3 +373,16 @@ def test_nan_at_a_masked_token_reaches_no_loss(backend):
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
     assert torch.isfinite(h.grad).all() and (h.grad[0, 1] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["loop"])
+def test_no_tokens(backend):
+    h, w = leaves(torch.randn(0, 4, device=DEVICE), torch.randn(9, 4, device=DEVICE))
+    labels, empty = torch.zeros(0, dtype=torch.long, device=DEVICE), torch.zeros(0, device=DEVICE)
+    lp, ent = rl_triton.token_log_probs(h, w, labels, return_entropy=True, backend=backend)
+    assert lp.shape == ent.shape == (0,)
+    loss, metrics = rl_triton.linear_policy_loss(h, w, labels, empty, empty, backend=backend)
+    loss.backward()
+    assert loss.item() == 0.0 and (w.grad == 0).all() and h.grad.shape == (0, 4)
+    assert set(metrics) == {"clip_fraction", "approx_kl", "entropy", "pg_loss"}
+    assert all(v.item() == 0.0 for v in metrics.values())

@@ -728,6 +728,11 @@ def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, mask=N
         loss = _LinearPolicyLoss.apply(plan, sums, a.hidden, a.weight, a.bias, *flat)
     else:
         loss, sums, _, _ = _policy_chunks(plan, *flat, [False] * 6)
+    if not sums:  # no token at all: every metric 0
+        none = torch.zeros(0, dtype=dt, device=keep.device)
+        names = list(kind.per_token(none, none, none, options).metrics)
+        names += (["kl"] if ref is not None else []) + ["entropy", "pg_loss"]
+        sums = {k: torch.zeros((), dtype=dt, device=keep.device) for k in names}
     count = keep.sum().clamp_min(1)
     metrics = {k: (v / count if k != "pg_loss" else v).detach().float()
                for k, v in sums.items()}
