@@ -386,3 +386,18 @@ def test_no_tokens(backend):
     assert loss.item() == 0.0 and (w.grad == 0).all() and h.grad.shape == (0, 4)
     assert set(metrics) == {"clip_fraction", "approx_kl", "entropy", "pg_loss"}
     assert all(v.item() == 0.0 for v in metrics.values())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_transposed_hidden_and_weight(backend):
+    """hidden and weight as transposed views (column-major): read in place, the same values and
+    gradients as their contiguous copies."""
+    hidden, weight, labels, _ = make(10, 8, 37)
+    h1, w1 = (x.detach().t().contiguous().t().requires_grad_() for x in (hidden, weight))
+    assert not h1.is_contiguous() and not w1.is_contiguous()
+    h2, w2 = leaves(hidden, weight)
+    lp1 = rl_triton.token_log_probs(h1, w1, labels, chunk_size=3, backend=backend)
+    lp2 = rl_triton.token_log_probs(h2, w2, labels, chunk_size=3, backend=backend)
+    lp1.sum().backward()
+    lp2.sum().backward()
+    assert rel(lp1, lp2) < 1e-6 and rel(h1.grad, h2.grad) < 1e-6 and rel(w1.grad, w2.grad) < 1e-6

@@ -289,7 +289,8 @@ class _Head:
         """[d_hidden (hidden's dtype), d_weight accumulator, d_bias accumulator] (None where
         not needed); the accumulators in float32 (float64 for float64 inputs)."""
         dev = self.h.device
-        d_h = torch.empty_like(self.h) if needs[0] else None
+        # contiguous, whatever hidden's strides: each chunk's matmul writes its rows in place
+        d_h = torch.empty((self.N, self.H), dtype=self.h.dtype, device=dev) if needs[0] else None
         d_w = torch.zeros((self.V, self.H), dtype=self.acc_dtype, device=dev) if needs[1] \
             else None
         d_b = torch.zeros(self.V, dtype=self.acc_dtype, device=dev) if needs[2] else None
