@@ -432,9 +432,12 @@ def token_log_probs(hidden, weight, labels, *, bias=None, temperature=1.0, retur
     never reads outside the row whatever labels hold).
 
     The tokens are processed `chunk_size` at a time (default: a power of two, the float32
-    logits of at most 1.5 GiB: 2048 tokens at V = 151936): peak extra memory is O(chunk_size x V), whatever the
-    number of tokens. The backward recomputes each chunk's logits; gradients reach `hidden`,
-    `weight` and `bias` in their own dtypes (d weight and d bias accumulated in float32).
+    logits of at most 1.5 GiB: 2048 tokens at V = 151936): peak extra memory is
+    O(chunk_size x V), whatever the number of tokens. The backward recomputes each chunk's
+    logits; gradients reach `hidden`, `weight` and `bias` in their own dtypes (d weight and
+    d bias accumulated in float32). `backend`: "auto" (the Triton kernels on CUDA, torch ops
+    elsewhere), "triton", "torch" (the same chunks), or "loop" (the unfused reference: the
+    whole `[N, V]` logits).
 
     Example::
 

@@ -168,16 +168,16 @@ def head_cells(L, device, seed=0):
         rows.append((name, ms, peak, err, gerr, note))
     # the three matmuls alone, bf16, at torch.matmul's rate: the time floor
     h, w = hidden.detach(), weight.detach()
-    g = torch.empty(L, HEAD_V, dtype=h.dtype, device=device).normal_()
+    dlogits = torch.empty(L, HEAD_V, dtype=h.dtype, device=device).normal_()
     mm = {"matmul fwd (hidden @ weight.T)": lambda: h @ w.T,
-          "matmul d hidden (dlogits @ weight)": lambda: g @ w,
-          "matmul d weight (dlogits.T @ hidden)": lambda: g.T @ h}
+          "matmul d hidden (dlogits @ weight)": lambda: dlogits @ w,
+          "matmul d weight (dlogits.T @ hidden)": lambda: dlogits.T @ h}
     flops = 2 * L * HEAD_H * HEAD_V
     for name, f in mm.items():
         ms = _time_call(f, calls=5, warmup=2)
         rows.append((name, ms, float("nan"), float("nan"), float("nan"),
                      f"{flops / ms / 1e9:.0f} TFLOP/s"))
-    del g
+    mm.clear()  # the lambdas hold dlogits ([L, V] bf16): freed before the next size
     torch.cuda.empty_cache()
     return rows
 
