@@ -1041,18 +1041,20 @@ def test_host_suite_cli(tmp_path):
 # ---- the fused loss head (--suite head) ---------------------------------------------------------
 
 def test_head_formulas_agree():
-    """The suite's eager composition, and Liger's call where liger_kernel imports, compute
-    rl_triton's loss and gradients (float32 on the CPU, a small head)."""
+    """The suite's eager composition and token_log_probs + ppo_policy_loss compute
+    linear_policy_loss's loss and gradients (float32 on the CPU, a small head)."""
     kw = head_suite.head_inputs(2048, "cpu", H=16, V=301, dtype=torch.float32)
     kw.pop("row_advantages")
     grads = {}
-    for name, fn in (("ours", head_suite.ours_loss), ("eager", head_suite.eager_loss)):
+    for name, fn in (("ours", head_suite.ours_loss), ("eager", head_suite.eager_loss),
+                     ("composed", head_suite.composed_loss)):
         h, w = (kw[k].detach().clone().requires_grad_() for k in ("hidden", "weight"))
         loss = fn(**dict(kw, hidden=h, weight=w))
         loss.backward()
         grads[name] = (loss.detach(), h.grad, w.grad)
-    for a, b in zip(grads["ours"], grads["eager"]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    for other in ("eager", "composed"):
+        for a, b in zip(grads["ours"], grads[other]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert kw["mask"].float().mean() < 0.95  # the padding is off
 
 

@@ -3,7 +3,8 @@ a clipped token-mean loss from hidden states and the LM head, bf16, H x V = 4096
 vocabulary) at L = 4096, 16384 and 32768 tokens. For each implementation: the time of one call
 (forward and backward, synchronized; median of a few after a warm-up) and the peak memory beyond
 the inputs and their gradients (`torch.cuda.max_memory_allocated` after a reset, less what the
-inputs and the gradients hold). Implementations: rl_triton's `linear_policy_loss`; eager PyTorch
+inputs and the gradients hold). Implementations: rl_triton's `linear_policy_loss`, and
+`token_log_probs` followed by `ppo_policy_loss` (the composition any loss can use); eager PyTorch
 (logits, float32 log_softmax, gather, the loss), `torch.compile` of the same function, and
 Liger-Kernel's `LigerFusedLinearGRPOLoss` (loss_type "bnpo": the same token mean) where
 `liger_kernel` imports ("not available" otherwise); plus plain `torch.matmul` of the three
@@ -59,6 +60,13 @@ def eager_loss(hidden, weight, labels, old_log_probs, advantages, mask):
 def ours_loss(hidden, weight, labels, old_log_probs, advantages, mask):
     return rl_triton.linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, mask,
                                         clip_low=CLIP)[0]
+
+
+def composed_loss(hidden, weight, labels, old_log_probs, advantages, mask):
+    """`token_log_probs` then `ppo_policy_loss`: the route of any loss on the log-probabilities
+    (four matmuls: its backward recomputes the logits)."""
+    lp = rl_triton.token_log_probs(hidden, weight, labels)
+    return rl_triton.ppo_policy_loss(lp, old_log_probs, advantages, mask, clip_low=CLIP)[0]
 
 
 def liger_module():
@@ -133,7 +141,8 @@ def head_cells(L, device, seed=0):
     adv_rows = kw.pop("row_advantages")
     hidden, weight = kw["hidden"].requires_grad_(), kw["weight"].requires_grad_()
     leaves = [hidden, weight]
-    impls = {"rl_triton": ours_loss, "eager": eager_loss,
+    impls = {"rl_triton": ours_loss, "rl_triton token_log_probs + ppo_policy_loss": composed_loss,
+             "eager": eager_loss,
              "compile": torch.compile(eager_loss, dynamic=False)}
     liger = liger_module()
     rows = []
