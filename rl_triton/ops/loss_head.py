@@ -277,13 +277,20 @@ class _Head:
                 d_h[s:e] = torch.mm(d, self.w_mm)
         if needs[1]:
             h = self._rows(s, e)
-            if self.native:  # float32 accumulation of the bf16 / fp16 products, in place
-                torch.addmm(d_w, d.T, h, out_dtype=torch.float32, out=d_w)
+            # float32 accumulation of the bf16 / fp16 products, in place; the first chunk's
+            # product overwrites the (uninitialized) accumulator: no pass to zero it
+            beta = 0.0 if s == 0 else 1.0
+            if self.native:
+                torch.addmm(d_w, d.T, h, out_dtype=torch.float32, beta=beta, out=d_w)
             else:
-                d_w.addmm_(d.T, h)
+                d_w.addmm_(d.T, h, beta=beta)
         if needs[2]:
             # d was scaled by 1 / T; the bias enters z unscaled
-            d_b.add_(d.sum(0, dtype=d_b.dtype), alpha=self.temperature)
+            part = d.sum(0, dtype=d_b.dtype)
+            if s == 0:
+                torch.mul(part, self.temperature, out=d_b)
+            else:
+                d_b.add_(part, alpha=self.temperature)
 
     def grad_buffers(self, needs):
         """[d_hidden (hidden's dtype), d_weight accumulator, d_bias accumulator] (None where
@@ -291,9 +298,9 @@ class _Head:
         dev = self.h.device
         # contiguous, whatever hidden's strides: each chunk's matmul writes its rows in place
         d_h = torch.empty((self.N, self.H), dtype=self.h.dtype, device=dev) if needs[0] else None
-        d_w = torch.zeros((self.V, self.H), dtype=self.acc_dtype, device=dev) if needs[1] \
-            else None
-        d_b = torch.zeros(self.V, dtype=self.acc_dtype, device=dev) if needs[2] else None
+        new = torch.empty if self.N else torch.zeros  # (no chunk writes them without tokens)
+        d_w = new((self.V, self.H), dtype=self.acc_dtype, device=dev) if needs[1] else None
+        d_b = new(self.V, dtype=self.acc_dtype, device=dev) if needs[2] else None
         return [d_h, d_w, d_b]
 
     def chunks(self):
