@@ -439,3 +439,66 @@ def crr_weights(q_values, sampled_q_values, *, beta=1.0, kind="exp", max_weight=
     if kind == "exp":
         return torch.clamp(torch.exp(adv / beta), max=max_weight)
     return torch.where(torch.isnan(adv), adv, (adv > 0).to(dtype))  # NaN stays NaN
+
+
+# ---- the fused loss head (semantics §11): the unfused composition, logits and all ---------------
+
+def token_log_probs(hidden, weight, labels, *, bias=None, temperature=1.0, ignore_index=-100,
+                    dtype=torch.float64):
+    """(log_probs, entropy) of `labels` under softmax(hidden @ weight.T / temperature + bias),
+    the whole [N, V] logits at once; 0 where a label is ignore_index."""
+    h, w, b = _prep(dtype, hidden, weight, bias)
+    logits = h @ w.T / temperature
+    if b is not None:
+        logits = logits + b
+    logp = torch.log_softmax(logits, -1)
+    p = logp.exp()
+    entropy = -torch.where(p > 0, p * logp, 0.0).sum(-1)  # a -inf logit has p = 0: adds 0
+    keep = labels != ignore_index
+    lp = logp.gather(-1, torch.where(keep, labels, 0).long().unsqueeze(-1)).squeeze(-1)
+    return torch.where(keep, lp, 0.0), torch.where(keep, entropy, 0.0)
+
+
+def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, keep, *,
+                       ref_log_probs=None, kl_coef=0.0, kl_kind="k3", kl_clamp=None,
+                       entropy_coef=0.0, temperature=1.0, bias=None, ignore_index=-100,
+                       clip_low=0.2, clip_high=None, dual_clip=None, log_ratio_clamp=20.0,
+                       aggregation="token-mean", cu_seqlens=None, shape=None,
+                       dtype=torch.float64):
+    """(loss, metrics) of the clipped surrogate (the "vanilla" and "grpo" loss types) plus
+    kl_coef * KL against ref_log_probs minus entropy_coef * entropy, per token, aggregated over
+    the tokens `keep` (bool [N]: mask set and label not ignore_index); sequences are the rows
+    of `shape` ([B, T]) or the segments of cu_seqlens. Flat [N] per-token inputs."""
+    lp, ent = token_log_probs(hidden, weight, labels, bias=bias, temperature=temperature,
+                              ignore_index=ignore_index, dtype=dtype)
+    pg = ppo_policy_loss(lp, old_log_probs, advantages, keep, clip_low=clip_low,
+                         clip_high=clip_high, dual_clip=dual_clip,
+                         log_ratio_clamp=log_ratio_clamp, aggregation="none", dtype=dtype)[0]
+    _, clip_fraction, approx_kl = ppo_policy_loss(
+        lp, old_log_probs, advantages, keep, clip_low=clip_low, clip_high=clip_high,
+        dual_clip=dual_clip, log_ratio_clamp=log_ratio_clamp, dtype=dtype)
+    total = pg - entropy_coef * ent
+    n = max(int(keep.sum()), 1)
+    metrics = {"clip_fraction": clip_fraction, "approx_kl": approx_kl,
+               "entropy": torch.where(keep, ent, 0.0).sum() / n}
+    if ref_log_probs is not None:
+        (ref,) = _decided(keep, ref_log_probs.to(dtype))
+        kl = kl_penalty(torch.where(keep, lp, 0.0), ref, kl_kind, kl_clamp, dtype=dtype)
+        total = total + kl_coef * kl
+        metrics["kl"] = torch.where(keep, kl, 0.0).sum() / n
+    if dual_clip is not None:
+        (a,) = _decided(keep, advantages.to(dtype))
+        (old,) = _decided(keep, old_log_probs.to(dtype))
+        ratio = torch.exp(torch.clamp(lp - old, -log_ratio_clamp, log_ratio_clamp))
+        high = clip_low if clip_high is None else clip_high
+        l = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - clip_low, 1 + high))
+        metrics["dual_clip_fraction"] = torch.where(
+            keep & (a < 0) & (-a * dual_clip < l), 1.0, 0.0).to(dtype).sum() / n
+
+    def agg(x):
+        if shape is not None and len(shape) == 2 and cu_seqlens is None:
+            return _aggregate(x.reshape(shape), keep.reshape(shape), aggregation)
+        return _aggregate(x, keep, aggregation, cu_seqlens)
+
+    metrics["pg_loss"] = agg(pg)
+    return agg(total), metrics

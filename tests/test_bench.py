@@ -11,6 +11,7 @@ import rl_triton
 from rl_triton import testing
 from rl_triton.bench import anchor, calls, checks, cli, registry, report, timing
 from rl_triton.bench.suites import gradients
+from rl_triton.bench.suites import head as head_suite
 from rl_triton.bench.suites import host as host_suite
 from rl_triton.bench.suites import losses as loss_suite
 from rl_triton.bench.suites import tokens as token_suite
@@ -1035,3 +1036,46 @@ def test_host_suite_cli(tmp_path):
     assert [e for e in registry.ESTIMATORS if e in anchor.CALLS] == [
         "gae", "lambda_returns", "discounted_returns", "vtrace", "eligibility_traces",
         "episodic_cumsum"]
+
+
+# ---- the fused loss head (--suite head) ---------------------------------------------------------
+
+def test_head_formulas_agree():
+    """The suite's eager composition and token_log_probs + ppo_policy_loss compute
+    linear_policy_loss's loss and gradients (float32 on the CPU, a small head)."""
+    kw = head_suite.head_inputs(2048, "cpu", H=16, V=301, dtype=torch.float32)
+    kw.pop("row_advantages")
+    grads = {}
+    for name, fn in (("ours", head_suite.ours_loss), ("eager", head_suite.eager_loss),
+                     ("composed", head_suite.composed_loss)):
+        h, w = (kw[k].detach().clone().requires_grad_() for k in ("hidden", "weight"))
+        loss = fn(**dict(kw, hidden=h, weight=w))
+        loss.backward()
+        grads[name] = (loss.detach(), h.grad, w.grad)
+    for other in ("eager", "composed"):
+        for a, b in zip(grads["ours"], grads[other]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert kw["mask"].float().mean() < 0.95  # the padding is off
+
+
+def test_head_reports(tmp_path):
+    rows = [dict(tokens=4096, impl="rl_triton", ms=29.6, peak_gib=2.32, rel_err=0.0,
+                 grad_rel_err=0.0, note=""),
+            dict(tokens=4096, impl="liger", ms=float("nan"), peak_gib=float("nan"),
+                 rel_err=float("nan"), grad_rel_err=float("nan"), note="not available")]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(dict(env=_token_env(), suite="head", rows=rows)))
+    cli.main(["--report", str(path), "--out", str(tmp_path / "r")])
+    md = (tmp_path / "r" / "bench.md").read_text()
+    assert "| 4096 | rl_triton | 29.6 | 2.32 | 0.0e+00 | 0.0e+00 |  |" in md
+    assert "| 4096 | liger | nan | nan | nan | nan | not available |" in md
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suite would run")
+def test_head_suite_cli(tmp_path):
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        cli.main(["--suite", "head", "--out", str(tmp_path)])
+    for bad in ("1000", "4096x128", "0"):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--suite", "head", "--shapes", bad, "--out", str(tmp_path)])
+        assert e.value.code == 2

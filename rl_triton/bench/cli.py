@@ -17,7 +17,7 @@ import rl_triton.bench
 from . import anchor, registry, report, timing
 from .registry import (ESTIMATORS, FRAMEWORK_CALLS_TIMED, FRAMEWORKS_MAX_SECONDS, HOST_SHAPES,
                        LAYOUTS, LOOP_MAX_T, LOSS_T, LOSS_TOKENS, SHAPES, TOKEN_SHAPES)
-from .suites import grid, host, losses, tokens
+from .suites import grid, head, host, losses, tokens
 
 TILE_FIELDS = ("block_t", "block_b", "num_warps", "window", "depth", "sub", "max_registers",
                "walk")
@@ -56,7 +56,8 @@ def parser():
                                 description=rl_triton.bench.__doc__ + "\nTiming needs a CUDA GPU "
                                 "(it exits without one); --report alone runs anywhere.\n",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default="default", choices=["default", "tokens", "losses", "host"],
+    p.add_argument("--suite", default="default",
+                   choices=["default", "tokens", "losses", "host", "head"],
                    help="default: the estimators on RL rollouts (the options below); tokens: "
                         "LLM token rows [B, T] (masks, packing, whitening, group advantages, "
                         "the frameworks' own loops; --shapes, --dtypes, --out, --max-seconds, "
@@ -67,7 +68,10 @@ def parser():
                         "beside the bound (a bare launch of the same kernel) and rl-triton "
                         "0.1.3 (--anchor-path), then the other ops against GAE (--estimators, "
                         "--shapes, --layouts, --dtypes, --flags, --out, --max-seconds, --tiles, "
-                        "--rule apply), see `suites.host`")
+                        "--rule apply), see `suites.host`; head: the fused loss head (semantics §11) at "
+                        "H x V = 4096 x 151936, bf16, forward plus backward against eager, "
+                        "torch.compile and Liger-Kernel, time and peak memory (--shapes: token "
+                        "counts; --out, --max-seconds apply), see `suites.head`")
     p.add_argument("--estimators", default=None,
                    help="comma list of the estimators to time (default: all %d of the op "
                         "registry: %s; with --suite host, those rl-triton 0.1.3 has)"
@@ -145,12 +149,18 @@ def main(argv=None):
         report.write_reports(json.loads(Path(args.report).read_text()), out)
         return
     default_shapes = {"tokens": TOKEN_SHAPES, "losses": list(map(str, LOSS_TOKENS)),
-                      "host": HOST_SHAPES}.get(args.suite, SHAPES)
+                      "host": HOST_SHAPES, "head": list(map(str, head.HEAD_TOKENS))}.get(
+        args.suite, SHAPES)
     shapes = (args.shapes or ",".join(default_shapes)).split(",")
     if args.suite == "losses":
         for s in shapes:
             if not (s.isdigit() and int(s) > 0 and int(s) % LOSS_T == 0):
                 p.error(f"--shapes: {s!r} is not a token count, a positive multiple of {LOSS_T}")
+    if args.suite == "head":
+        for s in shapes:
+            if not (s.isdigit() and int(s) > 0 and int(s) % head.HEAD_ROW == 0):
+                p.error(f"--shapes: {s!r} is not a token count, a positive multiple of "
+                        f"{head.HEAD_ROW}")
     if args.suite == "host":
         estimators = (args.estimators.split(",") if args.estimators else
                       [e for e in ESTIMATORS if e in anchor.CALLS])
@@ -201,6 +211,8 @@ def main(argv=None):
         elif args.suite == "losses":
             losses.run_losses([int(s) for s in shapes], dtypes, env, device, out,
                               args.max_seconds)
+        elif args.suite == "head":
+            head.run_head([int(s) for s in shapes], env, device, out, args.max_seconds)
         elif args.suite == "host":
             if paper is not None:
                 env.update(anchor=dict(path=args.anchor_path, version=paper.__version__))

@@ -106,6 +106,12 @@ def write_reports(result, out: Path):
     """bench.md and the suite's plot (bench.png; the token suite tokens.png, the losses
     losses.png, the host path host.png) from a bench.json result (also: `--report
     bench.json`)."""
+    if result.get("suite") == "head":  # a table, no plot
+        from .suites.head import head_markdown, head_rows
+        md = head_markdown(env_line(result["env"]), head_rows(result))
+        (Path(out) / "bench.md").write_text(md)
+        print(md)
+        return
     render, draw, png = {"tokens": (token_markdown, token_plot, "tokens.png"),
                          "losses": (loss_markdown, loss_plot, "losses.png"),
                          "host": (host_markdown, host_plot, "host.png")}.get(

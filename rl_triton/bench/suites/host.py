@@ -112,9 +112,14 @@ def estimator_cells(name, shape, layouts, dtypes, flags, device, seed=0, anchor_
         check_result(err, 1e-5, what)
         yield layout, dt, fl, "rl_triton", f, err
         bound, want = bare_launch(fn, kw, what)
-        if not all(torch.equal(a, b) for a, b in zip(bound(), want)):
-            raise SystemExit(f"{what}: the bare launch's outputs differ from the call's; not "
-                             "timing it")
+        # equal to rounding, not bit for bit: tiles that look back over several predecessors
+        # compose their maps in whatever order the launch's timing gives (scan.kernel.look_back)
+        got = bound()
+        if not all(torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6, equal_nan=True)
+                   for a, b in zip(got, want)):
+            worst = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, want))
+            raise SystemExit(f"{what}: the bare launch's outputs differ from the call's (by up "
+                             f"to {worst:.3g}); not timing it")
         yield layout, dt, fl, "bound", bound, 0.0
     if anchor_module is None:
         return
