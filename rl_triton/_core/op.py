@@ -33,6 +33,9 @@ from .plans import _PLANS, store
 Tensor = torch.Tensor
 OPS: dict = {}  # every public op, by name, in declaration order
 KINDS = ("scan", "loss", "outcome")
+# public functions not declared as ops yet: the fused loss head (semantics §11), chunked over
+# tokens with autograd Functions of its own (docs/dev/op-framework.md)
+UNDECLARED = ("token_log_probs", "linear_policy_loss")
 
 
 def ops(kind: Optional[str] = None) -> list:

@@ -26,7 +26,9 @@ import torch
 
 from .. import reference
 from .._args import INDEX, VALUE, Call, check_backend, check_bool, check_choice, check_scalar
-from .._plans import SECOND_ORDER, _FirstOrder, backend_for
+from .._core.custom_ops import SECOND_ORDER
+from .._core.op import FirstOrder
+from .._core.plans import backend_for
 from ..scan.jit import next_power_of_2, tl, triton
 from . import _losses as L
 from .kl_penalty import KINDS as KL_KINDS
@@ -461,7 +463,7 @@ def token_log_probs(hidden, weight, labels, *, bias=None, temperature=1.0, retur
             dtype=torch.float64 if a.call.float64 else torch.float32)
         outs = [lp, ent] if return_entropy else [lp]
         if a.call.needs_grad:
-            outs = list(_FirstOrder.apply(*outs))
+            outs = list(FirstOrder.apply(*outs))
     else:
         head = _Head(a.hidden, a.weight, a.labels, a.bias, float(temperature), ignore_index,
                      a.chunk_size, a.backend)
@@ -723,7 +725,7 @@ def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, mask=N
             temperature=temperature, bias=a.bias, ignore_index=ignore_index,
             aggregation=aggregation, cu_seqlens=cu, shape=a.shape, dtype=dt, **options)
         if call.needs_grad:
-            (loss,) = _FirstOrder.apply(loss)
+            (loss,) = FirstOrder.apply(loss)
         return loss, {k: v.detach().float() for k, v in metrics.items()}
     # a token that does not count is read as an ignored one: 0 log-probability, entropy and
     # logit gradient, whatever its logits hold (semantics §9: a masked position's NaN reaches
