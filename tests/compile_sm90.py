@@ -446,7 +446,7 @@ def loss_launches(run, int64=False):
     tensors) makes, intercepted; `int64`: as if the tensors were past 2^31 elements."""
     seen = []
 
-    def intercept(kernel, programs, *args, **meta):
+    def intercept(kernel, programs, *args, plan=None, **meta):  # (plan: the host's memo)
         seen.append((kernel, args, meta))
 
     saved, os.environ["TRITON_INTERPRET"] = _losses.launch, "1"  # backend="triton" on CPU
