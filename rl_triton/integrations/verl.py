@@ -28,9 +28,14 @@ import torch
 import rl_triton
 
 __all__ = ["compute_gae_advantage_return", "compute_grpo_outcome_advantage",
-           "compute_rloo_outcome_advantage", "compute_reinforce_plus_plus_outcome_advantage",
-           "compute_reinforce_plus_plus_baseline_outcome_advantage", "use_rl_triton",
-           "revert_rl_triton"]
+           "compute_grpo_vectorized_outcome_advantage", "compute_grpo_passk_outcome_advantage",
+           "compute_rloo_outcome_advantage", "compute_rloo_vectorized_outcome_advantage",
+           "compute_reinforce_plus_plus_outcome_advantage",
+           "compute_reinforce_plus_plus_baseline_outcome_advantage",
+           "compute_remax_outcome_advantage", "compute_opo_outcome_advantage",
+           "compute_gpg_outcome_advantage", "compute_optimal_token_baseline_advantage",
+           "compute_multi_turn_optimal_token_baseline_advantage",
+           "compute_gdpo_outcome_advantage", "use_rl_triton", "revert_rl_triton"]
 
 Tensor = torch.Tensor
 # the rl_triton backend these functions call ("auto": the Triton kernels on CUDA, torch on CPU)
@@ -160,16 +165,289 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: Tensor,
     return (_whiten(returns.float(), m) * m).to(r.dtype), returns
 
 
-# verl's names -> ours; the registry keys are those of verl's `register_adv_est`
-_PATCHED = {
-    "compute_gae_advantage_return": ("gae", compute_gae_advantage_return),
-    "compute_grpo_outcome_advantage": ("grpo", compute_grpo_outcome_advantage),
-    "compute_rloo_outcome_advantage": ("rloo", compute_rloo_outcome_advantage),
-    "compute_reinforce_plus_plus_outcome_advantage":
-        ("reinforce_plus_plus", compute_reinforce_plus_plus_outcome_advantage),
-    "compute_reinforce_plus_plus_baseline_outcome_advantage":
-        ("reinforce_plus_plus_baseline", compute_reinforce_plus_plus_baseline_outcome_advantage),
-}
+def _index(index, device):
+    """verl's `index` as integer ids 0..G-1, the number of groups G and each response's group
+    size."""
+    ids, _ = _groups(index, device)
+    counts = torch.bincount(ids)
+    return ids, counts.numel(), counts[ids]
+
+
+def _segment_sum(x: Tensor, ids: Tensor, n: int) -> Tensor:
+    """Sums over the responses of each group: `[B, ...] -> [G, ...]`."""
+    return x.new_zeros((n,) + tuple(x.shape[1:])).index_add_(0, ids, x)
+
+
+def _group_std(s: Tensor, ids: Tensor, n: int) -> Tensor:
+    """Each group's unbiased standard deviation (torch.std), float64, `[G]`."""
+    s = s.double()
+    count = _segment_sum(torch.ones_like(s), ids, n)
+    mean = _segment_sum(s, ids, n) / count
+    return (_segment_sum((s - mean[ids]) ** 2, ids, n) / (count - 1)).sqrt()
+
+
+def _reverse_cumsum(x: Tensor) -> Tensor:
+    """The sum from each token to the row's end (verl's flip-cumsum-flip), on the scan kernel."""
+    return rl_triton.linear_scan(x, torch.ones_like(x), reverse=True, time_dim=1,
+                                 backend=backend, out_dtype=x.dtype)
+
+
+def _cumsum(x: Tensor) -> Tensor:
+    """The sum from the row's start to each token, on the scan kernel."""
+    return rl_triton.linear_scan(x, torch.ones_like(x), reverse=False, time_dim=1,
+                                 backend=backend, out_dtype=x.dtype)
+
+
+@torch.no_grad()
+def compute_grpo_vectorized_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor,
+                                              index, epsilon: float = 1e-6,
+                                              norm_adv_by_std_in_grpo: bool = True, config=None):
+    """verl's `compute_grpo_vectorized_outcome_advantage`: GRPO's values, the group statistics
+    in float32 (verl's `group_mean_std`): `(advantages, advantages)`."""
+    a, _ = compute_grpo_outcome_advantage(token_level_rewards.float(), response_mask, index,
+                                          epsilon, norm_adv_by_std_in_grpo)
+    dtype = torch.promote_types(torch.promote_types(token_level_rewards.dtype, torch.float32),
+                                response_mask.dtype)
+    out = a.to(dtype)
+    return out, out
+
+
+@torch.no_grad()
+def compute_rloo_vectorized_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor,
+                                              index, epsilon: float = 1e-6, config=None,
+                                              **kwargs):
+    """verl's `compute_rloo_vectorized_outcome_advantage`: RLOO, but a lone response gets 0
+    (`compute_rloo_outcome_advantage` keeps its score): `(advantages, advantages)`."""
+    scores = token_level_rewards.sum(dim=-1)
+    ids, _, counts = _index(index, scores.device)
+    a = rl_triton.group_advantages(scores, ids, baseline="leave_one_out", scale="none",
+                                   backend=backend)
+    a = torch.where(counts > 1, a, 0.0)
+    out = _per_token(a.to(scores.dtype), token_level_rewards, response_mask)
+    return out, out
+
+
+@torch.no_grad()
+def compute_grpo_passk_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor,
+                                         index, epsilon: float = 1e-6,
+                                         norm_adv_by_std_in_grpo: bool = True, config=None,
+                                         **kwargs):
+    """verl's `compute_grpo_passk_outcome_advantage` (Pass@k): only each group's best response
+    gets an advantage, its score less the group's second best (divided by the group's std + eps
+    unless `config.get("norm_adv_by_std_in_grpo")` is False; the argument is ignored, as in
+    verl). Groups of one raise ValueError. `(advantages, advantages)`."""
+    if config is None:
+        raise ValueError("config is required: verl's AlgoConfig (norm_adv_by_std_in_grpo)")
+    norm = config.get("norm_adv_by_std_in_grpo", True)
+    scores = token_level_rewards.sum(dim=-1)
+    ids, n, counts = _index(index, scores.device)
+    if bool((counts < 2).any()):
+        raise ValueError("Pass@k requires at least 2 samples per group (index has a group of one)")
+    s = scores.double()
+    B = s.numel()
+    pos = torch.arange(B, device=s.device)
+    best = s.new_full((n,), -torch.inf).scatter_reduce(0, ids, s, "amax")
+    # the first response holding its group's best score; a tie for the best gives 0 whichever wins
+    first = torch.full((n,), B, device=s.device).scatter_reduce(
+        0, ids, torch.where(s == best[ids], pos, B), "amin")
+    winner = pos == first[ids]
+    second = s.new_full((n,), -torch.inf).scatter_reduce(
+        0, ids, torch.where(winner, -torch.inf, s), "amax")
+    a = torch.where(winner, best[ids] - second[ids], 0.0)
+    if norm:
+        a = a / (_group_std(s, ids, n)[ids] + epsilon)
+    out = _per_token(a.to(scores.dtype), token_level_rewards, response_mask)
+    return out, out
+
+
+@torch.no_grad()
+def compute_opo_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor, index,
+                                  epsilon: float = 1e-6, config=None, **kwargs):
+    """verl's `compute_opo_outcome_advantage` (OPO): the baseline is the group's mean score
+    weighted by response length (masked-in tokens); a lone response's is 0:
+    `(advantages, advantages)`."""
+    scores = token_level_rewards.sum(dim=-1)
+    ids, n, counts = _index(index, scores.device)
+    length = response_mask.sum(dim=-1).double()
+    b = _segment_sum(length * scores.double(), ids, n) / _segment_sum(length, ids, n)
+    a = scores.double() - torch.where(counts > 1, b[ids], 0.0)
+    out = _per_token(a.to(scores.dtype), token_level_rewards, response_mask)
+    return out, out
+
+
+@torch.no_grad()
+def compute_gpg_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor, index,
+                                  epsilon: float = 1e-6, f_norm: float = 1.0, alpha: float = 1.0,
+                                  config=None, **kwargs):
+    """verl's `compute_gpg_outcome_advantage` (GPG): `alpha * (score - group mean) / f_norm`
+    with alpha = B / (number of nonzero scores) (the argument is ignored, as in verl); a lone
+    response's mean is 0: `(advantages, advantages)`."""
+    scores = token_level_rewards.sum(dim=-1)
+    ids, _ = _groups(index, scores.device)
+    a = rl_triton.group_advantages(scores, ids, scale="none", backend=backend)
+    alpha = scores.numel() / torch.count_nonzero(scores).clamp(min=1)
+    out = _per_token((alpha * a.to(scores.dtype) / f_norm).to(scores.dtype),
+                     token_level_rewards, response_mask)
+    return out, out
+
+
+@torch.no_grad()
+def compute_remax_outcome_advantage(token_level_rewards: Tensor, reward_baselines: Tensor,
+                                    response_mask: Tensor, config=None, **kwargs):
+    """verl's `compute_remax_outcome_advantage` (ReMax): returns are the reward-to-go of the
+    masked rewards (masked tokens are zero-reward steps, not skipped), advantages the returns
+    less the greedy response's reward on masked-in tokens: `(advantages, returns)`."""
+    returns = _reverse_cumsum(token_level_rewards * response_mask)
+    return returns - reward_baselines.unsqueeze(-1) * response_mask, returns
+
+
+@torch.no_grad()
+def compute_gdpo_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor, index,
+                                   epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool = True,
+                                   config=None, non_tensor_batch=None, batch=None, **kwargs):
+    """verl's `compute_gdpo_outcome_advantage` (GDPO): GRPO on each reward component
+    (`config.gdpo_reward_keys` of `non_tensor_batch`, placed on each response's last token; else
+    the token rewards), their sum weighted by `config.gdpo_reward_weights`, whitened over the
+    masked-in tokens: `(advantages, advantages)`."""
+    score_list, weights = [token_level_rewards], None
+    if config is not None and non_tensor_batch is not None and batch is not None:
+        keys = config.get("gdpo_reward_keys", None)
+        if not keys:
+            raise ValueError("GDPO requires config.gdpo_reward_keys (the reward components)")
+        device = token_level_rewards.device
+        last = batch["attention_mask"][:, batch["prompts"].size(1):].sum(dim=1) - 1
+        score_list = []
+        for key in keys:
+            if key not in non_tensor_batch:
+                raise ValueError(f"GDPO reward key {key!r} is not in non_tensor_batch")
+            comp = torch.tensor(np.asarray(non_tensor_batch[key], dtype=np.float32), device=device)
+            placed = torch.zeros_like(response_mask, dtype=torch.float32)
+            placed[torch.arange(placed.size(0), device=device), last] = comp
+            score_list.append(placed)
+        if config.get("gdpo_reward_weights", None) is not None:
+            weights = list(config.get("gdpo_reward_weights"))
+    total = None
+    for i, scores in enumerate(score_list):
+        a, _ = compute_grpo_outcome_advantage(scores, response_mask, index, epsilon,
+                                              norm_adv_by_std_in_grpo)
+        w = 1.0 if weights is None else float(weights[i])
+        total = w * a if total is None else total + w * a
+    m = response_mask != 0
+    out = (_whiten(total.float(), m) * response_mask).to(torch.result_type(total, response_mask))
+    return out, out
+
+
+def _zero_tail(base: Tensor, lengths: Tensor, ids: Tensor, n: int, member: Tensor) -> Tensor:
+    """verl's `handle_zero_tail`: in each group of two or more (`member` rows), the longest
+    response, where it is the only one that long, gets baseline 0 from the second-longest's
+    length on."""
+    L = lengths.double()
+    neg = torch.full_like(L, -1.0)
+    longest = neg[:1].new_full((n,), -1.0).scatter_reduce(0, ids, torch.where(member, L, neg),
+                                                          "amax")
+    at_max = member & (L == longest[ids])
+    n_max = _segment_sum(at_max.double(), ids, n)
+    second = neg[:1].new_full((n,), -1.0).scatter_reduce(
+        0, ids, torch.where(member & ~at_max, L, neg), "amax")
+    cut = at_max & (n_max[ids] == 1)
+    t = torch.arange(base.shape[1], device=base.device)
+    return torch.where(cut[:, None] & (t[None, :] >= second[ids][:, None]), 0.0, base)
+
+
+def _path_variance(old_log_probs, sum_pi_squared, rollout_is_weights, response_mask):
+    """OTB's W_t: the cumulative sum of 1 - 2 pi_t + sum pi^2 (times the IS weight squared)
+    over the masked-in tokens."""
+    w = 1 - 2 * torch.exp(old_log_probs) + sum_pi_squared
+    if rollout_is_weights is not None:
+        w = w * rollout_is_weights ** 2
+    return _cumsum(w * response_mask)
+
+
+@torch.no_grad()
+def compute_optimal_token_baseline_advantage(token_level_rewards: Tensor, response_mask: Tensor,
+                                             index, old_log_probs: Tensor,
+                                             sum_pi_squared: Tensor,
+                                             rollout_is_weights: Tensor = None,
+                                             handle_zero_tail: bool = True,
+                                             epsilon: float = 1e-8, **kwargs):
+    """verl's `compute_optimal_token_baseline_advantage` (OTB): per token position t, the
+    baseline `sum_i G_t W_t / (sum_i W_t + eps)` over the group's responses, with G the
+    reward-to-go and W the cumulative path variance; a lone response's baseline is 0:
+    `(advantages, returns)`."""
+    m = response_mask
+    returns = _reverse_cumsum(token_level_rewards * m)
+    W = _path_variance(old_log_probs, sum_pi_squared, rollout_is_weights, m)
+    ids, n, counts = _index(index, returns.device)
+    num = _segment_sum(returns * W * m, ids, n)
+    den = _segment_sum(W * m, ids, n) + epsilon
+    base = torch.where((counts > 1)[:, None], (num / den)[ids], 0.0).to(returns.dtype)
+    if handle_zero_tail:
+        base = _zero_tail(base, m.sum(dim=-1), ids, n, counts > 1)
+    return (returns - base) * m, returns
+
+
+@torch.no_grad()
+def compute_multi_turn_optimal_token_baseline_advantage(
+        token_level_rewards: Tensor, response_mask: Tensor, index, old_log_probs: Tensor,
+        sum_pi_squared: Tensor, rollout_is_weights: Tensor = None, handle_zero_tail: bool = True,
+        epsilon: float = 1e-8, **kwargs):
+    """verl's `compute_multi_turn_optimal_token_baseline_advantage` (`tir_optimal_token_baseline`):
+    OTB with the responses' masked-in tokens aligned by their rank (the k-th decision token of
+    every response of a group shares a baseline), responses without one left out of their group:
+    `(advantages, returns)`."""
+    m = response_mask
+    returns = _reverse_cumsum(token_level_rewards * m)
+    W = _path_variance(old_log_probs, sum_pi_squared, rollout_is_weights, m)
+    keep = m.bool()
+    lengths = m.sum(dim=-1).long()
+    width = int(lengths.max()) if lengths.numel() else 0
+    rank = torch.cumsum(keep.long(), dim=1) - 1
+    rows, cols = keep.nonzero(as_tuple=True)
+    k = rank[rows, cols]
+    # each response's decision tokens, left-aligned: [B, width]
+    W_c = W.new_zeros(W.shape[0], width).index_put_((rows, k), W[rows, cols])
+    R_c = returns.new_zeros(W.shape[0], width).index_put_((rows, k), returns[rows, cols])
+    ids, n, _ = _index(index, returns.device)
+    member = lengths > 0
+    size = _segment_sum(member.long(), ids, n)[ids]
+    live = member[:, None]
+    num = _segment_sum(torch.where(live, R_c * W_c, 0.0), ids, n)
+    den = _segment_sum(torch.where(live, W_c, 0.0), ids, n) + epsilon
+    base = torch.where((member & (size > 1))[:, None], (num / den)[ids], 0.0).to(R_c.dtype)
+    if handle_zero_tail:
+        base = _zero_tail(base, lengths, ids, n, member & (size > 1))
+    adv = torch.zeros_like(returns)
+    adv[rows, cols] = (R_c - base)[rows, k]
+    return adv * m, returns
+
+
+# The switch: (attribute of verl's core_algos, its key in the registry named by the table, ours).
+# Each table is one registry; the policy losses are a second table beside this one.
+ESTIMATORS = [
+    ("compute_gae_advantage_return", "gae", compute_gae_advantage_return),
+    ("compute_grpo_outcome_advantage", "grpo", compute_grpo_outcome_advantage),
+    ("compute_grpo_vectorized_outcome_advantage", "grpo_vectorized",
+     compute_grpo_vectorized_outcome_advantage),
+    ("compute_grpo_passk_outcome_advantage", "grpo_passk", compute_grpo_passk_outcome_advantage),
+    ("compute_rloo_outcome_advantage", "rloo", compute_rloo_outcome_advantage),
+    ("compute_rloo_vectorized_outcome_advantage", "rloo_vectorized",
+     compute_rloo_vectorized_outcome_advantage),
+    ("compute_reinforce_plus_plus_outcome_advantage", "reinforce_plus_plus",
+     compute_reinforce_plus_plus_outcome_advantage),
+    ("compute_reinforce_plus_plus_baseline_outcome_advantage", "reinforce_plus_plus_baseline",
+     compute_reinforce_plus_plus_baseline_outcome_advantage),
+    ("compute_remax_outcome_advantage", "remax", compute_remax_outcome_advantage),
+    ("compute_opo_outcome_advantage", "opo", compute_opo_outcome_advantage),
+    ("compute_gpg_outcome_advantage", "gpg", compute_gpg_outcome_advantage),
+    ("compute_optimal_token_baseline_advantage", "optimal_token_baseline",
+     compute_optimal_token_baseline_advantage),
+    ("compute_multi_turn_optimal_token_baseline_advantage", "tir_optimal_token_baseline",
+     compute_multi_turn_optimal_token_baseline_advantage),
+    ("compute_gdpo_outcome_advantage", "gdpo", compute_gdpo_outcome_advantage),
+]
+# module functions the trainer calls by name, in no registry
+FUNCTIONS = []
+TABLES = {"ADV_ESTIMATOR_REGISTRY": ESTIMATORS, None: FUNCTIONS}
 _ORIGINALS: dict = {}
 
 
@@ -180,24 +458,28 @@ def _core_algos(module):
 
 
 def use_rl_triton(module=None) -> None:
-    """Point verl's `core_algos` functions and its advantage-estimator registry at the functions
-    above (the trainer looks GAE and GRPO up on the module, the others in the registry).
+    """Point verl's `core_algos` functions and registries at the functions above (the trainer
+    looks GAE and GRPO up on the module, the others in the registry), every row of `TABLES`.
     `module`: the `core_algos` module to patch (default: import it). Idempotent."""
     module = _core_algos(module)
-    registry = module.ADV_ESTIMATOR_REGISTRY
-    for name, (key, ours) in _PATCHED.items():
-        if (module, name) not in _ORIGINALS:
-            _ORIGINALS[module, name] = (getattr(module, name), registry.get(key))
-        setattr(module, name, ours)
-        registry[key] = ours
+    for registry_name, rows in TABLES.items():
+        registry = getattr(module, registry_name) if registry_name else None
+        for name, key, ours in rows:
+            if (module, name) not in _ORIGINALS:
+                _ORIGINALS[module, name] = (getattr(module, name),
+                                            None if registry is None else registry.get(key))
+            setattr(module, name, ours)
+            if registry is not None:
+                registry[key] = ours
 
 
 def revert_rl_triton(module=None) -> None:
-    """Undo `use_rl_triton`: verl's own functions back on the module and in the registry."""
+    """Undo `use_rl_triton`: verl's own functions back on the module and in its registries."""
     module = _core_algos(module)
-    for name, (key, _) in _PATCHED.items():
-        if (module, name) in _ORIGINALS:
-            fn, registered = _ORIGINALS.pop((module, name))
-            setattr(module, name, fn)
-            if registered is not None:
-                module.ADV_ESTIMATOR_REGISTRY[key] = registered
+    for registry_name, rows in TABLES.items():
+        for name, key, _ in rows:
+            if (module, name) in _ORIGINALS:
+                fn, registered = _ORIGINALS.pop((module, name))
+                setattr(module, name, fn)
+                if registered is not None:
+                    getattr(module, registry_name)[key] = registered
