@@ -377,9 +377,18 @@ def kl_bounds(kind, clamp):
     return -(clamp + 1), clamp + 1
 
 
+def straight_through(value, d):
+    """`value`'s value, with the gradient of d^2 / 2 (d): the "+" kinds of `kl_penalty`. Where d
+    is finite the added term is exactly 0."""
+    half = 0.5 * d * d
+    return value.detach() + (half - half.detach())
+
+
 def kl_penalty(log_probs, ref_log_probs, kind="k3", clamp=None, dtype=torch.float64):
     lp, ref = _prep(dtype, log_probs, ref_log_probs)
     d = lp - ref
+    if kind.endswith("+"):
+        return straight_through(kl_penalty(lp, ref, kind[:-1], clamp, dtype), d)
     if clamp is not None:
         d = d.clamp(*kl_bounds(kind, clamp))  # a NaN stays NaN
     if kind == "k1":

@@ -35,7 +35,7 @@ __all__ = ["compute_gae_advantage_return", "compute_grpo_outcome_advantage",
            "compute_remax_outcome_advantage", "compute_opo_outcome_advantage",
            "compute_gpg_outcome_advantage", "compute_optimal_token_baseline_advantage",
            "compute_multi_turn_optimal_token_baseline_advantage",
-           "compute_gdpo_outcome_advantage", "use_rl_triton", "revert_rl_triton"]
+           "compute_gdpo_outcome_advantage", "kl_penalty", "use_rl_triton", "revert_rl_triton"]
 
 Tensor = torch.Tensor
 # the rl_triton backend these functions call ("auto": the Triton kernels on CUDA, torch on CPU)
@@ -421,6 +421,30 @@ def compute_multi_turn_optimal_token_baseline_advantage(
     return adv * m, returns
 
 
+# verl's kl_penalty names -> (rl_triton.kl_penalty's kind, clamp); verl clamps k3 to +-10 only
+_KL_NAMES = {"kl": ("k1", None), "k1": ("k1", None), "abs": ("abs", None),
+             "mse": ("k2", None), "k2": ("k2", None), "low_var_kl": ("k3", 10.0),
+             "k3": ("k3", 10.0)}
+
+
+def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kl_penalty) -> Tensor:
+    """verl's `kl_penalty`: a per-token KL estimate by name (`kl`/`k1`, `abs`, `mse`/`k2`,
+    `low_var_kl`/`k3`, clamped to +-10), and the straight-through names with a `+` (`k3+`: k3's
+    value, the gradient of k2, d); one `rl_triton.kl_penalty` call, differentiable as verl's.
+    `full` and unknown names raise NotImplementedError, as in verl."""
+    plus = kl_penalty.endswith("+")
+    base = kl_penalty[:-1] if plus else kl_penalty
+    if base not in _KL_NAMES:
+        raise NotImplementedError(f"kl_penalty {kl_penalty!r} (verl's names: "
+                                  f"{sorted(_KL_NAMES)}, each with an optional '+')")
+    kind, clamp = _KL_NAMES[base]
+    # verl's "k2+" is k2: its straight-through gradient is k2's own
+    if plus and kind != "k2":
+        kind += "+"
+    return rl_triton.kl_penalty(logprob, ref_logprob, kind, clamp, backend=backend,
+                                out_dtype=torch.result_type(logprob, ref_logprob))
+
+
 # The switch: (attribute of verl's core_algos, its key in the registry named by the table, ours).
 # Each table is one registry; the policy losses are a second table beside this one.
 ESTIMATORS = [
@@ -446,7 +470,7 @@ ESTIMATORS = [
     ("compute_gdpo_outcome_advantage", "gdpo", compute_gdpo_outcome_advantage),
 ]
 # module functions the trainer calls by name, in no registry
-FUNCTIONS = []
+FUNCTIONS = [("kl_penalty", None, kl_penalty)]
 TABLES = {"ADV_ESTIMATOR_REGISTRY": ESTIMATORS, None: FUNCTIONS}
 _ORIGINALS: dict = {}
 
