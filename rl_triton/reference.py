@@ -448,3 +448,51 @@ def crr_weights(q_values, sampled_q_values, *, beta=1.0, kind="exp", max_weight=
     if kind == "exp":
         return torch.clamp(torch.exp(adv / beta), max=max_weight)
     return torch.where(torch.isnan(adv), adv, (adv > 0).to(dtype))  # NaN stays NaN
+
+
+def rollout_correction(log_probs, rollout_log_probs, mask=None, *, level="token",
+                       mode="truncate", low=None, high=2.0, weight_level=None,
+                       log_ratio_clamp=20.0, cu_seqlens=None, dtype=torch.float64):
+    """One sequence and one token at a time: the statistic s (the token's log-ratio, or the sum
+    or mean of the sequence's), r = exp(clamp(s)), then truncated or gated (semantics §10).
+    Returns (weights, kept mask)."""
+    import math
+    lp, rp = _prep(dtype, log_probs, rollout_log_probs)
+    on = torch.ones_like(lp, dtype=torch.bool) if mask is None else mask != 0
+    weight_level = level if weight_level is None else weight_level
+    if cu_seqlens is None:
+        flat = lp.reshape(-1, lp.shape[-1]) if lp.numel() else lp.reshape(0, max(lp.shape[-1], 0))
+        T = lp.shape[-1]
+        bounds = [(i * T, (i + 1) * T) for i in range(lp.numel() // max(T, 1))] if T else []
+    else:
+        cu = [int(c) for c in cu_seqlens]
+        bounds = list(zip(cu[:-1], cu[1:]))
+    lpf, rpf, onf = lp.reshape(-1), rp.reshape(-1), on.reshape(-1)
+    w = torch.zeros_like(lpf)
+    keep = torch.zeros_like(onf)
+
+    def ratio(s):
+        if log_ratio_clamp is not None:
+            s = min(max(s, -log_ratio_clamp), log_ratio_clamp)
+        return math.exp(s)
+
+    for a, b in bounds:
+        total, count = 0.0, 0
+        for t in range(a, b):
+            if onf[t]:
+                total += float(lpf[t] - rpf[t])
+                count += 1
+        seq = {"sequence": total, "geometric": total / max(count, 1)}
+        for t in range(a, b):
+            if not onf[t]:
+                continue
+            stat = {"token": float(lpf[t] - rpf[t]), **seq}
+            r = ratio(stat[level])
+            if mode == "truncate":
+                w[t] = min(max(r, low) if low is not None else r, high) if high is not None \
+                    else (max(r, low) if low is not None else r)
+                keep[t] = True
+            elif (low is None or r >= low) and (high is None or r <= high):
+                w[t] = ratio(stat[weight_level])
+                keep[t] = True
+    return w.reshape(lp.shape), keep.reshape(lp.shape)

@@ -1,0 +1,140 @@
+"""Rollout correction (semantics §10): importance weights between the trainer's and the rollout
+engine's log-probabilities of the sampled tokens, at token, sequence or geometric-mean level,
+truncated (TIS) or turned into a rejection mask (MIS / IcePop). Torch ops on every device (one
+elementwise pass and one per-sequence sum); `backend="loop"` is `rl_triton.reference`'s
+sequential definition."""
+from __future__ import annotations
+
+import torch
+
+from .. import reference
+from .. import _args
+from .._args import check_backend, check_bool, check_choice, check_out_dtype, check_scalar
+from .._plans import backend_for
+from .outcome import _mask, _values
+
+Tensor = torch.Tensor
+LEVELS = ("token", "sequence", "geometric")
+MODES = ("truncate", "mask")
+
+
+def _bound(name, value):
+    return None if value is None else check_scalar(name, value, high=None, low_open=True)
+
+
+def rollout_correction(log_probs, rollout_log_probs, mask=None, *, level="token",
+                       mode="truncate", low=None, high=2.0, weight_level=None,
+                       log_ratio_clamp=20.0, cu_seqlens=None, check_offsets=True,
+                       backend="auto", out_dtype=torch.float32):
+    """Importance weights for the mismatch between the rollout engine's sampling policy and the
+    trainer's, and the mask of the tokens they keep. Returns `(weights, mask)`.
+
+    With `d = log_probs - rollout_log_probs` (the trainer's log-probability of each sampled
+    token less the engine's) over the positions `mask` sets, a sequence being a row of the
+    `[B, T]` inputs (or a segment of `cu_seqlens`, semantics §7)::
+
+        level="token":      s = d[t]                  (per-token ratio)
+        level="sequence":   s = sum of d over the sequence     (the product of the ratios)
+        level="geometric":  s = mean of d over the sequence    (their geometric mean)
+        r = exp(clamp(s, -log_ratio_clamp, log_ratio_clamp))  (no clamp with None)
+
+        mode="truncate":  w = clamp(r, low, high)       (TIS; no lower bound with low=None)
+        mode="mask":      keep = low <= r <= high       (MIS / IcePop; a bound None is absent)
+                          w = r where keep, else 0, and the returned mask drops the rest
+
+    `weight_level` (mode "mask") is the level of the weight a kept token carries, `level` by
+    default: OpenRLHF's seq-mask-tis gates whole sequences by the geometric mean and keeps each
+    token's own ratio (`level="geometric", weight_level="token"`). Weights are 0 where the
+    returned mask is not set; they are constants of the loss (no gradient, as in every
+    framework: they change the measure, not the objective). The returned mask is bool: `mask`
+    (all set when None) and, in mode "mask", the kept tokens. A sequence without a set position
+    has weight 0 everywhere. A non-finite log-probability at a position `mask` removes reaches
+    no output. docs/llm.md lists the options that reproduce verl's, OpenRLHF's and TRL's.
+
+    Example::
+
+        >>> w, keep = rl_triton.rollout_correction(old_log_probs, rollout_log_probs, mask,
+        ...                                        level="token", mode="mask", low=0.5, high=5.0)
+        >>> loss = (per_token_loss * w * keep).sum() / keep.sum()
+    """
+    backend = check_backend(backend)
+    out_dtype = check_out_dtype(out_dtype)
+    lp = _values("log_probs", log_probs)
+    rp = _values("rollout_log_probs", rollout_log_probs)
+    if rp.device != lp.device:
+        raise ValueError(f"rollout_log_probs is on {rp.device} but log_probs is on {lp.device}")
+    if rp.shape != lp.shape:
+        raise ValueError(f"rollout_log_probs has shape {tuple(rp.shape)}; expected log_probs' "
+                         f"{tuple(lp.shape)}")
+    if mask is not None:
+        mask = _mask(mask, lp.device)
+        if mask.shape != lp.shape:
+            raise ValueError(f"mask has shape {tuple(mask.shape)}; expected log_probs' "
+                             f"{tuple(lp.shape)}")
+    level = check_choice("level", level, LEVELS)
+    mode = check_choice("mode", mode, MODES)
+    weight_level = level if weight_level is None else check_choice("weight_level", weight_level,
+                                                                   LEVELS)
+    if weight_level != level and mode != "mask":
+        raise ValueError("weight_level differs from level only in mode 'mask' (a truncated "
+                         "weight is the gated statistic itself)")
+    low, high = _bound("low", low), _bound("high", high)
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"low={low} is above high={high}")
+    clamp = _bound("log_ratio_clamp", log_ratio_clamp)
+    if cu_seqlens is None:
+        if lp.ndim < 1:
+            raise ValueError("log_probs must have a sequence axis (the last): shape [..., T]")
+    else:
+        if lp.ndim != 1:
+            raise ValueError(f"packed log_probs must have shape [L]; got {tuple(lp.shape)}")
+        cu_seqlens = _args.check_offsets(cu_seqlens, lp.shape[0], lp.device,
+                                         data=check_bool("check_offsets", check_offsets))
+    options = dict(level=level, mode=mode, low=low, high=high, weight_level=weight_level,
+                   log_ratio_clamp=clamp, cu_seqlens=cu_seqlens)
+    with torch.no_grad():
+        if backend_for(backend, lp.device) == "loop":
+            w, keep = reference.rollout_correction(lp, rp, mask, **options)
+        else:
+            w, keep = _torch(lp, rp, mask, **options)
+    return w.to(out_dtype), keep
+
+
+def _torch(lp, rp, mask, *, level, mode, low, high, weight_level, log_ratio_clamp, cu_seqlens):
+    dtype = torch.promote_types(torch.promote_types(lp.dtype, rp.dtype), torch.float32)
+    on = torch.ones_like(lp, dtype=torch.bool) if mask is None else mask != 0
+    d = torch.where(on, lp.to(dtype) - rp.to(dtype), 0.0)  # masked positions reach nothing
+    if cu_seqlens is None:
+        def per_sequence(x):  # sum over each row, broadcast back to its tokens
+            return x.sum(dim=-1, keepdim=True).expand_as(x)
+    else:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=lp.device), lengths,
+                                      output_size=lp.shape[0])
+
+        def per_sequence(x):
+            return x.new_zeros(lengths.numel()).index_add_(0, seg, x)[seg]
+
+    def statistic(lvl):
+        if lvl == "token":
+            return d
+        s = per_sequence(d)
+        if lvl == "geometric":
+            s = s / per_sequence(on.to(dtype)).clamp(min=1)
+        return s
+
+    def ratio(s):
+        return torch.exp(s if log_ratio_clamp is None else s.clamp(-log_ratio_clamp,
+                                                                  log_ratio_clamp))
+
+    r = ratio(statistic(level))
+    if mode == "truncate":
+        w = r if low is None and high is None else r.clamp(min=low, max=high)
+        return torch.where(on, w, 0.0), on
+    keep = on
+    if low is not None:
+        keep = keep & (r >= low)
+    if high is not None:
+        keep = keep & (r <= high)
+    w = r if weight_level == level else ratio(statistic(weight_level))
+    return torch.where(keep, w, 0.0), keep
