@@ -35,7 +35,7 @@ __all__ = ["compute_gae_advantage_return", "compute_grpo_outcome_advantage",
            "compute_remax_outcome_advantage", "compute_opo_outcome_advantage",
            "compute_gpg_outcome_advantage", "compute_optimal_token_baseline_advantage",
            "compute_multi_turn_optimal_token_baseline_advantage",
-           "compute_gdpo_outcome_advantage", "kl_penalty", "use_rl_triton", "revert_rl_triton"]
+           "compute_gdpo_outcome_advantage", "kl_penalty", "compute_rollout_correction_weights", "use_rl_triton", "revert_rl_triton"]
 
 Tensor = torch.Tensor
 # the rl_triton backend these functions call ("auto": the Triton kernels on CUDA, torch on CPU)
@@ -443,6 +443,71 @@ def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kl_penalty) -> Tensor:
         kind += "+"
     return rl_triton.kl_penalty(logprob, ref_logprob, kind, clamp, backend=backend,
                                 out_dtype=torch.result_type(logprob, ref_logprob))
+
+
+def _is_threshold(spec):
+    """verl's `rollout_is_threshold`: a number or "upper" (TIS), or "lower_upper" (IcePop)."""
+    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+        raise TypeError("rollout_is_threshold must be a float or a string threshold specification")
+    if isinstance(spec, str) and "_" in spec.strip():
+        lower, upper = (float(x) for x in spec.strip().split("_", 1))
+    else:
+        lower, upper = None, float(spec)
+    if upper <= 0 or (lower is not None and (lower <= 0 or lower > upper)):
+        raise ValueError(f"Invalid rollout_is_threshold {spec!r}: bounds must be positive, "
+                         "lower <= upper")
+    return lower, upper
+
+
+def compute_rollout_correction_weights(log_ratio: Tensor, response_mask: Tensor,
+                                       rollout_is: str = "token",
+                                       rollout_is_threshold=2.0,
+                                       rollout_is_batch_normalize: bool = False):
+    """verl's `rollout_corr_helper.compute_rollout_correction_weights`: the weights of
+    `rl_triton.rollout_correction` (level token or sequence, verl's safety clamp of the
+    log-ratio at 20; a single threshold truncates, "lower_upper" zeroes the weights outside,
+    IcePop), optionally divided by their mean; the metrics are verl's own, computed from them
+    (`compute_is_metrics`, imported on call). `(weights, metrics)`."""
+    from verl.trainer.ppo import rollout_corr_helper as helper
+    import verl.utils.torch_functional as verl_F
+    if rollout_is not in ("token", "sequence"):
+        raise ValueError(f"Invalid rollout_is: {rollout_is}. Must be one of token, sequence.")
+    lower, upper = _is_threshold(rollout_is_threshold)
+    m = response_mask
+    # verl zeroes the raw weights outside the mask before the lower bound: 0 there either way
+    w, _ = rl_triton.rollout_correction(log_ratio, log_ratio.new_zeros(()).expand_as(log_ratio),
+                                        m, level=rollout_is, mode="truncate" if lower is None
+                                        else "mask", low=lower, high=upper,
+                                        log_ratio_clamp=helper.SAFETY_BOUND, backend=backend)
+    w = w.to(torch.result_type(log_ratio, m))
+    # verl's metrics read the raw (untruncated) weights and the log-ratios
+    if rollout_is == "token":
+        for_metrics = log_ratio
+        raw = torch.exp(log_ratio.clamp(-helper.SAFETY_BOUND, helper.SAFETY_BOUND)) * m
+    else:
+        for_metrics = verl_F.masked_sum(log_ratio, m, axis=-1).unsqueeze(-1)
+        raw = torch.exp(for_metrics.clamp(-helper.SAFETY_BOUND,
+                                          helper.SAFETY_BOUND)).expand_as(log_ratio) * m
+    metrics = helper.compute_is_metrics(rollout_is_weights=w, raw_rollout_is_weights=raw,
+                                        log_ratio_for_metrics=for_metrics, response_mask=m,
+                                        rollout_is=rollout_is, rollout_is_threshold=upper,
+                                        rollout_is_threshold_lower=lower)
+    if lower is not None:
+        oob = (raw < lower) | (raw > upper)
+        metrics["rollout_is_oob_ratio"] = verl_F.masked_mean(oob.float(), m).item()
+    if rollout_is_batch_normalize:
+        if rollout_is == "token":
+            mean = verl_F.masked_mean(w, m)
+        else:
+            seq = verl_F.masked_mean(w, m, axis=-1)
+            seq_mask = (m.sum(dim=-1) > 0).to(w.dtype)
+            mean = (seq * seq_mask).sum() / seq_mask.sum().clamp_min(1e-8)
+        if mean > 1e-8:
+            w = w / mean
+            metrics["rollout_is_batch_norm_factor"] = mean.item()
+        else:
+            metrics["rollout_is_batch_norm_factor"] = 1.0
+    return w, metrics
 
 
 # The switch: (attribute of verl's core_algos, its key in the registry named by the table, ours).
