@@ -450,20 +450,33 @@ def crr_weights(q_values, sampled_q_values, *, beta=1.0, kind="exp", max_weight=
     return torch.where(torch.isnan(adv), adv, (adv > 0).to(dtype))  # NaN stays NaN
 
 
+def rollout_divergence(statistic, d, log_probs, rollout_log_probs, log_ratio_clamp):
+    """The per-token divergence estimates that `rollout_correction` gates on (semantics §10):
+    KL(pi_rollout || pi_trainer) from d = log_probs - rollout_log_probs (clamped), or the
+    sampled token's probabilities p (engine) and q (trainer), clamped into (0, 1)."""
+    if statistic in ("k1", "k2", "k3"):
+        if log_ratio_clamp is not None:
+            d = d.clamp(-log_ratio_clamp, log_ratio_clamp)
+        return {"k1": -d, "k2": 0.5 * d * d, "k3": torch.exp(d) - 1 - d}[statistic]
+    p = rollout_log_probs.exp().clamp(1e-6, 1 - 1e-6)
+    q = log_probs.exp().clamp(1e-6, 1 - 1e-6)
+    if statistic == "binary_kl":
+        return p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+    return (p - q).abs()
+
+
 def rollout_correction(log_probs, rollout_log_probs, mask=None, *, level="token",
-                       mode="truncate", low=None, high=2.0, weight_level=None,
+                       mode="truncate", low=None, high=2.0, statistic="ratio", weight_level=None,
                        log_ratio_clamp=20.0, cu_seqlens=None, dtype=torch.float64):
-    """One sequence and one token at a time: the statistic s (the token's log-ratio, or the sum
-    or mean of the sequence's), r = exp(clamp(s)), then truncated or gated (semantics §10).
-    Returns (weights, kept mask)."""
+    """One sequence and one token at a time: the per-token statistic (the log-ratio, or a
+    divergence), aggregated over the sequence (sum, mean or max of its set positions), the ratio
+    exp(clamp(.)), then truncated or gated (semantics §10). Returns (weights, kept mask)."""
     import math
     lp, rp = _prep(dtype, log_probs, rollout_log_probs)
     on = torch.ones_like(lp, dtype=torch.bool) if mask is None else mask != 0
-    weight_level = level if weight_level is None else weight_level
     if cu_seqlens is None:
-        flat = lp.reshape(-1, lp.shape[-1]) if lp.numel() else lp.reshape(0, max(lp.shape[-1], 0))
         T = lp.shape[-1]
-        bounds = [(i * T, (i + 1) * T) for i in range(lp.numel() // max(T, 1))] if T else []
+        bounds = [(i * T, (i + 1) * T) for i in range(lp.numel() // T)] if T else []
     else:
         cu = [int(c) for c in cu_seqlens]
         bounds = list(zip(cu[:-1], cu[1:]))
@@ -476,23 +489,35 @@ def rollout_correction(log_probs, rollout_log_probs, mask=None, *, level="token"
             s = min(max(s, -log_ratio_clamp), log_ratio_clamp)
         return math.exp(s)
 
+    def token(t):
+        d = lpf[t] - rpf[t]
+        if statistic == "ratio":
+            return float(d)
+        return float(rollout_divergence(statistic, d, lpf[t], rpf[t], log_ratio_clamp))
+
     for a, b in bounds:
-        total, count = 0.0, 0
-        for t in range(a, b):
-            if onf[t]:
-                total += float(lpf[t] - rpf[t])
-                count += 1
-        seq = {"sequence": total, "geometric": total / max(count, 1)}
-        for t in range(a, b):
-            if not onf[t]:
-                continue
-            stat = {"token": float(lpf[t] - rpf[t]), **seq}
-            r = ratio(stat[level])
+        set_ = [t for t in range(a, b) if onf[t]]
+        logr = [float(lpf[t] - rpf[t]) for t in set_]
+        stat = [token(t) for t in set_]
+
+        def levels(xs):
+            return {"sequence": sum(xs), "geometric": sum(xs) / max(len(xs), 1),
+                    "max": max(xs) if xs else 0.0}
+
+        seq_stat, seq_logr = levels(stat), levels(logr)
+        for i, t in enumerate(set_):
+            s = {"token": stat[i], **seq_stat}[level]
+            r = ratio(s) if statistic == "ratio" else s
             if mode == "truncate":
-                w[t] = min(max(r, low) if low is not None else r, high) if high is not None \
-                    else (max(r, low) if low is not None else r)
-                keep[t] = True
+                if low is not None:
+                    r = max(r, low)
+                if high is not None:
+                    r = min(r, high)
+                w[t], keep[t] = r, True
             elif (low is None or r >= low) and (high is None or r <= high):
-                w[t] = ratio(stat[weight_level])
+                if weight_level is None:
+                    w[t] = r if statistic == "ratio" else 1.0
+                else:
+                    w[t] = ratio({"token": logr[i], **seq_logr}[weight_level])
                 keep[t] = True
     return w.reshape(lp.shape), keep.reshape(lp.shape)

@@ -198,9 +198,13 @@ def _rollout(device, B=7, T=13, seed=0):
 
 
 OPTIONS = [dict(level=lv, mode=md, low=lo, high=hi, weight_level=wl, log_ratio_clamp=c)
-           for lv in ("token", "sequence", "geometric") for md in ("truncate", "mask")
+           for lv in ("token", "sequence", "geometric", "max") for md in ("truncate", "mask")
            for lo in (None, 0.7) for hi in (None, 1.3) for c in (20.0, None)
            for wl in ((None, "token") if md == "mask" else (None,))]
+OPTIONS += [dict(level=lv, mode="mask", statistic=st, low=lo, high=0.05, weight_level=wl)
+            for lv in ("token", "sequence", "geometric", "max")
+            for st in ("k1", "k2", "k3", "binary_kl", "tv")
+            for lo in (None, -0.05) for wl in (None, "geometric")]
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=str)
@@ -236,12 +240,7 @@ def test_rollout_correction_errors():
 
 
 def _verl_helper():
-    path = FW.verl.__file__.rsplit("/verl/", 1)[0]
-    sys.path.insert(0, path)
-    try:
-        return importlib.import_module("verl.trainer.ppo.rollout_corr_helper")
-    finally:
-        sys.path.remove(path)
+    return importlib.import_module("verl.trainer.ppo.rollout_corr_helper")
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
@@ -333,3 +332,78 @@ def test_verl_switch_reaches_the_trainer_path(device):
         our_verl.revert_rl_triton(FW.verl)
     want = FW.verl.get_adv_estimator_fn("opo")(token_level_rewards=r, response_mask=m, index=ix)
     assert_same(got[0], want[0], 2e-6)
+
+
+RS = ["token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+      "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",
+      "token_k1,seq_mean_k3"]
+
+
+@pytest.mark.parametrize("options", RS)
+def test_verl_rollout_rejection_mask(options, device):
+    helper = _verl_helper()
+    old, roll, m = _rollout(device)
+    log_ratio = torch.where(m, old - roll, 0.0)
+    thresholds = {"k1": "0.8_1.25", "k2": "0.05", "k3": "0.05"}
+    if "," in options:
+        spec = "0.5_2.0,0.1"
+    elif options.startswith("seq_sum"):
+        spec = {"k1": "0.3_3.0", "k2": "0.4", "k3": "0.4"}[options[-2:]]
+    elif options.startswith("seq_max"):
+        spec = "0.2"
+    else:
+        spec = thresholds[options[-2:]]
+    for dtype in (torch.float32, torch.int64):
+        got, got_metrics = our_verl.compute_rollout_rejection_mask(log_ratio, m.to(dtype),
+                                                                   options, spec)
+        want, want_metrics = helper.compute_rollout_rejection_mask(log_ratio, m.to(dtype),
+                                                                   options, spec)
+        assert torch.equal(got, want) and 0 < got.sum() < m.sum()
+        assert got_metrics.keys() == want_metrics.keys()
+        for k, v in want_metrics.items():
+            assert math.isclose(got_metrics[k], v, rel_tol=1e-5, abs_tol=1e-6), k
+
+
+@pytest.mark.parametrize("gating", ["binary_kl", "tv"])
+@pytest.mark.parametrize("level", ["token", "seq"])
+def test_openrlhf_rollout_correction_divergence_gates(gating, level, device):
+    old, roll, m = _rollout(device)
+    old = torch.where(m, old, -1.0)
+    delta = {"binary_kl": 0.02, "tv": 0.1}[gating]
+    loss = FW.openrlhf_loss.PolicyLoss(is_correction_level=level, is_correction_mode="mask",
+                                       is_correction_gating=gating,
+                                       is_correction_threshold=(0.0, delta))
+    adv = torch.zeros_like(old, requires_grad=True)
+    loss(old, old, adv, m.float(), rollout_log_probs=roll, batch_num_tokens=1.0)[0].backward()
+    w, keep = rl_triton.rollout_correction(
+        old, roll, m, level="token" if level == "token" else "geometric", mode="mask",
+        statistic=gating, low=0.0, high=delta, weight_level="token", log_ratio_clamp=None)
+    assert_same(w, -adv.grad, 2e-6)
+    assert 0 < keep.sum() < m.sum()
+
+
+def test_verl_switch_reaches_rollout_correction(device, monkeypatch):
+    """verl's own `compute_rollout_correction_and_rejection_mask` (what its trainer calls) runs
+    the drop-ins after `use_rl_triton()`, and gives the same weights, mask and metrics."""
+    helper = _verl_helper()
+    # its DataProto wraps the weights in a TensorDict (tensordict is stubbed here): a plain holder
+    monkeypatch.setattr(helper, "DataProto", types.SimpleNamespace(
+        from_dict=lambda tensors: types.SimpleNamespace(batch=tensors)))
+    old, roll, m = _rollout(device)
+    old = torch.where(m, old, -1.0)
+    kw = dict(rollout_is="token", rollout_is_threshold="0.7_1.4", rollout_rs="seq_mean_k3",
+              rollout_rs_threshold=0.1)
+    want = helper.compute_rollout_correction_and_rejection_mask(old, roll, m.float(), **kw)
+    before = (helper.compute_rollout_correction_weights, helper.compute_rollout_rejection_mask)
+    our_verl.use_rl_triton(FW.verl)
+    try:
+        assert helper.compute_rollout_rejection_mask is our_verl.compute_rollout_rejection_mask
+        got = helper.compute_rollout_correction_and_rejection_mask(old, roll, m.float(), **kw)
+    finally:
+        our_verl.revert_rl_triton(FW.verl)
+    assert (helper.compute_rollout_correction_weights,
+            helper.compute_rollout_rejection_mask) == before
+    assert_same(got[0].batch["rollout_is_weights"], want[0].batch["rollout_is_weights"], 2e-6)
+    assert torch.equal(got[1], want[1])
+    for k, v in want[2].items():
+        assert math.isclose(got[2][k], v, rel_tol=1e-5, abs_tol=1e-6), k

@@ -35,7 +35,7 @@ __all__ = ["compute_gae_advantage_return", "compute_grpo_outcome_advantage",
            "compute_remax_outcome_advantage", "compute_opo_outcome_advantage",
            "compute_gpg_outcome_advantage", "compute_optimal_token_baseline_advantage",
            "compute_multi_turn_optimal_token_baseline_advantage",
-           "compute_gdpo_outcome_advantage", "kl_penalty", "compute_rollout_correction_weights", "use_rl_triton", "revert_rl_triton"]
+           "compute_gdpo_outcome_advantage", "kl_penalty", "compute_rollout_correction_weights", "compute_rollout_rejection_mask", "use_rl_triton", "revert_rl_triton"]
 
 Tensor = torch.Tensor
 # the rl_triton backend these functions call ("auto": the Triton kernels on CUDA, torch on CPU)
@@ -510,6 +510,82 @@ def compute_rollout_correction_weights(log_ratio: Tensor, response_mask: Tensor,
     return w, metrics
 
 
+def compute_rollout_rejection_mask(log_ratio: Tensor, response_mask: Tensor,
+                                   rollout_rs: str = "token_k1", rollout_rs_threshold=None):
+    """verl's `rollout_corr_helper.compute_rollout_rejection_mask`: every option of the comma
+    separated `rollout_rs` (`token_k1`..`seq_max_k3`) one `rl_triton.rollout_correction` call
+    (statistic k1/k2/k3, level token / sequence / geometric / max, mode "mask"; k1's bounds are
+    ratio bounds, compared in log space), the kept masks and-ed into `response_mask`; the
+    metrics are verl's own (`compute_rs_metrics`, imported on call). `(mask, metrics)`."""
+    import math
+    from verl.trainer.ppo import rollout_corr_helper as helper
+    import verl.utils.torch_functional as verl_F
+    if rollout_rs is None or not isinstance(rollout_rs, str):
+        raise ValueError("rollout_rs must be a non-empty string (comma separated options)")
+    if rollout_rs_threshold is None:
+        raise ValueError("rollout_rs_threshold must be provided for rejection sampling.")
+    if log_ratio.shape[0] == 0:
+        return response_mask, {}
+    options = list(dict.fromkeys(o.strip() for o in rollout_rs.split(",") if o.strip()))
+    if not options:
+        raise ValueError("rollout_rs must contain at least one valid option.")
+    for o in options:
+        if o not in helper.SUPPORTED_ROLLOUT_RS_OPTIONS:
+            raise ValueError(f"Invalid rollout_rs option: {o}. Must be one of "
+                             f"{sorted(helper.SUPPORTED_ROLLOUT_RS_OPTIONS)}.")
+    thresholds = helper._parse_rollout_rs_thresholds(options, rollout_rs_threshold)
+    m = response_mask
+    m_bool = m.bool()
+    seq_valid = m.sum(dim=-1) > 0
+    zeros = log_ratio.new_zeros(()).expand_as(log_ratio)
+    safe = log_ratio.clamp(-helper.SAFETY_BOUND, helper.SAFETY_BOUND)
+    per_token = {"k1": -safe, "k2": 0.5 * safe ** 2, "k3": torch.exp(safe) - 1.0 - safe}
+    combined = torch.ones_like(m, dtype=log_ratio.dtype)
+    metrics = {}
+    levels = {"token": "token", "seq_sum": "sequence", "seq_mean": "geometric",
+              "seq_max": "max"}
+    for o in options:
+        prefix, k = o.rsplit("_", 1)
+        lower, upper = thresholds[o]["lower"], thresholds[o]["upper"]
+        if k == "k1":
+            lower, upper = math.log(lower), math.log(upper)
+        _, keep = rl_triton.rollout_correction(log_ratio, zeros, m, level=levels[prefix],
+                                               mode="mask", statistic=k, low=lower, high=upper,
+                                               log_ratio_clamp=helper.SAFETY_BOUND,
+                                               backend=backend)
+        # verl's keep is the test alone, outside the mask too
+        token_keep = keep | ~m_bool
+        seq_stat = None
+        stat = per_token[k]
+        if prefix != "token":
+            if prefix == "seq_sum":
+                seq_stat = verl_F.masked_sum(stat, m, axis=-1)
+            elif prefix == "seq_mean":
+                seq_stat = verl_F.masked_mean(stat, m, axis=-1)
+            else:
+                seq_stat = stat.masked_fill(~m_bool, -torch.inf).max(dim=-1).values
+                seq_stat = torch.where(seq_stat == -torch.inf, 0.0, seq_stat)
+            stat = seq_stat.unsqueeze(-1).expand_as(m)
+        keep_f = token_keep.to(log_ratio.dtype)
+        combined = combined * keep_f
+        metrics.update(helper.compute_rs_metrics(
+            option_name=o, rs_statistic=stat, response_mask=m, seq_valid_mask=seq_valid,
+            level="token" if prefix == "token" else "sequence",
+            per_sequence_values=seq_stat, rollout_rs_threshold=upper,
+            rollout_rs_threshold_lower=lower if k == "k1" else 0.0,
+            apply_lower_threshold=k == "k1"))
+        metrics[f"rollout_rs_{o}_masked_fraction"] = verl_F.masked_mean(1 - keep_f, m).item()
+        seq_keep = (~(~token_keep & m_bool)).all(dim=-1)
+        valid = seq_valid.float()
+        metrics[f"rollout_rs_{o}_seq_masked_fraction"] = (
+            (((1.0 - seq_keep.to(log_ratio.dtype)) * valid).sum() / valid.sum()).item()
+            if valid.sum() > 0 else 0.0)
+    metrics["rollout_rs_masked_fraction"] = verl_F.masked_mean(1 - combined, m).item()
+    final = (combined > 0.5) & m_bool
+    metrics["rollout_rs_seq_masked_fraction"] = (~final & m_bool).any(dim=-1).float().mean().item()
+    return (m * combined).to(m.dtype), metrics
+
+
 # The switch: (attribute of verl's core_algos, its key in the registry named by the table, ours).
 # Each table is one registry; the policy losses are a second table beside this one.
 ESTIMATORS = [
@@ -537,6 +613,10 @@ ESTIMATORS = [
 # module functions the trainer calls by name, in no registry
 FUNCTIONS = [("kl_penalty", None, kl_penalty)]
 TABLES = {"ADV_ESTIMATOR_REGISTRY": ESTIMATORS, None: FUNCTIONS}
+# functions of verl's rollout_corr_helper (its compute_rollout_correction_and_rejection_mask,
+# which the trainer calls, looks them up there)
+ROLLOUT_CORRECTION = [("compute_rollout_correction_weights", compute_rollout_correction_weights),
+                      ("compute_rollout_rejection_mask", compute_rollout_rejection_mask)]
 _ORIGINALS: dict = {}
 
 
@@ -546,10 +626,17 @@ def _core_algos(module):
     return module
 
 
+def _helper(module):
+    """verl's `rollout_corr_helper`, beside `module` (core_algos)."""
+    import importlib
+    return importlib.import_module(module.__name__.rsplit(".", 1)[0] + ".rollout_corr_helper")
+
+
 def use_rl_triton(module=None) -> None:
     """Point verl's `core_algos` functions and registries at the functions above (the trainer
-    looks GAE and GRPO up on the module, the others in the registry), every row of `TABLES`.
-    `module`: the `core_algos` module to patch (default: import it). Idempotent."""
+    looks GAE and GRPO up on the module, the others in the registry), every row of `TABLES`,
+    and the rollout-correction functions of its `rollout_corr_helper`. `module`: the
+    `core_algos` module to patch (default: import it). Idempotent."""
     module = _core_algos(module)
     for registry_name, rows in TABLES.items():
         registry = getattr(module, registry_name) if registry_name else None
@@ -560,10 +647,14 @@ def use_rl_triton(module=None) -> None:
             setattr(module, name, ours)
             if registry is not None:
                 registry[key] = ours
+    helper = _helper(module)
+    for name, ours in ROLLOUT_CORRECTION:
+        _ORIGINALS.setdefault((helper, name), (getattr(helper, name), None))
+        setattr(helper, name, ours)
 
 
 def revert_rl_triton(module=None) -> None:
-    """Undo `use_rl_triton`: verl's own functions back on the module and in its registries."""
+    """Undo `use_rl_triton`: verl's own functions back on its modules and in its registries."""
     module = _core_algos(module)
     for registry_name, rows in TABLES.items():
         for name, key, _ in rows:
@@ -572,3 +663,7 @@ def revert_rl_triton(module=None) -> None:
                 setattr(module, name, fn)
                 if registered is not None:
                     getattr(module, registry_name)[key] = registered
+    helper = _helper(module)
+    for name, _ in ROLLOUT_CORRECTION:
+        if (helper, name) in _ORIGINALS:
+            setattr(helper, name, _ORIGINALS.pop((helper, name))[0])

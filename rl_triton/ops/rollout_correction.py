@@ -5,6 +5,8 @@ elementwise pass and one per-sequence sum); `backend="loop"` is `rl_triton.refer
 sequential definition."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import reference
@@ -14,42 +16,50 @@ from .._plans import backend_for
 from .outcome import _mask, _values
 
 Tensor = torch.Tensor
-LEVELS = ("token", "sequence", "geometric")
+LEVELS = ("token", "sequence", "geometric", "max")
 MODES = ("truncate", "mask")
+STATISTICS = ("ratio", "k1", "k2", "k3", "binary_kl", "tv")
 
 
-def _bound(name, value):
-    return None if value is None else check_scalar(name, value, high=None, low_open=True)
+def _bound(name, value, low=-math.inf):
+    return None if value is None else check_scalar(name, value, low=low, high=None)
 
 
 def rollout_correction(log_probs, rollout_log_probs, mask=None, *, level="token",
-                       mode="truncate", low=None, high=2.0, weight_level=None,
-                       log_ratio_clamp=20.0, cu_seqlens=None, check_offsets=True,
-                       backend="auto", out_dtype=torch.float32):
+                       mode="truncate", low=None, high=2.0, statistic="ratio",
+                       weight_level=None, log_ratio_clamp=20.0, cu_seqlens=None,
+                       check_offsets=True, backend="auto", out_dtype=torch.float32):
     """Importance weights for the mismatch between the rollout engine's sampling policy and the
     trainer's, and the mask of the tokens they keep. Returns `(weights, mask)`.
 
     With `d = log_probs - rollout_log_probs` (the trainer's log-probability of each sampled
     token less the engine's) over the positions `mask` sets, a sequence being a row of the
-    `[B, T]` inputs (or a segment of `cu_seqlens`, semantics §7)::
+    `[..., T]` inputs (or a segment of `cu_seqlens`, semantics §7), `statistic="ratio"`::
 
-        level="token":      s = d[t]                  (per-token ratio)
+        level="token":      s = d[t]                           (the token's own ratio)
         level="sequence":   s = sum of d over the sequence     (the product of the ratios)
         level="geometric":  s = mean of d over the sequence    (their geometric mean)
+        level="max":        s = max of d over the sequence
         r = exp(clamp(s, -log_ratio_clamp, log_ratio_clamp))  (no clamp with None)
 
-        mode="truncate":  w = clamp(r, low, high)       (TIS; no lower bound with low=None)
+        mode="truncate":  w = clamp(r, low, high)       (TIS; a bound None is absent)
         mode="mask":      keep = low <= r <= high       (MIS / IcePop; a bound None is absent)
                           w = r where keep, else 0, and the returned mask drops the rest
 
-    `weight_level` (mode "mask") is the level of the weight a kept token carries, `level` by
-    default: OpenRLHF's seq-mask-tis gates whole sequences by the geometric mean and keeps each
-    token's own ratio (`level="geometric", weight_level="token"`). Weights are 0 where the
-    returned mask is not set; they are constants of the loss (no gradient, as in every
-    framework: they change the measure, not the objective). The returned mask is bool: `mask`
-    (all set when None) and, in mode "mask", the kept tokens. A sequence without a set position
-    has weight 0 everywhere. A non-finite log-probability at a position `mask` removes reaches
-    no output. docs/llm.md lists the options that reproduce verl's, OpenRLHF's and TRL's.
+    A divergence `statistic` gates (mode "mask") on a per-token estimate of
+    KL(pi_rollout || pi_trainer) instead, with d clamped to +-log_ratio_clamp first: "k1" -d,
+    "k2" d^2 / 2, "k3" exp(d) - 1 - d; or on the sampled token's probabilities p (engine) and
+    q (trainer), both clamped to [1e-6, 1 - 1e-6]: "binary_kl" p log(p/q) + (1-p) log((1-p) /
+    (1-q)), "tv" |p - q|; aggregated by `level` (sum, mean or max over the sequence) and
+    compared with [low, high] as it is (no exp). `weight_level` is the level of the ratio a kept
+    token carries: by default the gated ratio itself (`statistic="ratio"`) or 1 (a divergence);
+    OpenRLHF's seq-mask-tis gates whole sequences by the geometric mean and keeps each token's
+    own ratio (`level="geometric", weight_level="token"`). Weights are 0 where the returned
+    mask is not set; they are constants of the loss (no gradient, as in every framework: they
+    change the measure, not the objective). The returned mask is bool: `mask` (all set when
+    None) and, in mode "mask", the kept tokens. A sequence without a set position gets 0 for its
+    sum, mean and max. A non-finite log-probability at a position `mask` removes reaches no
+    output. docs/llm.md lists the options that reproduce verl's, OpenRLHF's and TRL's.
 
     Example::
 
@@ -73,15 +83,18 @@ def rollout_correction(log_probs, rollout_log_probs, mask=None, *, level="token"
                              f"{tuple(lp.shape)}")
     level = check_choice("level", level, LEVELS)
     mode = check_choice("mode", mode, MODES)
-    weight_level = level if weight_level is None else check_choice("weight_level", weight_level,
-                                                                   LEVELS)
-    if weight_level != level and mode != "mask":
-        raise ValueError("weight_level differs from level only in mode 'mask' (a truncated "
-                         "weight is the gated statistic itself)")
+    statistic = check_choice("statistic", statistic, STATISTICS)
+    if weight_level is not None:
+        weight_level = check_choice("weight_level", weight_level, LEVELS[:3])
+        if mode != "mask":
+            raise ValueError("weight_level is for mode 'mask' (a truncated weight is the gated "
+                             "ratio itself)")
+    if statistic != "ratio" and mode != "mask":
+        raise ValueError(f"statistic={statistic!r} gates tokens: it needs mode='mask'")
     low, high = _bound("low", low), _bound("high", high)
     if low is not None and high is not None and low > high:
         raise ValueError(f"low={low} is above high={high}")
-    clamp = _bound("log_ratio_clamp", log_ratio_clamp)
+    clamp = _bound("log_ratio_clamp", log_ratio_clamp, low=0.0)
     if cu_seqlens is None:
         if lp.ndim < 1:
             raise ValueError("log_probs must have a sequence axis (the last): shape [..., T]")
@@ -90,8 +103,8 @@ def rollout_correction(log_probs, rollout_log_probs, mask=None, *, level="token"
             raise ValueError(f"packed log_probs must have shape [L]; got {tuple(lp.shape)}")
         cu_seqlens = _args.check_offsets(cu_seqlens, lp.shape[0], lp.device,
                                          data=check_bool("check_offsets", check_offsets))
-    options = dict(level=level, mode=mode, low=low, high=high, weight_level=weight_level,
-                   log_ratio_clamp=clamp, cu_seqlens=cu_seqlens)
+    options = dict(level=level, mode=mode, low=low, high=high, statistic=statistic,
+                   weight_level=weight_level, log_ratio_clamp=clamp, cu_seqlens=cu_seqlens)
     with torch.no_grad():
         if backend_for(backend, lp.device) == "loop":
             w, keep = reference.rollout_correction(lp, rp, mask, **options)
@@ -100,34 +113,50 @@ def rollout_correction(log_probs, rollout_log_probs, mask=None, *, level="token"
     return w.to(out_dtype), keep
 
 
-def _torch(lp, rp, mask, *, level, mode, low, high, weight_level, log_ratio_clamp, cu_seqlens):
+def _torch(lp, rp, mask, *, level, mode, low, high, statistic, weight_level, log_ratio_clamp,
+           cu_seqlens):
     dtype = torch.promote_types(torch.promote_types(lp.dtype, rp.dtype), torch.float32)
     on = torch.ones_like(lp, dtype=torch.bool) if mask is None else mask != 0
-    d = torch.where(on, lp.to(dtype) - rp.to(dtype), 0.0)  # masked positions reach nothing
+    lp, rp = torch.where(on, lp.to(dtype), 0.0), torch.where(on, rp.to(dtype), 0.0)
+    d = lp - rp  # masked positions reach nothing: 0 there
     if cu_seqlens is None:
-        def per_sequence(x):  # sum over each row, broadcast back to its tokens
-            return x.sum(dim=-1, keepdim=True).expand_as(x)
+        def reduce(x, how):  # over each row, broadcast back to its tokens
+            if how == "sum":
+                r = x.sum(dim=-1, keepdim=True)
+            else:
+                r = torch.where(on, x, -torch.inf).amax(dim=-1, keepdim=True)
+            return r.expand_as(x)
     else:
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=lp.device), lengths,
                                       output_size=lp.shape[0])
 
-        def per_sequence(x):
-            return x.new_zeros(lengths.numel()).index_add_(0, seg, x)[seg]
+        def reduce(x, how):
+            if how == "sum":
+                return x.new_zeros(lengths.numel()).index_add_(0, seg, x)[seg]
+            return x.new_full((lengths.numel(),), -torch.inf).scatter_reduce(
+                0, seg, torch.where(on, x, -torch.inf), "amax")[seg]
 
-    def statistic(lvl):
+    def aggregate(x, lvl):
         if lvl == "token":
-            return d
-        s = per_sequence(d)
+            return x
+        if lvl == "max":
+            m = reduce(x, "max")
+            return torch.where(m == -torch.inf, 0.0, m)  # a sequence without a set position
+        s = reduce(x, "sum")
         if lvl == "geometric":
-            s = s / per_sequence(on.to(dtype)).clamp(min=1)
+            s = s / reduce(on.to(dtype), "sum").clamp(min=1)
         return s
 
     def ratio(s):
         return torch.exp(s if log_ratio_clamp is None else s.clamp(-log_ratio_clamp,
                                                                   log_ratio_clamp))
 
-    r = ratio(statistic(level))
+    if statistic == "ratio":
+        r = ratio(aggregate(d, level))
+    else:
+        r = aggregate(torch.where(on, reference.rollout_divergence(statistic, d, lp, rp,
+                                                                   log_ratio_clamp), 0.0), level)
     if mode == "truncate":
         w = r if low is None and high is None else r.clamp(min=low, max=high)
         return torch.where(on, w, 0.0), on
@@ -136,5 +165,8 @@ def _torch(lp, rp, mask, *, level, mode, low, high, weight_level, log_ratio_clam
         keep = keep & (r >= low)
     if high is not None:
         keep = keep & (r <= high)
-    w = r if weight_level == level else ratio(statistic(weight_level))
+    if weight_level is None:
+        w = r if statistic == "ratio" else torch.ones_like(r)
+    else:
+        w = ratio(aggregate(d, weight_level))
     return torch.where(keep, w, 0.0), keep
