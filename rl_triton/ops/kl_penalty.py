@@ -1,5 +1,6 @@
 """KL penalties per position (semantics §9): Schulman's estimators k1, k2, k3 and |d|, optionally
-clamped; one elementwise kernel forward, one backward."""
+clamped, and their straight-through "+" kinds (semantics §9); one elementwise kernel forward, one
+backward."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
