@@ -224,6 +224,22 @@ def test_rollout_correction_reference_and_packed(options, device):
     assert torch.equal(kp.reshape(B, T), keep) and torch.allclose(wp.reshape(B, T), w)
 
 
+@pytest.mark.parametrize("options", OPTIONS[::5], ids=str)
+def test_rollout_correction_kernel(options, device):
+    """The kernel (the interpreter on CPU) against the torch backend, rows and packed."""
+    old, roll, m = _rollout(device, B=5, T=37)
+    want = rl_triton.rollout_correction(old, roll, m, backend="torch", **options)
+    got = rl_triton.rollout_correction(old, roll, m, backend="triton", **options)
+    assert torch.equal(got[1], want[1]) and got[0].dtype == torch.float32
+    assert (got[0] - want[0]).abs().max() <= 1e-5 * max(1, want[0].abs().max())
+    B, T = m.shape
+    cu = torch.tensor([0, T, T, 2 * T, 3 * T, 4 * T, 5 * T], device=device)
+    wp, kp = rl_triton.rollout_correction(old.reshape(-1), roll.reshape(-1), m.reshape(-1).int(),
+                                          cu_seqlens=cu, backend="triton", **options)
+    assert torch.equal(kp.reshape(B, T), want[1])
+    assert (wp.reshape(B, T) - want[0]).abs().max() <= 1e-5 * max(1, want[0].abs().max())
+
+
 def test_rollout_correction_errors():
     old, roll, m = _rollout("cpu")
     with pytest.raises(ValueError, match="level"):

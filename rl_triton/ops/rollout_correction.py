@@ -1,8 +1,8 @@
 """Rollout correction (semantics §10): importance weights between the trainer's and the rollout
 engine's log-probabilities of the sampled tokens, at token, sequence or geometric-mean level,
-truncated (TIS) or turned into a rejection mask (MIS / IcePop). Torch ops on every device (one
-elementwise pass and one per-sequence sum); `backend="loop"` is `rl_triton.reference`'s
-sequential definition."""
+truncated (TIS) or turned into a rejection mask (MIS / IcePop). On CUDA one kernel, one program
+per sequence (a pass for the sequence's sums where the level needs them, a pass that writes);
+torch ops elsewhere; `backend="loop"` is `rl_triton.reference`'s sequential definition."""
 from __future__ import annotations
 
 import math
@@ -13,6 +13,8 @@ from .. import reference
 from .. import _args
 from .._args import check_backend, check_bool, check_choice, check_out_dtype, check_scalar
 from .._plans import backend_for
+from ..scan.jit import tl, triton
+from . import _losses as L
 from .outcome import _mask, _values
 
 Tensor = torch.Tensor
@@ -106,8 +108,11 @@ def rollout_correction(log_probs, rollout_log_probs, mask=None, *, level="token"
     options = dict(level=level, mode=mode, low=low, high=high, statistic=statistic,
                    weight_level=weight_level, log_ratio_clamp=clamp, cu_seqlens=cu_seqlens)
     with torch.no_grad():
-        if backend_for(backend, lp.device) == "loop":
+        chosen = backend_for(backend, lp.device)
+        if chosen == "loop":
             w, keep = reference.rollout_correction(lp, rp, mask, **options)
+        elif chosen == "triton":
+            return _triton(lp, rp, mask, out_dtype=out_dtype, **options)
         else:
             w, keep = _torch(lp, rp, mask, **options)
     return w.to(out_dtype), keep
@@ -170,3 +175,150 @@ def _torch(lp, rp, mask, *, level, mode, low, high, statistic, weight_level, log
     else:
         w = ratio(aggregate(d, weight_level))
     return torch.where(keep, w, 0.0), keep
+
+
+# ---- the kernel ------------------------------------------------------------------------------
+
+# constexpr codes: LEVEL / WLEVEL index LEVELS (WLEVEL -1: no weight level), STAT STATISTICS
+@triton.jit
+def _statistic(d, lp, rp, on, clamp, STAT: tl.constexpr, HAS_CLAMP: tl.constexpr):
+    """The per-token statistic (0 where `on` is not set): the log-ratio, or a divergence."""
+    if STAT == 0:
+        x = d
+    elif STAT <= 3:
+        if HAS_CLAMP:
+            d = L.clamp(d, -clamp, clamp)
+        if STAT == 1:
+            x = -d
+        elif STAT == 2:
+            x = 0.5 * d * d
+        else:
+            x = tl.exp(d) - 1.0 - d
+    else:
+        p = L.clamp(tl.exp(rp), 1e-6, 1.0 - 1e-6)
+        q = L.clamp(tl.exp(lp), 1e-6, 1.0 - 1e-6)
+        if STAT == 4:
+            x = p * tl.log(p / q) + (1.0 - p) * tl.log((1.0 - p) / (1.0 - q))
+        else:
+            x = tl.abs(p - q)
+    return tl.where(on, x, 0.0)
+
+
+@triton.jit
+def _level(s_sum, n, s_max, LEVEL: tl.constexpr):
+    """The sequence's aggregate: sum, mean (0 without a set position) or max (0 likewise)."""
+    if LEVEL == 1:
+        return s_sum
+    elif LEVEL == 2:
+        return s_sum / tl.maximum(n, 1.0)
+    else:
+        return tl.where(s_max == -float("inf"), 0.0, s_max)
+
+
+@triton.jit
+def _exp(s, clamp, HAS_CLAMP: tl.constexpr):
+    if HAS_CLAMP:
+        s = L.clamp(s, -clamp, clamp)
+    return tl.exp(s)
+
+
+@triton.jit
+def rollout_kernel(lp_ptr, rp_ptr, mask_ptr, w_ptr, keep_ptr, cu_ptr, T, low, high, clamp,
+                   LEVEL: tl.constexpr, WLEVEL: tl.constexpr, STAT: tl.constexpr,
+                   TRUNCATE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_LOW: tl.constexpr,
+                   HAS_HIGH: tl.constexpr, HAS_CLAMP: tl.constexpr, PACKED: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    if PACKED:
+        a = tl.load(cu_ptr + pid).to(tl.int64)
+        b = tl.load(cu_ptr + pid + 1).to(tl.int64)
+    else:
+        a = pid * T
+        b = a + T
+    lanes = tl.arange(0, BLOCK)
+    x_sum = tl.zeros([BLOCK], tl.float32)
+    d_sum = tl.zeros([BLOCK], tl.float32)
+    count = tl.zeros([BLOCK], tl.float32)
+    x_max = tl.full([BLOCK], -float("inf"), tl.float32)
+    if LEVEL != 0 or WLEVEL > 0:  # pass 1: the sequence's sums
+        for start in range(a, b, BLOCK):
+            i = start + lanes
+            on = i < b
+            if HAS_MASK:
+                on = on & (tl.load(mask_ptr + i, mask=on, other=0) != 0)
+            lp = tl.where(on, tl.load(lp_ptr + i, mask=on, other=0.0).to(tl.float32), 0.0)
+            rp = tl.where(on, tl.load(rp_ptr + i, mask=on, other=0.0).to(tl.float32), 0.0)
+            d = lp - rp
+            x = _statistic(d, lp, rp, on, clamp, STAT, HAS_CLAMP)
+            x_sum += x
+            d_sum += d
+            count += on.to(tl.float32)
+            x_max = tl.maximum(x_max, tl.where(on, x, -float("inf")))
+    n = tl.sum(count, 0)
+    seq_x = _level(tl.sum(x_sum, 0), n, tl.max(x_max, 0), LEVEL)
+    seq_d = _level(tl.sum(d_sum, 0), n, tl.max(x_max, 0), WLEVEL)
+    for start in range(a, b, BLOCK):  # pass 2: the weights and the kept tokens
+        i = start + lanes
+        inb = i < b
+        on = inb
+        if HAS_MASK:
+            on = on & (tl.load(mask_ptr + i, mask=inb, other=0) != 0)
+        lp = tl.where(on, tl.load(lp_ptr + i, mask=on, other=0.0).to(tl.float32), 0.0)
+        rp = tl.where(on, tl.load(rp_ptr + i, mask=on, other=0.0).to(tl.float32), 0.0)
+        d = lp - rp
+        if LEVEL == 0:
+            s = _statistic(d, lp, rp, on, clamp, STAT, HAS_CLAMP)
+        else:
+            s = tl.zeros([BLOCK], tl.float32) + seq_x
+        if STAT == 0:
+            r = _exp(s, clamp, HAS_CLAMP)
+        else:
+            r = s
+        keep = on
+        if TRUNCATE:
+            w = r
+            if HAS_LOW:
+                w = L.maximum(w, low)
+            if HAS_HIGH:
+                w = L.minimum(w, high)
+        else:
+            if HAS_LOW:
+                keep = keep & (r >= low)
+            if HAS_HIGH:
+                keep = keep & (r <= high)
+            if WLEVEL < 0:
+                if STAT == 0:
+                    w = r
+                else:
+                    w = tl.full([BLOCK], 1.0, tl.float32)
+            elif WLEVEL == 0:
+                w = _exp(d, clamp, HAS_CLAMP)
+            else:
+                w = _exp(tl.zeros([BLOCK], tl.float32) + seq_d, clamp, HAS_CLAMP)
+        tl.store(w_ptr + i, tl.where(keep, w, 0.0).to(w_ptr.dtype.element_ty), mask=inb)
+        tl.store(keep_ptr + i, keep.to(tl.uint8), mask=inb)
+
+
+def _triton(lp, rp, mask, *, out_dtype, level, mode, low, high, statistic, weight_level,
+            log_ratio_clamp, cu_seqlens):
+    shape = lp.shape
+    lp, rp = lp.contiguous().reshape(-1), rp.contiguous().reshape(-1)
+    if mask is not None:
+        mask = mask.contiguous().reshape(-1)
+        mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    w = torch.empty(lp.shape, dtype=out_dtype, device=lp.device)
+    keep = torch.empty(lp.shape, dtype=torch.uint8, device=lp.device)
+    T = shape[-1] if cu_seqlens is None else 0
+    programs = (lp.numel() // T if T else 0) if cu_seqlens is None else cu_seqlens.numel() - 1
+    if lp.numel():
+        L.launch(rollout_kernel, programs, lp, rp, lp if mask is None else mask, w, keep,
+                 lp if cu_seqlens is None else cu_seqlens, T,
+                 0.0 if low is None else low, 0.0 if high is None else high,
+                 0.0 if log_ratio_clamp is None else log_ratio_clamp,
+                 LEVEL=LEVELS.index(level),
+                 WLEVEL=-1 if weight_level is None else LEVELS.index(weight_level),
+                 STAT=STATISTICS.index(statistic), TRUNCATE=mode == "truncate",
+                 HAS_MASK=mask is not None, HAS_LOW=low is not None, HAS_HIGH=high is not None,
+                 HAS_CLAMP=log_ratio_clamp is not None, PACKED=cu_seqlens is not None,
+                 BLOCK=L.block(min(T or lp.numel(), 1024)), num_warps=4)
+    return w.reshape(shape), keep.view(torch.bool).reshape(shape)
