@@ -225,7 +225,7 @@ def _experiences(B, T, device, chunks=2, seed=0, kind="padded"):
 
 
 @pytest.mark.parametrize("estimator", ["gae", "reinforce", "reinforce_baseline", "rloo",
-                                       "group_norm", "dr_grpo"])
+                                       "group_norm", "dr_grpo", "flash_reinforce"])
 def test_openrlhf_pipeline_with_use_rl_triton(estimator, backend, device):
     """OpenRLHF's own `compute_advantages_and_returns` (shaping, KL, whitening) gives the same
     advantages and returns with its methods replaced by ours."""

@@ -1,4 +1,5 @@
-"""OpenRLHF integration: its GAE and cumulative returns, one rl_triton call each.
+"""OpenRLHF integration: its GAE and cumulative returns, one rl_triton call each, and its KL
+estimator `compute_approx_kl` on rl_triton's `kl_penalty`.
 
 OpenRLHF (checked against 0.11.2, `openrlhf/trainer/ppo_utils/experience_maker.py`) computes them
 in `RemoteExperienceMaker` with a Python loop over the response's tokens; these functions have the
@@ -6,6 +7,11 @@ methods' signatures (`self` first) and outputs::
 
     from rl_triton.integrations.openrlhf import use_rl_triton
     use_rl_triton()          # RemoteExperienceMaker's methods are now these; revert_rl_triton() undoes it
+
+Its estimators (`reinforce`, `reinforce_baseline`, `rloo`, `group_norm`, `dr_grpo`,
+`flash_reinforce`, `gae`) are branches of `RemoteExperienceMaker.compute_advantages_and_returns`,
+whose group baselines are tensor ops already and whose token loops are the two methods replaced
+here.
 
 OpenRLHF's semantics are kept exactly, and they are not semantics §7's `mask`: it zeroes rewards and
 values at masked tokens and keeps stepping through them, so a masked span inside a response (a

@@ -1,13 +1,18 @@
-"""verl integration: its advantage estimators, one rl_triton call each, same signatures and outputs.
+"""verl integration: every advantage estimator of its registry, its KL penalties and its rollout
+correction, rl_triton calls with verl's signatures and outputs.
 
-verl (checked against 0.9.1, `verl/trainer/ppo/core_algos.py`) computes token-level GAE and
-REINFORCE++ returns with a Python loop over the response's tokens, a dozen kernel launches per
-token; these functions give the same results from the scan kernels::
+verl (checked against 0.9.1, `verl/trainer/ppo/core_algos.py` and `rollout_corr_helper.py`)
+computes token-level GAE and REINFORCE++ returns with a Python loop over the response's tokens,
+and most group estimators with a Python loop over the responses; these functions give the same
+results from the scan kernels, the group kernel and torch segment reductions (docs/llm.md, "The
+zoo", says which entry runs where)::
 
     from rl_triton.integrations.verl import use_rl_triton
     use_rl_triton()          # verl's trainer now calls the functions below; revert_rl_triton() undoes it
 
 or call them directly, in place of `core_algos.compute_gae_advantage_return` and the others.
+The switch is a table per registry (`ESTIMATORS`; `FUNCTIONS`, the module functions the trainer
+calls by name; `ROLLOUT_CORRECTION`, in `rollout_corr_helper`): one row per entry.
 
 verl's semantics are kept exactly, where they go beyond semantics §7:
 - GAE skips masked tokens (the semantics' `mask`), and its outputs at masked tokens are verl's: the
@@ -16,9 +21,11 @@ verl's semantics are kept exactly, where they go beyond semantics §7:
   padding is not 0);
 - whitening is verl's `masked_whiten` (unbiased variance, eps 1e-8), which raises `ValueError` when
   fewer than two tokens are masked in;
-- GRPO divides a lone response's score by 1 + epsilon (verl's group of one has std 1).
+- GRPO divides a lone response's score by 1 + epsilon (verl's group of one has std 1); RLOO keeps
+  a lone response's score, its vectorized version gives it 0;
+- ReMax, OTB and TIR-OTB sum rewards to go through masked tokens (zero-reward steps), as verl does.
 Masks are read as verl uses them, 0 or 1. Importing this module does not import verl;
-`use_rl_triton()` does.
+`use_rl_triton()` does, and so do the rollout-correction functions (their metrics are verl's).
 """
 from __future__ import annotations
 
