@@ -62,4 +62,5 @@ __version__ = "0.1.0"
 
 __all__ = ["linear_scan", "gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
            "eligibility_traces", "episodic_cumsum", "group_advantages", "masked_whiten",
-           "ppo_policy_loss", "value_loss", "kl_penalty", "sac_targets", "crr_weights", "rollout_correction"]
+           "ppo_policy_loss", "value_loss", "kl_penalty", "sac_targets", "crr_weights",
+           "rollout_correction"]

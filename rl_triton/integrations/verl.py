@@ -42,7 +42,8 @@ __all__ = ["compute_gae_advantage_return", "compute_grpo_outcome_advantage",
            "compute_remax_outcome_advantage", "compute_opo_outcome_advantage",
            "compute_gpg_outcome_advantage", "compute_optimal_token_baseline_advantage",
            "compute_multi_turn_optimal_token_baseline_advantage",
-           "compute_gdpo_outcome_advantage", "kl_penalty", "compute_rollout_correction_weights", "compute_rollout_rejection_mask", "use_rl_triton", "revert_rl_triton"]
+           "compute_gdpo_outcome_advantage", "kl_penalty", "compute_rollout_correction_weights",
+           "compute_rollout_rejection_mask", "use_rl_triton", "revert_rl_triton"]
 
 Tensor = torch.Tensor
 # the rl_triton backend these functions call ("auto": the Triton kernels on CUDA, torch on CPU)
