@@ -241,6 +241,17 @@ def test_rollout_correction_kernel(options, device):
     assert (wp.reshape(B, T) - want[0]).abs().max() <= 1e-5 * max(1, want[0].abs().max())
 
 
+def test_rollout_correction_weights_are_constants():
+    """Weights carry no gradient (they reweight samples) and the inputs are left as they were."""
+    old, roll, m = _rollout("cpu")
+    old = torch.where(m, old, -1.0).requires_grad_()
+    before = old.detach().clone()
+    for backend in ("torch", "triton", "loop"):
+        w, keep = rl_triton.rollout_correction(old, roll, m, level="sequence", backend=backend)
+        assert not w.requires_grad and keep.dtype == torch.bool
+    assert torch.equal(old.detach(), before)
+
+
 def test_rollout_correction_errors():
     old, roll, m = _rollout("cpu")
     with pytest.raises(ValueError, match="level"):
