@@ -346,6 +346,20 @@ def test_openrlhf_use_rl_triton_kl():
     assert [m.compute_approx_kl for m in modules] == before
 
 
+def test_verl_switch_reaches_modules_that_imported_by_name(monkeypatch):
+    """verl.workers.utils.losses imports kl_penalty by name (the actor's KL loss): the switch
+    replaces it there too, and revert puts verl's back."""
+    importer = types.ModuleType("verl.workers.utils.losses_like")
+    importer.kl_penalty = FW.verl.kl_penalty
+    monkeypatch.setitem(sys.modules, importer.__name__, importer)
+    our_verl.use_rl_triton(FW.verl)
+    try:
+        assert importer.kl_penalty is our_verl.kl_penalty
+    finally:
+        our_verl.revert_rl_triton(FW.verl)
+    assert importer.kl_penalty is FW.verl.kl_penalty
+
+
 def test_verl_switch_reaches_the_trainer_path(device):
     """verl's own `compute_advantage` dispatch (registry lookup) reaches the drop-ins."""
     r, _, m = rows(9, 7, device)

@@ -626,12 +626,23 @@ TABLES = {"ADV_ESTIMATOR_REGISTRY": ESTIMATORS, None: FUNCTIONS}
 ROLLOUT_CORRECTION = [("compute_rollout_correction_weights", compute_rollout_correction_weights),
                       ("compute_rollout_rejection_mask", compute_rollout_rejection_mask)]
 _ORIGINALS: dict = {}
+_IMPORTED: dict = {}  # (module that imported a FUNCTIONS row by name, name) -> verl's own
 
 
 def _core_algos(module):
     if module is None:
         import verl.trainer.ppo.core_algos as module
     return module
+
+
+def _importers(module, name, original):
+    """The loaded modules of `module`'s package (verl) other than it that hold `original` as
+    `name`."""
+    import sys
+    package = module.__name__.split(".")[0] + "."
+    return [m for n, m in list(sys.modules.items())
+            if n.startswith(package) and m is not module and m is not None
+            and vars(m).get(name) is original]
 
 
 def _helper(module):
@@ -659,6 +670,13 @@ def use_rl_triton(module=None) -> None:
     for name, ours in ROLLOUT_CORRECTION:
         _ORIGINALS.setdefault((helper, name), (getattr(helper, name), None))
         setattr(helper, name, ours)
+    # modules that imported a function by name before (verl.workers.utils.losses: the actor's KL
+    # loss) hold verl's own object; later imports read the patched attribute
+    for name, _, ours in FUNCTIONS:
+        original = _ORIGINALS[module, name][0]
+        for other in _importers(module, name, original):
+            _IMPORTED.setdefault((other, name), original)
+            setattr(other, name, ours)
 
 
 def revert_rl_triton(module=None) -> None:
@@ -675,3 +693,6 @@ def revert_rl_triton(module=None) -> None:
     for name, _ in ROLLOUT_CORRECTION:
         if (helper, name) in _ORIGINALS:
             setattr(helper, name, _ORIGINALS.pop((helper, name))[0])
+    for (other, name), original in list(_IMPORTED.items()):
+        setattr(other, name, original)
+        del _IMPORTED[other, name]
