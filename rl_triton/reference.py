@@ -377,9 +377,18 @@ def kl_bounds(kind, clamp):
     return -(clamp + 1), clamp + 1
 
 
+def straight_through(value, d):
+    """`value`'s value, with the gradient of d^2 / 2 (d): the "+" kinds of `kl_penalty`. Where d
+    is finite the added term is exactly 0."""
+    half = 0.5 * d * d
+    return value.detach() + (half - half.detach())
+
+
 def kl_penalty(log_probs, ref_log_probs, kind="k3", clamp=None, dtype=torch.float64):
     lp, ref = _prep(dtype, log_probs, ref_log_probs)
     d = lp - ref
+    if kind.endswith("+"):
+        return straight_through(kl_penalty(lp, ref, kind[:-1], clamp, dtype), d)
     if clamp is not None:
         d = d.clamp(*kl_bounds(kind, clamp))  # a NaN stays NaN
     if kind == "k1":
@@ -502,3 +511,74 @@ def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, keep, 
 
     metrics["pg_loss"] = agg(pg)
     return agg(total), metrics
+def rollout_divergence(statistic, d, log_probs, rollout_log_probs, log_ratio_clamp):
+    """The per-token divergence estimates that `rollout_correction` gates on (semantics §10):
+    KL(pi_rollout || pi_trainer) from d = log_probs - rollout_log_probs (clamped), or the
+    sampled token's probabilities p (engine) and q (trainer), clamped into (0, 1)."""
+    if statistic in ("k1", "k2", "k3"):
+        if log_ratio_clamp is not None:
+            d = d.clamp(-log_ratio_clamp, log_ratio_clamp)
+        return {"k1": -d, "k2": 0.5 * d * d, "k3": torch.exp(d) - 1 - d}[statistic]
+    p = rollout_log_probs.exp().clamp(1e-6, 1 - 1e-6)
+    q = log_probs.exp().clamp(1e-6, 1 - 1e-6)
+    if statistic == "binary_kl":
+        return p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+    return (p - q).abs()
+
+
+def rollout_correction(log_probs, rollout_log_probs, mask=None, *, level="token",
+                       mode="truncate", low=None, high=2.0, statistic="ratio", weight_level=None,
+                       log_ratio_clamp=20.0, cu_seqlens=None, dtype=torch.float64):
+    """One sequence and one token at a time: the per-token statistic (the log-ratio, or a
+    divergence), aggregated over the sequence (sum, mean or max of its set positions), the ratio
+    exp(clamp(.)), then truncated or gated (semantics §10). Returns (weights, kept mask)."""
+    import math
+    lp, rp = _prep(dtype, log_probs, rollout_log_probs)
+    on = torch.ones_like(lp, dtype=torch.bool) if mask is None else mask != 0
+    if cu_seqlens is None:
+        T = lp.shape[-1]
+        bounds = [(i * T, (i + 1) * T) for i in range(lp.numel() // T)] if T else []
+    else:
+        cu = [int(c) for c in cu_seqlens]
+        bounds = list(zip(cu[:-1], cu[1:]))
+    lpf, rpf, onf = lp.reshape(-1), rp.reshape(-1), on.reshape(-1)
+    w = torch.zeros_like(lpf)
+    keep = torch.zeros_like(onf)
+
+    def ratio(s):
+        if log_ratio_clamp is not None:
+            s = min(max(s, -log_ratio_clamp), log_ratio_clamp)
+        return math.exp(s)
+
+    def token(t):
+        d = lpf[t] - rpf[t]
+        if statistic == "ratio":
+            return float(d)
+        return float(rollout_divergence(statistic, d, lpf[t], rpf[t], log_ratio_clamp))
+
+    for a, b in bounds:
+        set_ = [t for t in range(a, b) if onf[t]]
+        logr = [float(lpf[t] - rpf[t]) for t in set_]
+        stat = [token(t) for t in set_]
+
+        def levels(xs):
+            return {"sequence": sum(xs), "geometric": sum(xs) / max(len(xs), 1),
+                    "max": max(xs) if xs else 0.0}
+
+        seq_stat, seq_logr = levels(stat), levels(logr)
+        for i, t in enumerate(set_):
+            s = {"token": stat[i], **seq_stat}[level]
+            r = ratio(s) if statistic == "ratio" else s
+            if mode == "truncate":
+                if low is not None:
+                    r = max(r, low)
+                if high is not None:
+                    r = min(r, high)
+                w[t], keep[t] = r, True
+            elif (low is None or r >= low) and (high is None or r <= high):
+                if weight_level is None:
+                    w[t] = r if statistic == "ratio" else 1.0
+                else:
+                    w[t] = ratio({"token": logr[i], **seq_logr}[weight_level])
+                keep[t] = True
+    return w.reshape(lp.shape), keep.reshape(lp.shape)

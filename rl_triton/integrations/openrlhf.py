@@ -1,4 +1,5 @@
-"""OpenRLHF integration: its GAE and cumulative returns, one rl_triton call each.
+"""OpenRLHF integration: its GAE and cumulative returns, one rl_triton call each, and its KL
+estimator `compute_approx_kl` on rl_triton's `kl_penalty`.
 
 OpenRLHF (checked against 0.11.2, `openrlhf/trainer/ppo_utils/experience_maker.py`) computes them
 in `RemoteExperienceMaker` with a Python loop over the response's tokens; these functions have the
@@ -6,6 +7,11 @@ methods' signatures (`self` first) and outputs::
 
     from rl_triton.integrations.openrlhf import use_rl_triton
     use_rl_triton()          # RemoteExperienceMaker's methods are now these; revert_rl_triton() undoes it
+
+Its estimators (`reinforce`, `reinforce_baseline`, `rloo`, `group_norm`, `dr_grpo`,
+`flash_reinforce`, `gae`) are branches of `RemoteExperienceMaker.compute_advantages_and_returns`,
+whose group baselines are tensor ops already and whose token loops are the two methods replaced
+here.
 
 OpenRLHF's semantics are kept exactly, and they are not semantics §7's `mask`: it zeroes rewards and
 values at masked tokens and keeps stepping through them, so a masked span inside a response (a
@@ -22,8 +28,8 @@ import torch
 import rl_triton
 from .verl import _no_flags
 
-__all__ = ["get_advantages_and_returns", "get_cumulative_returns", "use_rl_triton",
-           "revert_rl_triton"]
+__all__ = ["get_advantages_and_returns", "get_cumulative_returns", "compute_approx_kl",
+           "use_rl_triton", "revert_rl_triton"]
 
 Tensor = torch.Tensor
 # the rl_triton backend these functions call ("auto": the Triton kernels on CUDA, torch on CPU)
@@ -55,6 +61,35 @@ def get_cumulative_returns(self, rewards: Tensor, action_mask, gamma: float):
                                         time_dim=1, backend=backend).to(rewards.dtype)
 
 
+# OpenRLHF's clamp of every estimate, and of the importance weight of its unbiased gradient
+_KL_CLAMP = 10.0
+
+
+def compute_approx_kl(log_probs: Tensor, log_probs_base: Tensor, log_probs_old=None,
+                      kl_estimator: str = "k1", unbiased_gradient: bool = False) -> Tensor:
+    """`openrlhf.models.utils.compute_approx_kl`: k1, k2 or k3 of `log_probs - log_probs_base`
+    (float32), clamped to +-10; with `unbiased_gradient`, the same value and the gradient
+    `w * d` (d the log-ratio, w = exp(log_probs - log_probs_old) clamped to 10 and detached,
+    1 without `log_probs_old`). One `rl_triton.kl_penalty` call (its "+" kinds)."""
+    if kl_estimator not in ("k1", "k2", "k3"):
+        raise ValueError(f"Unknown kl_estimator: {kl_estimator}")
+    lp, base = log_probs.float(), log_probs_base.float()
+    if not unbiased_gradient:
+        return rl_triton.kl_penalty(lp, base, kl_estimator, _KL_CLAMP, backend=backend)
+    st = rl_triton.kl_penalty(lp, base, kl_estimator + "+", _KL_CLAMP, backend=backend)
+    if log_probs_old is None:
+        return st
+    w = (lp - log_probs_old.float()).exp().clamp(max=_KL_CLAMP).detach()
+    return st.detach() + w * (st - st.detach())
+
+
+# The switch: RemoteExperienceMaker's methods (name, ours), and module functions (name, ours)
+# replaced in every loaded OpenRLHF module that imported them by name
+METHODS = [("get_advantages_and_returns", get_advantages_and_returns),
+           ("get_cumulative_returns", get_cumulative_returns)]
+FUNCTIONS = [("compute_approx_kl", compute_approx_kl)]
+_FUNCTION_MODULES = ("openrlhf.models.utils", "openrlhf.trainer.ppo_utils.experience_maker",
+                     "openrlhf.trainer.ray.ppo_actor")
 _ORIGINALS: dict = {}
 
 
@@ -64,18 +99,35 @@ def _maker(cls):
     return cls
 
 
+def _modules(cls):
+    """The loaded modules that hold OpenRLHF's functions: `cls`'s own and `_FUNCTION_MODULES`."""
+    import sys
+    names = dict.fromkeys((cls.__module__,) + _FUNCTION_MODULES)
+    return [sys.modules[n] for n in names if n in sys.modules]
+
+
 def use_rl_triton(cls=None) -> None:
     """Replace `get_advantages_and_returns` and `get_cumulative_returns` on OpenRLHF's
-    `RemoteExperienceMaker` (or on `cls`). Idempotent."""
+    `RemoteExperienceMaker` (or on `cls`), and `compute_approx_kl` in the OpenRLHF modules that
+    use it. Idempotent."""
     cls = _maker(cls)
-    for fn in (get_advantages_and_returns, get_cumulative_returns):
-        _ORIGINALS.setdefault((cls, fn.__name__), cls.__dict__[fn.__name__])
-        setattr(cls, fn.__name__, fn)
+    for name, ours in METHODS:
+        _ORIGINALS.setdefault((cls, name), cls.__dict__[name])
+        setattr(cls, name, ours)
+    for module in _modules(cls):
+        for name, ours in FUNCTIONS:
+            if name in vars(module):
+                _ORIGINALS.setdefault((module, name), vars(module)[name])
+                setattr(module, name, ours)
 
 
 def revert_rl_triton(cls=None) -> None:
-    """Undo `use_rl_triton`: OpenRLHF's own methods back on the class."""
+    """Undo `use_rl_triton`: OpenRLHF's own methods and functions back."""
     cls = _maker(cls)
-    for name in ("get_advantages_and_returns", "get_cumulative_returns"):
+    for name, _ in METHODS:
         if (cls, name) in _ORIGINALS:
             setattr(cls, name, _ORIGINALS.pop((cls, name)))
+    for module in _modules(cls):
+        for name, _ in FUNCTIONS:
+            if (module, name) in _ORIGINALS:
+                setattr(module, name, _ORIGINALS.pop((module, name)))
