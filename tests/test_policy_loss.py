@@ -1,0 +1,185 @@
+"""rl_triton.policy_loss (semantics §10) and its drop-ins: verl 0.9.1's POLICY_LOSS_REGISTRY and
+agg_loss, OpenRLHF 0.11.2's PolicyLoss (both called from .ci/frameworks through
+`rl_triton.testing.import_frameworks`), TRL's GRPO loss against formulas transcribed from TRL's
+code; the torch, loop and Triton (interpreter on CPU) backends against each other; bad input.
+"""
+import math
+
+import pytest
+import torch
+
+import rl_triton
+from rl_triton.integrations import openrlhf as our_orl
+from rl_triton.integrations import verl as our_verl
+from rl_triton.ops.policy_loss import LOSS_TYPES, METRICS
+from rl_triton.testing import import_frameworks
+
+try:
+    FW = import_frameworks()
+except ImportError as e:  # .ci/run installs them; elsewhere say how
+    FW = None
+    FW_ERROR = str(e)
+
+needs_fw = pytest.mark.skipif(FW is None, reason="verl / OpenRLHF not installed (.ci/run)")
+VERL_AGGS = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+             "seq-mean-token-mean"]
+
+
+def batch(B=5, T=37, kind="multi-turn", dtype=torch.float32, seed=0, device="cpu"):
+    """log_probs, old_log_probs, advantages, weights, mask [B, T]: log-probabilities of
+    probabilities in (0.02, 0.98), old ones up to ~0.5 away in log space (some ratios beyond the
+    clips), advantages of both signs; right-padded rows of random length, with "multi-turn"
+    masked spans inside; row 0 fully masked where B > 2."""
+    g = torch.Generator().manual_seed(seed)
+    lp = torch.empty(B, T).uniform_(0.02, 0.98, generator=g).log()
+    old = (lp + 0.35 * torch.randn(B, T, generator=g)).clamp(max=-0.02)
+    adv = torch.randn(B, T, generator=g)
+    w = torch.empty(B, T).uniform_(0.5, 1.5, generator=g)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    if kind == "multi-turn":
+        for b in range(B):
+            s = int(torch.randint(0, T, (1,), generator=g))
+            mask[b, s:s + int(torch.randint(1, 6, (1,), generator=g))] = False
+    if B > 2:
+        mask[0] = False
+    mask[-1, :3] = True
+    return [t.to(device, dtype) for t in (lp, old, adv, w)] + [mask.to(device)]
+
+
+def grads(loss, inputs):
+    got = torch.autograd.grad(loss, [t for t in inputs if t.requires_grad], allow_unused=True)
+    it = iter(got)
+    return [(next(it) if t.requires_grad else None) for t in inputs]
+
+
+def close(got, want, tol):
+    if got is None or want is None:
+        z = got if want is None else want
+        assert z is None or z.abs().max().item() <= tol, z
+        return
+    scale = max(1.0, want.abs().max().item())
+    err = (got.to(torch.float64) - want.to(torch.float64)).abs().max().item()
+    assert err <= tol * scale, (err, scale)
+
+
+# ---- verl ----------------------------------------------------------------------------------------
+
+def verl_config(rollout_correction=None, **info):
+    import verl.workers.config.actor as A
+    extra = {} if rollout_correction is None else dict(rollout_correction=rollout_correction)
+    c = A.ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
+                      clip_ratio_high=0.28,
+                      policy_loss=A.PolicyLossConfig(dro_beta=0.1, clip_cov_ratio=0.2,
+                                                     clip_cov_lb=-1.0, clip_cov_ub=1.0,
+                                                     kl_cov_ratio=0.2, ppo_kl_coef=0.5,
+                                                     **extra))
+    c.global_batch_info.update(info)
+    return c
+
+
+def run_both(name, inputs, mask, agg, config, weighted):
+    """verl's registered function and ours on the same inputs: (loss, grads, metrics) each."""
+    out = []
+    for fn in (FW.verl.POLICY_LOSS_REGISTRY[name], our_verl.POLICY_LOSSES[name]):
+        xs = [t.detach().clone().requires_grad_(True) for t in inputs]
+        lp, old, adv, w = xs
+        torch.manual_seed(7)  # clip_cov's draw: torch.randperm on the default generator
+        loss, metrics = fn(old, lp, adv, mask, agg, config, w if weighted else None)
+        out.append((loss, grads(loss, xs if weighted else xs[:3]), metrics))
+    return out
+
+
+@needs_fw
+@pytest.mark.parametrize("name", [n for n in LOSS_TYPES])
+@pytest.mark.parametrize("agg", VERL_AGGS)
+@pytest.mark.parametrize("kind", ["multi-turn", "padded"])
+def test_verl_losses(name, agg, kind):
+    *inputs, mask = batch(kind=kind, seed=LOSS_TYPES.index(name) * 10 + VERL_AGGS.index(agg))
+    for weighted in (False, True):
+        (l0, g0, m0), (l1, g1, m1) = run_both(name, inputs, mask.float(), agg, verl_config(),
+                                              weighted)
+        close(l1, l0, 2e-5)
+        assert l1.dtype == l0.dtype
+        for a, b in zip(g1, g0):
+            close(a, b, 2e-5)
+        assert m1.keys() == m0.keys()
+        for k in m0:
+            assert abs(m1[k] - m0[k]) <= 1e-6, (k, m1[k], m0[k])
+
+
+@needs_fw
+@pytest.mark.parametrize("agg", VERL_AGGS)
+def test_verl_global_batch_info(agg):
+    """dp_size, batch_num_tokens, global_batch_size and loss_scale_factor, as verl's agg_loss."""
+    *inputs, mask = batch(seed=3)
+    info = dict(dp_size=4, batch_num_tokens=97, global_batch_size=11, loss_scale_factor=13)
+    for name in ("vanilla", "cispo"):
+        (l0, g0, _), (l1, g1, _) = run_both(name, inputs, mask.float(), agg,
+                                            verl_config(**info), False)
+        close(l1, l0, 2e-5)
+        for a, b in zip(g1, g0):
+            close(a, b, 2e-5)
+    loss_mat = inputs[0].detach().clone().requires_grad_(True)
+    for kw in (info, {}, dict(loss_scale_factor=5)):
+        want = FW.verl.agg_loss(loss_mat, mask.float(), agg, **kw)
+        got = our_verl.agg_loss(loss_mat, mask.float(), agg, **kw)
+        close(got, want, 2e-6)
+        close(*[torch.autograd.grad(x, loss_mat)[0] for x in (got, want)], 2e-6)
+
+
+@needs_fw
+def test_verl_agg_loss_dp_needs_counts():
+    lp, *_, mask = batch()
+    with pytest.raises(ValueError, match="batch_num_tokens"):
+        our_verl.agg_loss(lp, mask, "token-mean", dp_size=2)
+    with pytest.raises(ValueError, match="global_batch_size"):
+        our_verl.agg_loss(lp, mask, "seq-mean-token-mean", dp_size=2)
+
+
+@needs_fw
+@pytest.mark.parametrize("loss_type", ["reinforce", "ppo_clip"])
+def test_verl_bypass_mode(loss_type, monkeypatch):
+    """The dispatch of bypass_mode. verl's rollout helper returns a DataProto, which needs
+    tensordict (a stub here): both sides get the same stand-in, token-level truncated IS weights
+    exp(log_prob - rollout_log_prob) clamped at the threshold, a mask dropping ratios below 0.5."""
+    import types
+
+    import verl.trainer.ppo.rollout_corr_helper as helper
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+
+    def stand_in(old_log_prob, rollout_log_prob, response_mask, rollout_is_threshold, **kw):
+        ratio = torch.exp(old_log_prob - rollout_log_prob)
+        proto = types.SimpleNamespace(batch={"rollout_is_weights":
+                                             ratio.clamp(max=rollout_is_threshold)})
+        mask = response_mask * (ratio >= 0.5)
+        return proto, mask, {"rollout_corr/kept": float(mask.sum() / response_mask.sum())}
+
+    monkeypatch.setattr(helper, "compute_rollout_correction_and_rejection_mask", stand_in)
+    *inputs, mask = batch(seed=5)
+    config = verl_config(RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1.5,
+                                                 loss_type=loss_type))
+    (l0, g0, m0), (l1, g1, m1) = run_both("bypass_mode", inputs, mask.float(), "token-mean",
+                                          config, False)
+    close(l1, l0, 2e-5)
+    for a, b in zip(g1, g0):
+        close(a, b, 2e-5)
+    assert m1.keys() == m0.keys()
+    for k in m0:
+        assert abs(float(m1[k]) - float(m0[k])) <= 1e-6, k
+
+
+@needs_fw
+def test_verl_patch_and_revert():
+    ca = FW.verl
+    before = dict(ca.POLICY_LOSS_REGISTRY)
+    agg = ca.agg_loss
+    our_verl.use_rl_triton_losses(ca)
+    our_verl.use_rl_triton_losses(ca)  # idempotent
+    try:
+        assert all(ca.POLICY_LOSS_REGISTRY[k] is v for k, v in our_verl.POLICY_LOSSES.items())
+        assert ca.get_policy_loss_fn("gspo") is our_verl.compute_policy_loss_gspo
+        assert ca.agg_loss is our_verl.agg_loss
+    finally:
+        our_verl.revert_rl_triton_losses(ca)
+    assert ca.POLICY_LOSS_REGISTRY == before and ca.agg_loss is agg
