@@ -183,3 +183,71 @@ def test_verl_patch_and_revert():
     finally:
         our_verl.revert_rl_triton_losses(ca)
     assert ca.POLICY_LOSS_REGISTRY == before and ca.agg_loss is agg
+
+
+# ---- OpenRLHF ------------------------------------------------------------------------------------
+
+def orl_both(kwargs, inputs, mask, rollout=None, **call):
+    out = []
+    for cls in (FW.openrlhf_loss.PolicyLoss, our_orl.PolicyLoss):
+        xs = [t.detach().clone().requires_grad_(True) for t in inputs[:3]]
+        res = cls(**kwargs)(*xs, mask, rollout, **call)
+        out.append((res[0], grads(res[0], xs), res[1:]))
+    return out
+
+
+def check_orl(pair):
+    (l0, g0, m0), (l1, g1, m1) = pair
+    close(l1, l0, 2e-5)
+    assert l1.dtype == l0.dtype
+    for a, b in zip(g1, g0):
+        close(a, b, 2e-5)
+    for a, b in zip(m1, m0):
+        assert (a is None) == (b is None)
+        if a is not None:
+            close(a, b, 1e-6)
+
+
+@needs_fw
+@pytest.mark.parametrize("loss_type", ["ppo", "gspo"])
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+@pytest.mark.parametrize("token_level", [True, False])
+@pytest.mark.parametrize("kind", ["multi-turn", "padded"])
+def test_openrlhf_policy_loss(loss_type, dual_clip, token_level, kind):
+    *inputs, mask = batch(kind=kind, seed=11)
+    kw = dict(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip,
+              token_level_loss=token_level, policy_loss_type=loss_type)
+    check_orl(orl_both(kw, inputs, mask.float()))
+    check_orl(orl_both(kw, inputs, mask.float(), dp_size=4, batch_num_tokens=90.0,
+                       global_batch_size=9.0))
+
+
+@needs_fw
+@pytest.mark.parametrize("level,mode,gating,threshold", [
+    ("token", "mask", "ratio", (0.8, 1.25)), ("token", "clip", "ratio", (0.8, 1.25)),
+    ("seq", "mask", "ratio", (0.9, 1.1)), ("token", "mask", "binary_kl", (0.0, 0.05)),
+    ("seq", "mask", "tv", (0.0, 0.1))])
+@pytest.mark.parametrize("loss_type", ["ppo", "gspo"])
+def test_openrlhf_is_correction(level, mode, gating, threshold, loss_type):
+    *inputs, mask = batch(seed=12)
+    B, T = mask.shape
+    g = torch.Generator().manual_seed(4)
+    mask[0, :4] = True  # OpenRLHF's per-sequence means need a token in every row
+    rollout = (inputs[1] + 0.2 * torch.randn(B, T, generator=g)).clamp(max=-0.02)
+    kw = dict(clip_eps_low=0.2, clip_eps_high=0.28, policy_loss_type=loss_type,
+              is_correction_level=level, is_correction_mode=mode,
+              is_correction_gating=gating, is_correction_threshold=threshold)
+    check_orl(orl_both(kw, inputs, mask.float(), rollout))
+
+
+@needs_fw
+def test_openrlhf_patch_and_revert():
+    mod = FW.openrlhf_loss
+    original = mod.PolicyLoss
+    our_orl.use_rl_triton_losses(mod)
+    our_orl.use_rl_triton_losses(mod)
+    try:
+        assert mod.PolicyLoss is our_orl.PolicyLoss
+    finally:
+        our_orl.revert_rl_triton_losses(mod)
+    assert mod.PolicyLoss is original
