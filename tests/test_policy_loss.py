@@ -10,6 +10,7 @@ import torch
 
 import rl_triton
 from rl_triton.integrations import openrlhf as our_orl
+from rl_triton.integrations import trl as our_trl
 from rl_triton.integrations import verl as our_verl
 from rl_triton.ops.policy_loss import LOSS_TYPES, METRICS
 from rl_triton.testing import import_frameworks
@@ -251,3 +252,122 @@ def test_openrlhf_patch_and_revert():
     finally:
         our_orl.revert_rl_triton_losses(mod)
     assert mod.PolicyLoss is original
+
+
+# ---- TRL -----------------------------------------------------------------------------------------
+
+def trl_loss(per_token_logps, old_per_token_logps, advantages, mask, *, loss_type,
+             importance_sampling_level, epsilon_low, epsilon_high, delta=None,
+             sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, beta=0.0,
+             ref_per_token_logps=None, use_bias_correction_kl=False,
+             importance_sampling_ratio=None, max_completion_length=None,
+             num_items_in_batch=None, num_processes=1, gradient_accumulation_steps=1):
+    """TRL 1.9.0's GRPOTrainer._compute_loss, transcribed from trl/trainer/grpo_trainer.py
+    (tag v1.9.0): lines 3026-3027 (advantages [B] -> [B, 1]), 3054-3066 (log importance weights
+    by level), 3068-3078 (the KL term and its bias correction), 3080-3095 (cispo, the clipped
+    types with delta, sapo), 3117-3121 (importance_sampling_ratio, beta), 3124-3142 (the
+    aggregations) and 3222-3256 (the metrics); one process, training mode."""
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    log_ratio = per_token_logps - old_per_token_logps
+    if importance_sampling_level == "token":
+        log_importance_weights = log_ratio
+    else:
+        log_importance_weights = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        log_importance_weights = log_importance_weights.unsqueeze(-1)
+    coef_1 = torch.exp(log_importance_weights)
+    if beta != 0.0:
+        per_token_kl = (torch.exp(ref_per_token_logps - per_token_logps)
+                        - (ref_per_token_logps - per_token_logps) - 1)
+        if use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+    if loss_type == "cispo":
+        clamped_ratios = torch.clamp(coef_1, max=epsilon_high).detach()
+        per_token_loss = -clamped_ratios * advantages * per_token_logps
+    elif loss_type in ["grpo", "bnpo", "dr_grpo", "dapo"]:
+        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+        if delta is not None:
+            coef_1 = torch.clamp(coef_1, max=delta)
+        per_token_loss1 = coef_1 * advantages
+        per_token_loss2 = coef_2 * advantages
+        per_token_loss = -torch.min(per_token_loss1, per_token_loss2)
+    elif loss_type == "sapo":
+        temperatures = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
+        soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
+        per_token_loss = -soft_coef_1 * advantages
+    if importance_sampling_ratio is not None:
+        per_token_loss = per_token_loss * importance_sampling_ratio
+    if beta != 0.0:
+        per_token_loss = per_token_loss + beta * per_token_kl
+    if loss_type in ["grpo", "sapo"]:
+        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        loss = loss / gradient_accumulation_steps
+    elif loss_type == "bnpo":
+        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+        loss = loss / gradient_accumulation_steps
+    elif loss_type == "dr_grpo":
+        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
+        loss = loss / gradient_accumulation_steps
+    else:
+        normalizer = num_items_in_batch.clamp(min=1.0) / num_processes
+        loss = (per_token_loss * mask).sum() / normalizer
+
+    def global_masked_mean(x):
+        if x.shape[1] == 1:
+            return x.sum() / max(float(x.shape[0]), 1.0)
+        return (x * mask).sum() / mask.sum().float().clamp(min=1.0)
+
+    metrics = {}
+    if beta != 0.0:
+        metrics["kl"] = global_masked_mean(per_token_kl)
+    if loss_type in ["grpo", "bnpo", "dr_grpo", "dapo"]:
+        is_low_clipped = (coef_1 < 1 - epsilon_low) & (advantages < 0)
+        is_high_clipped = (coef_1 > 1 + epsilon_high) & (advantages > 0)
+        is_region_clipped = is_low_clipped | is_high_clipped
+        metrics["clip_ratio/low_mean"] = global_masked_mean(is_low_clipped.float())
+        metrics["clip_ratio/high_mean"] = global_masked_mean(is_high_clipped.float())
+        metrics["clip_ratio/region_mean"] = global_masked_mean(is_region_clipped.float())
+    elif loss_type == "cispo":
+        is_cispo_clipped = (coef_1 > epsilon_high) & (advantages > 0)
+        metrics["cispo_clip_ratio"] = global_masked_mean(is_cispo_clipped.float())
+    return loss, metrics
+
+
+TRL_CASES = [  # (loss_type, extra options)
+    ("grpo", {}), ("bnpo", {}), ("dr_grpo", dict(max_completion_length=40)),
+    ("dapo", dict(num_items_in_batch=torch.tensor(120.0))),
+    ("dapo", dict(delta=1.5, num_items_in_batch=torch.tensor(90.0), num_processes=2)),
+    ("cispo", dict(epsilon_high=1.3, num_items_in_batch=torch.tensor(100.0))),
+    ("sapo", dict(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05)),
+    ("grpo", dict(beta=0.04, use_bias_correction_kl=True, gradient_accumulation_steps=4)),
+    ("bnpo", dict(beta=0.04, weighted=True)),
+]
+
+
+@pytest.mark.parametrize("case", range(len(TRL_CASES)))
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("rows", [True, False])  # advantages [B] (TRL's GRPO) or [B, T]
+def test_trl_grpo_loss(case, level, rows):
+    loss_type, extra = TRL_CASES[case]
+    extra = dict(extra)
+    lp, old, adv, w, mask = batch(seed=20 + case)
+    ref = (lp + 0.1).clamp(max=-0.01)
+    weighted = extra.pop("weighted", False)
+    if rows:
+        adv = adv[:, 0]
+    eps_high = extra.pop("epsilon_high", 0.28)
+    common = dict(loss_type=loss_type, importance_sampling_level=level, **extra)
+    if extra.get("beta"):
+        common["ref_per_token_logps"] = ref
+    if weighted:
+        common["importance_sampling_ratio"] = w
+    xs0 = [t.clone().requires_grad_(True) for t in (lp, old, adv)]
+    want, wm = trl_loss(*xs0, mask.float(), epsilon_low=0.2, epsilon_high=eps_high, **common)
+    xs1 = [t.clone().requires_grad_(True) for t in (lp, old, adv)]
+    got, gm = our_trl.grpo_loss(*xs1, mask, epsilon=0.2, epsilon_high=eps_high, **common)
+    close(got, want, 2e-5)
+    for a, b in zip(grads(got, xs1), grads(want, xs0)):
+        close(a, b, 2e-5)
+    assert gm.keys() == wm.keys()
+    for k in wm:
+        close(gm[k], wm[k].detach(), 1e-6)
