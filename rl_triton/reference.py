@@ -534,7 +534,7 @@ def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, weights=None
             neg, pos = rv < lo and av < 0, rr > hi and av > 0
         if wf is not None:
             l = l * wf[i]
-        kl = torch.clamp(raw, -clamp, clamp)
+        kl = raw if i in seq_d else torch.clamp(raw, -clamp, clamp)
         ls.append(l if isinstance(l, torch.Tensor) else zero + l)
         flags.append([float(clip), float(lower), float(neg), float(pos),
                       float((kl.abs() if loss_type == "kl_cov" else -kl).detach())])

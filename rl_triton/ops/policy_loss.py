@@ -48,7 +48,9 @@ class Options(NamedTuple):
     truncation: float
     dro_beta: Optional[float]
     kl_cov_coef: float
+    aggregation: str  # one of _losses' (the global factors come after), or "seq-mean" (geo_mean)
     out_dtype: torch.dtype
+    check_offsets: bool = True
 
 
 # ---- the per-position formula (torch) ------------------------------------------------------------
@@ -207,9 +209,10 @@ class Inputs(NamedTuple):
 
 # ---- torch and loop backends ---------------------------------------------------------------------
 
-def torch_impl(x: Inputs, o: Options, aggregation: str, dtype):
-    """(loss, *metrics) with the aggregation `aggregation` of _losses (or "seq-mean" / "none" for
-    geo_mean); the global factors come after."""
+def torch_impl(x: Inputs, o: Options, dtype):
+    """(loss, *metrics) with the aggregation `o.aggregation` of _losses (or "seq-mean" / "none"
+    for geo_mean); the global factors come after."""
+    aggregation = o.aggregation
     m = L.counted(x.mask)
     if m is None:
         m = torch.ones(x.log_probs.shape, dtype=torch.bool, device=x.log_probs.device)
@@ -222,7 +225,8 @@ def torch_impl(x: Inputs, o: Options, aggregation: str, dtype):
         d = ld if ld is not None else clamped(lp - old, o.log_ratio_clamp)
         sel = None if x.selected is None else x.selected & m
         l, *flags = token_terms(o, lp, old, adv, d, sel)
-        kl = clamped(lp - old, o.log_ratio_clamp)
+        # the token's log-ratio, clamped where the ratio is formed from it
+        kl = clamped(lp - old, None if ld is not None else o.log_ratio_clamp)
         flags.append(kl.abs() if o.loss_type == "kl_cov" else -kl)
         if w is not None:
             l = l * w
@@ -230,10 +234,339 @@ def torch_impl(x: Inputs, o: Options, aggregation: str, dtype):
     return (loss, *(L.masked_mean(f.to(dtype).detach(), m) for f in flags))
 
 
-def loop_impl(x: Inputs, o: Options, aggregation: str, dtype):
+def loop_impl(x: Inputs, o: Options, dtype):
     return reference.policy_loss(*x[:4], weights=x.weights, selected=x.selected,
-                                 cu_seqlens=x.cu_seqlens, aggregation=aggregation, dtype=dtype,
-                                 **{k: getattr(o, k) for k in Options._fields[:-1]})
+                                 cu_seqlens=x.cu_seqlens, dtype=dtype,
+                                 **{k: getattr(o, k) for k in Options._fields[:-2]})
+
+
+# ---- the Triton backend --------------------------------------------------------------------------
+
+@triton.jit
+def terms(x, o, a, ld, sel, clip_low, clip_high, dual_clip, delta, ratio_clamp, tau_pos, tau_neg, truncation,
+          dro_beta, kl_cov_coef, LOSS: tl.constexpr, HAS_LD: tl.constexpr,
+          CLAMP: tl.constexpr, DUAL: tl.constexpr, DELTA: tl.constexpr):
+    """The per-position loss l of loss type LOSS (`CODES`, as `token_terms`), its derivatives by
+    the log-ratio d, by x directly, by old directly and by A, the metrics' flags (clip, lower,
+    negative, positive) and the kl term; `ok`: whether d's clamp passes the gradient."""
+    lo = 1.0 - clip_low
+    hi = 1.0 + clip_high
+    raw = x - o
+    d = raw
+    ok = tl.full(x.shape, 1, tl.int1)
+    if HAS_LD:
+        d = ld
+    elif CLAMP:
+        d = L.clamp(raw, -ratio_clamp, ratio_clamp)
+        ok = tl.abs(raw) <= ratio_clamp
+    r = tl.exp(d)
+    zero = tl.zeros(x.shape, tl.float32)
+    no = tl.zeros(x.shape, tl.int1)
+    l = zero
+    dl_dd = zero
+    dl_dx = zero
+    dl_do = zero
+    dl_da = zero
+    clip = no
+    lower = no
+    negative = no
+    positive = no
+    if LOSS == 3:  # gpg
+        l = -a * x
+        dl_dx = -a
+        dl_da = -x
+    elif LOSS == 10:  # dro
+        l = -(x * a - 0.5 * dro_beta * raw * raw)
+        dl_dx = -a + dro_beta * raw
+        dl_do = -dro_beta * raw
+        dl_da = -x
+    elif LOSS == 8 or LOSS == 9:  # dppo_tv, dppo_kl
+        tr = L.minimum(r, zero + truncation)
+        p = tl.exp(x)
+        q = tl.exp(o)
+        if LOSS == 8:
+            up = p - q <= clip_high
+            down = p - q >= -clip_low
+        else:
+            bkl = q * (o - x) + (1.0 - q) * tl.log((1.0 - q + 1e-8) / (1.0 - p + 1e-8))
+            up = (bkl <= clip_high) | (p <= q)
+            down = (bkl <= clip_low) | (p >= q)
+        valid = tl.where(a > 0, up, down)
+        l = tl.where(valid, -a * tr * x, 0.0)
+        dl_dx = tl.where(valid, -a * tr, 0.0)
+        dl_da = tl.where(valid, -tr * x, 0.0)
+        clip = ~valid
+        lower = valid & (r > truncation)
+    elif LOSS == 2:  # sapo
+        tau = tl.where(a > 0, tau_pos, tau_neg)
+        s = tl.sigmoid(tau * (r - 1.0))
+        l = -a * s * (4.0 / tau)
+        dl_dd = -4.0 * a * s * (1.0 - s) * r
+        dl_da = -s * (4.0 / tau)
+    else:
+        negative = (r < lo) & (a < 0)
+        positive = (r > hi) & (a > 0)
+        rc = L.clamp(r, lo, hi)
+        if LOSS == 7:  # cispo
+            l = -rc * a * x
+            dl_dx = -rc * a
+            dl_da = -rc * x
+            clip = (r < lo) | (r > hi)
+        elif LOSS == 5:  # kl_cov
+            sign = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
+            l = -a * r + tl.where(sel, kl_cov_coef * tl.abs(d), 0.0)
+            dl_dd = -a * r + tl.where(sel, kl_cov_coef * sign, 0.0)
+            dl_da = -r
+            negative = no
+            positive = no
+        else:  # vanilla, gspo, clip_cov: the clipped surrogate
+            rr = r
+            if DELTA:
+                rr = L.minimum(r, zero + delta)
+                positive = (rr > hi) & (a > 0)
+            u = -a * rr
+            c = -a * rc
+            plain = u >= c  # a tie counts as unclipped (equal derivatives there)
+            l = L.maximum(u, c)
+            clip = c > u
+            dr = tl.where(plain, -a, 0.0)
+            if DELTA:
+                dr = tl.where(r <= delta, dr, 0.0)
+            dl_da = tl.where(plain, -rr, -rc)
+            if DUAL:
+                dual = (a < 0) & (-a * dual_clip < l)
+                lower = dual
+                l = tl.where(dual, -a * dual_clip, l)
+                dr = tl.where(dual, 0.0, dr)
+                dl_da = tl.where(dual, -dual_clip, dl_da)
+            dl_dd = dr * r
+            if LOSS == 4:  # clip_cov: 0 at the pick
+                l = tl.where(sel, 0.0, l)
+                dl_dd = tl.where(sel, 0.0, dl_dd)
+                dl_da = tl.where(sel, 0.0, dl_da)
+                clip = sel
+    return l, dl_dd, dl_dx, dl_do, dl_da, clip, lower, negative, positive, raw, d, ok
+
+
+@triton.jit
+def forward_kernel(lp, old, adv, mask, wt, ld, sel, scale, cu, loss, parts, N, C, S, STEPS,
+                   lp_r, lp_c, old_r, old_c, adv_r, adv_c, m_r, m_c, w_r, w_c, ld_r, ld_c,
+                   s_r, s_c, clip_low, clip_high, dual_clip, delta, ratio_clamp, tau_pos,
+                   tau_neg, truncation, dro_beta, kl_cov_coef, LOSS: tl.constexpr,
+                   HAS_MASK: tl.constexpr, HAS_W: tl.constexpr, HAS_LD: tl.constexpr,
+                   HAS_SEL: tl.constexpr, CLAMP: tl.constexpr, DUAL: tl.constexpr,
+                   DELTA: tl.constexpr, KL_ABS: tl.constexpr, SEQ: tl.constexpr,
+                   PER_POSITION: tl.constexpr, FLAT: tl.constexpr, INT64: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """Partial sums of this program's positions, in three [programs, 4] blocks of `parts`:
+    [count, weighted loss, clip, lower], [count, 0, negative, positive], [count, 0, kl, 0];
+    with PER_POSITION (aggregation "none") the masked losses too."""
+    i, inb = L.positions(N, INT64, BLOCK)
+    x = L.load(lp, i, C, lp_r, lp_c, inb, FLAT)
+    o = L.load(old, i, C, old_r, old_c, inb, FLAT)
+    a = L.load(adv, i, C, adv_r, adv_c, inb, FLAT)
+    keep = L.selected(mask, i, C, m_r, m_c, inb, HAS_MASK, FLAT)
+    d_in = x
+    if HAS_LD:
+        d_in = L.load(ld, i, C, ld_r, ld_c, inb, FLAT)
+    pick = tl.zeros(x.shape, tl.int1)
+    if HAS_SEL:
+        pick = L.selected(sel, i, C, s_r, s_c, inb, True, FLAT)
+    l, dl_dd, dl_dx, dl_do, dl_da, clip, lower, negative, positive, raw, d, ok = terms(
+        x, o, a, d_in, pick, clip_low, clip_high, dual_clip, delta, ratio_clamp, tau_pos,
+        tau_neg, truncation, dro_beta, kl_cov_coef, LOSS, HAS_LD, CLAMP, DUAL, DELTA)
+    if HAS_W:
+        l = l * L.load(wt, i, C, w_r, w_c, inb, FLAT)
+    if PER_POSITION:
+        tl.store(loss + i, tl.where(keep, l, 0.0).to(loss.dtype.element_ty), mask=inb)
+    w = l
+    if SEQ != 0:
+        w = l * L.seq_weight(scale, cu, i, C, S, inb, STEPS, SEQ)
+    kl = raw  # the token's log-ratio, clamped where the ratio is formed from it
+    if CLAMP:
+        if not HAS_LD:
+            kl = L.clamp(raw, -ratio_clamp, ratio_clamp)
+    if KL_ABS:
+        kl = tl.abs(kl)
+    else:
+        kl = -kl
+    count = tl.sum(keep.to(tl.float32), axis=0)
+    pid = tl.program_id(0)
+    a_out = parts + pid * 4
+    tl.store(a_out, count)
+    tl.store(a_out + 1, tl.sum(tl.where(keep, w, 0.0), axis=0))
+    tl.store(a_out + 2, tl.sum((keep & clip).to(tl.float32), axis=0))
+    tl.store(a_out + 3, tl.sum((keep & lower).to(tl.float32), axis=0))
+    b_out = parts + (tl.num_programs(0) + pid) * 4
+    tl.store(b_out, count)
+    tl.store(b_out + 1, 0.0)
+    tl.store(b_out + 2, tl.sum((keep & negative).to(tl.float32), axis=0))
+    tl.store(b_out + 3, tl.sum((keep & positive).to(tl.float32), axis=0))
+    c_out = parts + (2 * tl.num_programs(0) + pid) * 4
+    tl.store(c_out, count)
+    tl.store(c_out + 1, 0.0)
+    tl.store(c_out + 2, tl.sum(tl.where(keep, kl, 0.0), axis=0))
+    tl.store(c_out + 3, 0.0)
+
+
+@triton.jit
+def backward_kernel(lp, old, adv, mask, wt, ld, sel, scale, cu, g_loss, inv, d_lp, d_old, d_adv,
+                    d_w, d_ld, N, C, S, STEPS, lp_r, lp_c, old_r, old_c, adv_r, adv_c, m_r, m_c,
+                    w_r, w_c, ld_r, ld_c, s_r, s_c, g_r, g_c, clip_low, clip_high, dual_clip,
+                    delta, ratio_clamp, tau_pos, tau_neg, truncation, dro_beta, kl_cov_coef,
+                    LOSS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_W: tl.constexpr,
+                    HAS_LD: tl.constexpr, HAS_SEL: tl.constexpr, CLAMP: tl.constexpr,
+                    DUAL: tl.constexpr, DELTA: tl.constexpr, SEQ: tl.constexpr,
+                    PER_POSITION: tl.constexpr, MEAN: tl.constexpr, HAS_G: tl.constexpr,
+                    D_LP: tl.constexpr, D_OLD: tl.constexpr, D_ADV: tl.constexpr,
+                    D_W: tl.constexpr, D_LD: tl.constexpr, FLAT: tl.constexpr,
+                    INT64: tl.constexpr, BLOCK: tl.constexpr):
+    """With g the loss's gradient times the position's aggregation weight and w its weight:
+    d x = g w (dl/dx + dl/dd) (dl/dd where the log-ratio is formed here and inside its clamp;
+    else it goes to the given log-ratio), d old = g w (dl/dold - dl/dd), d A = g w dl/dA,
+    d w = g l; zero where a position does not count."""
+    i, inb = L.positions(N, INT64, BLOCK)
+    x = L.load(lp, i, C, lp_r, lp_c, inb, FLAT)
+    o = L.load(old, i, C, old_r, old_c, inb, FLAT)
+    a = L.load(adv, i, C, adv_r, adv_c, inb, FLAT)
+    keep = L.selected(mask, i, C, m_r, m_c, inb, HAS_MASK, FLAT)
+    d_in = x
+    if HAS_LD:
+        d_in = L.load(ld, i, C, ld_r, ld_c, inb, FLAT)
+    pick = tl.zeros(x.shape, tl.int1)
+    if HAS_SEL:
+        pick = L.selected(sel, i, C, s_r, s_c, inb, True, FLAT)
+    l, dl_dd, dl_dx, dl_do, dl_da, clip, lower, negative, positive, raw, d, ok = terms(
+        x, o, a, d_in, pick, clip_low, clip_high, dual_clip, delta, ratio_clamp, tau_pos,
+        tau_neg, truncation, dro_beta, kl_cov_coef, LOSS, HAS_LD, CLAMP, DUAL, DELTA)
+    g = tl.zeros(x.shape, tl.float32)
+    if HAS_G:
+        if PER_POSITION:
+            g = L.load(g_loss, i, C, g_r, g_c, inb, FLAT)
+        else:
+            g += tl.load(g_loss).to(tl.float32)
+        if MEAN:
+            g = g * tl.load(inv)
+        if SEQ != 0:
+            g = g * L.seq_weight(scale, cu, i, C, S, inb, STEPS, SEQ)
+    g = tl.where(keep, g, 0.0)
+    gw = g
+    if HAS_W:
+        gw = g * L.load(wt, i, C, w_r, w_c, inb, FLAT)
+    dd = tl.where(keep & ok, gw * dl_dd, 0.0)
+    if D_LP:
+        v = gw * dl_dx
+        if not HAS_LD:
+            v += dd
+        tl.store(d_lp + i, tl.where(keep, v, 0.0).to(d_lp.dtype.element_ty), mask=inb)
+    if D_OLD:
+        v = gw * dl_do
+        if not HAS_LD:
+            v -= dd
+        tl.store(d_old + i, tl.where(keep, v, 0.0).to(d_old.dtype.element_ty), mask=inb)
+    if D_ADV:
+        tl.store(d_adv + i, tl.where(keep, gw * dl_da, 0.0).to(d_adv.dtype.element_ty),
+                 mask=inb)
+    if D_W:
+        tl.store(d_w + i, tl.where(keep, g * l, 0.0).to(d_w.dtype.element_ty), mask=inb)
+    if D_LD:
+        tl.store(d_ld + i, dd.to(d_ld.dtype.element_ty), mask=inb)
+
+
+def _scalars(o: Options) -> tuple:
+    none = 0.0
+    return (o.clip_low, o.clip_high, none if o.dual_clip is None else o.dual_clip,
+            none if o.delta is None else o.delta,
+            none if o.log_ratio_clamp is None else o.log_ratio_clamp, o.tau_pos, o.tau_neg,
+            o.truncation, none if o.dro_beta is None else o.dro_beta, o.kl_cov_coef)
+
+
+def _meta(x: Inputs, o: Options) -> dict:
+    return dict(LOSS=CODES[o.loss_type], HAS_MASK=x.mask is not None,
+                HAS_W=x.weights is not None, HAS_LD=x.log_ratio is not None,
+                HAS_SEL=x.selected is not None, CLAMP=o.log_ratio_clamp is not None,
+                DUAL=o.dual_clip is not None, DELTA=o.delta is not None,
+                SEQ=L.seq_kind(o.aggregation, x.cu_seqlens),
+                PER_POSITION=o.aggregation == "none")
+
+
+def _seq(x: Inputs, o: Options):
+    """(SEQ, scale, cu, S, STEPS): how the kernels weight a position's sequence."""
+    seq = L.seq_kind(o.aggregation, x.cu_seqlens)
+    lp = x.log_probs
+    if seq == L.NO_SEQ:
+        return seq, lp, lp, 0, 0
+    scale = L.seq_scale(o.aggregation, L.counted(x.mask), x.cu_seqlens, tuple(lp.shape),
+                        torch.float32, lp.device)
+    cu = lp if x.cu_seqlens is None else x.cu_seqlens
+    S = scale.shape[0]
+    return seq, scale, cu, S, max(S - 1, 0).bit_length()
+
+
+def forward(x: Inputs, o: Options):
+    lp = x.log_probs
+    N, dev, per_position = lp.numel(), lp.device, o.aggregation == "none"
+    seq, scale, cu, S, steps = _seq(x, o)
+    loss = torch.empty(lp.shape if per_position else (), dtype=o.out_dtype, device=dev)
+    metrics = [torch.empty((), dtype=o.out_dtype, device=dev) for _ in range(6)]
+    inv = torch.empty((), dtype=torch.float32, device=dev)
+    scratch = torch.empty(2, dtype=torch.float32, device=dev)
+    lay = L.layout(tuple(lp.shape), lp, x.old_log_probs, x.advantages, x.mask, x.weights,
+                   x.log_ratio, x.selected)
+    bl = L.block(N)
+    programs = cdiv(N, bl)
+    parts = torch.zeros((3, max(programs, 1), 4), dtype=torch.float32, device=dev)
+    L.launch(forward_kernel, programs, *lay.tensors, scale, cu, loss, parts, N, lay.C, S, steps,
+             *lay.strides, *_scalars(o), **_meta(x, o), KL_ABS=o.loss_type == "kl_cov",
+             FLAT=lay.FLAT, INT64=lay.INT64, BLOCK=bl, num_warps=L.NUM_WARPS)
+    mean = o.aggregation == "token-mean"
+    L.finish(parts[0], loss, inv, (metrics[0], metrics[1]), mean=mean,
+             write_loss=not per_position)
+    L.finish(parts[1], loss, scratch[0], (metrics[2], metrics[3]), mean=mean, write_loss=False)
+    L.finish(parts[2], loss, scratch[1], (metrics[4], metrics[5]), mean=mean, write_loss=False)
+    return [loss, *metrics[:5]], [inv, scale if seq else lp.new_empty(0, dtype=torch.float32)]
+
+
+def backward(x: Inputs, o: Options, saved, grads, needs):
+    lp = x.log_probs
+    inv, scale = saved
+    g_loss = grads[0]
+    n_lp, n_old, n_adv, _, n_w, n_ld = needs[:6]
+    seq, _, cu, S, steps = _seq(x, o)
+    if seq == L.NO_SEQ:
+        scale = lp
+    ins = (lp, x.old_log_probs, x.advantages, x.weights, x.log_ratio)
+    outs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) if need and t is not None
+            else None for t, need in zip(ins, (n_lp, n_old, n_adv, n_w, n_ld))]
+    per_position = o.aggregation == "none"
+    lay = L.layout(tuple(lp.shape), lp, x.old_log_probs, x.advantages, x.mask, x.weights,
+                   x.log_ratio, x.selected, g_loss if per_position else None)
+    N = lp.numel()
+    bl = L.block(N)
+    dummy = lay.tensors[0]
+    g = dummy if g_loss is None else lay.tensors[7] if per_position else g_loss
+    d_lp, d_old, d_adv, d_w, d_ld = outs
+    L.launch(backward_kernel, cdiv(N, bl), *lay.tensors[:7], scale, cu, g, inv,
+             *(dummy if t is None else t for t in outs), N, lay.C, S, steps, *lay.strides,
+             *_scalars(o), **_meta(x, o), MEAN=o.aggregation == "token-mean",
+             HAS_G=g_loss is not None, D_LP=d_lp is not None, D_OLD=d_old is not None,
+             D_ADV=d_adv is not None, D_W=d_w is not None, D_LD=d_ld is not None,
+             FLAT=lay.FLAT, INT64=lay.INT64, BLOCK=bl, num_warps=L.NUM_WARPS)
+    return [d_lp, d_old, d_adv, None, d_w, d_ld, None, None]
+
+
+def fake(x: Inputs, o: Options):
+    lp = x.log_probs
+    shape = lp.shape if o.aggregation == "none" else ()
+    outs = [lp.new_empty(shape, dtype=o.out_dtype)] + [lp.new_empty((), dtype=o.out_dtype)
+                                                        for _ in range(5)]
+    seq = L.seq_kind(o.aggregation, x.cu_seqlens)
+    S = 0 if seq == L.NO_SEQ else lp.shape[0] if seq == L.ROWS else x.cu_seqlens.shape[0] - 1
+    return outs, [lp.new_empty((), dtype=torch.float32), lp.new_empty(S, dtype=torch.float32)]
+
+
+OP = L.Fused("policy_loss", Inputs, Options, forward=forward, backward=backward, fake=fake,
+             n_out=6, n_saved=2, nondiff=(1, 2, 3, 4, 5))
 
 
 # ---- arguments and the public function -----------------------------------------------------------
@@ -345,6 +678,9 @@ def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, loss_type="v
     out_dtype = check_out_dtype(out_dtype)
     loss_type = check_choice("loss_type", loss_type, LOSS_TYPES)
     ratio_level = check_choice("ratio_level", ratio_level, ("token", "sequence"))
+    if (dual_clip is not None or delta is not None) and loss_type != "vanilla":
+        raise ValueError(f"dual_clip and delta apply to loss_type='vanilla'; got "
+                         f"loss_type={loss_type!r}")
     if ratio_level == "sequence" and loss_type not in RATIO_TYPES:
         raise ValueError(f"ratio_level='sequence' applies to loss_type {RATIO_TYPES}; "
                          f"{loss_type!r} has its own (use ratio_level='token')")
@@ -399,13 +735,13 @@ def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, loss_type="v
     loss_scale_factor = _count("loss_scale_factor", loss_scale_factor)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-    o = Options(loss_type, ratio_level, clip_low, clip_high, dual_clip, delta, log_ratio_clamp,
-                tau_pos, tau_neg, truncation, dro_beta, kl_cov_coef, out_dtype)
-
     m = L.counted(mask)
     mb = m if m is not None else torch.ones(lp.shape, dtype=torch.bool, device=lp.device)
     base, factor = _plan(agg, m, cu, tuple(lp.shape), dp_size, batch_num_tokens,
                          global_batch_size, loss_scale_factor)
+    o = Options(loss_type, ratio_level, clip_low, clip_high, dual_clip, delta, log_ratio_clamp,
+                tau_pos, tau_neg, truncation, dro_beta, kl_cov_coef, base, out_dtype,
+                check_offsets)
     sel = cov_pick(o, cov_ratio, cov_bounds, generator, lp, old, adv, mb) \
         if loss_type in ("clip_cov", "kl_cov") else None
     backend = L.backend_for(backend, call.device)
@@ -417,10 +753,10 @@ def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, loss_type="v
         ld = seq_log_ratio(o, *L.kept(mb, dtype, lp, old), mb, cu)
     x = Inputs(lp, old, adv, mask, w, ld, sel, cu)
     if backend == "triton":
-        outs = list(OP(x, o._replace(aggregation=base), call.needs_grad))
+        outs = list(OP(x, o, call.needs_grad))
     else:
         impl = torch_impl if backend == "torch" else loop_impl
-        outs = [t.to(out_dtype) for t in impl(x, o, base, dtype)]
+        outs = [t.to(out_dtype) for t in impl(x, o, dtype)]
         if call.needs_grad:
             outs[0] = L._FirstOrder.apply(outs[0])[0]
     loss = outs[0]
