@@ -487,7 +487,7 @@ def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, weights=None
                               aggregation, dtype)
     sel = None if selected is None else selected.reshape(-1)
     wf = None if w is None else w.reshape(-1)
-    zero = lp.new_zeros(())
+    zero = lp.reshape(-1)[:0].sum()  # 0, a function of lp (no input silently detached)
     ls, flags = [], []
     for i in range(lp.numel()):
         x, o, a = flat[0][i], flat[1][i], flat[2][i]
@@ -551,7 +551,9 @@ def _geo_mean_loop(lp, old, adv, w, keep, sequences, clip_low, clip_high, clamp,
     losses, flags = [], []
     for s in sequences:
         n = float(keep[s].sum()) + 1e-8
-        log_r, a_sum, log_w = lp.new_zeros(()), lp.new_zeros(()), lp.new_zeros(())
+        # 0 as functions of the inputs (an empty sequence keeps the graph)
+        log_r, a_sum = lp.reshape(-1)[:0].sum(), adv.reshape(-1)[:0].sum()
+        log_w = lp.new_zeros(()) if w is None else w.reshape(-1)[:0].sum()
         for x, o, a, k, wi in zip(lp[s].reshape(-1), old[s].reshape(-1), adv[s].reshape(-1),
                                   keep[s].reshape(-1), (w[s].reshape(-1) if w is not None
                                                         else [None] * lp[s].numel())):

@@ -371,3 +371,235 @@ def test_trl_grpo_loss(case, level, rows):
     assert gm.keys() == wm.keys()
     for k in wm:
         close(gm[k], wm[k].detach(), 1e-6)
+
+
+# ---- the backends against each other -------------------------------------------------------------
+
+CASES = [(t, "token") for t in LOSS_TYPES] + [(t, "sequence") for t in ("vanilla", "sapo",
+                                                                          "cispo")]
+OPTIONS = dict(dro_beta=0.1, cov_ratio=0.2, cov_bounds=(-1.0, 1.0), kl_cov_coef=0.5,
+               clip_high=0.28, truncation=1.2)
+
+
+def aggs_for(loss_type):
+    if loss_type == "geo_mean":
+        return ["seq-mean", "none"]
+    return ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+            "seq-mean-token-mean", "none"]
+
+
+def call(backend, xs, mask, loss_type, level, agg, dtype, **extra):
+    lp, old, adv, w = xs
+    kw = dict(OPTIONS, loss_type=loss_type, ratio_level=level, aggregation=agg, **extra)
+    if loss_type == "vanilla":
+        kw["dual_clip"] = 3.0
+    g = torch.Generator().manual_seed(1)
+    loss, metrics = rl_triton.policy_loss(lp, old, adv, mask, weights=w, generator=g,
+                                          backend=backend, out_dtype=dtype, **kw)
+    # a fixed cotangent per position for "none"
+    probe = torch.linspace(-1, 1, loss.numel(), dtype=loss.dtype).view(loss.shape)
+    return loss.detach(), grads((loss * probe).sum(), xs), metrics
+
+
+def compare(a, b, tol):
+    la, ga, ma = a
+    lb, gb, mb = b
+    close(la, lb, tol)
+    for x, y in zip(ga, gb):
+        close(x, y, tol)
+    assert ma.keys() == mb.keys() == set(METRICS)
+    for k in METRICS:
+        close(ma[k], mb[k], tol)
+        assert not ma[k].requires_grad
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{t}-{lv}" for t, lv in CASES])
+@pytest.mark.parametrize("kind", ["multi-turn", "padded"])
+def test_backends(case, kind):
+    """loop vs torch in float64; Triton (the interpreter on CPU) in float32 vs torch float64."""
+    loss_type, level = case
+    inputs64 = [t.requires_grad_(True) for t in batch(kind=kind, dtype=torch.float64)[:4]]
+    mask = batch(kind=kind)[4]
+    for agg in aggs_for(loss_type):
+        ref = call("torch", inputs64, mask, loss_type, level, agg, torch.float64)
+        compare(call("loop", inputs64, mask, loss_type, level, agg, torch.float64), ref, 1e-10)
+        inputs32 = [t.detach().float().requires_grad_(True) for t in inputs64]
+        compare(call("triton", inputs32, mask, loss_type, level, agg, torch.float32), ref, 2e-5)
+
+
+def pack(xs, mask):
+    """[B, T] rows to packed [L] segments: each row up to its last masked-in token (row 0, fully
+    masked: an empty segment), with its mask."""
+    lengths = [int(r.nonzero().max()) + 1 if r.any() else 0 for r in mask]
+    keep = torch.arange(mask.shape[1])[None, :] < torch.tensor(lengths)[:, None]
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    return [x.detach()[keep].requires_grad_(True) for x in xs], mask[keep], cu
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{t}-{lv}" for t, lv in CASES])
+@pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
+def test_packed_rows(case, backend):
+    """Packed segments (cu_seqlens, an empty one included) give the rows' results."""
+    loss_type, level = case
+    *xs, mask = batch(B=4, T=23, seed=9)
+    xs = [t.requires_grad_(True) for t in xs]
+    pxs, pmask, cu = pack(xs, mask)
+    for agg in aggs_for(loss_type):
+        extra = dict(loss_scale_factor=23) if agg == "seq-mean-token-sum-norm" else {}
+        lr, gr, mr = call(backend, xs, mask, loss_type, level, agg, torch.float32, **extra)
+        lp_, gp, mp = call(backend, pxs, pmask, loss_type, level, agg, torch.float32,
+                           cu_seqlens=cu, **extra)
+        if agg == "none" and loss_type != "geo_mean":
+            keep = torch.arange(23)[None, :] < (cu[1:] - cu[:-1])[:, None]
+            lr = lr[keep]
+            # the probe differs between layouts: compare values only
+        else:
+            for x, y, p in zip(gr, gp, xs):
+                keep = torch.arange(23)[None, :] < (cu[1:] - cu[:-1])[:, None]
+                if x is None:  # no gradient (gspo's old_log_probs)
+                    assert y is None or y.abs().max() == 0
+                    continue
+                close(y, x[keep], 2e-5)
+                assert x[~keep].abs().max() == 0
+        close(lp_, lr, 2e-5)
+        for k in METRICS:
+            close(mp[k], mr[k], 2e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
+def test_smallest_and_empty(backend):
+    """T = 1, N = 1; no position counts: loss 0, zero gradients, metrics 0."""
+    for shape in [(1, 1), (3, 5)]:
+        xs = [torch.full(shape, -0.5).requires_grad_(True) for _ in range(3)]
+        for t in LOSS_TYPES:
+            agg = "seq-mean" if t == "geo_mean" else "seq-mean-token-mean"
+            for mask in (torch.ones(shape, dtype=torch.bool),
+                         torch.zeros(shape, dtype=torch.bool)):
+                loss, metrics = rl_triton.policy_loss(*xs, mask, loss_type=t, aggregation=agg,
+                                                      dro_beta=0.1, backend=backend)
+                assert torch.isfinite(loss)
+                if not mask.any():
+                    assert loss.item() == 0
+                    assert all(v.item() == 0 for v in metrics.values())
+                    for g in grads(loss, xs):
+                        assert g is None or g.abs().max() == 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_masked_nonfinite(backend):
+    """NaN / inf at masked positions reach neither the loss nor any gradient."""
+    *xs, mask = batch(B=3, T=11, seed=2)
+    bad = [x.detach().clone() for x in xs]
+    for x in bad:
+        x[~mask] = float("nan")
+    bad[0][0, 0] = -float("inf")
+    for t, level in CASES:
+        for agg in aggs_for(t)[:1]:
+            a = call(backend, [x.detach().clone().requires_grad_(True) for x in xs], mask, t,
+                     level, agg, torch.float32)
+            b = call(backend, [x.clone().requires_grad_(True) for x in bad], mask, t, level,
+                     agg, torch.float32)
+            compare(b, a, 1e-6)
+
+
+# gspo, cispo and the dppo losses stop gradients by design (their gradient is not the value's
+# derivative): test_backends and the framework tests check them
+@pytest.mark.parametrize("case", [("vanilla", "token"), ("vanilla", "sequence"),
+                                  ("sapo", "sequence"), ("kl_cov", "token"), ("dro", "token"),
+                                  ("geo_mean", "token")])
+@pytest.mark.parametrize("backend", ["torch", "loop"])
+def test_gradcheck(case, backend):
+    loss_type, level = case
+    *xs, mask = batch(B=3, T=5, dtype=torch.float64, seed=4)
+    xs = [x.requires_grad_(True) for x in xs]
+    agg = "seq-mean" if loss_type == "geo_mean" else "seq-mean-token-mean"
+
+    def fn(*xs):
+        return rl_triton.policy_loss(*xs[:3], mask, weights=xs[3], loss_type=loss_type,
+                                  ratio_level=level, aggregation=agg, backend=backend,
+                                  out_dtype=torch.float64,
+                                  **{k: v for k, v in OPTIONS.items() if k != "truncation"})[0]
+    assert torch.autograd.gradcheck(fn, xs)
+
+
+def test_global_factors():
+    """token-mean with batch_num_tokens, the seq means with global_batch_size, dp_size, the -norm
+    scale: the local aggregation times the factor verl's agg_loss applies."""
+    *xs, mask = batch(seed=6)
+    B, T = mask.shape
+    n, s = int(mask.sum()), int(mask.any(-1).sum())
+    for backend in ("torch", "triton"):
+        def loss(agg, **kw):
+            return rl_triton.policy_loss(*xs[:3], mask, aggregation=agg, backend=backend,
+                                         **kw)[0]
+        close(loss("token-mean", batch_num_tokens=200, dp_size=2),
+              loss("token-mean") * n / 200 * 2, 1e-6)
+        close(loss("token-sum", dp_size=3), loss("token-mean") * n * 3, 1e-6)
+        close(loss("seq-mean-token-sum", global_batch_size=20, dp_size=2),
+              loss("seq-mean-token-sum") * s / 20 * 2, 1e-6)
+        close(loss("seq-mean-token-sum-norm"), loss("seq-mean-token-sum") / T, 1e-6)
+        close(loss("seq-mean-token-sum-norm", loss_scale_factor=4.0),
+              loss("seq-mean-token-sum") / 4, 1e-6)
+        close(loss("seq-mean-token-mean", global_batch_size=torch.tensor(20.0)),
+              loss("seq-mean-token-mean") * s / 20, 1e-6)
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+def test_errors():
+    lp, old, adv, w, mask = batch(B=3, T=7)
+    pl = rl_triton.policy_loss
+    with pytest.raises(ValueError, match="loss_type"):
+        pl(lp, old, adv, mask, loss_type="ppo")
+    with pytest.raises(ValueError, match="aggregation"):
+        pl(lp, old, adv, mask, aggregation="mean")
+    with pytest.raises(ValueError, match="aggregation='seq-mean'"):
+        pl(lp, old, adv, mask, aggregation="seq-mean")
+    with pytest.raises(ValueError, match="geo_mean"):
+        pl(lp, old, adv, mask, loss_type="geo_mean")
+    with pytest.raises(ValueError, match="ratio_level"):
+        pl(lp, old, adv, mask, loss_type="gpg", ratio_level="sequence")
+    with pytest.raises(ValueError, match="dual_clip"):
+        pl(lp, old, adv, mask, loss_type="gspo", dual_clip=3.0)
+    with pytest.raises(ValueError, match="dual_clip"):
+        pl(lp, old, adv, mask, dual_clip=0.5)
+    with pytest.raises(ValueError, match="dro_beta"):
+        pl(lp, old, adv, mask, loss_type="dro")
+    with pytest.raises(ValueError, match="weights"):
+        pl(lp, old, adv, mask, weights=w[:, :3])
+    with pytest.raises(ValueError, match="mask"):
+        pl(lp, old, adv, mask[:2])
+    with pytest.raises(ValueError, match="old_log_probs"):
+        pl(lp, old[:, 1:], adv, mask)
+    with pytest.raises(TypeError, match="advantages"):
+        pl(lp, old, adv.numpy(), mask)
+    with pytest.raises(ValueError, match="batch_num_tokens"):
+        pl(lp, old, adv, mask, dp_size=2)
+    with pytest.raises(ValueError, match="dp_size"):
+        pl(lp, old, adv, mask, dp_size=0)
+    with pytest.raises(ValueError, match="cov_bounds"):
+        pl(lp, old, adv, mask, loss_type="clip_cov", cov_bounds=(1.0,))
+    with pytest.raises(ValueError, match="clip_low"):
+        pl(lp, old, adv, mask, clip_low=-0.1)
+    flat = lp.reshape(-1)
+    with pytest.raises(ValueError, match="log_probs"):
+        pl(flat, flat, flat, loss_type="gspo")
+    cu = torch.tensor([0, 5, 20])  # ends before L = 21
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        pl(flat, flat, flat, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="loss_scale_factor"):
+        pl(flat, flat, flat, cu_seqlens=torch.tensor([0, 5, 21]),
+           aggregation="seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="backend"):
+        pl(lp, old, adv, mask, backend="cuda")
+
+
+def test_inputs_untouched_and_dtypes():
+    *xs, mask = batch(B=3, T=7)
+    copies = [x.clone() for x in xs]
+    for backend in ("torch", "triton"):
+        loss, metrics = rl_triton.policy_loss(*xs[:3], mask, weights=xs[3], backend=backend,
+                                              out_dtype=torch.float64)
+        assert loss.dtype == torch.float64
+        assert all(v.dtype == torch.float64 for v in metrics.values())
+    assert all(torch.equal(a, b) for a, b in zip(xs, copies))

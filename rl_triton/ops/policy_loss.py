@@ -84,7 +84,7 @@ def token_terms(o: Options, x: Tensor, old: Tensor, a: Tensor, d: Tensor, sel: O
         return l, ~valid, (r > o.truncation) & valid, negative, positive
     r = d.exp()
     if t == "sapo":
-        tau = torch.where(a > 0, o.tau_pos, o.tau_neg)
+        tau = torch.where(a > 0, a.new_tensor(o.tau_pos), a.new_tensor(o.tau_neg))
         return -a * torch.sigmoid(tau * (r - 1.0)) * (4.0 / tau), clip, lower, negative, positive
     negative, positive = (r < lo) & (a < 0), (r > hi) & (a > 0)
     if t == "cispo":
