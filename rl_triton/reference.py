@@ -505,8 +505,8 @@ def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, weights=None
             if loss_type == "dppo_tv":
                 ok = p - q <= clip_high if av > 0 else p - q >= -clip_low
             else:
-                bkl = q * (float(o.detach()) - float(x.detach())) + (1 - q) * math.log((1 - q + 1e-8) /
-                                                                     (1 - p + 1e-8))
+                xf, of = float(x.detach()), float(o.detach())
+                bkl = q * (of - xf) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8))
                 ok = (bkl <= clip_high or p <= q) if av > 0 else (bkl <= clip_low or p >= q)
             l = -a * min(rv, truncation) * x if ok else zero
             clip, lower = not ok, ok and rv > truncation

@@ -3,8 +3,6 @@ agg_loss, OpenRLHF 0.11.2's PolicyLoss (both called from .ci/frameworks through
 `rl_triton.testing.import_frameworks`), TRL's GRPO loss against formulas transcribed from TRL's
 code; the torch, loop and Triton (interpreter on CPU) backends against each other; bad input.
 """
-import math
-
 import pytest
 import torch
 
@@ -22,6 +20,20 @@ except ImportError as e:  # .ci/run installs them; elsewhere say how
     FW_ERROR = str(e)
 
 needs_fw = pytest.mark.skipif(FW is None, reason="verl / OpenRLHF not installed (.ci/run)")
+# the Triton backend's tensors: CUDA where there is one, else the CPU (Triton's interpreter)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_of(backend):
+    return DEVICE if backend == "triton" else "cpu"
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request, monkeypatch):
+    """The drop-ins' backend (the modules' attribute)."""
+    for module in (our_verl, our_orl, our_trl):
+        monkeypatch.setattr(module, "backend", request.param)
+    return request.param
 VERL_AGGS = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm",
              "seq-mean-token-mean"]
 
@@ -59,8 +71,10 @@ def close(got, want, tol):
         z = got if want is None else want
         assert z is None or z.abs().max().item() <= tol, z
         return
-    scale = max(1.0, want.abs().max().item())
-    err = (got.to(torch.float64) - want.to(torch.float64)).abs().max().item()
+    got, want = got.detach().cpu(), want.detach().cpu()
+    scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
+    err = (got.to(torch.float64) - want.to(torch.float64)).abs().max().item() if got.numel() \
+        else 0.0
     assert err <= tol * scale, (err, scale)
 
 
@@ -94,9 +108,12 @@ def run_both(name, inputs, mask, agg, config, weighted):
 @needs_fw
 @pytest.mark.parametrize("name", [n for n in LOSS_TYPES])
 @pytest.mark.parametrize("agg", VERL_AGGS)
-@pytest.mark.parametrize("kind", ["multi-turn", "padded"])
-def test_verl_losses(name, agg, kind):
-    *inputs, mask = batch(kind=kind, seed=LOSS_TYPES.index(name) * 10 + VERL_AGGS.index(agg))
+def test_verl_losses(name, agg, backend):
+    """Right-padded rows of random length with masked spans inside, a fully masked row; with and
+    without rollout-correction weights."""
+    kind = "multi-turn"
+    *inputs, mask = batch(kind=kind, seed=LOSS_TYPES.index(name) * 10 + VERL_AGGS.index(agg),
+                          device=device_of(backend))
     for weighted in (False, True):
         (l0, g0, m0), (l1, g1, m1) = run_both(name, inputs, mask.float(), agg, verl_config(),
                                               weighted)
@@ -111,9 +128,9 @@ def test_verl_losses(name, agg, kind):
 
 @needs_fw
 @pytest.mark.parametrize("agg", VERL_AGGS)
-def test_verl_global_batch_info(agg):
+def test_verl_global_batch_info(agg, backend):
     """dp_size, batch_num_tokens, global_batch_size and loss_scale_factor, as verl's agg_loss."""
-    *inputs, mask = batch(seed=3)
+    *inputs, mask = batch(seed=3, device=device_of(backend))
     info = dict(dp_size=4, batch_num_tokens=97, global_batch_size=11, loss_scale_factor=13)
     for name in ("vanilla", "cispo"):
         (l0, g0, _), (l1, g1, _) = run_both(name, inputs, mask.float(), agg,
@@ -140,7 +157,7 @@ def test_verl_agg_loss_dp_needs_counts():
 
 @needs_fw
 @pytest.mark.parametrize("loss_type", ["reinforce", "ppo_clip"])
-def test_verl_bypass_mode(loss_type, monkeypatch):
+def test_verl_bypass_mode(loss_type, monkeypatch, backend):
     """The dispatch of bypass_mode. verl's rollout helper returns a DataProto, which needs
     tensordict (a stub here): both sides get the same stand-in, token-level truncated IS weights
     exp(log_prob - rollout_log_prob) clamped at the threshold, a mask dropping ratios below 0.5."""
@@ -157,7 +174,7 @@ def test_verl_bypass_mode(loss_type, monkeypatch):
         return proto, mask, {"rollout_corr/kept": float(mask.sum() / response_mask.sum())}
 
     monkeypatch.setattr(helper, "compute_rollout_correction_and_rejection_mask", stand_in)
-    *inputs, mask = batch(seed=5)
+    *inputs, mask = batch(seed=5, device=device_of(backend))
     config = verl_config(RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1.5,
                                                  loss_type=loss_type))
     (l0, g0, m0), (l1, g1, m1) = run_both("bypass_mode", inputs, mask.float(), "token-mean",
@@ -214,8 +231,8 @@ def check_orl(pair):
 @pytest.mark.parametrize("dual_clip", [None, 3.0])
 @pytest.mark.parametrize("token_level", [True, False])
 @pytest.mark.parametrize("kind", ["multi-turn", "padded"])
-def test_openrlhf_policy_loss(loss_type, dual_clip, token_level, kind):
-    *inputs, mask = batch(kind=kind, seed=11)
+def test_openrlhf_policy_loss(loss_type, dual_clip, token_level, kind, backend):
+    *inputs, mask = batch(kind=kind, seed=11, device=device_of(backend))
     kw = dict(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip,
               token_level_loss=token_level, policy_loss_type=loss_type)
     check_orl(orl_both(kw, inputs, mask.float()))
@@ -229,12 +246,13 @@ def test_openrlhf_policy_loss(loss_type, dual_clip, token_level, kind):
     ("seq", "mask", "ratio", (0.9, 1.1)), ("token", "mask", "binary_kl", (0.0, 0.05)),
     ("seq", "mask", "tv", (0.0, 0.1))])
 @pytest.mark.parametrize("loss_type", ["ppo", "gspo"])
-def test_openrlhf_is_correction(level, mode, gating, threshold, loss_type):
-    *inputs, mask = batch(seed=12)
+def test_openrlhf_is_correction(level, mode, gating, threshold, loss_type, backend):
+    *inputs, mask = batch(seed=12, device=device_of(backend))
     B, T = mask.shape
     g = torch.Generator().manual_seed(4)
     mask[0, :4] = True  # OpenRLHF's per-sequence means need a token in every row
-    rollout = (inputs[1] + 0.2 * torch.randn(B, T, generator=g)).clamp(max=-0.02)
+    noise = torch.randn(B, T, generator=g).to(mask.device)
+    rollout = (inputs[1] + 0.2 * noise).clamp(max=-0.02)
     kw = dict(clip_eps_low=0.2, clip_eps_high=0.28, policy_loss_type=loss_type,
               is_correction_level=level, is_correction_mode=mode,
               is_correction_gating=gating, is_correction_threshold=threshold)
@@ -347,10 +365,11 @@ TRL_CASES = [  # (loss_type, extra options)
 @pytest.mark.parametrize("case", range(len(TRL_CASES)))
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("rows", [True, False])  # advantages [B] (TRL's GRPO) or [B, T]
-def test_trl_grpo_loss(case, level, rows):
+def test_trl_grpo_loss(case, level, rows, backend):
     loss_type, extra = TRL_CASES[case]
-    extra = dict(extra)
-    lp, old, adv, w, mask = batch(seed=20 + case)
+    extra = {k: v.to(device_of(backend)) if isinstance(v, torch.Tensor) else v
+             for k, v in extra.items()}
+    lp, old, adv, w, mask = batch(seed=20 + case, device=device_of(backend))
     ref = (lp + 0.1).clamp(max=-0.01)
     weighted = extra.pop("weighted", False)
     if rows:
@@ -389,6 +408,20 @@ def aggs_for(loss_type):
 
 
 def call(backend, xs, mask, loss_type, level, agg, dtype, **extra):
+    """policy_loss on `backend` (Triton's tensors on DEVICE): (loss, grads, metrics) on the
+    CPU, the gradients those of the CPU leaves `xs`."""
+    if device_of(backend) != "cpu":
+        leaves = [x.detach().to(DEVICE).requires_grad_(x.requires_grad) for x in xs]
+        extra = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
+                 for k, v in extra.items()}
+        loss, gs, metrics = _call(backend, leaves, mask.to(DEVICE), loss_type, level, agg,
+                                  dtype, **extra)
+        return (loss.cpu(), [None if g is None else g.cpu() for g in gs],
+                {k: v.cpu() for k, v in metrics.items()})
+    return _call(backend, xs, mask, loss_type, level, agg, dtype, **extra)
+
+
+def _call(backend, xs, mask, loss_type, level, agg, dtype, **extra):
     lp, old, adv, w = xs
     kw = dict(OPTIONS, loss_type=loss_type, ratio_level=level, aggregation=agg, **extra)
     if loss_type == "vanilla":
@@ -397,7 +430,8 @@ def call(backend, xs, mask, loss_type, level, agg, dtype, **extra):
     loss, metrics = rl_triton.policy_loss(lp, old, adv, mask, weights=w, generator=g,
                                           backend=backend, out_dtype=dtype, **kw)
     # a fixed cotangent per position for "none"
-    probe = torch.linspace(-1, 1, loss.numel(), dtype=loss.dtype).view(loss.shape)
+    probe = torch.linspace(-1, 1, loss.numel(), dtype=loss.dtype,
+                           device=loss.device).view(loss.shape)
     return loss.detach(), grads((loss * probe).sum(), xs), metrics
 
 
@@ -469,12 +503,13 @@ def test_packed_rows(case, backend):
 @pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
 def test_smallest_and_empty(backend):
     """T = 1, N = 1; no position counts: loss 0, zero gradients, metrics 0."""
+    dev = device_of(backend)
     for shape in [(1, 1), (3, 5)]:
-        xs = [torch.full(shape, -0.5).requires_grad_(True) for _ in range(3)]
+        xs = [torch.full(shape, -0.5, device=dev).requires_grad_(True) for _ in range(3)]
         for t in LOSS_TYPES:
             agg = "seq-mean" if t == "geo_mean" else "seq-mean-token-mean"
-            for mask in (torch.ones(shape, dtype=torch.bool),
-                         torch.zeros(shape, dtype=torch.bool)):
+            for mask in (torch.ones(shape, dtype=torch.bool, device=dev),
+                         torch.zeros(shape, dtype=torch.bool, device=dev)):
                 loss, metrics = rl_triton.policy_loss(*xs, mask, loss_type=t, aggregation=agg,
                                                       dro_beta=0.1, backend=backend)
                 assert torch.isfinite(loss)
@@ -525,10 +560,11 @@ def test_gradcheck(case, backend):
 def test_global_factors():
     """token-mean with batch_num_tokens, the seq means with global_batch_size, dp_size, the -norm
     scale: the local aggregation times the factor verl's agg_loss applies."""
-    *xs, mask = batch(seed=6)
-    B, T = mask.shape
-    n, s = int(mask.sum()), int(mask.any(-1).sum())
     for backend in ("torch", "triton"):
+        *xs, mask = batch(seed=6, device=device_of(backend))
+        B, T = mask.shape
+        n, s = int(mask.sum()), int(mask.any(-1).sum())
+
         def loss(agg, **kw):
             return rl_triton.policy_loss(*xs[:3], mask, aggregation=agg, backend=backend,
                                          **kw)[0]
@@ -540,7 +576,8 @@ def test_global_factors():
         close(loss("seq-mean-token-sum-norm"), loss("seq-mean-token-sum") / T, 1e-6)
         close(loss("seq-mean-token-sum-norm", loss_scale_factor=4.0),
               loss("seq-mean-token-sum") / 4, 1e-6)
-        close(loss("seq-mean-token-mean", global_batch_size=torch.tensor(20.0)),
+        twenty = torch.tensor(20.0, device=mask.device)
+        close(loss("seq-mean-token-mean", global_batch_size=twenty),
               loss("seq-mean-token-mean") * s / 20, 1e-6)
 
 
@@ -595,11 +632,11 @@ def test_errors():
 
 
 def test_inputs_untouched_and_dtypes():
-    *xs, mask = batch(B=3, T=7)
-    copies = [x.clone() for x in xs]
     for backend in ("torch", "triton"):
+        *xs, mask = batch(B=3, T=7, device=device_of(backend))
+        copies = [x.clone() for x in xs]
         loss, metrics = rl_triton.policy_loss(*xs[:3], mask, weights=xs[3], backend=backend,
                                               out_dtype=torch.float64)
         assert loss.dtype == torch.float64
         assert all(v.dtype == torch.float64 for v in metrics.values())
-    assert all(torch.equal(a, b) for a, b in zip(xs, copies))
+        assert all(torch.equal(a, b) for a, b in zip(xs, copies))

@@ -243,8 +243,8 @@ def loop_impl(x: Inputs, o: Options, dtype):
 # ---- the Triton backend --------------------------------------------------------------------------
 
 @triton.jit
-def terms(x, o, a, ld, sel, clip_low, clip_high, dual_clip, delta, ratio_clamp, tau_pos, tau_neg, truncation,
-          dro_beta, kl_cov_coef, LOSS: tl.constexpr, HAS_LD: tl.constexpr,
+def terms(x, o, a, ld, sel, clip_low, clip_high, dual_clip, delta, ratio_clamp, tau_pos,
+          tau_neg, truncation, dro_beta, kl_cov_coef, LOSS: tl.constexpr, HAS_LD: tl.constexpr,
           CLAMP: tl.constexpr, DUAL: tl.constexpr, DELTA: tl.constexpr):
     """The per-position loss l of loss type LOSS (`CODES`, as `token_terms`), its derivatives by
     the log-ratio d, by x directly, by old directly and by A, the metrics' flags (clip, lower,
