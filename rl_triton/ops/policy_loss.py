@@ -736,7 +736,10 @@ def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, loss_type="v
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     m = L.counted(mask)
-    mb = m if m is not None else torch.ones(lp.shape, dtype=torch.bool, device=lp.device)
+    seq_ratio = ratio_level == "sequence" or loss_type == "gspo"
+    # the mask as bool where torch reads it (the picks, the sequence ratios): all set without one
+    mb = m if m is not None or not (seq_ratio or loss_type in ("clip_cov", "kl_cov")) else \
+        torch.ones(lp.shape, dtype=torch.bool, device=lp.device)
     base, factor = _plan(agg, m, cu, tuple(lp.shape), dp_size, batch_num_tokens,
                          global_batch_size, loss_scale_factor)
     o = Options(loss_type, ratio_level, clip_low, clip_high, dual_clip, delta, log_ratio_clamp,
@@ -749,7 +752,7 @@ def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, loss_type="v
         backend = "torch"  # a loss per sequence: segment sums, no kernel (module docstring)
     dtype = torch.float64 if call.float64 else torch.float32
     ld = None
-    if (ratio_level == "sequence" or loss_type == "gspo") and backend != "loop":
+    if seq_ratio and backend != "loop":
         ld = seq_log_ratio(o, *L.kept(mb, dtype, lp, old), mb, cu)
     x = Inputs(lp, old, adv, mask, w, ld, sel, cu)
     if backend == "triton":
