@@ -754,14 +754,8 @@ def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, loss_type="v
     ld = None
     if seq_ratio and backend != "loop":
         ld = seq_log_ratio(o, *L.kept(mb, dtype, lp, old), mb, cu)
-    x = Inputs(lp, old, adv, mask, w, ld, sel, cu)
-    if backend == "triton":
-        outs = list(OP(x, o, call.needs_grad))
-    else:
-        impl = torch_impl if backend == "torch" else loop_impl
-        outs = [t.to(out_dtype) for t in impl(x, o, dtype)]
-        if call.needs_grad:
-            outs[0] = L._FirstOrder.apply(outs[0])[0]
+    outs = L.run(OP, Inputs(lp, old, adv, mask, w, ld, sel, cu), o, call, backend, torch_impl,
+                 loop_impl, out_dtype)
     loss = outs[0]
     if factor is not None:
         loss = (loss * factor).to(out_dtype)
