@@ -132,12 +132,16 @@ def test_verl_global_batch_info(agg, backend):
     """dp_size, batch_num_tokens, global_batch_size and loss_scale_factor, as verl's agg_loss."""
     *inputs, mask = batch(seed=3, device=device_of(backend))
     info = dict(dp_size=4, batch_num_tokens=97, global_batch_size=11, loss_scale_factor=13)
+    # as verl's trainer fills global_batch_info: counts as tensors too
+    as_tensors = dict(dp_size=torch.tensor(2), batch_num_tokens=torch.tensor(150.0),
+                      global_batch_size=torch.tensor(9), loss_scale_factor=None)
     for name in ("vanilla", "cispo"):
-        (l0, g0, _), (l1, g1, _) = run_both(name, inputs, mask.float(), agg,
-                                            verl_config(**info), False)
-        close(l1, l0, 2e-5)
-        for a, b in zip(g1, g0):
-            close(a, b, 2e-5)
+        for batch_info in (info, as_tensors):
+            (l0, g0, _), (l1, g1, _) = run_both(name, inputs, mask.float(), agg,
+                                                verl_config(**batch_info), False)
+            close(l1, l0, 2e-5)
+            for a, b in zip(g1, g0):
+                close(a, b, 2e-5)
     loss_mat = inputs[0].detach().clone().requires_grad_(True)
     for kw in (info, {}, dict(loss_scale_factor=5)):
         want = FW.verl.agg_loss(loss_mat, mask.float(), agg, **kw)

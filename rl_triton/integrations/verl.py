@@ -222,8 +222,11 @@ def _batch_info(config) -> dict:
     """verl's `config.global_batch_info` (dp_size, batch_num_tokens, global_batch_size,
     loss_scale_factor) as policy_loss's arguments."""
     info = dict(getattr(config, "global_batch_info", None) or {})
-    return {k: info[k] for k in ("dp_size", "batch_num_tokens", "global_batch_size",
-                                 "loss_scale_factor") if info.get(k) is not None}
+    out = {k: info[k] for k in ("dp_size", "batch_num_tokens", "global_batch_size",
+                                "loss_scale_factor") if info.get(k) is not None}
+    if "dp_size" in out:  # verl's trainer may hand it over as a tensor or a NumPy integer
+        out["dp_size"] = int(out["dp_size"])
+    return out
 
 
 def _option(config, name, default):
