@@ -664,8 +664,9 @@ def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, loss_type="v
     "seq-mean-token-sum", "seq-mean-token-sum-norm" (divided by `loss_scale_factor`, default the
     row length T), "seq-mean-token-mean", or "none" (l per position, 0 where the mask is not
     set); `batch_num_tokens` / `global_batch_size` replace the local counts and `dp_size`
-    multiplies, as verl's. Sequences are rows of [B, T] inputs or segments of `cu_seqlens`.
-    An empty selection gives 0 (verl's token-mean gives NaN there).
+    multiplies, as verl's (a count the mode does not use is ignored, as verl's agg_loss does).
+    Sequences are rows of [B, T] inputs or segments of `cu_seqlens`. An empty selection gives 0
+    (verl's token-mean gives NaN there).
 
     `metrics`: a dict of 0-d tensors without gradient, means over the positions that count:
     "clip_fraction" (verl's pg_clipfrac: the positions the loss clipped, by loss type),
@@ -735,10 +736,12 @@ def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, loss_type="v
     loss_scale_factor = _count("loss_scale_factor", loss_scale_factor)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-    m = L.counted(mask)
     seq_ratio = ratio_level == "sequence" or loss_type == "gspo"
-    # the mask as bool where torch reads it (the picks, the sequence ratios): all set without one
-    mb = m if m is not None or not (seq_ratio or loss_type in ("clip_cov", "kl_cov")) else \
+    torch_reads = seq_ratio or loss_type in ("clip_cov", "kl_cov")
+    # the mask as bool where torch reads it (the picks, the sequence ratios, a global sequence
+    # count), all set without one; the kernels read the mask as it is
+    m = L.counted(mask) if torch_reads or global_batch_size is not None else None
+    mb = m if m is not None or not torch_reads else \
         torch.ones(lp.shape, dtype=torch.bool, device=lp.device)
     base, factor = _plan(agg, m, cu, tuple(lp.shape), dp_size, batch_num_tokens,
                          global_batch_size, loss_scale_factor)
