@@ -285,10 +285,10 @@ def trl_loss(per_token_logps, old_per_token_logps, advantages, mask, *, loss_typ
              importance_sampling_ratio=None, max_completion_length=None,
              num_items_in_batch=None, num_processes=1, gradient_accumulation_steps=1):
     """TRL 1.9.0's GRPOTrainer._compute_loss, transcribed from trl/trainer/grpo_trainer.py
-    (tag v1.9.0): lines 3026-3027 (advantages [B] -> [B, 1]), 3054-3066 (log importance weights
-    by level), 3068-3078 (the KL term and its bias correction), 3080-3095 (cispo, the clipped
+    (tag v1.9.0): lines 3029-3030 (advantages [B] -> [B, 1]), 3054-3066 (log importance weights
+    by level), 3069-3076 (the KL term and its bias correction), 3080-3095 (cispo, the clipped
     types with delta, sapo), 3117-3121 (importance_sampling_ratio, beta), 3124-3142 (the
-    aggregations) and 3222-3256 (the metrics); one process, training mode."""
+    aggregations) and 3223-3256 (the metrics, gathered over one process); training mode."""
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
     log_ratio = per_token_logps - old_per_token_logps
@@ -349,6 +349,20 @@ def trl_loss(per_token_logps, old_per_token_logps, advantages, mask, *, loss_typ
         metrics["clip_ratio/low_mean"] = global_masked_mean(is_low_clipped.float())
         metrics["clip_ratio/high_mean"] = global_masked_mean(is_high_clipped.float())
         metrics["clip_ratio/region_mean"] = global_masked_mean(is_region_clipped.float())
+
+        def masked_seq_mean(x):  # lines 3224-3227, 3250-3253
+            if x.shape[1] == 1:
+                return x.squeeze(1)
+            return (x * mask).sum(-1) / mask.sum(-1)
+
+        def nanmin(t):  # trl/trainer/utils.py, lines 960-972 (nanmax alike)
+            return t.new_tensor(float("nan")) if torch.isnan(t).all() else t[~torch.isnan(t)].min()
+
+        def nanmax(t):
+            return t.new_tensor(float("nan")) if torch.isnan(t).all() else t[~torch.isnan(t)].max()
+
+        metrics["clip_ratio/low_min"] = nanmin(masked_seq_mean(is_low_clipped.float()))
+        metrics["clip_ratio/high_max"] = nanmax(masked_seq_mean(is_high_clipped.float()))
     elif loss_type == "cispo":
         is_cispo_clipped = (coef_1 > epsilon_high) & (advantages > 0)
         metrics["cispo_clip_ratio"] = global_masked_mean(is_cispo_clipped.float())
@@ -387,7 +401,8 @@ def test_trl_grpo_loss(case, level, rows, backend):
     xs0 = [t.clone().requires_grad_(True) for t in (lp, old, adv)]
     want, wm = trl_loss(*xs0, mask.float(), epsilon_low=0.2, epsilon_high=eps_high, **common)
     xs1 = [t.clone().requires_grad_(True) for t in (lp, old, adv)]
-    got, gm = our_trl.grpo_loss(*xs1, mask, epsilon=0.2, epsilon_high=eps_high, **common)
+    got, gm = our_trl.grpo_loss(*xs1, mask, epsilon=0.2, epsilon_high=eps_high,
+                                sequence_extremes=True, **common)
     close(got, want, 2e-5)
     for a, b in zip(grads(got, xs1), grads(want, xs0)):
         close(a, b, 2e-5)

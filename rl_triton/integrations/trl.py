@@ -36,7 +36,7 @@ def grpo_loss(per_token_logps: Tensor, old_per_token_logps, advantages: Tensor, 
               beta: float = 0.0, ref_per_token_logps=None, use_bias_correction_kl: bool = False,
               importance_sampling_ratio=None, max_completion_length=None,
               num_items_in_batch=None, num_processes: int = 1,
-              gradient_accumulation_steps: int = 1):
+              gradient_accumulation_steps: int = 1, sequence_extremes: bool = False):
     """TRL's GRPO loss `[B, T]` -> `(loss, metrics)`, as `GRPOTrainer._compute_loss` returns it
     in training mode (divided by `gradient_accumulation_steps` where TRL divides).
 
@@ -46,7 +46,10 @@ def grpo_loss(per_token_logps: Tensor, old_per_token_logps, advantages: Tensor, 
     token mean; bnpo the token mean; dr_grpo the token sum over B * max_completion_length;
     cispo / dapo the token sum over clamp(num_items_in_batch, 1) / num_processes.
     `metrics` (TRL's names, 0-d tensors): "clip_ratio/low_mean", "clip_ratio/high_mean",
-    "clip_ratio/region_mean" (clipped loss types) or "cispo_clip_ratio", and "kl" where beta != 0.
+    "clip_ratio/region_mean" (clipped loss types) or "cispo_clip_ratio", and "kl" where beta != 0;
+    with `sequence_extremes` also TRL's "clip_ratio/low_min" and "clip_ratio/high_max" (the
+    extremes over sequences of each one's clipped fraction, NaN-ignoring; one process), which
+    cost a torch pass over the tokens.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}; got {loss_type!r}")
@@ -118,6 +121,9 @@ def grpo_loss(per_token_logps: Tensor, old_per_token_logps, advantages: Tensor, 
             high_ = ((r > 1 + high) & (advantages > 0)).to(dtype).mean()
         metrics.update({"clip_ratio/low_mean": low, "clip_ratio/high_mean": high_,
                         "clip_ratio/region_mean": low + high_})
+        if sequence_extremes:
+            metrics.update(_extremes(per_token_logps.detach(), old.detach(), advantages, m,
+                                     level, epsilon, high, delta, dtype))
     elif loss_type == "cispo":
         value = ours["clip_fraction_positive"]
         if level == "sequence" and adv_rows:
@@ -133,6 +139,28 @@ def _coef(new, old, m, level):
     if level == "token":
         return d.exp()
     return (d.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).exp()
+
+
+def _extremes(new, old, advantages, m, level, low, high, delta, dtype):
+    """TRL's clip_ratio/low_min and high_max: per sequence the clipped fraction over its tokens
+    (its one flag at sequence level with [B] advantages), the NaN-ignoring min / max."""
+    r = _coef(new, old, m, level)
+    if delta is not None:
+        r = r.clamp(max=delta)
+    adv = advantages[:, None] if advantages.ndim == 1 else advantages
+    lo, hi = (r < 1 - low) & (adv < 0), (r > 1 + high) & (adv > 0)
+
+    def per_sequence(flag):
+        if flag.shape[1] == 1:
+            return flag[:, 0].to(dtype)
+        return (flag.to(dtype) * m).sum(-1) / m.sum(-1)  # NaN for an empty sequence, as TRL
+
+    def extreme(x, fn):
+        ok = ~torch.isnan(x)
+        return fn(x[ok]) if ok.any() else x.new_tensor(float("nan"))
+
+    return {"clip_ratio/low_min": extreme(per_sequence(lo), torch.min),
+            "clip_ratio/high_max": extreme(per_sequence(hi), torch.max)}
 
 
 def _plan_like(agg, m, counts):
