@@ -169,14 +169,17 @@ def test_verl_use_rl_triton():
     our_verl.use_rl_triton(algos)
     our_verl.use_rl_triton(algos)  # idempotent: revert still restores verl's own
     try:
-        for n, key, fn in rows_:
-            assert getattr(algos, n) is fn
-            if key is not None:
-                assert algos.get_adv_estimator_fn(key) is fn
+        for table, rows in our_verl.TABLES.items():
+            for n, key, fn in rows:
+                assert getattr(algos, n) is fn
+                if table is not None:
+                    assert getattr(algos, table)[key] is fn
     finally:
         our_verl.revert_rl_triton(algos)
     assert {n: getattr(algos, n) for n, _, _ in rows_} == before
     assert dict(algos.ADV_ESTIMATOR_REGISTRY) == registry
+    assert all(algos.POLICY_LOSS_REGISTRY[key] is before[n]
+               for n, key, _ in our_verl.LOSSES)
 
 
 @pytest.mark.parametrize("B,T", SHAPES)

@@ -29,7 +29,7 @@ import rl_triton
 from .verl import _no_flags
 
 __all__ = ["get_advantages_and_returns", "get_cumulative_returns", "compute_approx_kl",
-           "use_rl_triton", "revert_rl_triton"]
+           "PolicyLoss", "use_rl_triton", "revert_rl_triton"]
 
 Tensor = torch.Tensor
 # the rl_triton backend these functions call ("auto": the Triton kernels on CUDA, torch on CPU)
@@ -83,12 +83,130 @@ def compute_approx_kl(log_probs: Tensor, log_probs_base: Tensor, log_probs_old=N
     return st.detach() + w * (st - st.detach())
 
 
-# The switch: RemoteExperienceMaker's methods (name, ours), and module functions (name, ours)
+# ---- PolicyLoss (semantics §10) ------------------------------------------------------------------
+
+class PolicyLoss(torch.nn.Module):
+    """OpenRLHF's `openrlhf.models.loss.PolicyLoss` (0.11.2): same constructor, same forward,
+    same outputs `(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)`, the loss one
+    `rl_triton.policy_loss` call ("ppo": vanilla; "gspo": the sequence ratio, differentiable).
+    The train / rollout correction (`is_correction_*`, with `rollout_log_probs`) forms its
+    per-token coefficient in torch, as OpenRLHF, and passes it as policy_loss's `weights`.
+    Differences: an empty selection gives 0 where OpenRLHF's masked mean gives NaN; ppo_kl
+    averages the log-ratio clamped at +-20 as the loss uses it (OpenRLHF: unclamped; they
+    differ only where |log-ratio| > 20)."""
+
+    def __init__(self, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2,
+                 dual_clip: float = None, token_level_loss: bool = True,
+                 policy_loss_type: str = "ppo", is_correction_level: str = "off",
+                 is_correction_mode: str = "mask", is_correction_gating: str = "ratio",
+                 is_correction_threshold: list = (0.5, 5.0)) -> None:
+        super().__init__()
+        if policy_loss_type not in ("ppo", "gspo"):
+            raise ValueError(f"Invalid policy loss type: {policy_loss_type}")
+        if dual_clip is not None and not dual_clip > 1.0:
+            raise ValueError(f"dual_clip must be > 1.0, got {dual_clip}")
+        if is_correction_level not in {"off", "token", "seq"}:
+            raise ValueError(f"is_correction_level must be off/token/seq, got "
+                             f"{is_correction_level}")
+        if is_correction_mode not in {"mask", "clip"}:
+            raise ValueError(f"is_correction_mode must be mask/clip, got {is_correction_mode}")
+        if is_correction_gating not in {"ratio", "binary_kl", "tv"}:
+            raise ValueError(f"is_correction_gating must be ratio/binary_kl/tv, got "
+                             f"{is_correction_gating}")
+        if is_correction_mode == "clip" and (is_correction_level == "seq"
+                                             or is_correction_gating != "ratio"):
+            raise ValueError("is_correction_mode=clip requires is_correction_level=token and "
+                             "is_correction_gating=ratio")
+        if is_correction_gating != "ratio" and is_correction_level != "off" and \
+                is_correction_threshold[0] > 0:
+            raise ValueError(f"is_correction_gating={is_correction_gating} takes an upper bound "
+                             "only (a single delta)")
+        self.clip_eps_low, self.clip_eps_high = clip_eps_low, clip_eps_high
+        self.dual_clip = dual_clip
+        # GSPO's loss is per sample, as OpenRLHF's
+        self.token_level_loss = token_level_loss and policy_loss_type != "gspo"
+        self.policy_loss_type = policy_loss_type
+        self.is_correction_level = is_correction_level
+        self.is_correction_mode = is_correction_mode
+        self.is_correction_gating = is_correction_gating
+        self.is_correction_threshold = is_correction_threshold
+
+    def _correction(self, old_log_probs, rollout_log_probs, action_mask):
+        """OpenRLHF's coefficient (no gradient), filter fraction and vLLM KL."""
+        low, high = self.is_correction_threshold
+        seq_level = self.is_correction_level == "seq"
+        is_log_ratio = (old_log_probs - rollout_log_probs).detach()
+        token_is = is_log_ratio.exp()
+
+        def seq_mean(x):
+            return ((x * action_mask).sum(-1) / action_mask.sum(-1)).unsqueeze(-1)
+
+        if self.is_correction_gating == "ratio":
+            stat = (seq_mean(is_log_ratio) if seq_level else is_log_ratio).exp()
+        else:
+            p = rollout_log_probs.detach().exp().clamp(1e-6, 1 - 1e-6)
+            q = old_log_probs.detach().exp().clamp(1e-6, 1 - 1e-6)
+            if self.is_correction_gating == "binary_kl":
+                stat = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+            else:
+                stat = (p - q).abs()
+            if seq_level:
+                stat = seq_mean(stat)
+        if self.is_correction_mode == "clip":
+            coef = stat.clamp(min=low, max=high)
+            filtered = (stat < low) | (stat > high)
+        else:
+            keep = (stat >= low) & (stat <= high)
+            coef = torch.where(keep, token_is, 0.0)
+            filtered = ~keep
+        if seq_level:
+            ratio = filtered.float().mean()
+        else:
+            ratio = (filtered.float() * action_mask).sum() / action_mask.sum()
+        vllm_kl = ((rollout_log_probs - old_log_probs) * action_mask).sum() / action_mask.sum()
+        return coef.expand(old_log_probs.shape), ratio, vllm_kl
+
+    def forward(self, log_probs, old_log_probs, advantages, action_mask=None,
+                rollout_log_probs=None, dp_size: int = 1, batch_num_tokens=None,
+                global_batch_size=None):
+        gspo = self.policy_loss_type == "gspo"
+        correct = self.is_correction_level != "off"
+        weights = vllm_kl = is_filter_ratio = None
+        if correct and not gspo:
+            weights, is_filter_ratio, vllm_kl = self._correction(old_log_probs,
+                                                                 rollout_log_probs, action_mask)
+        # OpenRLHF's gspo with the correction on takes its ratio against the rollout
+        ratio_base = rollout_log_probs if gspo and correct else old_log_probs
+        if self.token_level_loss:
+            agg, counts = "token-mean", {}
+            if batch_num_tokens is not None:
+                counts = dict(batch_num_tokens=batch_num_tokens, dp_size=int(dp_size))
+        else:
+            agg, counts = "seq-mean-token-mean", {}
+            if global_batch_size is not None:
+                counts = dict(global_batch_size=global_batch_size, dp_size=int(dp_size))
+        dtype = log_probs.dtype if log_probs.dtype in (torch.float32, torch.float64) \
+            else torch.float32
+        loss, metrics = rl_triton.policy_loss(
+            log_probs, ratio_base, advantages, action_mask, loss_type="vanilla",
+            aggregation=agg, weights=weights, ratio_level="sequence" if gspo else "token",
+            clip_low=float(self.clip_eps_low), clip_high=float(self.clip_eps_high),
+            dual_clip=None if self.dual_clip is None else float(self.dual_clip),
+            log_ratio_clamp=None if gspo else 20.0, backend=backend, out_dtype=dtype, **counts)
+        ppo_kl = metrics["kl"]
+        if gspo and correct:  # the KL is against the old policy, the ratio against the rollout
+            d = (log_probs - old_log_probs).detach()
+            ppo_kl = -(d * action_mask).sum() / action_mask.sum()
+        return loss, metrics["clip_fraction"], ppo_kl, vllm_kl, is_filter_ratio
+
+
+# The switch: RemoteExperienceMaker's methods (name, ours), and module attributes (name, ours)
 # replaced in every loaded OpenRLHF module that imported them by name
 METHODS = [("get_advantages_and_returns", get_advantages_and_returns),
            ("get_cumulative_returns", get_cumulative_returns)]
-FUNCTIONS = [("compute_approx_kl", compute_approx_kl)]
-_FUNCTION_MODULES = ("openrlhf.models.utils", "openrlhf.trainer.ppo_utils.experience_maker",
+FUNCTIONS = [("compute_approx_kl", compute_approx_kl), ("PolicyLoss", PolicyLoss)]
+_FUNCTION_MODULES = ("openrlhf.models.utils", "openrlhf.models.loss", "openrlhf.models",
+                     "openrlhf.trainer.ppo_utils.experience_maker",
                      "openrlhf.trainer.ray.ppo_actor")
 _ORIGINALS: dict = {}
 
@@ -108,8 +226,8 @@ def _modules(cls):
 
 def use_rl_triton(cls=None) -> None:
     """Replace `get_advantages_and_returns` and `get_cumulative_returns` on OpenRLHF's
-    `RemoteExperienceMaker` (or on `cls`), and `compute_approx_kl` in the OpenRLHF modules that
-    use it. Idempotent."""
+    `RemoteExperienceMaker` (or on `cls`), and `compute_approx_kl` and `PolicyLoss` in the
+    OpenRLHF modules that hold them. Idempotent."""
     cls = _maker(cls)
     for name, ours in METHODS:
         _ORIGINALS.setdefault((cls, name), cls.__dict__[name])

@@ -43,7 +43,12 @@ __all__ = ["compute_gae_advantage_return", "compute_grpo_outcome_advantage",
            "compute_gpg_outcome_advantage", "compute_optimal_token_baseline_advantage",
            "compute_multi_turn_optimal_token_baseline_advantage",
            "compute_gdpo_outcome_advantage", "kl_penalty", "compute_rollout_correction_weights",
-           "compute_rollout_rejection_mask", "use_rl_triton", "revert_rl_triton"]
+           "compute_rollout_rejection_mask", "compute_policy_loss_vanilla",
+           "compute_policy_loss_dppo_tv", "compute_policy_loss_dppo_kl", "compute_policy_loss_gspo",
+           "compute_policy_loss_sapo", "compute_policy_loss_gpg", "compute_policy_loss_clip_cov",
+           "compute_policy_loss_kl_cov", "compute_policy_loss_geo_mean", "compute_policy_loss_dro",
+           "compute_policy_loss_cispo", "compute_policy_loss_bypass_mode", "agg_loss",
+           "use_rl_triton", "revert_rl_triton"]
 
 Tensor = torch.Tensor
 # the rl_triton backend these functions call ("auto": the Triton kernels on CUDA, torch on CPU)
@@ -594,8 +599,238 @@ def compute_rollout_rejection_mask(log_ratio: Tensor, response_mask: Tensor,
     return (m * combined).to(m.dtype), metrics
 
 
+# ---- policy losses (semantics §10): verl's POLICY_LOSS_REGISTRY and agg_loss --------------------
+#
+# Each has verl's signature `(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+# config, rollout_is_weights) -> (pg_loss, pg_metrics)` and returns what verl 0.9.1 returns: the
+# loss (verl's `agg_loss` with `config.global_batch_info`) and the metrics as Python floats, read
+# in one sync. Differences: an empty selection gives 0 where verl's token-mean gives NaN;
+# clip_cov's random draw is torch.randperm on the default generator, as verl's. Masks are read as
+# verl's 0 / 1 (not as weights).
+
+def _clips(config):
+    low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
+    high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+    return dict(clip_low=float(low), clip_high=float(high))
+
+
+def _batch_info(config) -> dict:
+    """verl's `config.global_batch_info` (dp_size, batch_num_tokens, global_batch_size,
+    loss_scale_factor) as policy_loss's arguments."""
+    info = dict(getattr(config, "global_batch_info", None) or {})
+    out = {k: info[k] for k in ("dp_size", "batch_num_tokens", "global_batch_size",
+                                "loss_scale_factor") if info.get(k) is not None}
+    if "dp_size" in out:  # verl's trainer may hand it over as a tensor or a NumPy integer
+        out["dp_size"] = int(out["dp_size"])
+    return out
+
+
+def _option(config, name, default):
+    value = getattr(config.policy_loss, name, None)
+    return default if value is None else value
+
+
+def _verl_loss(loss_type, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+               config, weights, keys, **options):
+    """policy_loss with verl's inputs; `keys`: verl's metric names -> ours."""
+    if config is None:
+        raise ValueError("config is required: verl's ActorConfig")
+    dtype = log_prob.dtype if log_prob.dtype in (torch.float32, torch.float64) else torch.float32
+    loss, metrics = rl_triton.policy_loss(
+        log_prob, old_log_prob, advantages, response_mask, loss_type=loss_type,
+        aggregation=loss_agg_mode, weights=weights, backend=backend, out_dtype=dtype,
+        **options)
+    if not keys:
+        return loss, {}
+    values = torch.stack([metrics[k] for k in keys.values()]).tolist()  # one sync
+    return loss, dict(zip(keys, values))
+
+
+_PPO_KEYS = {"actor/pg_clipfrac": "clip_fraction", "actor/ppo_kl": "kl",
+             "actor/pg_clipfrac_lower": "clip_fraction_lower"}
+
+
+def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask,
+                                loss_agg_mode="token-mean", config=None, rollout_is_weights=None):
+    """verl's `vanilla`: PPO's clipped surrogate with the dual clip `config.clip_ratio_c`."""
+    c = float(getattr(config, "clip_ratio_c", 3.0))
+    return _verl_loss("vanilla", old_log_prob, log_prob, advantages, response_mask,
+                      loss_agg_mode, config, rollout_is_weights, _PPO_KEYS, dual_clip=c,
+                      **_clips(config), **_batch_info(config))
+
+
+def _dppo(kind):
+    def loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+             config=None, rollout_is_weights=None):
+        c = float(getattr(config, "clip_ratio_c", 20.0))
+        return _verl_loss(kind, old_log_prob, log_prob, advantages, response_mask,
+                          loss_agg_mode, config, rollout_is_weights, _PPO_KEYS, truncation=c,
+                          **_clips(config), **_batch_info(config))
+    loss.__name__ = f"compute_policy_loss_{kind}"
+    loss.__doc__ = f"verl's `{kind}`: DPPO's binary trust region, truncated ratio."
+    return loss
+
+
+compute_policy_loss_dppo_tv = _dppo("dppo_tv")
+compute_policy_loss_dppo_kl = _dppo("dppo_kl")
+
+
+def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask,
+                             loss_agg_mode="seq-mean-token-mean", config=None,
+                             rollout_is_weights=None):
+    """verl's `gspo`: the sequence ratio (stopped gradient, times pi / sg(pi)), clamped at 10."""
+    return _verl_loss("gspo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                      config, rollout_is_weights, _PPO_KEYS, log_ratio_clamp=10.0,
+                      **_clips(config), **_batch_info(config))
+
+
+def compute_policy_loss_sapo(old_log_prob, log_prob, advantages, response_mask,
+                             loss_agg_mode="seq-mean-token-mean", config=None,
+                             rollout_is_weights=None):
+    """verl's `sapo`: the soft gate; aggregated by seq-mean-token-mean whatever loss_agg_mode
+    says, as verl."""
+    return _verl_loss("sapo", old_log_prob, log_prob, advantages, response_mask,
+                      "seq-mean-token-mean", config, rollout_is_weights, _PPO_KEYS,
+                      tau_pos=float(config.tau_pos), tau_neg=float(config.tau_neg),
+                      **_batch_info(config))
+
+
+def compute_policy_loss_gpg(old_log_prob, log_prob, advantages, response_mask,
+                            loss_agg_mode="token-mean", config=None, rollout_is_weights=None):
+    """verl's `gpg`: -A log pi, no metrics."""
+    return _verl_loss("gpg", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                      config, rollout_is_weights, {}, **_batch_info(config))
+
+
+def compute_policy_loss_clip_cov(old_log_prob, log_prob, advantages, response_mask,
+                                 loss_agg_mode="token-mean", config=None,
+                                 rollout_is_weights=None):
+    """verl's `clip_cov`: the clipped surrogate (no log-ratio clamp, no dual clip), zeroed at a
+    random draw among the high-covariance tokens."""
+    ratio = float(_option(config, "clip_cov_ratio", 0.0002))
+    bounds = (float(_option(config, "clip_cov_lb", 1.0)), float(_option(config, "clip_cov_ub",
+                                                                         5.0)))
+    return _verl_loss("clip_cov", old_log_prob, log_prob, advantages, response_mask,
+                      loss_agg_mode, config, rollout_is_weights,
+                      {"actor/pg_clipfrac": "clip_fraction", "actor/ppo_kl": "kl"},
+                      log_ratio_clamp=None, cov_ratio=ratio, cov_bounds=bounds,
+                      **_clips(config), **_batch_info(config))
+
+
+def compute_policy_loss_kl_cov(old_log_prob, log_prob, advantages, response_mask,
+                               loss_agg_mode="token-mean", config=None, rollout_is_weights=None):
+    """verl's `kl_cov`: -A r, plus ppo_kl_coef |log r| at the top-k covariance tokens."""
+    return _verl_loss("kl_cov", old_log_prob, log_prob, advantages, response_mask,
+                      loss_agg_mode, config, rollout_is_weights, {"actor/ppo_kl": "kl"},
+                      log_ratio_clamp=None,
+                      cov_ratio=float(_option(config, "kl_cov_ratio", 0.0002)),
+                      kl_cov_coef=float(_option(config, "ppo_kl_coef", 1.0)),
+                      **_batch_info(config))
+
+
+def compute_policy_loss_geo_mean(old_log_prob, log_prob, advantages, response_mask,
+                                 loss_agg_mode="token-mean", config=None,
+                                 rollout_is_weights=None):
+    """verl's `geo_mean` (GMPO): per sequence, the mean over all sequences (loss_agg_mode and the
+    global batch info unused, as verl)."""
+    keys = {"actor/pg_clipfrac": "clip_fraction", "actor/ppo_kl": "kl",
+            "actor/pg_clipfrac_lower": "clip_fraction_lower"}
+    return _verl_loss("geo_mean", old_log_prob, log_prob, advantages, response_mask,
+                      "seq-mean", config, rollout_is_weights, keys, log_ratio_clamp=None,
+                      **_clips(config))
+
+
+def compute_policy_loss_dro(old_log_prob, log_prob, advantages, response_mask,
+                            loss_agg_mode="token-mean", config=None, rollout_is_weights=None):
+    """verl's `dro`: -(A log pi - beta / 2 (log r)^2)."""
+    if config is None:
+        raise ValueError("config is required: verl's ActorConfig")
+    beta = config.policy_loss.dro_beta
+    if beta is None or beta <= 0:
+        raise ValueError("policy_loss.dro_beta must be a positive value when using DRO")
+    return _verl_loss("dro", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                      config, rollout_is_weights, {"actor/ppo_kl": "kl"}, log_ratio_clamp=None,
+                      dro_beta=float(beta), **_batch_info(config))
+
+
+def compute_policy_loss_cispo(old_log_prob, log_prob, advantages, response_mask,
+                              loss_agg_mode="token-mean", config=None, rollout_is_weights=None):
+    """verl's `cispo`: -sg(clip(r)) A log pi."""
+    return _verl_loss("cispo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                      config, rollout_is_weights, _PPO_KEYS, **_clips(config),
+                      **_batch_info(config))
+
+
+def compute_policy_loss_bypass_mode(old_log_prob, log_prob, advantages, response_mask,
+                                    loss_agg_mode="token-mean", config=None,
+                                    rollout_is_weights=None):
+    """verl's `bypass_mode`: old_log_prob is the rollout's; the rollout-correction weights and
+    rejection mask (verl's own `compute_rollout_correction_and_rejection_mask`, without gradient)
+    feed `gpg` with the weights ("reinforce", reporting ppo_kl) or `vanilla` without them
+    ("ppo_clip"); its metrics merged in."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    if config is None:
+        raise ValueError("config is required for bypass_mode loss")
+    rc = config.policy_loss.get("rollout_correction", None) if hasattr(config, "policy_loss") \
+        else None
+    if rc is None:
+        raise ValueError("rollout_correction config not found in policy_loss. When using "
+                         "loss_mode='bypass_mode', ensure rollout_correction config is passed.")
+    loss_type = rc.get("loss_type", "ppo_clip")
+    with torch.no_grad():
+        weights, mask, rollout_metrics = compute_rollout_correction_and_rejection_mask(
+            old_log_prob=log_prob, rollout_log_prob=old_log_prob, response_mask=response_mask,
+            rollout_is=rc.get("rollout_is", None),
+            rollout_is_threshold=rc.get("rollout_is_threshold", 2.0),
+            rollout_is_batch_normalize=rc.get("rollout_is_batch_normalize", False),
+            rollout_rs=rc.get("rollout_rs", None),
+            rollout_rs_threshold=rc.get("rollout_rs_threshold", None))
+    weights = weights.batch["rollout_is_weights"] if weights else None
+    if loss_type == "reinforce":
+        loss, metrics = _verl_loss("gpg", old_log_prob, log_prob, advantages, mask,
+                                   loss_agg_mode, config, weights, {"actor/ppo_kl": "kl"},
+                                   log_ratio_clamp=None, **_batch_info(config))
+    elif loss_type == "ppo_clip":
+        loss, metrics = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, mask,
+                                                    loss_agg_mode, config, None)
+    else:
+        raise ValueError(f"Invalid loss_type: {loss_type}. Must be 'reinforce' or 'ppo_clip'.")
+    metrics.update(rollout_metrics)
+    return loss, metrics
+
+
+def agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_tokens=None,
+             global_batch_size=None, loss_scale_factor=None):
+    """verl's `agg_loss`: per-token losses `[B, T]` to a scalar (policy_loss's aggregation, in
+    torch: a reduction already); an empty selection gives 0 where verl's token-mean gives NaN."""
+    from ..ops import _losses
+    from ..ops.policy_loss import AGGREGATIONS, _count, _plan
+
+    if loss_agg_mode not in AGGREGATIONS[:6]:
+        raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
+    m = loss_mask != 0
+    base, factor = _plan(loss_agg_mode, m, None, tuple(loss_mat.shape), int(dp_size),
+                         _count("batch_num_tokens", batch_num_tokens),
+                         _count("global_batch_size", global_batch_size),
+                         _count("loss_scale_factor", loss_scale_factor))
+    loss = _losses.aggregate(loss_mat, m, base, None)
+    return loss if factor is None else loss * factor
+
+
+# verl's POLICY_LOSS_REGISTRY names -> ours
+POLICY_LOSSES = {
+    "vanilla": compute_policy_loss_vanilla, "dppo_tv": compute_policy_loss_dppo_tv,
+    "dppo_kl": compute_policy_loss_dppo_kl, "gspo": compute_policy_loss_gspo,
+    "sapo": compute_policy_loss_sapo, "gpg": compute_policy_loss_gpg,
+    "clip_cov": compute_policy_loss_clip_cov, "kl_cov": compute_policy_loss_kl_cov,
+    "geo_mean": compute_policy_loss_geo_mean, "dro": compute_policy_loss_dro,
+    "cispo": compute_policy_loss_cispo, "bypass_mode": compute_policy_loss_bypass_mode,
+}
+
+
 # The switch: (attribute of verl's core_algos, its key in the registry named by the table, ours).
-# Each table is one registry; the policy losses are a second table beside this one.
+# Each table is one registry.
 ESTIMATORS = [
     ("compute_gae_advantage_return", "gae", compute_gae_advantage_return),
     ("compute_grpo_outcome_advantage", "grpo", compute_grpo_outcome_advantage),
@@ -618,9 +853,12 @@ ESTIMATORS = [
      compute_multi_turn_optimal_token_baseline_advantage),
     ("compute_gdpo_outcome_advantage", "gdpo", compute_gdpo_outcome_advantage),
 ]
-# module functions the trainer calls by name, in no registry
-FUNCTIONS = [("kl_penalty", None, kl_penalty)]
-TABLES = {"ADV_ESTIMATOR_REGISTRY": ESTIMATORS, None: FUNCTIONS}
+LOSSES = [(f"compute_policy_loss_{key}", key, ours) for key, ours in POLICY_LOSSES.items()]
+# module functions the trainer calls by name, in no registry (verl.workers.utils.losses imports
+# both by name)
+FUNCTIONS = [("kl_penalty", None, kl_penalty), ("agg_loss", None, agg_loss)]
+TABLES = {"ADV_ESTIMATOR_REGISTRY": ESTIMATORS, "POLICY_LOSS_REGISTRY": LOSSES,
+          None: FUNCTIONS}
 # functions of verl's rollout_corr_helper (its compute_rollout_correction_and_rejection_mask,
 # which the trainer calls, looks them up there)
 ROLLOUT_CORRECTION = [("compute_rollout_correction_weights", compute_rollout_correction_weights),
