@@ -16,14 +16,12 @@ only, one warm-up and up to FRAMEWORK_CALLS_TIMED calls within --frameworks-max-
 (`tokens.LoopBudget`). torch.compile of the estimators is not timed: most are Python loops over
 the tokens (thousands of steps for dynamo to unroll) or over the responses' numpy prompt ids.
 
-Targets (docs/benchmarks.md, "Targets"; PERFORMANCE's "LLM zoo", stated at 512 x 4096, shown at
-every shape): every estimator at least 100x the framework's function, full call; every policy
+Targets (docs/benchmarks.md, "Targets"; stated at 512 x 4096, shown at every shape): every estimator at least 100x the framework's function, full call; every policy
 loss, forward plus backward, at least 3x the framework's eager function and no slower than
 torch.compile of it, full call; rollout correction in one kernel launch forward.
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import types
 from dataclasses import dataclass
@@ -372,19 +370,19 @@ def run_llm(shapes, env, device, out, max_seconds, frameworks_seconds, framework
 
 # ---- the report --------------------------------------------------------------------------------
 
-LLM_TABLE = """LLM zoo (`--suite llm`, semantics §10): B responses x T tokens, float32, multi-turn \
-rows (`rl_triton.testing.token_rows`: right-padded responses of T/2 to T tokens with masked tool \
-spans; prompts of %d responses), the framework's own function ("eager") against rl_triton's \
-drop-in with its signature (`rl_triton.integrations.<framework>`) and, for the KL estimators and \
-the policy losses, `torch.compile` of the framework's function (mode default, static shapes). \
-Estimators and rollout correction: forward; KL and policy losses: forward plus d log_probs. \
-Every result was checked against eager's before it was timed.
+LLM_TABLE = """LLM zoo (`--suite llm`, semantics §10): B responses x T tokens, float32, \
+multi-turn rows (`rl_triton.testing.token_rows`: right-padded responses of T/2 to T tokens with \
+masked tool spans; prompts of %d responses), the framework's own function ("eager") against \
+rl_triton's drop-in with its signature (`rl_triton.integrations.<framework>`) and, for the KL \
+estimators and the policy losses, `torch.compile` of the framework's function (mode default, \
+static shapes). Estimators and rollout correction: forward; KL and policy losses: forward plus d \
+log_probs. Every result was checked against eager's before it was timed.
 
 Columns: rl_triton µs: device (L2 flushed, the GPU held) / full call / host, medians; eager µs, \
 compile µs: full call (a framework call slower than %.0f ms: one warm-up and the median of up to \
 %d calls); vs eager, vs compile: their full call over rl_triton's (device times' ratio in \
 brackets where both were measured); err: outputs' (gradients') relative error against eager's; \
-target: PERFORMANCE's "LLM zoo" (stated at 512x4096, shown at every shape): estimators >= %gx \
+target: docs/benchmarks.md's (stated at 512x4096, shown at every shape): estimators >= %gx \
 eager, policy losses >= %gx eager and >= %gx compile, rollout correction's op in %d launch."""
 
 
