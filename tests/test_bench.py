@@ -1174,6 +1174,11 @@ def test_llm_suite_refuses_wrong_results_and_keeps_going(tmp_path, monkeypatch, 
                                          "not timed: no framework result to check it against"}
     llm_suite.run_llm(["9x37"], _token_env(), device, tmp_path, 0.0, 60.0)  # --max-seconds 0
     assert json.loads((tmp_path / "bench.json").read_text())["rows"] == []
+    llm_suite.run_llm(["9x37", "8x24"], _token_env(), device, tmp_path, None, 60.0,
+                      groups=["rollout_correction"])  # --groups
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert {(r["group"], r["shape"]) for r in rows} == {("rollout correction", "9x37"),
+                                                       ("rollout correction", "8x24")}
 
 
 def test_llm_reports(tmp_path):
@@ -1237,7 +1242,7 @@ def test_llm_suite_cli(tmp_path):
     _frameworks()
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         cli.main(["--suite", "llm", "--shapes", "9x37", "--out", str(tmp_path)])
-    for bad in (["--shapes", "4096"], ["--shapes", "8x16"],
+    for bad in (["--shapes", "4096"], ["--shapes", "8x16"], ["--groups", "kl,losses"],
                 ["--frameworks-path", str(tmp_path / "none")]):
         with pytest.raises(SystemExit) as e:
             cli.main(["--suite", "llm", *bad, "--out", str(tmp_path)])

@@ -75,8 +75,8 @@ def parser():
                         "counts; --out, --max-seconds apply), see `suites.head`; llm: the LLM "
                         "zoo (semantics §10) against verl's and OpenRLHF's own functions and "
                         "torch.compile of them (--shapes: B responses x T tokens, default %s; "
-                        "--out, --max-seconds, --frameworks-max-seconds, --frameworks-path "
-                        "apply), see `suites.llm`" % ",".join(llm.LLM_SHAPES))
+                        "--groups, --out, --max-seconds, --frameworks-max-seconds, "
+                        "--frameworks-path apply), see `suites.llm`" % ",".join(llm.LLM_SHAPES))
     p.add_argument("--estimators", default=None,
                    help="comma list of the estimators to time (default: all %d of the op "
                         "registry: %s; with --suite host, those rl-triton 0.1.3 has)"
@@ -127,6 +127,9 @@ def parser():
                    help="--suite llm: the folder holding verl and OpenRLHF at their pinned "
                         "versions (`rl_triton.testing.import_frameworks`; default "
                         "$RL_TRITON_FRAMEWORKS, else .ci/frameworks)")
+    p.add_argument("--groups", default=",".join(llm.GROUPS),
+                   help="--suite llm: comma list of the zoo's groups to time (default: all, "
+                        "%(default)s)")
     p.add_argument("--report", default=None,
                    help="only write bench.md and bench.png (tokens.png for a --suite tokens "
                         "result, losses.png for a --suite losses one, host.png for a --suite "
@@ -178,6 +181,7 @@ def main(argv=None):
             B, _, T = s.partition("x")
             if not (B.isdigit() and T.isdigit() and int(B) > 0 and int(T) >= 24):
                 p.error(f"--shapes: {s!r} is not B x T, B responses of T >= 24 tokens")
+        groups = _listed(p, "--groups", args.groups, list(llm.GROUPS))
         try:  # before anything is timed
             testing.import_frameworks(args.frameworks_path)
         except ImportError as e:
@@ -232,7 +236,7 @@ def main(argv=None):
         elif args.suite == "llm":
             llm.run_llm(shapes, env, device, out, args.max_seconds,
                         _or(args.frameworks_max_seconds, llm.LLM_FRAMEWORKS_MAX_SECONDS),
-                        args.frameworks_path)
+                        args.frameworks_path, groups)
         elif args.suite == "losses":
             losses.run_losses([int(s) for s in shapes], dtypes, env, device, out,
                               args.max_seconds)

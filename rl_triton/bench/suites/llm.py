@@ -16,9 +16,11 @@ only, one warm-up and up to FRAMEWORK_CALLS_TIMED calls within --frameworks-max-
 (`tokens.LoopBudget`). torch.compile of the estimators is not timed: most are Python loops over
 the tokens (thousands of steps for dynamo to unroll) or over the responses' numpy prompt ids.
 
-Targets (docs/benchmarks.md, "Targets"; stated at 512 x 4096, shown at every shape): every estimator at least 100x the framework's function, full call; every policy
-loss, forward plus backward, at least 3x the framework's eager function and no slower than
-torch.compile of it, full call; rollout correction in one kernel launch forward.
+Targets (docs/benchmarks.md, "Targets"; stated at 512 x 4096, shown at every shape): every
+estimator at least 100x the framework's function, full call; every policy loss, forward plus
+backward, at least 3x the framework's eager function and no slower than torch.compile of it, full
+call; rollout correction in one kernel launch forward. `--groups` picks some of the cells
+(GROUPS): a run of every group at one shape holds 18 torch.compile builds.
 """
 from __future__ import annotations
 
@@ -47,6 +49,9 @@ GAMMA, LAM = 1.0, 0.95  # outcome rewards, verl's lam
 OUTPUT_TOL, GRAD_TOL = 1e-4, registry.LOSS_GRAD_TOL
 FAST_US = 10_000.0  # a framework call faster than this is also timed on the device
 ESTIMATOR_SPEEDUP, LOSS_EAGER, LOSS_COMPILE, LAUNCHES = 100.0, 3.0, 1.0, 1
+# --groups: the option's names of the cells' groups
+GROUPS = {"estimators": "estimator", "kl": "kl", "rollout_correction": "rollout correction",
+          "policy_losses": "policy loss"}
 
 
 @dataclass
@@ -249,12 +254,14 @@ def policy_loss_cells(x, ours_verl, ours_orl):
                    compile=module(x.fw.openrlhf_loss.PolicyLoss), wrap=lambda f: fwd_bwd(f, lp))
 
 
-def zoo_cells(x):
-    """Every cell on the inputs `x` (`zoo_inputs`), in the table's order."""
+def zoo_cells(x, groups=tuple(GROUPS)):
+    """The cells of `groups` (GROUPS' names) on the inputs `x` (`zoo_inputs`), in the table's
+    order."""
     from rl_triton.integrations import openrlhf as ours_orl
     from rl_triton.integrations import verl as ours_verl
-    return [*estimator_cells(x, ours_verl, ours_orl), *kl_cells(x, ours_verl, ours_orl),
-            *rollout_cells(x, ours_verl), *policy_loss_cells(x, ours_verl, ours_orl)]
+    cells = [*estimator_cells(x, ours_verl, ours_orl), *kl_cells(x, ours_verl, ours_orl),
+             *rollout_cells(x, ours_verl), *policy_loss_cells(x, ours_verl, ours_orl)]
+    return [c for c in cells if c.group in {GROUPS[g] for g in groups}]
 
 
 # ---- measuring ---------------------------------------------------------------------------------
@@ -338,9 +345,10 @@ def cell_rows(cell, shape, budget):
                   grad_rel_err=gerr, **extra)
 
 
-def run_llm(shapes, env, device, out, max_seconds, frameworks_seconds, frameworks_path=None):
-    """`--suite llm`: every cell of `zoo_cells` at every shape (B x T), `cell_rows`; bench.json
-    (suite "llm") after each cell, then bench.md and llm.png."""
+def run_llm(shapes, env, device, out, max_seconds, frameworks_seconds, frameworks_path=None,
+            groups=tuple(GROUPS)):
+    """`--suite llm`: every cell of `zoo_cells` of `groups` at every shape (B x T), `cell_rows`;
+    bench.json (suite "llm") after each cell, then bench.md and llm.png."""
     fw = testing.import_frameworks(frameworks_path)  # ImportError: the caller says why
     rows: list[LlmRow] = []
     budget = LoopBudget(frameworks_seconds)
@@ -351,10 +359,11 @@ def run_llm(shapes, env, device, out, max_seconds, frameworks_seconds, framework
         if shape not in inputs:
             inputs.clear()  # one shape's tensors at a time
             B, T = registry.parse_shape(shape)
-            inputs[shape] = zoo_cells(zoo_inputs(B, T, device, fw, seed=shapes.index(shape)))
+            inputs[shape] = zoo_cells(zoo_inputs(B, T, device, fw, seed=shapes.index(shape)),
+                                      groups)
         return inputs[shape]
 
-    n_cells = len(zoo_cells(zoo_inputs(GROUP, 64, "cpu", fw)))  # the same list at every shape
+    n_cells = len(zoo_cells(zoo_inputs(GROUP, 64, "cpu", fw), groups))  # the same at every shape
     configs = [(s, i) for s in shapes for i in range(n_cells)]
     for _, (shape, i), tag in timing.within_seconds(configs, max_seconds):
         for r in cell_rows(cells_of(shape)[i], shape, budget):
