@@ -109,7 +109,10 @@ class AlgoConfig(dict):
     """verl's AlgoConfig as the estimators read it (`.get`, `.gamma`)."""
 
     def __getattr__(self, name):
-        return self[name]
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 # ---- the cells ---------------------------------------------------------------------------------
