@@ -2,7 +2,7 @@
 writes each test's outcome (and, with the switch on, which of rl_triton's drop-ins it called) to
 a JSON file. tests/test_framework_suites.py runs it twice in subprocesses and compares.
 
-    python tests/framework_suites_runner.py {off,on} REPORT.json TEST_FILE_OR_ID...
+    python tests/framework_suites_runner.py {off,on} REPORT.json PYTEST_ARGS...
 
 The frameworks come from `$RL_TRITON_FRAMEWORKS` or `.ci/frameworks` (tools/install_extras.sh),
 imported as `rl_triton.testing.import_frameworks` imports them: the same stub modules (ray,
@@ -24,7 +24,6 @@ import functools
 import json
 import os
 import sys
-import types
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CALLS: collections.Counter = collections.Counter()
@@ -152,6 +151,7 @@ class Recorder:
         self.tests: dict = {}
         self.errors: list = []
         self.registry_wrong = None
+        self._before = collections.Counter()
 
     def pytest_collectreport(self, report):
         if report.failed:
