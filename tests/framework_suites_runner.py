@@ -1,21 +1,22 @@
 """Runs verl's and OpenRLHF's own test files under pytest, with rl_triton's switch off or on, and
 writes each test's outcome (and, with the switch on, which of rl_triton's drop-ins it called) to
-a JSON file. tests/test_framework_suites.py runs it twice in subprocesses and compares.
+a JSON file. tests/test_framework_suites.py runs it in subprocesses and compares the runs.
 
-    python tests/framework_suites_runner.py {off,on} REPORT.json PYTEST_ARGS...
+    python tests/framework_suites_runner.py {off,on,on-triton} REPORT.json PYTEST_ARGS...
 
 The frameworks come from `$RL_TRITON_FRAMEWORKS` or `.ci/frameworks` (tools/install_extras.sh),
-imported as `rl_triton.testing.import_frameworks` imports them: the same stub modules (ray,
-transformers, deepspeed, tensordict, orjson) and OpenRLHF package shim (docs/dev/frameworks.md),
-here left in place for the whole run, plus stubs for aiohttp and tqdm, which OpenRLHF's
+imported as `rl_triton.testing.import_frameworks` imports them (its stub modules and OpenRLHF
+package shim, docs/dev/frameworks.md), here left in place for the whole run, with two changes:
+the real tensordict (verl's DataProto is one), and stubs for aiohttp and tqdm, which OpenRLHF's
 tests/test_agent.py (whose fixture tests/test_reward_shaping.py uses) imports at module level.
 
-"on": `use_rl_triton()` of both integrations runs before the test files are collected (a
-trainer calls it at start-up, so names imported from verl's modules later are ours). OpenRLHF's
-test files load private copies of its modules (`spec_from_file_location` under other names); the
-switch is applied to each such copy as it is executed (`use_rl_triton(RemoteExperienceMaker)` of
-the copy, and the switch's table of module functions on the copies of `openrlhf/models/*.py`).
-Every drop-in is wrapped in a call counter first, so the report says which ones ran.
+"on" ("on-triton": the drop-ins' backend "triton"): `use_rl_triton()` of both integrations runs
+before the test files are collected (a trainer calls it at start-up, so names imported from
+verl's modules later are ours). OpenRLHF's test files load private copies of its modules
+(`spec_from_file_location` under other names); the switch is applied to each copy as it is
+executed (`use_rl_triton(RemoteExperienceMaker)` of the copy, and the switch's table of module
+functions on the copies of `openrlhf/models/*.py`). Every drop-in is wrapped in a call counter
+first, so the report says which ones ran.
 """
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ EXTRA_STUBS = ("aiohttp", "aiohttp.web", "aiohttp.test_utils", "tqdm")
 # stubbed by import_frameworks, real here: verl's DataProto (rollout correction's results) is a
 # TensorDict; the integrations extra installs it (pyproject)
 REAL = ("tensordict",)
+# "on": the drop-ins' default backend (Triton on CUDA, torch on the CPU); "on-triton": the Triton
+# kernels for every tensor, in Triton's interpreter
+MODES = ("off", "on", "on-triton")
 
 
 def frameworks_path() -> str:
@@ -70,13 +74,15 @@ def counted(name, fn):
     return wrapper
 
 
-def switch_on() -> dict:
-    """Wrap every row of both switches' tables in a counter, then turn both switches on.
-    Returns the wrappers by name (the registry check reads them)."""
+def switch_on(backend="auto") -> dict:
+    """Wrap every row of both switches' tables in a counter, then turn both switches on, the
+    drop-ins calling `backend`. Returns the wrappers by name (the registry check reads them)."""
     import importlib.machinery
 
     from rl_triton.integrations import openrlhf as our_orl
     from rl_triton.integrations import verl as our_verl
+
+    our_verl.backend = our_orl.backend = backend
 
     ours = {}
     for table in (our_verl.ESTIMATORS, our_verl.LOSSES, our_verl.FUNCTIONS):
@@ -158,7 +164,7 @@ class Recorder:
             self.errors.append(f"{report.nodeid}: {report.longreprtext.splitlines()[-1:]}")
 
     def pytest_collection_finish(self, session):
-        if self.mode == "on":
+        if self.mode != "off":
             self.registry_wrong = registry_is_ours(self.ours)
 
     def pytest_runtest_logreport(self, report):
@@ -185,14 +191,16 @@ class Recorder:
 
 def main(argv):
     mode, report, *args = argv
-    if mode not in ("off", "on"):
-        raise SystemExit(f"mode must be off or on, got {mode!r}")
+    if mode not in MODES:
+        raise SystemExit(f"mode must be one of {MODES}, got {mode!r}")
     os.chdir(REPO)
     # this script's folder (the repository's tests/) is no package of the frameworks' tests
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
         del sys.path[0]
+    if mode == "on-triton":  # Triton's interpreter (the tests' tensors are mostly on the CPU),
+        os.environ["TRITON_INTERPRET"] = "1"  # chosen before rl_triton imports triton
     install_stubs(frameworks_path())
-    ours = switch_on() if mode == "on" else {}
+    ours = {} if mode == "off" else switch_on(backend=mode.partition("-")[2] or "auto")
     import pytest
 
     recorder = Recorder(mode, ours)

@@ -2,11 +2,13 @@
 tools/install_extras.sh) pass with rl_triton's switch on as they pass without it (issue 50).
 
 Each run is a subprocess (tests/framework_suites_runner.py: `pytest` on the files below, the
-frameworks imported with rl_triton.testing's stub modules), once as shipped and once after
-`use_rl_triton()` of both integrations, with every drop-in counting its calls. Checked: the same
-test ids with the same outcome in both runs (bar DIFFERENCES, documented in docs/llm.md), every
-test passing without the switch, the registries holding ours in the "on" run, and each file
-reaching exactly the drop-ins it is selected for.
+frameworks imported with rl_triton.testing's stub modules), once as shipped ("off") and after
+`use_rl_triton()` of both integrations, with every drop-in counting its calls: "on" (the
+drop-ins' default backend: Triton on CUDA, torch on the CPU) and "on-triton" (the Triton kernels
+for every tensor, in Triton's interpreter). Checked: the same test ids with the same outcome in
+every run (bar DIFFERENCES, documented in docs/llm.md), every test passing as shipped, the
+registries holding ours with the switch on, and each file reaching exactly the drop-ins it is
+selected for.
 """
 import json
 import os
@@ -19,6 +21,7 @@ from rl_triton.testing import FRAMEWORKS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNER = os.path.join(REPO, "tests", "framework_suites_runner.py")
+MODES = ("off", "on", "on-triton")
 PATH = os.path.abspath(os.environ.get("RL_TRITON_FRAMEWORKS",
                                       os.path.join(REPO, ".ci", "frameworks")))
 
@@ -87,7 +90,7 @@ if _installed():  # .ci/run installs them; elsewhere say how
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Both runs, side by side: {"off": report, "on": report}."""
+    """The three runs, side by side: {mode: report}."""
     out = tmp_path_factory.mktemp("framework_suites")
     files = [os.path.join(PATH, f) for fw in REACHES.values() for f in fw]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -96,7 +99,7 @@ def runs(tmp_path_factory):
         [sys.executable, RUNNER, mode, str(out / f"{mode}.json"),
          "--continue-on-collection-errors", *files],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
-        for mode in ("off", "on")}
+        for mode in MODES}
     reports = {}
     for mode, proc in procs.items():
         log, _ = proc.communicate(timeout=600)
@@ -112,40 +115,42 @@ def _framework(nodeid):
     return next(fw for fw, files in REACHES.items() if path in files)
 
 
+@pytest.mark.parametrize("mode", MODES[1:])
 @pytest.mark.parametrize("framework", sorted(REACHES))
-def test_same_outcomes(runs, framework):
+def test_same_outcomes(runs, framework, mode):
     """The same test ids, every one passing as shipped, the same outcome with the switch on
     (bar DIFFERENCES, which must still differ)."""
     off, on = ({k: v["outcome"] for k, v in runs[m]["tests"].items()
-                if _framework(k) == framework} for m in ("off", "on"))
+                if _framework(k) == framework} for m in ("off", mode))
     assert off and sorted(off) == sorted(on)
     assert {k: v for k, v in off.items() if v != "passed"} == {}, runs["off"]["log"][-4000:]
     changed = {k: (off[k], on[k]) for k in off if off[k] != on[k]}
     expected = {k: ("passed", "failed") for k in DIFFERENCES if _framework(k) == framework}
-    assert changed == expected, runs["on"]["log"][-4000:]
+    assert changed == expected, runs[mode]["log"][-4000:]
     n_files = len({k.split("::")[0] for k in off})
     print(f"{framework}: {len(off)} tests in {n_files} files; passed as shipped "
-          f"{sum(v == 'passed' for v in off.values())}, with the switch "
+          f"{sum(v == 'passed' for v in off.values())}, with the switch ({mode}) "
           f"{sum(v == 'passed' for v in on.values())}")
 
 
 def test_not_collected_identically(runs):
     """The files that cannot be imported here fail the same way in both runs, for the reason
     given (and no other file fails to import)."""
-    for mode in ("off", "on"):
+    for mode in MODES:
         errors = runs[mode]["collect_errors"]
         assert len(errors) == len(NOT_COLLECTED), errors
         for path, reason in NOT_COLLECTED.items():
             assert any(e.startswith(path) and reason in e for e in errors), (path, errors)
-    assert runs["off"]["collect_errors"] == runs["on"]["collect_errors"]
+        assert errors == runs["off"]["collect_errors"]
 
 
-def test_switch_reaches_drop_ins(runs):
+@pytest.mark.parametrize("mode", MODES[1:])
+def test_switch_reaches_drop_ins(runs, mode):
     """With the switch on, the frameworks' registries and modules hold ours, each file's tests
     call exactly the drop-ins it was selected for."""
-    assert runs["on"]["registry_wrong"] == []
+    assert runs[mode]["registry_wrong"] == []
     called = {}
-    for nodeid, entry in runs["on"]["tests"].items():
+    for nodeid, entry in runs[mode]["tests"].items():
         framework, path = _framework(nodeid), nodeid.split("::")[0]
         names = {n.split(".", 1)[1] for n in entry["calls"] if n.startswith(framework + ".")}
         called.setdefault(path, set()).update(names)
