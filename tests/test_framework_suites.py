@@ -88,10 +88,8 @@ if _installed():  # .ci/run installs them; elsewhere say how
     pytest.skip(_installed(), allow_module_level=True)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The three runs, side by side: {mode: report}."""
-    out = tmp_path_factory.mktemp("framework_suites")
+def _run_all(out):
+    """The three runs, side by side (2 CPU cores suffice): {mode: report}."""
     files = [os.path.join(PATH, f) for fw in REACHES.values() for f in fw]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
@@ -115,26 +113,23 @@ def _framework(nodeid):
     return next(fw for fw, files in REACHES.items() if path in files)
 
 
-@pytest.mark.parametrize("mode", MODES[1:])
-@pytest.mark.parametrize("framework", sorted(REACHES))
-def test_same_outcomes(runs, framework, mode):
+def _same_outcomes(runs, framework, mode):
     """The same test ids, every one passing as shipped, the same outcome with the switch on
-    (bar DIFFERENCES, which must still differ)."""
+    (bar DIFFERENCES, which must still differ). Returns the counts."""
     off, on = ({k: v["outcome"] for k, v in runs[m]["tests"].items()
                 if _framework(k) == framework} for m in ("off", mode))
-    assert off and sorted(off) == sorted(on)
+    assert off and sorted(off) == sorted(on), (framework, mode)
     assert {k: v for k, v in off.items() if v != "passed"} == {}, runs["off"]["log"][-4000:]
     changed = {k: (off[k], on[k]) for k in off if off[k] != on[k]}
     expected = {k: ("passed", "failed") for k in DIFFERENCES if _framework(k) == framework}
     assert changed == expected, runs[mode]["log"][-4000:]
-    n_files = len({k.split("::")[0] for k in off})
-    print(f"{framework}: {len(off)} tests in {n_files} files; passed as shipped "
-          f"{sum(v == 'passed' for v in off.values())}, with the switch ({mode}) "
-          f"{sum(v == 'passed' for v in on.values())}")
+    return (f"{framework} ({mode}): {len(off)} tests in {len({k.split('::')[0] for k in off})} "
+            f"files, passed as shipped {sum(v == 'passed' for v in off.values())}, with the "
+            f"switch {sum(v == 'passed' for v in on.values())}")
 
 
-def test_not_collected_identically(runs):
-    """The files that cannot be imported here fail the same way in both runs, for the reason
+def _not_collected_identically(runs):
+    """The files that cannot be imported here fail the same way in every run, for the reason
     given (and no other file fails to import)."""
     for mode in MODES:
         errors = runs[mode]["collect_errors"]
@@ -144,19 +139,28 @@ def test_not_collected_identically(runs):
         assert errors == runs["off"]["collect_errors"]
 
 
-@pytest.mark.parametrize("mode", MODES[1:])
-def test_switch_reaches_drop_ins(runs, mode):
-    """With the switch on, the frameworks' registries and modules hold ours, each file's tests
-    call exactly the drop-ins it was selected for."""
-    assert runs[mode]["registry_wrong"] == []
+def _switch_reaches_drop_ins(runs, mode):
+    """With the switch on, the frameworks' registries and modules hold ours, and each file's
+    tests call exactly the drop-ins it was selected for."""
+    assert runs[mode]["registry_wrong"] == [], mode
     called = {}
     for nodeid, entry in runs[mode]["tests"].items():
         framework, path = _framework(nodeid), nodeid.split("::")[0]
-        names = {n.split(".", 1)[1] for n in entry["calls"] if n.startswith(framework + ".")}
-        called.setdefault(path, set()).update(names)
         assert all(n.startswith(framework + ".") for n in entry["calls"]), (nodeid, entry)
+        called.setdefault(path, set()).update(n.split(".", 1)[1] for n in entry["calls"])
     want = {f: names for files in REACHES.values() for f, names in files.items()
             if f not in NOT_COLLECTED}
-    assert called == want
-    # without the switch nothing of ours runs (the counters exist only in the "on" run)
+    assert called == want, mode
+
+
+def test_framework_suites_pass_with_the_switch(tmp_path):
+    """One test (the runs are shared by every check, and pytest-xdist would repeat them per
+    worker): see the module's docstring."""
+    runs = _run_all(tmp_path)
+    _not_collected_identically(runs)
+    # without the switch nothing of ours runs (the counters exist only with it)
     assert all(not v["calls"] for v in runs["off"]["tests"].values())
+    for mode in MODES[1:]:
+        _switch_reaches_drop_ins(runs, mode)
+        for framework in sorted(REACHES):
+            print(_same_outcomes(runs, framework, mode))
