@@ -10,6 +10,7 @@ every run (bar DIFFERENCES, documented in docs/llm.md), every test passing as sh
 registries holding ours with the switch on, and each file reaching exactly the drop-ins it is
 selected for.
 """
+import importlib.util
 import json
 import os
 import subprocess
@@ -63,7 +64,7 @@ NOT_COLLECTED = {
     "tests/trainer/test_multi_trajectories_advantage_on_cpu.py": "transfer_queue",
 }
 # Tests that pass as shipped and fail with the switch on, each a documented difference
-# (docs/llm.md, "Where they differ from the frameworks")
+# (docs/llm.md, "Checked with the frameworks' own tests")
 DIFFERENCES = {
     # k3 in float32: ours exp(-d) + d - 1 (verl's order), OpenRLHF's exp(-d) - 1 + d; the test
     # wants OpenRLHF's rounding (allclose, rtol 1e-5) and at d = -0.086 (k3 = 0.0038) the two
@@ -77,9 +78,7 @@ def _installed():
     for name, version in FRAMEWORKS.items():
         if not os.path.isdir(os.path.join(PATH, f"{name}-{version}.dist-info")):
             return f"{name}=={version} is not installed in {PATH} (tools/install_extras.sh)"
-    try:
-        import tensordict  # noqa: F401  (verl's DataProto; the integrations extra)
-    except ImportError:
+    if importlib.util.find_spec("tensordict") is None:  # verl's DataProto
         return "tensordict is not installed (pip install -e .[integrations])"
     return None
 
