@@ -266,6 +266,23 @@ def test_openrlhf_is_correction(level, mode, gating, threshold, loss_type, backe
 
 
 @needs_fw
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_openrlhf_ppo_kl_unclamped(dual_clip):
+    """OpenRLHF's ppo_kl averages the log-ratio unclamped (its own tests/test_loss_aggregation.py
+    asserts it), while the loss clamps it at +-20: tokens beyond the clamp, both signs."""
+    *inputs, mask = batch(seed=13)
+    lp, old = inputs[0].clone(), inputs[1]
+    lp[1, :3] = old[1, :3] + 30.0
+    lp[2, 1:3] = old[2, 1:3] - 45.0
+    mask[1, :3] = mask[2, 1:3] = True
+    kw = dict(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip)
+    pair = orl_both(kw, [lp, *inputs[1:]], mask.float())
+    check_orl(pair)
+    d = (lp - old)[mask]
+    close(pair[1][2][1], -d.mean(), 1e-6)  # (clip_ratio, ppo_kl, ...): ppo_kl
+
+
+@needs_fw
 def test_openrlhf_patch_and_revert():
     mod = FW.openrlhf_loss
     original = mod.PolicyLoss

@@ -5,6 +5,7 @@ row, groups of one), and the switches. Small shapes: the torch backend, and the 
 interpreter for the kernels these reach (scans, kl_penalty)."""
 import importlib
 import math
+import re
 import sys
 import types
 
@@ -422,6 +423,19 @@ def test_openrlhf_rollout_correction_divergence_gates(gating, level, device):
         statistic=gating, low=0.0, high=delta, weight_level="token", log_ratio_clamp=None)
     assert_same(w, -adv.grad, 2e-6)
     assert 0 < keep.sum() < m.sum()
+
+
+@pytest.mark.parametrize("threshold", [True, "", "x", "1_x", 0, -1.0, "0_2", "3_2", [2.0]])
+def test_verl_rollout_is_threshold_errors(threshold):
+    """A bad rollout_is_threshold raises verl's own exception, message included (verl's
+    tests/trainer/ppo/test_rollout_corr.py matches "not a boolean")."""
+    helper = _verl_helper()
+    log_ratio, m = torch.zeros(2, 3), torch.ones(2, 3)
+    with pytest.raises((TypeError, ValueError)) as want:
+        helper.compute_rollout_correction_weights(log_ratio, m, rollout_is_threshold=threshold)
+    with pytest.raises(want.type, match=f"^{re.escape(str(want.value))}$"):
+        our_verl.compute_rollout_correction_weights(log_ratio, m,
+                                                    rollout_is_threshold=threshold)
 
 
 def test_verl_switch_reaches_rollout_correction(device, monkeypatch):

@@ -91,9 +91,7 @@ class PolicyLoss(torch.nn.Module):
     `rl_triton.policy_loss` call ("ppo": vanilla; "gspo": the sequence ratio, differentiable).
     The train / rollout correction (`is_correction_*`, with `rollout_log_probs`) forms its
     per-token coefficient in torch, as OpenRLHF, and passes it as policy_loss's `weights`.
-    Differences: an empty selection gives 0 where OpenRLHF's masked mean gives NaN; ppo_kl
-    averages the log-ratio clamped at +-20 as the loss uses it (OpenRLHF: unclamped; they
-    differ only where |log-ratio| > 20)."""
+    Difference: an empty selection gives a loss of 0 where OpenRLHF's masked mean gives NaN."""
 
     def __init__(self, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2,
                  dual_clip: float = None, token_level_loss: bool = True,
@@ -194,9 +192,12 @@ class PolicyLoss(torch.nn.Module):
             dual_clip=None if self.dual_clip is None else float(self.dual_clip),
             log_ratio_clamp=None if gspo else 20.0, backend=backend, out_dtype=dtype, **counts)
         ppo_kl = metrics["kl"]
-        if gspo and correct:  # the KL is against the old policy, the ratio against the rollout
+        if not gspo or correct:
+            # OpenRLHF's ppo_kl: the unclamped log-ratio against the old policy (the loss clamps
+            # it at +-20, and gspo with the correction takes its ratio against the rollout)
             d = (log_probs - old_log_probs).detach()
-            ppo_kl = -(d * action_mask).sum() / action_mask.sum()
+            ppo_kl = -(d.mean() if action_mask is None else
+                       (d * action_mask).sum() / action_mask.sum())
         return loss, metrics["clip_fraction"], ppo_kl, vllm_kl, is_filter_ratio
 
 

@@ -458,20 +458,6 @@ def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kl_penalty) -> Tensor:
                                 out_dtype=torch.result_type(logprob, ref_logprob))
 
 
-def _is_threshold(spec):
-    """verl's `rollout_is_threshold`: a number or "upper" (TIS), or "lower_upper" (IcePop)."""
-    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
-        raise TypeError("rollout_is_threshold must be a float or a string threshold specification")
-    if isinstance(spec, str) and "_" in spec.strip():
-        lower, upper = (float(x) for x in spec.strip().split("_", 1))
-    else:
-        lower, upper = None, float(spec)
-    if upper <= 0 or (lower is not None and (lower <= 0 or lower > upper)):
-        raise ValueError(f"Invalid rollout_is_threshold {spec!r}: bounds must be positive, "
-                         "lower <= upper")
-    return lower, upper
-
-
 def compute_rollout_correction_weights(log_ratio: Tensor, response_mask: Tensor,
                                        rollout_is: str = "token",
                                        rollout_is_threshold=2.0,
@@ -485,7 +471,8 @@ def compute_rollout_correction_weights(log_ratio: Tensor, response_mask: Tensor,
     import verl.utils.torch_functional as verl_F
     if rollout_is not in ("token", "sequence"):
         raise ValueError(f"Invalid rollout_is: {rollout_is}. Must be one of token, sequence.")
-    lower, upper = _is_threshold(rollout_is_threshold)
+    # verl's own parser: a number or "upper" (TIS), or "lower_upper" (IcePop), with its errors
+    upper, lower = helper._parse_rollout_is_threshold(rollout_is_threshold)
     m = response_mask
     # verl zeroes the raw weights outside the mask before the lower bound: 0 there either way
     w, _ = rl_triton.rollout_correction(log_ratio, log_ratio.new_zeros(()).expand_as(log_ratio),
