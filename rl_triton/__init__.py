@@ -54,8 +54,10 @@ from .ops.lambda_returns import lambda_returns
 from .ops.loss_head import linear_policy_loss, token_log_probs
 from .ops.linear_scan import linear_scan
 from .ops.outcome import group_advantages, masked_whiten
+from .ops.policy_loss import policy_loss
 from .ops.ppo_policy_loss import ppo_policy_loss
 from .ops.retrace import retrace
+from .ops.rollout_correction import rollout_correction
 from .ops.sac_targets import sac_targets
 from .ops.value_loss import value_loss
 from .ops.vtrace import vtrace
@@ -64,5 +66,5 @@ __version__ = "0.1.0"
 
 __all__ = ["linear_scan", "gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
            "eligibility_traces", "episodic_cumsum", "group_advantages", "masked_whiten",
-           "ppo_policy_loss", "value_loss", "kl_penalty", "sac_targets", "crr_weights",
-           "token_log_probs", "linear_policy_loss"]
+           "ppo_policy_loss", "policy_loss", "value_loss", "kl_penalty", "sac_targets",
+           "crr_weights", "token_log_probs", "linear_policy_loss", "rollout_correction"]

@@ -114,6 +114,42 @@ _STUBBED = ("ray", "tensordict", "tensordict.tensorclass", "transformers",
             "transformers.modeling_outputs", "orjson", "deepspeed")
 
 
+def framework_modules(path, stubbed=_STUBBED):
+    """The `sys.modules` entries that `import_frameworks` sets while it imports: a stub module
+    for each name in `stubbed` (any attribute is a new empty class: annotations, isinstance,
+    base classes), OpenRLHF's packages `openrlhf.models`, `openrlhf.utils` and
+    `openrlhf.trainer.ray` bare (their `__init__`, which imports vLLM, DeepSpeed and flash-attn,
+    not run; their modules load from `path`) and `openrlhf.trainer.ray.launcher` with the one
+    name used (docs/dev/frameworks.md)."""
+    import importlib.machinery
+    import os
+    import types
+
+    def stub(name):
+        def attribute(attr):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            return type(attr, (), {})
+
+        m = types.ModuleType(name)
+        m.__getattr__ = attribute
+        # a spec, as an imported module has (torch._dynamo runs importlib.util.find_spec on
+        # names it finds in sys.modules, tqdm among them)
+        m.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        return m
+
+    def bare(name):  # a package whose __init__ is not run
+        m = types.ModuleType(name)
+        m.__path__ = [os.path.join(path, *name.split("."))]
+        return m
+
+    fake = {n: stub(n) for n in stubbed}
+    fake.update({n: bare(n) for n in ("openrlhf.models", "openrlhf.utils", "openrlhf.trainer.ray")})
+    fake["openrlhf.trainer.ray.launcher"] = types.ModuleType("openrlhf.trainer.ray.launcher")
+    fake["openrlhf.trainer.ray.launcher"].RayActorGroup = object
+    return fake
+
+
 def import_frameworks(path=None):
     """verl's `core_algos` and `torch_functional`, OpenRLHF's `RemoteExperienceMaker` and its
     modules `openrlhf.models.loss` (PolicyLoss, ValueLoss) and `openrlhf.models.utils`
@@ -137,25 +173,7 @@ def import_frameworks(path=None):
             raise ImportError(f"{name}=={version} is not installed in {path} (found {found}); "
                               f"pip install --no-deps --target {path} {name}=={version}")
 
-    def stub(name):  # any attribute is a new empty class (annotations, isinstance, bases)
-        def attribute(attr):
-            if attr.startswith("__"):
-                raise AttributeError(attr)
-            return type(attr, (), {})
-
-        m = types.ModuleType(name)
-        m.__getattr__ = attribute
-        return m
-
-    def bare(name):  # a package whose __init__ is not run
-        m = types.ModuleType(name)
-        m.__path__ = [os.path.join(path, *name.split("."))]
-        return m
-
-    fake = {n: stub(n) for n in _STUBBED}
-    fake.update({n: bare(n) for n in ("openrlhf.models", "openrlhf.utils", "openrlhf.trainer.ray")})
-    fake["openrlhf.trainer.ray.launcher"] = types.ModuleType("openrlhf.trainer.ray.launcher")
-    fake["openrlhf.trainer.ray.launcher"].RayActorGroup = object
+    fake = framework_modules(path)
     saved = {n: sys.modules.get(n) for n in fake}
     sys.modules.update(fake)
     sys.path.insert(0, path)

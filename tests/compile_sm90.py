@@ -530,6 +530,29 @@ def loss_variants():
             yield f"crr {kind} {baseline}", crr(kind=kind, baseline=baseline), False
     yield "crr exp mean, 64-bit", crr(), True
 
+    def policy(loss_type, shape=(B, T), dtype=torch.float32, **kw):
+        xs = [leaf(*shape, dtype=dtype) for _ in range(4)]
+        kw.setdefault("mask", mask.reshape(shape))
+
+        def run():
+            loss, _ = rl_triton.policy_loss(xs[0], xs[1].detach() - 0.1, xs[2], weights=xs[3],
+                                            loss_type=loss_type, dro_beta=0.1, backend="triton",
+                                            **kw)
+            loss.float().sum().backward()
+        return run
+
+    yield "policy vanilla token-mean, dual clip, delta", policy("vanilla", dual_clip=3.0,
+                                                               delta=2.0), False
+    yield "policy vanilla sequence ratio, seq-mean-token-mean rows", policy(
+        "vanilla", ratio_level="sequence", aggregation="seq-mean-token-mean"), False
+    yield "policy gspo packed seq-mean-token-sum", policy(
+        "gspo", shape=(B * T,), cu_seqlens=cu, aggregation="seq-mean-token-sum"), False
+    for loss_type in ("sapo", "gpg", "cispo", "dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov"):
+        yield f"policy {loss_type} token-sum", policy(loss_type, aggregation="token-sum"), False
+    yield "policy cispo none bf16", policy("cispo", dtype=torch.bfloat16,
+                                           aggregation="none"), False
+    yield "policy vanilla token-mean, 64-bit", policy("vanilla", dual_clip=3.0), True
+
 
 def compile_losses() -> int:
     """Compile every loss variant's kernels; the number that failed (a loss of the registry

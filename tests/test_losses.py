@@ -90,6 +90,9 @@ def spec_value(v, ret, old, m, *, clip=None, kind="mse", huber_delta=1.0,
 
 def spec_kl(lp, ref, kind, clamp=None):
     d = lp - ref
+    if kind.endswith("+"):  # straight-through: the value of the kind, the gradient of d^2 / 2
+        half = d ** 2 / 2
+        return spec_kl(lp, ref, kind[:-1], clamp).detach() + half - half.detach()
     k = {"k1": lambda: d, "abs": lambda: d.abs(), "k2": lambda: d ** 2 / 2,
          "k3": lambda: torch.exp(-d) + d - 1}[kind]()
     return k if clamp is None else torch.clamp(k, -clamp, clamp)
@@ -153,7 +156,7 @@ def test_gradcheck_value_loss(kind, clip, aggregation, backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", "loop"])
-@pytest.mark.parametrize("kind", ["k1", "abs", "k2", "k3"])
+@pytest.mark.parametrize("kind", ["k1", "abs", "k2", "k3"])  # "+": gradient is not the value's
 @pytest.mark.parametrize("clamp", [None, 0.4])
 def test_gradcheck_kl_penalty(kind, clamp, backend):
     xs = leaves(randn((3, 7), 7, dtype=torch.float64), randn((3, 7), 8, dtype=torch.float64))
@@ -306,7 +309,7 @@ def test_value_loss_triton_packed_bf16(aggregation, device):
         lambda *xs: spec_value(*xs, mask, **kw, cu=CU), xs, grad_tol=1e-2)
 
 
-@pytest.mark.parametrize("kind", ["k1", "abs", "k2", "k3"])
+@pytest.mark.parametrize("kind", ["k1", "abs", "k2", "k3", "k1+", "abs+", "k2+", "k3+"])
 @pytest.mark.parametrize("clamp", [None, 0.5, 10.0])
 def test_kl_penalty_triton(kind, clamp, device):
     for shape, dtype in [((1,), torch.float32), ((37,), torch.float32),

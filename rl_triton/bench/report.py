@@ -104,17 +104,19 @@ def write_saved_reports(out: Path):
 
 def write_reports(result, out: Path):
     """bench.md and the suite's plot (bench.png; the token suite tokens.png, the losses
-    losses.png, the host path host.png) from a bench.json result (also: `--report
-    bench.json`)."""
+    losses.png, the host path host.png, the LLM zoo llm.png) from a bench.json result (also:
+    `--report bench.json`)."""
     if result.get("suite") == "head":  # a table, no plot
         from .suites.head import head_markdown, head_rows
         md = head_markdown(env_line(result["env"]), head_rows(result))
         (Path(out) / "bench.md").write_text(md)
         print(md)
         return
+    from .suites import llm  # it imports this module
     render, draw, png = {"tokens": (token_markdown, token_plot, "tokens.png"),
                          "losses": (loss_markdown, loss_plot, "losses.png"),
-                         "host": (host_markdown, host_plot, "host.png")}.get(
+                         "host": (host_markdown, host_plot, "host.png"),
+                         "llm": (llm.llm_markdown, llm.llm_plot, "llm.png")}.get(
         result.get("suite"), (markdown, plot, "bench.png"))
     md = render(result)
     (Path(out) / "bench.md").write_text(md)

@@ -1,5 +1,6 @@
 """KL penalties per position (semantics §9): Schulman's estimators k1, k2, k3 and |d|, optionally
-clamped; one elementwise kernel forward, one backward."""
+clamped, and their straight-through "+" kinds (semantics §9); one elementwise kernel forward, one
+backward."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -13,7 +14,9 @@ from .._core.op import Op
 from . import _losses as L
 
 Tensor = torch.Tensor
-KINDS = ("k1", "abs", "k2", "k3")  # the kernels' KIND, in this order
+# the kernels' KIND, in this order; "+": straight-through, the value of the kind before it and
+# the gradient of d^2 / 2 (d, unclamped), verl's "k3+" (semantics §9)
+KINDS = ("k1", "abs", "k2", "k3", "k1+", "abs+", "k2+", "k3+")
 
 
 class Inputs(NamedTuple):
@@ -29,14 +32,15 @@ class Options(NamedTuple):
 
 @triton.jit
 def estimate(d, clamp, KIND: tl.constexpr, CLAMPED: tl.constexpr):
-    """The estimate k(d) and dk/dd (0 where the clamp binds)."""
-    if KIND == 0:
+    """The estimate k(d) and dk/dd (0 where the clamp binds; d itself for the "+" kinds)."""
+    d0 = d
+    if KIND % 4 == 0:
         k = d
         dk = tl.full(d.shape, 1.0, tl.float32)
-    elif KIND == 1:
+    elif KIND % 4 == 1:
         k = tl.abs(d)
         dk = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
-    elif KIND == 2:
+    elif KIND % 4 == 2:
         k = 0.5 * d * d
         dk = d
     else:
@@ -49,6 +53,8 @@ def estimate(d, clamp, KIND: tl.constexpr, CLAMPED: tl.constexpr):
     if CLAMPED:
         dk = tl.where(tl.abs(k) <= clamp, dk, 0.0)
         k = L.clamp(k, -clamp, clamp)
+    if KIND >= 4:
+        dk = d0
     return k, dk
 
 
@@ -111,20 +117,22 @@ def fake(x: Inputs, o: Options):
 
 
 def torch_impl(x: Inputs, o: Options, dtype):
-    d = x.log_probs.to(dtype) - x.ref_log_probs.to(dtype)
+    d0 = d = x.log_probs.to(dtype) - x.ref_log_probs.to(dtype)
+    kind = o.kind.rstrip("+")
     if o.clamp is not None:
         # beyond these k is clamped (gradient 0) either way; bounding d keeps the derivatives
         # that 0 multiplies finite (an infinite log-ratio's, exp(-d)'s): 0 * inf is NaN
-        d = d.clamp(*reference.kl_bounds(o.kind, o.clamp))
-    if o.kind == "k1":
+        d = d.clamp(*reference.kl_bounds(kind, o.clamp))
+    if kind == "k1":
         k = d
-    elif o.kind == "abs":
+    elif kind == "abs":
         k = d.abs()
-    elif o.kind == "k2":
+    elif kind == "k2":
         k = 0.5 * d * d
     else:
         k = torch.exp(-d) + d - 1
-    return (k if o.clamp is None else k.clamp(-o.clamp, o.clamp),)
+    k = k if o.clamp is None else k.clamp(-o.clamp, o.clamp)
+    return (reference.straight_through(k, d0) if o.kind.endswith("+") else k,)
 
 
 def loop_impl(x: Inputs, o: Options, dtype):
@@ -164,7 +172,9 @@ def kl_penalty(log_probs, ref_log_probs, kind="k3", clamp=None, *, backend="auto
 
     `clamp` bounds the result to [-clamp, clamp] (OpenRLHF and verl clamp k3 to 10). Returns a
     tensor of `log_probs`' shape; differentiable with respect to both inputs (zero where the
-    clamp binds).
+    clamp binds). The straight-through kinds "k1+", "abs+", "k2+", "k3+" (verl's) have the value
+    of the kind without "+" (clamped as it is) and the gradient of d^2 / 2, d, wherever the
+    clamp binds or not: an unbiased gradient of KL(pi || pi_ref) (docs/semantics.md §9).
 
     Example::
 
