@@ -33,9 +33,10 @@ from .plans import _PLANS, store
 Tensor = torch.Tensor
 OPS: dict = {}  # every public op, by name, in declaration order
 KINDS = ("scan", "loss", "outcome")
-# public functions not declared as ops yet: the fused loss head (semantics §11), chunked over
-# tokens with autograd Functions of its own (docs/dev/op-framework.md)
-UNDECLARED = ("token_log_probs", "linear_policy_loss")
+# public functions not declared as ops yet (docs/dev/op-framework.md): the fused loss head
+# (semantics §11), chunked over tokens with autograd Functions of its own, and
+# rollout_correction (torch ops and one kernel without gradients)
+UNDECLARED = ("token_log_probs", "linear_policy_loss", "rollout_correction")
 
 
 def ops(kind: Optional[str] = None) -> list:

@@ -20,6 +20,7 @@ import torch
 from .. import reference
 from .._args import Call, check_backend, check_bool, check_choice, check_out_dtype, check_scalar
 from ..scan.jit import cdiv, tl, triton
+from .._core.op import Op
 from . import _losses as L
 
 Tensor = torch.Tensor
@@ -503,7 +504,7 @@ def _seq(x: Inputs, o: Options):
     return seq, scale, cu, S, max(S - 1, 0).bit_length()
 
 
-def forward(x: Inputs, o: Options):
+def forward(x: Inputs, o: Options, plan=None):
     lp = x.log_probs
     N, dev, per_position = lp.numel(), lp.device, o.aggregation == "none"
     seq, scale, cu, S, steps = _seq(x, o)
@@ -527,7 +528,7 @@ def forward(x: Inputs, o: Options):
     return [loss, *metrics[:5]], [inv, scale if seq else lp.new_empty(0, dtype=torch.float32)]
 
 
-def backward(x: Inputs, o: Options, saved, grads, needs):
+def backward(x: Inputs, o: Options, saved, grads, needs, plan=None):
     lp = x.log_probs
     inv, scale = saved
     g_loss = grads[0]
@@ -565,8 +566,12 @@ def fake(x: Inputs, o: Options):
     return outs, [lp.new_empty((), dtype=torch.float32), lp.new_empty(S, dtype=torch.float32)]
 
 
-OP = L.Fused("policy_loss", Inputs, Options, forward=forward, backward=backward, fake=fake,
-             n_out=6, n_saved=2, nondiff=(1, 2, 3, 4, 5))
+# declared as an op (its custom ops and autograd the framework's, docs/dev/op-framework.md); its
+# public function forms inputs from values (the covariance picks, the sequence ratios) before
+# the op runs, so it calls `OP.run` on its checked call rather than `OP(...)`: no hot path yet
+OP = Op("policy_loss", "loss", Inputs, Options, outputs=6, saved=2, nondiff=(1, 2, 3, 4, 5),
+        forward=forward, backward=backward, fake=fake, runtime_check=L.runtime_check,
+        torch=torch_impl, loop=loop_impl)
 
 
 # ---- arguments and the public function -----------------------------------------------------------
@@ -757,8 +762,7 @@ def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, loss_type="v
     ld = None
     if seq_ratio and backend != "loop":
         ld = seq_log_ratio(o, *L.kept(mb, dtype, lp, old), mb, cu)
-    outs = L.run(OP, Inputs(lp, old, adv, mask, w, ld, sel, cu), o, call, backend, torch_impl,
-                 loop_impl, out_dtype)
+    outs = OP.run(Inputs(lp, old, adv, mask, w, ld, sel, cu), L.plan(call, backend, o))
     loss = outs[0]
     if factor is not None:
         loss = (loss * factor).to(out_dtype)

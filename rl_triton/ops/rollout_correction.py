@@ -12,7 +12,7 @@ import torch
 from .. import reference
 from .. import _args
 from .._args import check_backend, check_bool, check_choice, check_out_dtype, check_scalar
-from .._plans import backend_for
+from .._core.plans import backend_for
 from ..scan.jit import tl, triton
 from . import _losses as L
 from .outcome import _mask, _values
