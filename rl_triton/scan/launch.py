@@ -235,7 +235,6 @@ class Launch:
                          MASK=kernel.mask_slot, W_PHASE=w_phase, BOOT=kernel.boot,
                          FINISH=kernel.finish, SEGMENTS=segments is not None,
                          BOOT_SLOTS=sum(1 << i for i in boots),
-                         STORE_INPUTS=bool(kernel.action_outs),
                          num_warps=cfg.num_warps)
         if cfg.max_registers:
             self.meta["maxnreg"] = cfg.max_registers
