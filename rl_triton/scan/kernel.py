@@ -4,7 +4,8 @@
 `COEF` builds the tile's coefficients (alpha, beta) in registers from the raw inputs, the tile is
 scanned with `tl.associative_scan` from a zero carry, the carry from the steps before the tile (in
 scan order: later steps for reverse scans) is applied, and the estimator's `STORE` writes the
-outputs. Inputs are read once and nothing but the outputs goes to memory, whatever the length.
+outputs. Each gets one argument, a `Step`: the steps, with the tensors, indices, scalars and
+flags the kernel has for them. Inputs are read once and nothing but the outputs goes to memory, whatever the length.
 
 Reverse scans run as forward scans over steps laid in decreasing t: Triton's `reverse=True`
 reverses the whole tile, across lanes, around the scan
@@ -118,18 +119,25 @@ class Step(NamedTuple):
     """The one argument of an op's coefficient builder (`COEF(step, after)`), output writer
     (`STORE(step, res, res_prev, aux)`), boot (`BOOT(step)`) and finisher
     (`FINISH(step, pieces, beta, wn)`): the steps they work on, with everything the kernel knows
-    of them. Read through `load_step`, `cut_flags`, `successor`, `store_out` and the like.
+    of them. Read through `load_step`, `load_at`, `cut_flags`, `successor`, `row_value`,
+    `store_out` and the like.
 
     `t` and `mask`: the steps of a (sub-)tile and where they are inside the window and the rows
     (None and the rows' mask for `BOOT` and `FINISH`, which work per row; for `BOOT` the rows
     that read the bootstraps). `end_rows`: the rows whose step T-1 (the bootstrap step) is in
     the tile (builders only, else None). `T`: the window end; for packed rows (semantics §7) an
-    unmasked reverse builder sees each step's segment end, and its bootstrap slots read at that
-    segment. The rest as in `Rows`; the flags are compile-time constants.
+    unmasked reverse builder sees each step's segment end as T, and its bootstrap slots read at
+    that segment. The rest as in `Rows`. The compile-time flags: truncation flags given
+    (HAS_TRUNC), next_values (HAS_NEXT), last_value (HAS_LAST), the op's variant bits (VARIANT),
+    and Retrace's action axis: actions per block, blocks and vector width (BLOCK_A, ACT_BLOCKS,
+    ACT_VEC).
 
-    Triton 3.6 turns the constants of a tuple into runtime values wherever the tuple is assigned
-    or returned: a Step is only ever built in the call that passes it (`coefficients`, `write`,
-    `boot_carries`, `finish`), and passed on by name."""
+    A Triton tuple with field names, which Triton 3.6 and 3.9 both pass to jit functions with
+    its constants still constants. Both turn them into runtime values where such a tuple is
+    assigned to a name, and Triton 3.6 where it is returned: a Step is only ever built in the
+    call that passes it (`coefficients`, `write`, `boot_carries`, `finish`) and passed on by
+    name. (`tl.core._aggregate` classes, which keep them, differ between the two versions and
+    fail in the interpreter.)"""
     ins: tuple
     st: tuple
     s1: tuple
@@ -429,7 +437,8 @@ def look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry_i
     return acc_a
 
 
-# ---- the builders' calls: each builds the one `Step` its builder gets (in the call: `Step`) ----
+# ---- the op's functions (COEF, STORE, BOOT, FINISH) are called here only, each with one `Step`
+# built in the call (`Step`: Triton 3.6 keeps its constants so) ----------------------------------
 
 @triton.jit
 def coefficients(COEF: tl.constexpr, rows, OPTS: tl.constexpr, ins, t, mask, end_rows, T, after):
