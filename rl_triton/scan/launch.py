@@ -27,7 +27,8 @@ INT32_MAX = 2**31 - 1
 
 @dataclass(frozen=True)
 class Kernel:
-    """What an op plugs into the scan kernel: its coefficient builder and output writer."""
+    """What an op plugs into the scan kernel: its coefficient builder and output writer (each
+    takes one `kernel.Step`)."""
     coef: object
     store: object
     reverse: bool
@@ -43,8 +44,8 @@ class Kernel:
     # the builder for tiles that span their rows' whole window (each holds step T-1)
     coef_whole: object = None
     action_slots: tuple = ()  # slots with a trailing action axis (Retrace)
-    # outputs with that action axis (Retrace's backward: the gradients of the action slots),
-    # whose writer reads inputs (`kernel.store_chunk`)
+    # outputs with that action axis (Retrace's backward: the gradients of the action slots, which
+    # its writer forms from the inputs' action axis, read through its `kernel.Step`)
     action_outs: tuple = ()
     # masks (semantics §7): the mask's input slot; for reverse estimators, whose successor is the
     # next decision step, `boot` (both initial carries) and `finish` (the coefficients from the
@@ -235,7 +236,6 @@ class Launch:
                          MASK=kernel.mask_slot, W_PHASE=w_phase, BOOT=kernel.boot,
                          FINISH=kernel.finish, SEGMENTS=segments is not None,
                          BOOT_SLOTS=sum(1 << i for i in boots),
-                         STORE_INPUTS=bool(kernel.action_outs),
                          num_warps=cfg.num_warps)
         if cfg.max_registers:
             self.meta["maxnreg"] = cfg.max_registers
