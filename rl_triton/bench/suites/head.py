@@ -19,6 +19,8 @@ import torch
 
 import rl_triton
 
+from .. import report
+
 HEAD_H, HEAD_V = 4096, 151936
 HEAD_TOKENS = [4096, 16384, 32768]
 HEAD_ROW = 1024  # tokens per response: Liger's inputs are [B, T] rows with one advantage each
@@ -217,8 +219,7 @@ def run_head(tokens, env, device, out, max_seconds):
     import json
     start = time.time()
     results = []
-    from ..report import env_line as describe
-    line = describe(env)
+    line = report.env_line(env)
     for L in tokens:
         if max_seconds is not None and time.time() - start > max_seconds:
             print(f"# stopped before L = {L} (--max-seconds)")
@@ -233,3 +234,11 @@ def run_head(tokens, env, device, out, max_seconds):
                  note=r[5]) for L, rs in results for r in rs]), indent=1))
         (out / "bench.md").write_text(head_markdown(line, results))
     print(head_markdown(line, results))
+
+
+def head_report(result) -> str:
+    """bench.md of a bench.json of this suite (a table, no plot)."""
+    return head_markdown(report.env_line(result["env"]), head_rows(result))
+
+
+report.RENDERERS["head"] = (head_report, None, None)

@@ -518,3 +518,6 @@ def llm_plot(result, path):
     if axes[0][0].get_legend_handles_labels()[0]:
         axes[0][0].legend(fontsize=7)
     report._save(fig, f"LLM zoo on {result['env']['gpu']} ({result['env']['date']})", path)
+
+
+report.RENDERERS["llm"] = (llm_markdown, llm_plot, "llm.png")
