@@ -66,11 +66,11 @@ NOT_COLLECTED = {
 # Tests that pass as shipped and fail with the switch on, each a documented difference
 # (docs/llm.md, "Checked with the frameworks' own tests")
 DIFFERENCES = {
-    # k3 in float32: ours exp(-d) + d - 1 (verl's order), OpenRLHF's exp(-d) - 1 + d; the test
-    # wants OpenRLHF's rounding (allclose, rtol 1e-5) and at d = -0.086 (k3 = 0.0038) the two
-    # differ by 6e-8
+    # k3 compared with OpenRLHF's float32 evaluation at rtol 1e-5 near k3 = 0.004: the torch
+    # backend computes it in OpenRLHF's order with torch's exp and passes; the kernels' exp
+    # (numpy's in the interpreter, ex2.approx on a GPU) rounds 1 ulp apart
     "tests/test_kl_estimator_gradient.py::test_flag_off_matches_legacy":
-        "k3's float32 evaluation order",
+        ("k3 through Triton's exp", ("on-triton",)),
 }
 
 
@@ -120,7 +120,8 @@ def _same_outcomes(runs, framework, mode):
     assert off and sorted(off) == sorted(on), (framework, mode)
     assert {k: v for k, v in off.items() if v != "passed"} == {}, runs["off"]["log"][-4000:]
     changed = {k: (off[k], on[k]) for k in off if off[k] != on[k]}
-    expected = {k: ("passed", "failed") for k in DIFFERENCES if _framework(k) == framework}
+    expected = {k: ("passed", "failed") for k, (_, modes) in DIFFERENCES.items()
+                if _framework(k) == framework and mode in modes}
     assert changed == expected, runs[mode]["log"][-4000:]
     return (f"{framework} ({mode}): {len(off)} tests in {len({k.split('::')[0] for k in off})} "
             f"files, passed as shipped {sum(v == 'passed' for v in off.values())}, with the "

@@ -48,7 +48,8 @@ def estimate(d, clamp, KIND: tl.constexpr, CLAMPED: tl.constexpr):
             low = -(tl.minimum(clamp, 80.0) + 1.0)  # (d = -inf: inf - inf would be NaN)
             d = tl.where(d < low, low, d)
         e = tl.exp(-d)
-        k = e + d - 1.0
+        # (e - 1) + d: OpenRLHF's float32 rounding; verl's tests pass within their tolerance
+        k = (e - 1.0) + d
         dk = 1.0 - e
     if CLAMPED:
         dk = tl.where(tl.abs(k) <= clamp, dk, 0.0)
@@ -130,7 +131,7 @@ def torch_impl(x: Inputs, o: Options, dtype):
     elif kind == "k2":
         k = 0.5 * d * d
     else:
-        k = torch.exp(-d) + d - 1
+        k = (torch.exp(-d) - 1) + d  # the kernel's order
     k = k if o.clamp is None else k.clamp(-o.clamp, o.clamp)
     return (reference.straight_through(k, d0) if o.kind.endswith("+") else k,)
 

@@ -522,7 +522,7 @@ def _kl(lp, ref, kind, clamp):
     if clamp is not None:
         d = d.clamp(*reference.kl_bounds(kind, clamp))  # see kl_penalty.torch_impl
     k = d if kind == "k1" else d.abs() if kind == "abs" else 0.5 * d * d if kind == "k2" \
-        else torch.exp(-d) + d - 1
+        else (torch.exp(-d) - 1) + d
     return k if clamp is None else k.clamp(-clamp, clamp)
 
 
