@@ -17,12 +17,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from rl_triton.testing import FRAMEWORKS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNER = os.path.join(REPO, "tests", "framework_suites_runner.py")
-MODES = ("off", "on", "on-triton")
+# "on-triton" runs the kernels in Triton's interpreter: on a CUDA machine "on" runs them compiled
+# (the frameworks' tests put their tensors on the GPU where there is one)
+MODES = ("off", "on") + (() if torch.cuda.is_available() else ("on-triton",))
 PATH = os.path.abspath(os.environ.get("RL_TRITON_FRAMEWORKS",
                                       os.path.join(REPO, ".ci", "frameworks")))
 

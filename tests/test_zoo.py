@@ -242,9 +242,9 @@ def test_rollout_correction_kernel(options, device):
     assert (wp.reshape(B, T) - want[0]).abs().max() <= 1e-5 * max(1, want[0].abs().max())
 
 
-def test_rollout_correction_weights_are_constants():
+def test_rollout_correction_weights_are_constants(device):
     """Weights carry no gradient (they reweight samples) and the inputs are left as they were."""
-    old, roll, m = _rollout("cpu")
+    old, roll, m = _rollout(device)
     old = torch.where(m, old, -1.0).requires_grad_()
     before = old.detach().clone()
     for backend in ("torch", "triton", "loop"):
