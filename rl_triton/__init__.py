@@ -7,7 +7,9 @@ checks its arguments on every call, picks a backend and returns new tensors in t
 layout (time axis `time_dim`), float32 unless `out_dtype` says otherwise. Inputs are never
 written. The losses (`ppo_policy_loss`, `value_loss`, `kl_penalty`, `sac_targets`,
 `crr_weights`) have no time axis: per-position formulas and their aggregation over a mask, one
-fused kernel each way on CUDA (`rl_triton.ops._losses`). What every op computes, boundaries,
+fused kernel each way on CUDA (`rl_triton.ops._losses`). The fused loss head (`token_log_probs`,
+`linear_policy_loss`) computes log-probabilities and a policy loss from hidden states and the LM
+head chunk by chunk, never holding the [tokens, vocabulary] logits (`rl_triton.ops.loss_head`). What every op computes, boundaries,
 masks, packing and non-finite input included, is docs/semantics.md; comments cite its sections
 as "semantics §N".
 
@@ -49,10 +51,13 @@ from .ops.crr_weights import crr_weights
 from .ops.gae import gae
 from .ops.kl_penalty import kl_penalty
 from .ops.lambda_returns import lambda_returns
+from .ops.loss_head import linear_policy_loss, token_log_probs
 from .ops.linear_scan import linear_scan
 from .ops.outcome import group_advantages, masked_whiten
+from .ops.policy_loss import policy_loss
 from .ops.ppo_policy_loss import ppo_policy_loss
 from .ops.retrace import retrace
+from .ops.rollout_correction import rollout_correction
 from .ops.sac_targets import sac_targets
 from .ops.value_loss import value_loss
 from .ops.vtrace import vtrace
@@ -61,4 +66,5 @@ __version__ = "0.1.0"
 
 __all__ = ["linear_scan", "gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
            "eligibility_traces", "episodic_cumsum", "group_advantages", "masked_whiten",
-           "ppo_policy_loss", "value_loss", "kl_penalty", "sac_targets", "crr_weights"]
+           "ppo_policy_loss", "policy_loss", "value_loss", "kl_penalty", "sac_targets",
+           "crr_weights", "token_log_probs", "linear_policy_loss", "rollout_correction"]

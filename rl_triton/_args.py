@@ -3,7 +3,7 @@
 An op describes its arguments to a `Call`, which checks them (type, dtype, device, shape, time
 axis, gradients, scalars, option strings) and returns the tensors to use: the caller's own, or
 for a lazily negated or conjugated view its values. While checking, a `Call` also collects the
-signature that launch plans are cached under (`rl_triton._plans`): every tensor's shape,
+signature that launch plans are cached under (`rl_triton._core.plans`): every tensor's shape,
 strides, dtype and 16-byte alignment, so that the one pass over the arguments serves both.
 """
 from __future__ import annotations
@@ -271,7 +271,7 @@ def signature(tensors) -> tuple:
     shape, strides, dtype, device, whether it requires grad, its negation bit, and whether its
     data is 16-byte aligned (which launch plans specialize on). Every check a `Call` makes is a
     function of these, so a call whose signature (with the call's options) equals one that
-    passed them passes them too: `rl_triton._plans` caches launch plans under it. A non-tensor
+    passed them passes them too: `rl_triton._core.plans` caches plans under it. A non-tensor
     raises AttributeError (then the checks run, and name the argument)."""
     return tuple([None if t is None else
                   (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_neg(),

@@ -21,6 +21,8 @@ cases, and the aggregation over positions, one sequence at a time.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -377,9 +379,18 @@ def kl_bounds(kind, clamp):
     return -(clamp + 1), clamp + 1
 
 
+def straight_through(value, d):
+    """`value`'s value, with the gradient of d^2 / 2 (d): the "+" kinds of `kl_penalty`. Where d
+    is finite the added term is exactly 0."""
+    half = 0.5 * d * d
+    return value.detach() + (half - half.detach())
+
+
 def kl_penalty(log_probs, ref_log_probs, kind="k3", clamp=None, dtype=torch.float64):
     lp, ref = _prep(dtype, log_probs, ref_log_probs)
     d = lp - ref
+    if kind.endswith("+"):
+        return straight_through(kl_penalty(lp, ref, kind[:-1], clamp, dtype), d)
     if clamp is not None:
         d = d.clamp(*kl_bounds(kind, clamp))  # a NaN stays NaN
     if kind == "k1":
@@ -439,3 +450,274 @@ def crr_weights(q_values, sampled_q_values, *, beta=1.0, kind="exp", max_weight=
     if kind == "exp":
         return torch.clamp(torch.exp(adv / beta), max=max_weight)
     return torch.where(torch.isnan(adv), adv, (adv > 0).to(dtype))  # NaN stays NaN
+
+
+# ---- the fused loss head (semantics §11): the unfused composition, logits and all ---------------
+
+def token_log_probs(hidden, weight, labels, *, bias=None, temperature=1.0, ignore_index=-100,
+                    dtype=torch.float64):
+    """(log_probs, entropy) of `labels` under softmax(hidden @ weight.T / temperature + bias),
+    the whole [N, V] logits at once; 0 where a label is ignore_index."""
+    h, w, b = _prep(dtype, hidden, weight, bias)
+    logits = h @ w.T / temperature
+    if b is not None:
+        logits = logits + b
+    logp = torch.log_softmax(logits, -1)
+    p = logp.exp()
+    entropy = -torch.where(p > 0, p * logp, 0.0).sum(-1)  # a -inf logit has p = 0: adds 0
+    keep = labels != ignore_index
+    lp = logp.gather(-1, torch.where(keep, labels, 0).long().unsqueeze(-1)).squeeze(-1)
+    return torch.where(keep, lp, 0.0), torch.where(keep, entropy, 0.0)
+
+
+def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, keep, *,
+                       ref_log_probs=None, kl_coef=0.0, kl_kind="k3", kl_clamp=None,
+                       entropy_coef=0.0, temperature=1.0, bias=None, ignore_index=-100,
+                       clip_low=0.2, clip_high=None, dual_clip=None, log_ratio_clamp=20.0,
+                       aggregation="token-mean", cu_seqlens=None, shape=None,
+                       dtype=torch.float64):
+    """(loss, metrics) of the clipped surrogate (the "vanilla" and "grpo" loss types) plus
+    kl_coef * KL against ref_log_probs minus entropy_coef * entropy, per token, aggregated over
+    the tokens `keep` (bool [N]: mask set and label not ignore_index); sequences are the rows
+    of `shape` ([B, T]) or the segments of cu_seqlens. Flat [N] per-token inputs."""
+    lp, ent = token_log_probs(hidden, weight, labels, bias=bias, temperature=temperature,
+                              ignore_index=ignore_index, dtype=dtype)
+    pg = ppo_policy_loss(lp, old_log_probs, advantages, keep, clip_low=clip_low,
+                         clip_high=clip_high, dual_clip=dual_clip,
+                         log_ratio_clamp=log_ratio_clamp, aggregation="none", dtype=dtype)[0]
+    _, clip_fraction, approx_kl = ppo_policy_loss(
+        lp, old_log_probs, advantages, keep, clip_low=clip_low, clip_high=clip_high,
+        dual_clip=dual_clip, log_ratio_clamp=log_ratio_clamp, dtype=dtype)
+    total = pg - entropy_coef * ent
+    n = max(int(keep.sum()), 1)
+    metrics = {"clip_fraction": clip_fraction, "approx_kl": approx_kl,
+               "entropy": torch.where(keep, ent, 0.0).sum() / n}
+    if ref_log_probs is not None:
+        (ref,) = _decided(keep, ref_log_probs.to(dtype))
+        kl = kl_penalty(torch.where(keep, lp, 0.0), ref, kl_kind, kl_clamp, dtype=dtype)
+        total = total + kl_coef * kl
+        metrics["kl"] = torch.where(keep, kl, 0.0).sum() / n
+    if dual_clip is not None:
+        (a,) = _decided(keep, advantages.to(dtype))
+        (old,) = _decided(keep, old_log_probs.to(dtype))
+        ratio = torch.exp(torch.clamp(lp - old, -log_ratio_clamp, log_ratio_clamp))
+        high = clip_low if clip_high is None else clip_high
+        l = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - clip_low, 1 + high))
+        metrics["dual_clip_fraction"] = torch.where(
+            keep & (a < 0) & (-a * dual_clip < l), 1.0, 0.0).to(dtype).sum() / n
+
+    def agg(x):
+        if shape is not None and len(shape) == 2 and cu_seqlens is None:
+            return _aggregate(x.reshape(shape), keep.reshape(shape), aggregation)
+        return _aggregate(x, keep, aggregation, cu_seqlens)
+
+    metrics["pg_loss"] = agg(pg)
+    return agg(total), metrics
+def rollout_divergence(statistic, d, log_probs, rollout_log_probs, log_ratio_clamp):
+    """The per-token divergence estimates that `rollout_correction` gates on (semantics §10):
+    KL(pi_rollout || pi_trainer) from d = log_probs - rollout_log_probs (clamped), or the
+    sampled token's probabilities p (engine) and q (trainer), clamped into (0, 1)."""
+    if statistic in ("k1", "k2", "k3"):
+        if log_ratio_clamp is not None:
+            d = d.clamp(-log_ratio_clamp, log_ratio_clamp)
+        return {"k1": -d, "k2": 0.5 * d * d, "k3": torch.exp(d) - 1 - d}[statistic]
+    p = rollout_log_probs.exp().clamp(1e-6, 1 - 1e-6)
+    q = log_probs.exp().clamp(1e-6, 1 - 1e-6)
+    if statistic == "binary_kl":
+        return p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+    return (p - q).abs()
+
+
+def rollout_correction(log_probs, rollout_log_probs, mask=None, *, level="token",
+                       mode="truncate", low=None, high=2.0, statistic="ratio", weight_level=None,
+                       log_ratio_clamp=20.0, cu_seqlens=None, dtype=torch.float64):
+    """One sequence and one token at a time: the per-token statistic (the log-ratio, or a
+    divergence), aggregated over the sequence (sum, mean or max of its set positions), the ratio
+    exp(clamp(.)), then truncated or gated (semantics §10). Returns (weights, kept mask)."""
+    import math
+    lp, rp = _prep(dtype, log_probs, rollout_log_probs)
+    on = torch.ones_like(lp, dtype=torch.bool) if mask is None else mask != 0
+    if cu_seqlens is None:
+        T = lp.shape[-1]
+        bounds = [(i * T, (i + 1) * T) for i in range(lp.numel() // T)] if T else []
+    else:
+        cu = [int(c) for c in cu_seqlens]
+        bounds = list(zip(cu[:-1], cu[1:]))
+    lpf, rpf, onf = lp.reshape(-1), rp.reshape(-1), on.reshape(-1)
+    w = torch.zeros_like(lpf)
+    keep = torch.zeros_like(onf)
+
+    def ratio(s):
+        if log_ratio_clamp is not None:
+            s = min(max(s, -log_ratio_clamp), log_ratio_clamp)
+        return math.exp(s)
+
+    def token(t):
+        d = lpf[t] - rpf[t]
+        if statistic == "ratio":
+            return float(d)
+        return float(rollout_divergence(statistic, d, lpf[t], rpf[t], log_ratio_clamp))
+
+    for a, b in bounds:
+        set_ = [t for t in range(a, b) if onf[t]]
+        logr = [float(lpf[t] - rpf[t]) for t in set_]
+        stat = [token(t) for t in set_]
+
+        def levels(xs):
+            return {"sequence": sum(xs), "geometric": sum(xs) / max(len(xs), 1),
+                    "max": max(xs) if xs else 0.0}
+
+        seq_stat, seq_logr = levels(stat), levels(logr)
+        for i, t in enumerate(set_):
+            s = {"token": stat[i], **seq_stat}[level]
+            r = ratio(s) if statistic == "ratio" else s
+            if mode == "truncate":
+                if low is not None:
+                    r = max(r, low)
+                if high is not None:
+                    r = min(r, high)
+                w[t], keep[t] = r, True
+            elif (low is None or r >= low) and (high is None or r <= high):
+                if weight_level is None:
+                    w[t] = r if statistic == "ratio" else 1.0
+                else:
+                    w[t] = ratio({"token": logr[i], **seq_logr}[weight_level])
+                keep[t] = True
+    return w.reshape(lp.shape), keep.reshape(lp.shape)
+
+
+def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, weights=None, selected=None,
+                cu_seqlens=None, aggregation="token-mean", loss_type="vanilla",
+                ratio_level="token", clip_low=0.2, clip_high=0.2, dual_clip=None, delta=None,
+                log_ratio_clamp=20.0, tau_pos=1.0, tau_neg=1.05, truncation=20.0, dro_beta=None,
+                kl_cov_coef=1.0, dtype=torch.float64):
+    """(loss, clip_fraction, clip_fraction_lower, clip_fraction_negative,
+    clip_fraction_positive, kl) of `rl_triton.policy_loss` (docs/semantics.md §10), sequence by
+    sequence and position by position; `selected`: clip_cov's / kl_cov's pick, given. The
+    global factors of verl's aggregation are not here (a multiplication after)."""
+    lp, old, adv, w = _prep(dtype, log_probs, old_log_probs, advantages, weights)
+    keep = _selected(mask, lp)
+    lp, old, adv, w = _decided(keep, lp, old, adv, w)  # a masked position enters no arithmetic
+    if cu_seqlens is not None:
+        cu = cu_seqlens.tolist()
+        sequences = [slice(a, b) for a, b in zip(cu[:-1], cu[1:])]
+    elif lp.ndim == 2:
+        sequences = [(b, slice(None)) for b in range(lp.shape[0])]
+    else:
+        sequences = None
+    lo, hi = 1.0 - clip_low, 1.0 + clip_high
+    clamp = math.inf if log_ratio_clamp is None else log_ratio_clamp
+    flat = [t.reshape(-1) for t in (lp, old, adv, keep)]
+    seq_d = {}  # a sequence's log-ratio at each of its positions (flat index)
+    if (ratio_level == "sequence" or loss_type == "gspo" or loss_type == "geo_mean") and \
+            sequences is not None:
+        index = torch.arange(lp.numel(), device=lp.device).view(lp.shape)
+        for s in sequences:
+            idx = index[s].reshape(-1).tolist()
+            n = sum(bool(flat[3][i]) for i in idx)
+            total = sum((flat[0][i] - flat[1][i] for i in idx if flat[3][i]),
+                        lp.new_zeros(()))
+            if loss_type == "gspo":
+                mean = total.detach() / max(n, 1)
+                for i in idx:
+                    seq_d[i] = torch.clamp(mean + flat[0][i] - flat[0][i].detach(), max=clamp)
+            elif loss_type != "geo_mean":
+                mean = torch.clamp(total / max(n, 1), -clamp, clamp)
+                for i in idx:
+                    seq_d[i] = mean
+    if loss_type == "geo_mean":
+        return _geo_mean_loop(lp, old, adv, w, keep, sequences, clip_low, clip_high, clamp,
+                              aggregation, dtype)
+    sel = None if selected is None else selected.reshape(-1)
+    wf = None if w is None else w.reshape(-1)
+    zero = lp.reshape(-1)[:0].sum()  # 0, a function of lp (no input silently detached)
+    ls, flags = [], []
+    for i in range(lp.numel()):
+        x, o, a = flat[0][i], flat[1][i], flat[2][i]
+        raw = x - o
+        d = seq_d.get(i, torch.clamp(raw, -clamp, clamp))
+        r = torch.exp(d)
+        rv, av = float(r.detach()), float(a.detach())  # for the branches and flags
+        clip = lower = neg = pos = False
+        if loss_type == "gpg":
+            l = -a * x
+        elif loss_type == "dro":
+            l = -(x * a - 0.5 * dro_beta * raw * raw)
+        elif loss_type in ("dppo_tv", "dppo_kl"):
+            p, q = math.exp(float(x.detach())), math.exp(float(o.detach()))
+            if loss_type == "dppo_tv":
+                ok = p - q <= clip_high if av > 0 else p - q >= -clip_low
+            else:
+                xf, of = float(x.detach()), float(o.detach())
+                bkl = q * (of - xf) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8))
+                ok = (bkl <= clip_high or p <= q) if av > 0 else (bkl <= clip_low or p >= q)
+            l = -a * min(rv, truncation) * x if ok else zero
+            clip, lower = not ok, ok and rv > truncation
+        elif loss_type == "sapo":
+            tau = tau_pos if av > 0 else tau_neg
+            l = -a * torch.sigmoid(tau * (r - 1)) * 4 / tau
+        elif loss_type == "cispo":
+            l = -min(max(rv, lo), hi) * a * x
+            clip = rv < lo or rv > hi
+        elif loss_type == "kl_cov":
+            l = -a * r + (kl_cov_coef * d.abs() if sel[i] else 0.0)
+        else:  # the clipped surrogate (TRL's delta bounds the unclipped ratio)
+            rr = r if delta is None else torch.clamp(r, max=delta)
+            l = torch.maximum(-a * rr, -a * torch.clamp(r, lo, hi))
+            clip = bool(-a * torch.clamp(r, lo, hi) > -a * rr)
+            if av < 0 and dual_clip is not None and loss_type == "vanilla":
+                lower = bool(l > -a * dual_clip)
+                l = torch.minimum(l, -a * dual_clip)
+            if loss_type == "clip_cov" and sel[i]:
+                l, clip = zero, True
+            elif loss_type == "clip_cov":
+                clip = False
+        if loss_type not in ("sapo", "gpg", "dro", "dppo_tv", "dppo_kl", "kl_cov"):
+            rr = rv if delta is None or loss_type != "vanilla" else min(rv, delta)
+            neg, pos = rv < lo and av < 0, rr > hi and av > 0
+        if wf is not None:
+            l = l * wf[i]
+        kl = raw if i in seq_d else torch.clamp(raw, -clamp, clamp)
+        ls.append(l if isinstance(l, torch.Tensor) else zero + l)
+        flags.append([float(clip), float(lower), float(neg), float(pos),
+                      float((kl.abs() if loss_type == "kl_cov" else -kl).detach())])
+    l = torch.stack(ls).view(lp.shape) if ls else lp.new_zeros(lp.shape)
+    n = max(int(keep.sum()), 1)
+    metrics = [sum((f[k] for f, kept in zip(flags, keep.reshape(-1).tolist()) if kept), 0.0) / n
+               for k in range(5)]
+    return (_aggregate(l, keep, aggregation, cu_seqlens),
+            *(torch.tensor(v, dtype=dtype, device=lp.device) for v in metrics))
+
+
+def _geo_mean_loop(lp, old, adv, w, keep, sequences, clip_low, clip_high, clamp, aggregation,
+                   dtype):
+    losses, flags = [], []
+    for s in sequences:
+        n = float(keep[s].sum()) + 1e-8
+        # 0 as functions of the inputs (an empty sequence keeps the graph)
+        log_r, a_sum = lp.reshape(-1)[:0].sum(), adv.reshape(-1)[:0].sum()
+        log_w = lp.new_zeros(()) if w is None else w.reshape(-1)[:0].sum()
+        for x, o, a, k, wi in zip(lp[s].reshape(-1), old[s].reshape(-1), adv[s].reshape(-1),
+                                  keep[s].reshape(-1), (w[s].reshape(-1) if w is not None
+                                                        else [None] * lp[s].numel())):
+            d = torch.clamp(x - o, -clamp, clamp)
+            dc = torch.clamp(d, -clip_low, clip_high)
+            # clipped toward 0 on the side the advantage pushes
+            dm = torch.minimum(d, dc) if a > 0 else torch.maximum(d, dc) if a < 0 else 0.0 * d
+            if k:
+                log_r = log_r + dm
+                a_sum = a_sum + a
+                if wi is not None:
+                    log_w = log_w + torch.log(wi + 1e-10)
+                clipped = bool(d != dc)
+                flags.append([float(clipped and a > 0), float(clipped and a < 0), 0.0, 0.0,
+                              float(-d.detach())])
+        l = -a_sum / n * torch.exp(log_r / n)
+        if w is not None:
+            l = l * torch.exp(log_w / n)
+        losses.append(l)
+    per_seq = torch.stack(losses) if losses else lp.new_zeros(0)
+    loss = per_seq if aggregation == "none" else per_seq.sum() / max(len(losses), 1)
+    n = max(len(flags), 1)
+    return (loss, *(torch.tensor(sum(f[k] for f in flags) / n, dtype=dtype, device=lp.device)
+                    for k in range(5)))

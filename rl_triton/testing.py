@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from . import _plans
+from ._core.op import OPS, ops
 
-# the public functions, and the test's names for linear_scan's two directions
-NAMES = ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
-         "eligibility_traces", "episodic_cumsum", "linear_scan_reverse", "linear_scan_forward"]
+# the registry's scans, linear_scan as the test's names for its two directions
+NAMES = [n for n in ops("scan") if n != "linear_scan"] + ["linear_scan_reverse",
+                                                            "linear_scan_forward"]
 VALUE_ESTIMATORS = ("gae", "lambda_returns", "discounted_returns", "vtrace")
 
 
@@ -99,7 +99,7 @@ def public_name(name: str) -> str:
 def vectorized(name, *, dtype=torch.float64, **kwargs):
     """The op's torch implementation on time-major keyword arguments (those of the public
     function, without time_dim), computing in `dtype`: a tuple of its outputs."""
-    op = _plans.OPS[public_name(name)]
+    op = OPS[public_name(name)]
     pick = (lambda t: {f: kwargs.get(f) for f in t._fields})
     extra = op.extras(**pick(op.extras)) if op.extras is not None else ()
     out = op.torch(op.inputs(**pick(op.inputs)), op.scalars(**pick(op.scalars)), extra, dtype)
@@ -112,6 +112,42 @@ FRAMEWORKS = {"verl": "0.9.1", "openrlhf": "0.11.2"}
 # Imported by those packages' modules but unused by the functions called (see docs/dev/frameworks.md):
 _STUBBED = ("ray", "tensordict", "tensordict.tensorclass", "transformers",
             "transformers.modeling_outputs", "orjson", "deepspeed")
+
+
+def framework_modules(path, stubbed=_STUBBED):
+    """The `sys.modules` entries that `import_frameworks` sets while it imports: a stub module
+    for each name in `stubbed` (any attribute is a new empty class: annotations, isinstance,
+    base classes), OpenRLHF's packages `openrlhf.models`, `openrlhf.utils` and
+    `openrlhf.trainer.ray` bare (their `__init__`, which imports vLLM, DeepSpeed and flash-attn,
+    not run; their modules load from `path`) and `openrlhf.trainer.ray.launcher` with the one
+    name used (docs/dev/frameworks.md)."""
+    import importlib.machinery
+    import os
+    import types
+
+    def stub(name):
+        def attribute(attr):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            return type(attr, (), {})
+
+        m = types.ModuleType(name)
+        m.__getattr__ = attribute
+        # a spec, as an imported module has (torch._dynamo runs importlib.util.find_spec on
+        # names it finds in sys.modules, tqdm among them)
+        m.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        return m
+
+    def bare(name):  # a package whose __init__ is not run
+        m = types.ModuleType(name)
+        m.__path__ = [os.path.join(path, *name.split("."))]
+        return m
+
+    fake = {n: stub(n) for n in stubbed}
+    fake.update({n: bare(n) for n in ("openrlhf.models", "openrlhf.utils", "openrlhf.trainer.ray")})
+    fake["openrlhf.trainer.ray.launcher"] = types.ModuleType("openrlhf.trainer.ray.launcher")
+    fake["openrlhf.trainer.ray.launcher"].RayActorGroup = object
+    return fake
 
 
 def import_frameworks(path=None):
@@ -137,25 +173,7 @@ def import_frameworks(path=None):
             raise ImportError(f"{name}=={version} is not installed in {path} (found {found}); "
                               f"pip install --no-deps --target {path} {name}=={version}")
 
-    def stub(name):  # any attribute is a new empty class (annotations, isinstance, bases)
-        def attribute(attr):
-            if attr.startswith("__"):
-                raise AttributeError(attr)
-            return type(attr, (), {})
-
-        m = types.ModuleType(name)
-        m.__getattr__ = attribute
-        return m
-
-    def bare(name):  # a package whose __init__ is not run
-        m = types.ModuleType(name)
-        m.__path__ = [os.path.join(path, *name.split("."))]
-        return m
-
-    fake = {n: stub(n) for n in _STUBBED}
-    fake.update({n: bare(n) for n in ("openrlhf.models", "openrlhf.utils", "openrlhf.trainer.ray")})
-    fake["openrlhf.trainer.ray.launcher"] = types.ModuleType("openrlhf.trainer.ray.launcher")
-    fake["openrlhf.trainer.ray.launcher"].RayActorGroup = object
+    fake = framework_modules(path)
     saved = {n: sys.modules.get(n) for n in fake}
     sys.modules.update(fake)
     sys.path.insert(0, path)

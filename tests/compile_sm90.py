@@ -20,8 +20,9 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from cases import make_case  # noqa: E402
 import rl_triton  # noqa: E402
-from rl_triton.testing import make_packed_inputs  # noqa: E402
-from rl_triton import _plans  # noqa: E402
+from rl_triton.testing import NAMES, VALUE_ESTIMATORS, make_packed_inputs  # noqa: E402
+from rl_triton._core import plans as _plans  # noqa: E402
+from rl_triton._core.op import OPS, ops  # noqa: E402
 from rl_triton.ops import _group  # noqa: E402
 from rl_triton.ops import _losses  # noqa: E402
 from rl_triton.ops import _whiten, outcome  # noqa: E402
@@ -272,11 +273,14 @@ def check_reverse_scans(plan, kernel):
     return f"{per_quantity:g} shuffles per scanned quantity" if per_quantity > 16 else ""
 
 
+# the registry's scans whose kernels read a mask and run packed rows (semantics §7)
+MASKED = [n for n in ops("scan") if OPS[n]._mask is not None]
+
+
 def variants():
     """(label, case, layout): every estimator, both layouts, one tile per row, look-back, walked
     rows, bf16 inputs, every optional input."""
-    for name in ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
-                 "eligibility_traces", "episodic_cumsum", "linear_scan_reverse"]:
+    for name in [n for n in NAMES if n != "linear_scan_forward"]:
         for T, n in [(4096, 4), (16, 64), (4096, 300), (64, 8448)]:
             for layout in ("time-major", "batch-major"):
                 yield f"{name} T={T} N={n} {layout}", make_case(name, T, (n,), n_act=18), layout
@@ -308,8 +312,7 @@ def mask_variants():
         case.steps["mask"] = torch.rand(shape, generator=torch.Generator().manual_seed(0)) < 0.7
         return case
 
-    for name in ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
-                 "eligibility_traces", "episodic_cumsum"]:
+    for name in MASKED:
         for T, n in [(4096, 4), (16, 64), (64, 8448)]:
             for layout in ("time-major", "batch-major"):
                 yield f"masked {name} T={T} N={n} {layout}", masked(make_case(name, T, (n,))), \
@@ -321,7 +324,7 @@ def mask_variants():
             yield f"masked retrace {n_act} actions, no advantages {layout}", case, layout
     yield "masked retrace bf16", masked(make_case("retrace", 4096, (4,), n_act=18,
                                                   dtype=torch.bfloat16)), "batch-major"
-    for name in ["gae", "lambda_returns", "discounted_returns", "vtrace"]:
+    for name in VALUE_ESTIMATORS:
         yield f"masked {name} next_values bf16", masked(make_case(
             name, 4096, (4,), dtype=torch.bfloat16, bootstrap="next_values")), "batch-major"
     for T, n in [(4096, 4), (64, 8448)]:
@@ -338,12 +341,11 @@ def packed_variants():
     view of many feature rows), and many short segments (the search's third round)."""
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 4097, (64,), generator=g).tolist()
-    for name in ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
-                 "eligibility_traces", "episodic_cumsum"]:
+    for name in MASKED:
         for mask in (False, True):
             label = f"packed {name}{' masked' if mask else ''}"
             yield label, lambda n=name, m=mask: packed_plans(n, lengths, m)
-    for name in ["gae", "lambda_returns", "discounted_returns", "vtrace"]:
+    for name in VALUE_ESTIMATORS:
         yield f"packed {name} masked next_values bf16", lambda n=name: packed_plans(
             n, lengths, True, dtype=torch.bfloat16, bootstrap="next_values")
     yield "packed vtrace next_values", lambda: packed_plans("vtrace", lengths,
@@ -363,9 +365,7 @@ def packed_variants():
 def grad_variants():
     """(label, case, layout, per_row): the backward kernels (and forward kernels with per-row
     discounts) of every op, both layouts, one tile per row, look-back and walked rows."""
-    for name in ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
-                 "eligibility_traces", "episodic_cumsum", "linear_scan_reverse",
-                 "linear_scan_forward"]:
+    for name in NAMES:
         for T, n in [(4096, 4), (16, 64), (64, 8448)]:
             for layout in ("time-major", "batch-major"):
                 yield (f"backward {name} T={T} N={n} {layout}", make_case(name, T, (n,)),
@@ -446,7 +446,7 @@ def loss_launches(run, int64=False):
     tensors) makes, intercepted; `int64`: as if the tensors were past 2^31 elements."""
     seen = []
 
-    def intercept(kernel, programs, *args, **meta):
+    def intercept(kernel, programs, *args, plan=None, **meta):  # (plan: the host's memo)
         seen.append((kernel, args, meta))
 
     saved, os.environ["TRITON_INTERPRET"] = _losses.launch, "1"  # backend="triton" on CPU
@@ -530,16 +530,41 @@ def loss_variants():
             yield f"crr {kind} {baseline}", crr(kind=kind, baseline=baseline), False
     yield "crr exp mean, 64-bit", crr(), True
 
+    def policy(loss_type, shape=(B, T), dtype=torch.float32, **kw):
+        xs = [leaf(*shape, dtype=dtype) for _ in range(4)]
+        kw.setdefault("mask", mask.reshape(shape))
+
+        def run():
+            loss, _ = rl_triton.policy_loss(xs[0], xs[1].detach() - 0.1, xs[2], weights=xs[3],
+                                            loss_type=loss_type, dro_beta=0.1, backend="triton",
+                                            **kw)
+            loss.float().sum().backward()
+        return run
+
+    yield "policy vanilla token-mean, dual clip, delta", policy("vanilla", dual_clip=3.0,
+                                                               delta=2.0), False
+    yield "policy vanilla sequence ratio, seq-mean-token-mean rows", policy(
+        "vanilla", ratio_level="sequence", aggregation="seq-mean-token-mean"), False
+    yield "policy gspo packed seq-mean-token-sum", policy(
+        "gspo", shape=(B * T,), cu_seqlens=cu, aggregation="seq-mean-token-sum"), False
+    for loss_type in ("sapo", "gpg", "cispo", "dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov"):
+        yield f"policy {loss_type} token-sum", policy(loss_type, aggregation="token-sum"), False
+    yield "policy cispo none bf16", policy("cispo", dtype=torch.bfloat16,
+                                           aggregation="none"), False
+    yield "policy vanilla token-mean, 64-bit", policy("vanilla", dual_clip=3.0), True
+
 
 def compile_losses() -> int:
-    """Compile every loss variant's kernels; the number that failed."""
-    failed = 0
+    """Compile every loss variant's kernels; the number that failed (a loss of the registry
+    whose kernels no variant launches counts as one)."""
+    failed, seen = 0, set()
     for label, run, int64 in loss_variants():
         t0 = time.time()
         try:
             launches = loss_launches(run, int64)
             if not launches:
                 raise AssertionError("no launch")
+            seen.update(fn.fn.__module__.rpartition(".")[2] for fn, _, _ in launches)
             for fn, args, meta in launches:
                 compile_kernel(fn, args, meta)
             print(f"ok      {label}: {len(launches)} kernels ({time.time() - t0:.1f} s)",
@@ -547,6 +572,10 @@ def compile_losses() -> int:
         except Exception as e:  # noqa: BLE001 - report every failure, then fail
             failed += 1
             print(f"FAILED  {label}: {type(e).__name__}: {str(e)[-400:]}", flush=True)
+    missing = set(ops("loss")) - seen
+    if missing:
+        failed += 1
+        print(f"FAILED  losses without a variant: {sorted(missing)}", flush=True)
     return failed
 
 

@@ -11,7 +11,9 @@ import rl_triton
 from rl_triton import testing
 from rl_triton.bench import anchor, calls, checks, cli, registry, report, timing
 from rl_triton.bench.suites import gradients
+from rl_triton.bench.suites import head as head_suite
 from rl_triton.bench.suites import host as host_suite
+from rl_triton.bench.suites import llm as llm_suite
 from rl_triton.bench.suites import losses as loss_suite
 from rl_triton.bench.suites import tokens as token_suite
 
@@ -1035,3 +1037,213 @@ def test_host_suite_cli(tmp_path):
     assert [e for e in registry.ESTIMATORS if e in anchor.CALLS] == [
         "gae", "lambda_returns", "discounted_returns", "vtrace", "eligibility_traces",
         "episodic_cumsum"]
+
+
+# ---- the fused loss head (--suite head) ---------------------------------------------------------
+
+def test_head_formulas_agree():
+    """The suite's eager composition and token_log_probs + ppo_policy_loss compute
+    linear_policy_loss's loss and gradients (float32 on the CPU, a small head)."""
+    kw = head_suite.head_inputs(2048, "cpu", H=16, V=301, dtype=torch.float32)
+    kw.pop("row_advantages")
+    grads = {}
+    for name, fn in (("ours", head_suite.ours_loss), ("eager", head_suite.eager_loss),
+                     ("composed", head_suite.composed_loss)):
+        h, w = (kw[k].detach().clone().requires_grad_() for k in ("hidden", "weight"))
+        loss = fn(**dict(kw, hidden=h, weight=w))
+        loss.backward()
+        grads[name] = (loss.detach(), h.grad, w.grad)
+    for other in ("eager", "composed"):
+        for a, b in zip(grads["ours"], grads[other]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert kw["mask"].float().mean() < 0.95  # the padding is off
+
+
+def test_head_reports(tmp_path):
+    rows = [dict(tokens=4096, impl="rl_triton", ms=29.6, peak_gib=2.32, rel_err=0.0,
+                 grad_rel_err=0.0, note=""),
+            dict(tokens=4096, impl="liger", ms=float("nan"), peak_gib=float("nan"),
+                 rel_err=float("nan"), grad_rel_err=float("nan"), note="not available")]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(dict(env=_token_env(), suite="head", rows=rows)))
+    cli.main(["--report", str(path), "--out", str(tmp_path / "r")])
+    md = (tmp_path / "r" / "bench.md").read_text()
+    assert "| 4096 | rl_triton | 29.6 | 2.32 | 0.0e+00 | 0.0e+00 |  |" in md
+    assert "| 4096 | liger | nan | nan | nan | nan | not available |" in md
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suite would run")
+def test_head_suite_cli(tmp_path):
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        cli.main(["--suite", "head", "--out", str(tmp_path)])
+    for bad in ("1000", "4096x128", "0"):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--suite", "head", "--shapes", bad, "--out", str(tmp_path)])
+        assert e.value.code == 2
+
+
+# ---- the LLM zoo (--suite llm) -----------------------------------------------------------------
+
+def _stub_llm(monkeypatch):
+    """Timing, torch.compile (inductor builds C++ on the CPU: minutes) and the kernel count
+    (torch.profiler's CUDA activity) stubbed; the drop-ins on the Triton backend (the
+    interpreter on the CPU), as they run on the GPU."""
+    from rl_triton.integrations import openrlhf as our_orl
+    from rl_triton.integrations import verl as our_verl
+    _stub_timing(monkeypatch)
+    monkeypatch.setattr(llm_suite, "kernel_launches", lambda fn: 1)
+    for module in (our_verl, our_orl):
+        monkeypatch.setattr(module, "backend", "triton")
+    return our_verl
+
+
+def _llm_keys(rows):
+    return {(r["group"], r["framework"], r["call"], r["variant"], r["impl"]) for r in rows}
+
+
+def test_llm_suite_runs(tmp_path, monkeypatch, device):
+    """`run_llm` end to end at a small, odd shape: every zoo entry's drop-in beside the
+    framework's own function (and torch.compile of it for the KL estimators and the losses),
+    each checked against the framework's result, bench.json marked as the llm suite, its table
+    and plot written."""
+    fw = _frameworks()
+    _stub_llm(monkeypatch)
+    llm_suite.run_llm(["9x37"], _token_env(), device, tmp_path, None, 60.0)
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["suite"] == "llm"
+    rows = result["rows"]
+    keys = _llm_keys(rows)
+    from rl_triton.integrations import verl as our_verl
+    for _, key, _ in our_verl.ESTIMATORS:  # verl's whole registry
+        assert {("estimator", "verl", key, "", impl) for impl in ("eager", "rl_triton")} <= keys
+    for name in ("get_advantages_and_returns", "get_cumulative_returns"):
+        assert ("estimator", "openrlhf", name, "", "rl_triton") in keys
+    losses = [k for k in fw.verl.POLICY_LOSS_REGISTRY if k != "bypass_mode"]
+    for name in losses:
+        assert {("policy loss", "verl", name, impl) for impl in ("eager", "rl_triton", "compile")} \
+            <= {k[:3] + k[4:] for k in keys}
+    assert {k[3] for k in keys if k[2] == "PolicyLoss"} == {"ppo, dual_clip=3", "gspo"}
+    assert {k[3] for k in keys if k[2] == "kl_penalty" and k[4] == "compile"} == {
+        "low_var_kl", "k3+", "k1"}
+    assert sum(k[4] == "rl_triton op" for k in keys) == 2  # rollout_correction, two levels
+    assert len(rows) == 16 * 2 + 5 * 3 + 3 * 2 + 2 + (len(losses) + 2) * 3
+    for r in rows:
+        assert r["note"] == "" and r["full_us"] > 0, r
+        assert r["rel_err"] < llm_suite.OUTPUT_TOL, r
+        assert (r["grad_rel_err"] < llm_suite.GRAD_TOL) == (r["mode"] == "fwd+bwd"), r
+        assert (r["launches"] == 1) == (r["impl"] == "rl_triton op"), r
+    md = (tmp_path / "bench.md").read_text()
+    assert "LLM zoo (`--suite llm`" in md
+    assert "| estimator | verl | gae |  | fwd | 9x37 | rl_triton | 10.0 / 20.0 / 8.0 | 20.0 | " \
+        "1.0x (1.0x) |  |  |" in md
+    assert "| >= 100x eager | 9x37 | 0 of 16 |" in md  # the stubbed times: all equal
+    assert "| >= 3x eager | 9x37 | 0 of 13 |" in md and "| >= 1x compile | 9x37 | 13 of 13 |" in md
+    assert "| 1 launch | 9x37 | 2 of 2 |" in md
+    assert (tmp_path / "llm.png").stat().st_size > 1000
+
+
+def test_llm_suite_refuses_wrong_results_and_keeps_going(tmp_path, monkeypatch, device):
+    """A drop-in that differs from its framework is not timed (its row says by how much) and
+    the other cells are; a compile that fails is a row that says so; without the budget for the
+    frameworks' calls nothing is timed (no reference to check against); --max-seconds stops."""
+    _frameworks()
+    our_verl = _stub_llm(monkeypatch)
+    rloo = our_verl.compute_rloo_vectorized_outcome_advantage
+    monkeypatch.setattr(our_verl, "compute_rloo_vectorized_outcome_advantage",
+                        lambda *a, **k: tuple(1.01 * t for t in rloo(*a, **k)))
+
+    def no_compile(f):
+        raise RuntimeError("inductor: no C++ compiler\nmore")
+    monkeypatch.setattr(loss_suite, "compiled_formula", no_compile)
+    llm_suite.run_llm(["9x37"], _token_env(), device, tmp_path, None, 60.0)
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    wrong = [r for r in rows if r["note"].startswith("not timed: differs")]
+    assert [(r["call"], r["impl"]) for r in wrong] == [("rloo_vectorized", "rl_triton")]
+    assert 9e-3 < wrong[0]["rel_err"] < 1.1e-2 and wrong[0]["full_us"] != wrong[0]["full_us"]
+    failed = [r for r in rows if r["impl"] == "compile"]
+    assert failed and all(r["note"] == "compile failed: RuntimeError: inductor: no C++ compiler"
+                          for r in failed)
+    md = (tmp_path / "bench.md").read_text()
+    assert "| estimator | verl | rloo_vectorized |  | fwd | 9x37 | rl_triton |  | 20.0 |  |" in md
+    assert "compile failed: RuntimeError" in md
+
+    llm_suite.run_llm(["9x37"], _token_env(), device, tmp_path, None, 0.0)
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert rows and all(r["full_us"] != r["full_us"] for r in rows)
+    assert {r["note"] for r in rows} == {"over --frameworks-max-seconds",
+                                         "not timed: no framework result to check it against"}
+    llm_suite.run_llm(["9x37"], _token_env(), device, tmp_path, 0.0, 60.0)  # --max-seconds 0
+    assert json.loads((tmp_path / "bench.json").read_text())["rows"] == []
+    llm_suite.run_llm(["9x37", "8x24"], _token_env(), device, tmp_path, None, 60.0,
+                      groups=["rollout_correction"])  # --groups
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert {(r["group"], r["shape"]) for r in rows} == {("rollout correction", "9x37"),
+                                                       ("rollout correction", "8x24")}
+
+
+def test_llm_reports(tmp_path):
+    """bench.md's zoo table from a bench.json: speed-ups over eager and compile, each row's
+    target met or missed, the targets' summary; llm.png."""
+    def row(group, fw, call, variant, mode, impl, dev, full, shape="512x4096", **kw):
+        return asdict(llm_suite.LlmRow(group, fw, call, variant, mode, shape, impl, dev, full,
+                                       full / 2, 0.0, **kw))
+    nan = float("nan")
+    rows = [row("estimator", "verl", "gae", "", "fwd", "eager", nan, 755000.0),
+            row("estimator", "verl", "gae", "", "fwd", "rl_triton", 10.0, 30.0),
+            row("estimator", "verl", "grpo_vectorized", "", "fwd", "eager", 100.0, 900.0),
+            row("estimator", "verl", "grpo_vectorized", "", "fwd", "rl_triton", 10.0, 30.0),
+            row("policy loss", "verl", "vanilla", "token-mean", "fwd+bwd", "eager", 400.0,
+                600.0, grad_rel_err=0.0),
+            row("policy loss", "verl", "vanilla", "token-mean", "fwd+bwd", "rl_triton", 50.0,
+                150.0, grad_rel_err=1e-7),
+            row("policy loss", "verl", "vanilla", "token-mean", "fwd+bwd", "compile", 60.0,
+                200.0, grad_rel_err=1e-7),
+            row("policy loss", "verl", "gspo", "token-mean", "fwd+bwd", "eager", 400.0, 600.0,
+                grad_rel_err=0.0),
+            row("policy loss", "verl", "gspo", "token-mean", "fwd+bwd", "rl_triton", 50.0,
+                300.0, grad_rel_err=1e-7),
+            row("policy loss", "verl", "gspo", "token-mean", "fwd+bwd", "compile", nan, nan,
+                note="compile failed: X"),
+            row("rollout correction", "verl", "compute_rollout_correction_weights", "token",
+                "fwd", "eager", 200.0, 800.0),
+            row("rollout correction", "verl", "compute_rollout_correction_weights", "token",
+                "fwd", "rl_triton op", 8.0, 20.0, launches=1.0),
+            row("estimator", "verl", "gae", "", "fwd", "eager", nan, nan, shape="64x32768",
+                note="over --frameworks-max-seconds")]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(dict(env=_token_env(), suite="llm", rows=rows)))
+    cli.main(["--report", str(path), "--out", str(tmp_path / "r")])
+    md = (tmp_path / "r" / "bench.md").read_text()
+    assert ("| estimator | verl | gae |  | fwd | 512x4096 | rl_triton | 10.0 / 30.0 / 15.0 | "
+            "755000.0 | 25166.7x |  |  | 0.0e+00 | >= 100x eager | met (2.52e+04) |  |") in md
+    assert ("| estimator | verl | grpo_vectorized |  | fwd | 512x4096 | rl_triton | "
+            "10.0 / 30.0 / 15.0 | 900.0 | 30.0x (10.0x) |") in md
+    assert "| >= 100x eager | missed (30) |" in md
+    assert ("| 50.0 / 150.0 / 75.0 | 600.0 | 4.0x (8.0x) | 200.0 | 1.3x (1.2x) | "
+            "0.0e+00 (1.0e-07) | >= 3x eager; >= 1x compile | met (4); met (1.33) |  |") in md
+    # no compiled time: the eager target alone, the failure in the note
+    assert "| 2.0x (8.0x) |  |  | 0.0e+00 (1.0e-07) | >= 3x eager | missed (2) " \
+        "| compile failed: X |" in md
+    assert "| rl_triton op | 8.0 / 20.0 / 10.0 | 800.0 | 40.0x (25.0x) |" in md
+    assert "| 1 launch | met (1) |" in md
+    assert "| >= 100x eager | 512x4096 | 1 of 2 | 30 (verl grpo_vectorized) |" in md
+    assert "| >= 3x eager | 512x4096 | 1 of 2 | 2 (verl gspo token-mean) |" in md
+    assert "| >= 1x compile | 512x4096 | 1 of 1 | 1.33 (verl vanilla token-mean) |" in md
+    assert "| 1 launch | 512x4096 | 1 of 1 | 1 (verl compute_rollout_correction_weights token) |" \
+        in md
+    assert "64x32768" not in md.split("The targets:")[1]  # nothing measured there
+    assert (tmp_path / "r" / "llm.png").stat().st_size > 1000
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suite would run")
+def test_llm_suite_cli(tmp_path):
+    """Without a GPU the suite refuses cleanly, after its options: shapes B x T, the frameworks'
+    folder."""
+    _frameworks()
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        cli.main(["--suite", "llm", "--shapes", "9x37", "--out", str(tmp_path)])
+    for bad in (["--shapes", "4096"], ["--shapes", "8x16"], ["--groups", "kl,losses"],
+                ["--frameworks-path", str(tmp_path / "none")]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--suite", "llm", *bad, "--out", str(tmp_path)])
+        assert e.value.code == 2

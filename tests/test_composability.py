@@ -28,14 +28,18 @@ def test_fullgraph_compile_matches_eager(name, device):
 
 
 def test_ops_are_registered():
-    for name in ("gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
-                 "eligibility_traces", "episodic_cumsum", "linear_scan"):
-        assert hasattr(torch.ops.rl_triton, name)
+    """Every op of the registry has its custom op, and its backward where it has gradients."""
+    from rl_triton._core.op import OPS, UNDECLARED, ops
+    assert len(ops()) == len(OPS)
+    assert ops() + list(UNDECLARED) == rl_triton.__all__
+    for name in ops():
+        assert getattr(torch.ops.rl_triton, name) is not None
+        assert hasattr(torch.ops.rl_triton, name + "_backward") == OPS[name].differentiable
 
 
 def test_eager_calls_reuse_the_launch_plan(device):
     """Repeated calls with one signature take the cached plan; new scalars are honoured."""
-    from rl_triton import _plans
+    from rl_triton._core import plans as _plans
     case = make_case("gae", 31, (3,), device=device, seed=8)
     _plans._PLANS.clear()
     a1 = rl_triton.gae(**case.steps, last_value=case.extra["last_value"], gamma=0.9, lam=0.8,
@@ -56,7 +60,7 @@ def test_eager_calls_reuse_the_launch_plan(device):
 def test_compiled_calls_reuse_the_launch_plan(device):
     """Inside a compiled step the custom op looks its plan up like an eager call: one plan (and
     one look-back scratch) for every call with one signature."""
-    from rl_triton import _plans
+    from rl_triton._core import plans as _plans
 
     def step(r, v, term, trunc, lv):
         adv, ret = rl_triton.gae(r, v, term, trunc, last_value=lv, backend="triton")

@@ -161,20 +161,25 @@ def test_verl_group_estimators(name, B, backend, device):
 
 def test_verl_use_rl_triton():
     algos = FW.verl
-    names = list(our_verl._PATCHED)
-    before = {n: getattr(algos, n) for n in names}
+    rows_ = [row for rows in our_verl.TABLES.values() for row in rows]
+    before = {n: getattr(algos, n) for n, _, _ in rows_}
     registry = dict(algos.ADV_ESTIMATOR_REGISTRY)
+    # every estimator of verl's registry has its drop-in
+    assert sorted(registry) == sorted(key for _, key, _ in our_verl.ESTIMATORS)
     our_verl.use_rl_triton(algos)
     our_verl.use_rl_triton(algos)  # idempotent: revert still restores verl's own
     try:
-        for n, (key, fn) in our_verl._PATCHED.items():
-            assert getattr(algos, n) is fn and algos.get_adv_estimator_fn(key) is fn
-        # the registry's other estimators are untouched
-        assert algos.get_adv_estimator_fn("opo") is registry["opo"]
+        for table, rows in our_verl.TABLES.items():
+            for n, key, fn in rows:
+                assert getattr(algos, n) is fn
+                if table is not None:
+                    assert getattr(algos, table)[key] is fn
     finally:
         our_verl.revert_rl_triton(algos)
-    assert {n: getattr(algos, n) for n in names} == before
+    assert {n: getattr(algos, n) for n, _, _ in rows_} == before
     assert dict(algos.ADV_ESTIMATOR_REGISTRY) == registry
+    assert all(algos.POLICY_LOSS_REGISTRY[key] is before[n]
+               for n, key, _ in our_verl.LOSSES)
 
 
 @pytest.mark.parametrize("B,T", SHAPES)
@@ -223,7 +228,7 @@ def _experiences(B, T, device, chunks=2, seed=0, kind="padded"):
 
 
 @pytest.mark.parametrize("estimator", ["gae", "reinforce", "reinforce_baseline", "rloo",
-                                       "group_norm", "dr_grpo"])
+                                       "group_norm", "dr_grpo", "flash_reinforce"])
 def test_openrlhf_pipeline_with_use_rl_triton(estimator, backend, device):
     """OpenRLHF's own `compute_advantages_and_returns` (shaping, KL, whitening) gives the same
     advantages and returns with its methods replaced by ours."""

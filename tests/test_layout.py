@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rl_triton
-from rl_triton import _plans
+from rl_triton._core.op import OPS, ops
 
 ROOT = pathlib.Path(rl_triton.__file__).parent
 
@@ -78,22 +78,18 @@ def test_no_import_circle():
 def test_the_engine_is_below_the_ops_and_the_plan_cache():
     for m, deps in _imports().items():
         if m.startswith("rl_triton.scan"):
-            bad = {d for d in deps if d.startswith(("rl_triton.ops", "rl_triton._plans"))
+            bad = {d for d in deps if d.startswith(("rl_triton.ops", "rl_triton._core"))
                    or d == "rl_triton"}
             assert not bad, f"{m} imports {bad}"
-        if m == "rl_triton._plans":
+        if m.startswith("rl_triton._core"):
             assert not {d for d in deps if d.startswith("rl_triton.ops")}, deps
 
 
-PUBLIC = ["gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
-          "eligibility_traces", "episodic_cumsum", "linear_scan"]
-
-
-@pytest.mark.parametrize("name", PUBLIC)
+@pytest.mark.parametrize("name", ops("scan"))
 def test_one_input_order(name):
     """The public function's tensor arguments, the custom op's first arguments and the op's
     input NamedTuple (whose positions are the kernel's slots) are in one order."""
-    op = _plans.OPS[name]
+    op = OPS[name]
     fields = list(op.inputs._fields)
     params = list(inspect.signature(getattr(rl_triton, name)).parameters)
     assert [p for p in params if p in fields] == fields

@@ -598,6 +598,18 @@ def test_llm_ppo_backends_train_identically(llm, tmp_path, variant):
                               torch.nn.utils.parameters_to_vector(initial.parameters()))
 
 
+@pytest.mark.parametrize("estimator", ["ppo", "grpo"])
+def test_llm_ppo_fused_head_trains_identically(llm, tmp_path, estimator):
+    """--fused-head (rl_triton.linear_policy_loss from the hidden states) and the logits path
+    train the same model over two iterations of updates."""
+    params = {}
+    for fused in (False, True):
+        model, _ = llm.train(tiny_llm_args(llm, tmp_path / str(fused), "auto", estimator=estimator,
+                                           fused_head=fused))
+        params[fused] = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    torch.testing.assert_close(params[True], params[False], rtol=0, atol=1e-5)
+
+
 def test_llm_ppo_kl_penalty(llm, tmp_path):
     _, run_dir = llm.train(tiny_llm_args(llm, tmp_path, "auto", kl_coef=0.1))
     assert "losses/ref_kl" in scalars(run_dir)

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 import rl_triton  # noqa: E402
-from rl_triton import _plans  # noqa: E402
+from rl_triton._core import plans as _plans  # noqa: E402
 from rl_triton.bench import calls, checks, cli, registry, timing  # noqa: E402
 from rl_triton.scan import tiles  # noqa: E402
 

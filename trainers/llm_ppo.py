@@ -73,6 +73,10 @@ class Args:
     backend under torch.compile, the Triton kernels, or rl_triton's choice (Triton on CUDA)"""
     compile_backend: str = "inductor"
     """the torch.compile backend used by `--credit-backend compile`"""
+    fused_head: bool = False
+    """compute the clipped surrogate and the entropy bonus with `rl_triton.linear_policy_loss`
+    from the transformer's last hidden states and the policy head (docs/semantics.md §11): no
+    [tokens, vocabulary] logits in the update"""
     packed: bool = False
     """PPO: hand rl_triton the rows packed with cu_seqlens (padding removed), then scatter back"""
     group_size: int = 8
@@ -155,11 +159,15 @@ class Policy(nn.Module):
         nn.init.normal_(self.policy_head.weight, std=0.01)
         nn.init.zeros_(self.policy_head.bias)
 
-    def forward(self, tokens):
+    def body(self, tokens):
+        """The last hidden states, before the heads."""
         x = self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             x = block(x)
-        x = self.ln_f(x)
+        return self.ln_f(x)
+
+    def forward(self, tokens):
+        x = self.body(tokens)
         return self.policy_head(x), self.value_head(x).squeeze(-1)
 
 
@@ -346,6 +354,24 @@ def train(args: Args):
             for mb in torch.randperm(B, device=device).chunk(args.num_minibatches):
                 mb_mask = mask[mb]
                 n_tokens = mb_mask.sum()
+                if args.fused_head:  # the same loss from the hidden states and the head's weights
+                    x = model.body(tokens[mb])
+                    new_values = model.value_head(x).squeeze(-1)
+                    loss, metrics = rl_triton.linear_policy_loss(
+                        x, model.policy_head.weight, actions[mb], logprobs[mb], advantages[mb],
+                        mb_mask, bias=model.policy_head.bias, entropy_coef=args.ent_coef,
+                        clip_low=args.clip_coef)
+                    pg_loss, entropy_loss = metrics["pg_loss"], metrics["entropy"]
+                    approx_kl = metrics["approx_kl"]
+                    clipfracs += [metrics["clip_fraction"].item()]
+                    if args.estimator == "ppo":
+                        v_loss = 0.5 * torch.where(mb_mask, (new_values - returns[mb]) ** 2, 0.0).sum() / n_tokens
+                        loss = loss + args.vf_coef * v_loss
+                    optimizer.zero_grad()
+                    loss.backward()
+                    nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    continue
                 new_logits, new_values = model(tokens[mb])
                 log_p = torch.log_softmax(new_logits, -1)
                 newlogprob = log_p.gather(-1, actions[mb][..., None]).squeeze(-1)

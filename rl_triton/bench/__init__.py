@@ -31,6 +31,10 @@ plot is `losses.png`.
 calls at four shapes, both layouts, bool and float flags, beside the bound (the same compiled
 kernel launched bare from Python) and rl-triton 0.1.3 (`--anchor-path`), then Retrace, group
 advantages, whitening and the losses against GAE; its plot is `host.png`.
+`--suite llm` times the LLM zoo (`suites.llm`): verl's advantage estimators, KL penalties, rollout
+correction and policy losses and OpenRLHF's token loops, KL and PolicyLoss, rl_triton's drop-ins
+against the frameworks' own functions and `torch.compile` of them (KL, losses), each checked
+against the framework's result first; its plot is `llm.png`.
 
 The package: `cli` (the options), `registry` (what is timed: the estimators from the op
 registry, shapes, inputs, output counts, bytes), `timing`, `checks` (results before timing),

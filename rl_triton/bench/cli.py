@@ -13,11 +13,12 @@ from pathlib import Path
 import torch
 
 import rl_triton.bench
+from rl_triton import testing
 
 from . import anchor, registry, report, timing
 from .registry import (ESTIMATORS, FRAMEWORK_CALLS_TIMED, FRAMEWORKS_MAX_SECONDS, HOST_SHAPES,
                        LAYOUTS, LOOP_MAX_T, LOSS_T, LOSS_TOKENS, SHAPES, TOKEN_SHAPES)
-from .suites import grid, host, losses, tokens
+from .suites import grid, head, host, llm, losses, tokens
 
 TILE_FIELDS = ("block_t", "block_b", "num_warps", "window", "depth", "sub", "max_registers",
                "walk")
@@ -56,7 +57,8 @@ def parser():
                                 description=rl_triton.bench.__doc__ + "\nTiming needs a CUDA GPU "
                                 "(it exits without one); --report alone runs anywhere.\n",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default="default", choices=["default", "tokens", "losses", "host"],
+    p.add_argument("--suite", default="default",
+                   choices=["default", "tokens", "losses", "host", "head", "llm"],
                    help="default: the estimators on RL rollouts (the options below); tokens: "
                         "LLM token rows [B, T] (masks, packing, whitening, group advantages, "
                         "the frameworks' own loops; --shapes, --dtypes, --out, --max-seconds, "
@@ -67,7 +69,14 @@ def parser():
                         "beside the bound (a bare launch of the same kernel) and rl-triton "
                         "0.1.3 (--anchor-path), then the other ops against GAE (--estimators, "
                         "--shapes, --layouts, --dtypes, --flags, --out, --max-seconds, --tiles, "
-                        "--rule apply), see `suites.host`")
+                        "--rule apply), see `suites.host`; head: the fused loss head (semantics §11) at "
+                        "H x V = 4096 x 151936, bf16, forward plus backward against eager, "
+                        "torch.compile and Liger-Kernel, time and peak memory (--shapes: token "
+                        "counts; --out, --max-seconds apply), see `suites.head`; llm: the LLM "
+                        "zoo (semantics §10) against verl's and OpenRLHF's own functions and "
+                        "torch.compile of them (--shapes: B responses x T tokens, default %s; "
+                        "--groups, --out, --max-seconds, --frameworks-max-seconds, "
+                        "--frameworks-path apply), see `suites.llm`" % ",".join(llm.LLM_SHAPES))
     p.add_argument("--estimators", default=None,
                    help="comma list of the estimators to time (default: all %d of the op "
                         "registry: %s; with --suite host, those rl-triton 0.1.3 has)"
@@ -108,10 +117,19 @@ def parser():
     p.add_argument("--max-seconds", type=float, default=None,
                    help="stop starting new configurations after this long; the reports cover "
                         "what was measured")
-    p.add_argument("--frameworks-max-seconds", type=float, default=FRAMEWORKS_MAX_SECONDS,
-                   help="--suite tokens: seconds the frameworks' token loops may take in all "
-                        "(one warm-up and up to %d calls a cell); a cell that would overrun it "
-                        "is not timed (default %%(default)s)" % FRAMEWORK_CALLS_TIMED)
+    p.add_argument("--frameworks-max-seconds", type=float, default=None,
+                   help="--suite tokens and llm: seconds the frameworks' token loops may take "
+                        "in all (one warm-up and up to %d calls a cell); a cell that would "
+                        "overrun it is not timed (default %g, with --suite llm %g)"
+                        % (FRAMEWORK_CALLS_TIMED, FRAMEWORKS_MAX_SECONDS,
+                           llm.LLM_FRAMEWORKS_MAX_SECONDS))
+    p.add_argument("--frameworks-path", default=None,
+                   help="--suite llm: the folder holding verl and OpenRLHF at their pinned "
+                        "versions (`rl_triton.testing.import_frameworks`; default "
+                        "$RL_TRITON_FRAMEWORKS, else .ci/frameworks)")
+    p.add_argument("--groups", default=",".join(llm.GROUPS),
+                   help="--suite llm: comma list of the zoo's groups to time (default: all, "
+                        "%(default)s)")
     p.add_argument("--report", default=None,
                    help="only write bench.md and bench.png (tokens.png for a --suite tokens "
                         "result, losses.png for a --suite losses one, host.png for a --suite "
@@ -145,12 +163,29 @@ def main(argv=None):
         report.write_reports(json.loads(Path(args.report).read_text()), out)
         return
     default_shapes = {"tokens": TOKEN_SHAPES, "losses": list(map(str, LOSS_TOKENS)),
-                      "host": HOST_SHAPES}.get(args.suite, SHAPES)
+                      "host": HOST_SHAPES, "head": list(map(str, head.HEAD_TOKENS)),
+                      "llm": llm.LLM_SHAPES}.get(
+        args.suite, SHAPES)
     shapes = (args.shapes or ",".join(default_shapes)).split(",")
     if args.suite == "losses":
         for s in shapes:
             if not (s.isdigit() and int(s) > 0 and int(s) % LOSS_T == 0):
                 p.error(f"--shapes: {s!r} is not a token count, a positive multiple of {LOSS_T}")
+    if args.suite == "head":
+        for s in shapes:
+            if not (s.isdigit() and int(s) > 0 and int(s) % head.HEAD_ROW == 0):
+                p.error(f"--shapes: {s!r} is not a token count, a positive multiple of "
+                        f"{head.HEAD_ROW}")
+    if args.suite == "llm":
+        for s in shapes:
+            B, _, T = s.partition("x")
+            if not (B.isdigit() and T.isdigit() and int(B) > 0 and int(T) >= 24):
+                p.error(f"--shapes: {s!r} is not B x T, B responses of T >= 24 tokens")
+        groups = _listed(p, "--groups", args.groups, list(llm.GROUPS))
+        try:  # before anything is timed
+            testing.import_frameworks(args.frameworks_path)
+        except ImportError as e:
+            p.error(f"--frameworks-path: {e}")
     if args.suite == "host":
         estimators = (args.estimators.split(",") if args.estimators else
                       [e for e in ESTIMATORS if e in anchor.CALLS])
@@ -197,10 +232,16 @@ def main(argv=None):
     with tile_rule:
         if args.suite == "tokens":
             tokens.run_tokens(shapes, dtypes, env, device, out, args.max_seconds,
-                              args.frameworks_max_seconds)
+                              _or(args.frameworks_max_seconds, FRAMEWORKS_MAX_SECONDS))
+        elif args.suite == "llm":
+            llm.run_llm(shapes, env, device, out, args.max_seconds,
+                        _or(args.frameworks_max_seconds, llm.LLM_FRAMEWORKS_MAX_SECONDS),
+                        args.frameworks_path, groups)
         elif args.suite == "losses":
             losses.run_losses([int(s) for s in shapes], dtypes, env, device, out,
                               args.max_seconds)
+        elif args.suite == "head":
+            head.run_head([int(s) for s in shapes], env, device, out, args.max_seconds)
         elif args.suite == "host":
             if paper is not None:
                 env.update(anchor=dict(path=args.anchor_path, version=paper.__version__))
@@ -209,6 +250,10 @@ def main(argv=None):
         else:
             grid.run_grid(estimators, shapes, layouts, dtypes, truncs, baselines, modes, env, bw,
                           device, out, args.max_seconds)
+
+
+def _or(value, default):
+    return default if value is None else value
 
 
 def _driver_version():

@@ -2,7 +2,8 @@
 functions' defaults, their output counts and minimal bytes, and the calls of the other suites
 (token rows, the frameworks' loops, the losses, the host path).
 
-The op registry (`rl_triton._plans.OPS`) gives the estimators, their outputs and their scalars;
+The op registry (`rl_triton._core.op.OPS`, `ops("scan")`) gives the estimators, their outputs
+and their scalars;
 the public functions' signatures give the defaults; `rl_triton.testing` gives the inputs. What
 none of them says is kept here, each with why.
 """
@@ -14,7 +15,8 @@ import inspect
 import torch
 
 import rl_triton
-from rl_triton import _plans, testing
+from rl_triton import testing
+from rl_triton._core.op import OPS, ops
 
 
 def _has_rollout_inputs(name: str) -> bool:
@@ -27,8 +29,8 @@ def _has_rollout_inputs(name: str) -> bool:
 
 # the registry's public ops that take a rollout (`testing.make_inputs` makes their [T, N] steps),
 # in the API's order; linear_scan takes the recurrence's coefficients, not a rollout
-ESTIMATORS = [name for name in rl_triton.__all__ if name in _plans.OPS
-              and name != "linear_scan" and _has_rollout_inputs(name)]
+ESTIMATORS = [name for name in ops("scan")
+              if name != "linear_scan" and _has_rollout_inputs(name)]
 SHAPES = ["16384x16", "4096x128", "16384x1024", "128x128", "1024x1024", "512x4096",
           "64x32768", "16x131072", "4x1048576"]
 LAYOUTS = ["time-major", "batch-major"]
@@ -49,7 +51,7 @@ def public_defaults(name: str) -> dict:
     """The defaults of `rl_triton.<name>`'s scalars and options (the op's `scalars` and
     `extras`): the benchmark times the calls users make. A scalar the function leaves to the
     caller (eligibility traces' gamma and lam) takes GAE's default."""
-    op = _plans.OPS[name]
+    op = OPS[name]
     params = inspect.signature(getattr(rl_triton, name)).parameters
     out = {}
     for field in op.scalars._fields + (op.extras._fields if op.extras is not None else ()):
@@ -64,7 +66,7 @@ def make_inputs(name, N, T, layout, dtype, truncation, device, seed=0, flag_dtyp
     inputs: flags of `flag_dtype` set at 1% of steps, 18 actions, the functions' default
     scalars and options), and the minimal bytes."""
     defaults = public_defaults(name)
-    op = _plans.OPS[name]
+    op = OPS[name]
     steps, extra = testing.make_inputs(name, T, (N,), dtype=dtype, flag_dtype=flag_dtype,
                                        trunc=truncation, device=device, seed=seed,
                                        n_act=N_ACTIONS, p_term=0.01, p_trunc=0.01,
@@ -82,7 +84,7 @@ def make_inputs(name, N, T, layout, dtype, truncation, device, seed=0, flag_dtyp
 def n_out(name: str, kw: dict) -> int:
     """The outputs of the call `rl_triton.<name>(**kw)` (the registry's `Op.n_out` of its
     options)."""
-    op = _plans.OPS[name]
+    op = OPS[name]
     if op.extras is None:
         return op.outputs
     defaults = public_defaults(name)
@@ -90,8 +92,8 @@ def n_out(name: str, kw: dict) -> int:
 
 
 def is_bootstrap(name: str) -> bool:
-    """Whether an input has no time axis (`last_*`, `initial`), as `rl_triton._plans.Op` reads
-    the fields of an op's inputs."""
+    """Whether an input has no time axis (`last_*`, `initial`), as `rl_triton._core.scan.ScanOp`
+    reads the fields of an op's inputs."""
     return name.startswith(("last_", "initial"))
 
 

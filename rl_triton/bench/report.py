@@ -102,17 +102,23 @@ def write_saved_reports(out: Path):
     write_reports(json.loads((Path(out) / "bench.json").read_text()), out)
 
 
+# suite -> (render, draw or None, plot file) of the suites whose reports live in their own
+# module (they register here when imported: this module imports no suite)
+RENDERERS: dict = {}
+
+
 def write_reports(result, out: Path):
     """bench.md and the suite's plot (bench.png; the token suite tokens.png, the losses
-    losses.png, the host path host.png) from a bench.json result (also: `--report
-    bench.json`)."""
+    losses.png, the host path host.png, a registered suite its own: `RENDERERS`) from a
+    bench.json result (also: `--report bench.json`)."""
     render, draw, png = {"tokens": (token_markdown, token_plot, "tokens.png"),
                          "losses": (loss_markdown, loss_plot, "losses.png"),
-                         "host": (host_markdown, host_plot, "host.png")}.get(
-        result.get("suite"), (markdown, plot, "bench.png"))
+                         "host": (host_markdown, host_plot, "host.png"),
+                         **RENDERERS}.get(result.get("suite"), (markdown, plot, "bench.png"))
     md = render(result)
     (Path(out) / "bench.md").write_text(md)
-    draw(result, Path(out) / png)
+    if draw is not None:
+        draw(result, Path(out) / png)
     print(md)
 
 

@@ -1,3 +1,3 @@
-"""One file per op: its input order, kernel coefficient builders, torch implementation,
-custom op and public function (see `rl_triton._plans.Op`); the losses' kernels, autograd and
-custom ops beside theirs (see `rl_triton.ops._losses`)."""
+"""One file per op: its input order, kernels, implementations, declaration (an `_core.op.Op`,
+registered in `_core.op.OPS`; scans a `_core.scan.ScanOp`) and public function; what the losses
+share in `_losses`, what the scans share in `_common` (docs/dev/op-framework.md)."""

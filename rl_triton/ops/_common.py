@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from .._args import FLAG, VALUE, Call, require_bootstrap
-from .._plans import cached_plan
+from .._core.plans import cached_plan
 from ..scan.launch import Kernel, Launch, over_time, tm
 
 Tensor = torch.Tensor

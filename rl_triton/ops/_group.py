@@ -52,8 +52,9 @@ def usable(s: Tensor, group_size: int) -> bool:
 
 
 def group_advantages(s: Tensor, group_size: int, *, baseline: str, scale: str, eps: float,
-                     std_correction: int) -> Tensor:
-    """float32 advantages of scores `s` [B] in consecutive groups of `group_size`."""
+                     std_correction: int, memo=None) -> Tensor:
+    """float32 advantages of scores `s` [B] in consecutive groups of `group_size` (`memo`: the
+    plan's, `scan.launch.launch`)."""
     B = s.shape[0]
     out = torch.empty(B, dtype=torch.float32, device=s.device)
     if B == 0:
@@ -66,6 +67,6 @@ def group_advantages(s: Tensor, group_size: int, *, baseline: str, scale: str, e
     block_g = max(1, TILE // block_n)
     launch(_group_kernel, cdiv(G, block_g),
            (s, s.stride(0), denom, out, G, group_size, float(eps), float(std_correction)),
-           s.device, LOO=baseline == "leave_one_out", SCALE=SCALES[scale], BLOCK_G=block_g,
+           s.device, memo, LOO=baseline == "leave_one_out", SCALE=SCALES[scale], BLOCK_G=block_g,
            BLOCK_N=block_n, num_warps=WARPS)
     return out

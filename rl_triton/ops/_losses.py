@@ -25,22 +25,21 @@ Reductions. Each program of a forward kernel writes its partial sums into one ro
 are deterministic bit for bit (no atomics), and nothing is read back to the host, so a call
 captures in a CUDA graph. The scalars the backward needs (1 / count) stay on the device.
 
-Autograd. An eager call that needs gradients runs through `_Function` (its backward calls the
-op's backward kernel directly); inside `torch.compile` the same forward and backward are the
-custom ops `torch.ops.rl_triton.<name>` and `<name>_backward`, with the backward registered on
-the first: no graph break.
+Declaration. Each loss is an `_core.op.Op` of kind "loss" (docs/dev/op-framework.md): its
+autograd (`Eager`, `FirstOrder`), custom ops (`torch.ops.rl_triton.<name>` and `<name>_backward`)
+and hot path (`Op.__call__`: the checked options and the forward's layout cached under the
+call's signature, `plan`) are the framework's; `runtime_check` the offsets' values.
 """
 from __future__ import annotations
 
-import inspect
-import typing
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from .. import reference
 from .._args import FLAG, check_choice, check_offsets
-from .._plans import SECOND_ORDER, _FirstOrder, backend_for, unreadable
+from .._core.op import Plan
+from .._core.plans import backend_for, unreadable
 from ..scan.jit import next_power_of_2, tl, triton
 from ..scan.launch import launch as compiled_launch
 
@@ -158,9 +157,17 @@ class Layout(NamedTuple):
     INT64: bool
 
 
-def layout(shape: tuple, *xs: Optional[Tensor]) -> Layout:
+def layout(shape: tuple, *xs: Optional[Tensor], plan: Optional[Plan] = None) -> Layout:
     """Where the per-position tensors `xs` (all of `shape`; None: unused, given `xs[0]`'s
-    place) are read."""
+    place) are read. With `plan` (a forward's: its signature fixes every stride) the strides
+    and flags are computed once and the tensors passed as they are (a kernel reads only their
+    address) or, where no two strides describe them, copied."""
+    memo = None if plan is None else plan.memo.get("layout")
+    if memo is not None:
+        strides, C, flat, int64, copied = memo
+        first = next(x for x in xs if x is not None)
+        return Layout([first if x is None else x.contiguous() if c else x
+                       for x, c in zip(xs, copied)], strides, C, flat, int64)
     N = 1
     for n in shape:
         N *= n
@@ -168,7 +175,11 @@ def layout(shape: tuple, *xs: Optional[Tensor]) -> Layout:
     if N == 0:  # nothing to launch
         first = next(x for x in xs if x is not None)
         return Layout([first] * len(xs), [0, 0] * len(xs), 1, True, False)
-    views = [None if x is None else rows_view(x) for x in xs]
+    views, copied = [], []
+    for x in xs:
+        v = None if x is None else rows_view(x)
+        views.append(v)
+        copied.append(v is not None and v.data_ptr() != x.data_ptr())  # (a copy: new memory)
     flat = all(x is None or x.is_contiguous() for x in xs)
     strides, largest = [], N
     for v in views:
@@ -178,20 +189,50 @@ def layout(shape: tuple, *xs: Optional[Tensor]) -> Layout:
             largest = max(largest, (v.shape[0] - 1) * abs(s[0]) + (C - 1) * abs(s[1]) + 1)
     first = next(v for v in views if v is not None)
     tensors = [first if v is None else v for v in views]
+    if plan is not None:
+        plan.memo["layout"] = (strides, C, flat, largest > INT32_MAX, copied)
     return Layout(tensors, strides, C, flat, largest > INT32_MAX)
+
+
+def fixed(plan: Optional[Plan], build, *args):
+    """`build(*args)`: what a forward derives from its call's signature (sizes, grid,
+    constexprs), kept in the plan's memo where there is a plan (the custom op has none)."""
+    if plan is None:
+        return build(*args)
+    f = plan.memo.get(build)
+    if f is None:
+        f = plan.memo[build] = build(*args)
+    return f
+
+
+SMALL = 256  # elements of the largest template a plan keeps
+
+
+def new(plan: Optional[Plan], shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A new tensor: `empty_like` of a template the plan keeps, where it is small (the scalar
+    results, few partial sums: no shape, dtype or device to parse), else `torch.empty`."""
+    if plan is not None:
+        like = plan.memo.get((shape, dtype))
+        if like is not None:
+            return torch.empty_like(like)
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if plan is not None and out.numel() <= SMALL:
+        plan.memo[(shape, dtype)] = torch.empty_like(out)
+    return out
 
 
 def block(n: int) -> int:
     return max(16, min(MAX_BLOCK, next_power_of_2(max(n, 1))))
 
 
-def launch(kernel, programs: int, *args, **meta) -> None:
+def launch(kernel, programs: int, *args, plan: Optional[Plan] = None, **meta) -> None:
     """`kernel` on `programs` programs, on the device of the tensors (`meta`: constexprs), by
-    `scan.launch.launch` (the compiled kernel after the first call)."""
+    `scan.launch.launch` (the compiled kernel after the first call); `plan`: a forward's, whose
+    signature fixes the launch's specialization (the compiled kernel kept in its memo)."""
     if programs == 0:
         return
     device = next(a.device for a in args if isinstance(a, Tensor))
-    compiled_launch(kernel, programs, args, device, **meta)
+    compiled_launch(kernel, programs, args, device, None if plan is None else plan.memo, **meta)
 
 
 # ---- the kernels' shared pieces ------------------------------------------------------------------
@@ -294,163 +335,26 @@ def finish_kernel(parts, n, loss, inv, metric_a, metric_b, K: tl.constexpr,
 
 
 def finish(parts: Tensor, loss: Tensor, inv: Tensor, metrics: tuple = (), *,
-           mean: bool, write_loss: bool = True) -> None:
+           mean: bool, write_loss: bool = True, plan: Optional[Plan] = None) -> None:
     """`finish_kernel` over the partial sums of a forward kernel (metrics: none or two)."""
     a, b = metrics or (inv, inv)
     # 1024 partial sums a pass: 8 passes at 2^24 positions, 1 at 2^21
     launch(finish_kernel, 1, parts, parts.shape[0], loss, inv, a, b, K=parts.shape[1],
-           MEAN=mean, WRITE_LOSS=write_loss, BLOCK=1024, num_warps=8)
+           MEAN=mean, WRITE_LOSS=write_loss, BLOCK=1024, num_warps=8, plan=plan)
 
 
-# ---- backends and autograd -----------------------------------------------------------------------
+# ---- the op's plan and value checks -------------------------------------------------------------
 
-class Fused:
-    """A loss op's Triton path, with its gradients (module docstring).
-
-    forward(x, o) -> (outputs, saved): `outputs` new tensors, `saved` the tensors the backward
-        needs besides the inputs (`n_saved` of them, empty ones where unused);
-    backward(x, o, saved, grads, needs) -> one gradient per input (None where `needs` says no),
-        from the outputs' gradients (None: zero);
-    fake(x, o) -> (outputs, saved): empty tensors of their shapes, for torch.compile;
-    `inputs` and `options` are NamedTuples with type hints (the custom op's schema); outputs at
-    `nondiff` carry no gradient (a count). An input `cu_seqlens` has its values checked by the
-    custom op, at run time (tracing cannot read them).
-    """
-
-    def __init__(self, name: str, inputs: type, options: type, *, forward: Callable,
-                 fake: Callable, n_out: int, n_saved: int, backward: Optional[Callable] = None,
-                 nondiff: tuple = ()):
-        self.name, self.inputs, self.options = name, inputs, options
-        self.forward, self.backward, self.fake = forward, backward, fake
-        self.n_out, self.n_saved, self.nondiff = n_out, n_saved, nondiff
-        self.custom = self._register()
-        self.grad_op = self._register_backward() if backward is not None else None
-
-    def __call__(self, x: tuple, o: tuple, needs_grad: bool) -> list:
-        if torch.compiler.is_compiling():
-            return list(self.custom(*x, *o)[:self.n_out])
-        if needs_grad and self.backward is not None:
-            return list(_Function.apply(self, o, *x))
-        return self.forward(x, o)[0]
-
-    def _schema(self, *groups: dict, returns) -> inspect.Signature:
-        params = [inspect.Parameter(k, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=v)
-                  for group in groups for k, v in group.items()]
-        return inspect.Signature(params, return_annotation=returns)
-
-    def _register(self):
-        n_in = len(self.inputs._fields)
-        returns = tuple[(Tensor,) * (self.n_out + self.n_saved)]
-
-        def impl(*args):
-            x, o = self.inputs(*args[:n_in]), self.options(*args[n_in:])
-            cu = getattr(x, "cu_seqlens", None)
-            if cu is not None:  # (check_offsets=False: no read, no sync)
-                check_offsets(cu, x[0].shape[0], cu.device,
-                              data=getattr(o, "check_offsets", True) and not unreadable())
-            outs, saved = self.forward(x, o)
-            return tuple(outs) + tuple(saved)
-
-        def fake(*args):
-            outs, saved = self.fake(self.inputs(*args[:n_in]), self.options(*args[n_in:]))
-            return tuple(outs) + tuple(saved)
-
-        impl.__signature__ = self._schema(typing.get_type_hints(self.inputs),
-                                          typing.get_type_hints(self.options), returns=returns)
-        impl.__name__ = self.name
-        custom = torch.library.custom_op(f"rl_triton::{self.name}", impl, mutates_args=())
-        custom.register_fake(fake)
-        if self.backward is not None:
-            custom.register_autograd(self._custom_backward, setup_context=self._setup)
-        return custom
-
-    def _setup(self, ctx, inputs, output):
-        n_in = len(self.inputs._fields)
-        ctx.save_for_backward(*inputs[:n_in], *output[self.n_out:])
-        ctx.o = inputs[n_in:]
-
-    def _custom_backward(self, ctx, *grads):
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            raise RuntimeError(SECOND_ORDER)
-        n_in = len(self.inputs._fields)
-        needs = list(ctx.needs_input_grad[:n_in])
-        res = self.grad_op(*ctx.saved_tensors, *grads[:self.n_out], *ctx.o, needs)
-        return (*[r if need else None for r, need in zip(res, needs)], *(None,) * len(ctx.o))
-
-    def _register_backward(self):
-        n_in, n_s, n_out = len(self.inputs._fields), self.n_saved, self.n_out
-        saved = {f"saved{i}": Tensor for i in range(n_s)}
-        grads = {f"grad{i}": Optional[Tensor] for i in range(n_out)}
-
-        def unpack(args):
-            k = n_in + n_s + n_out
-            return (self.inputs(*args[:n_in]), args[n_in:n_in + n_s], args[n_in + n_s:k],
-                    self.options(*args[k:-1]), args[-1])
-
-        def impl(*args):
-            x, s, g, o, needs = unpack(args)
-            res = self.backward(x, o, s, g, list(needs))
-            return [x[0].new_empty(0) if r is None else r for r in res]
-
-        def fake(*args):
-            x, s, g, o, needs = unpack(args)
-            return [t.new_empty(t.shape) if need else x[0].new_empty(0)
-                    for t, need in zip(x, needs)]
-
-        def refuse(ctx, *grads):
-            raise RuntimeError(SECOND_ORDER)
-
-        impl.__signature__ = self._schema(
-            typing.get_type_hints(self.inputs), saved, grads, typing.get_type_hints(self.options),
-            {"needs": list[bool]}, returns=list[Tensor])
-        impl.__name__ = self.name + "_backward"
-        custom = torch.library.custom_op(f"rl_triton::{self.name}_backward", impl,
-                                         mutates_args=())
-        custom.register_fake(fake)
-        custom.register_autograd(refuse, setup_context=lambda ctx, inputs, output: None)
-        return custom
+def plan(call, backend: str, o: tuple) -> Plan:
+    """The plan of a checked call (`_core.op.Plan`): its options, backend, gradients and the
+    torch and loop backends' dtype (float64 where an input is, else float32)."""
+    return Plan(o, backend_for(backend, call.device), call.needs_grad,
+                torch.float64 if call.float64 else torch.float32)
 
 
-class _Function(torch.autograd.Function):
-    """An eager Triton call that records its backward (`Fused.backward`, directly)."""
-
-    @staticmethod
-    def forward(ctx, op, o, *x):
-        outs, saved = op.forward(op.inputs(*x), o)
-        ctx.save_for_backward(*x, *saved)
-        ctx.op, ctx.o = op, o
-        ctx.mark_non_differentiable(*[outs[i] for i in op.nondiff])
-        ctx.set_materialize_grads(False)  # an output without gradient is not read
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        if torch.is_grad_enabled():
-            raise RuntimeError(SECOND_ORDER)
-        op = ctx.op
-        n = len(op.inputs._fields)
-        saved = ctx.saved_tensors
-        res = op.backward(op.inputs(*saved[:n]), ctx.o, saved[n:], grads,
-                          list(ctx.needs_input_grad[2:]))
-        return (None, None, *res)
-
-
-def run(op: Fused, x: tuple, o: tuple, call, backend: str, torch_impl: Callable,
-        loop_impl: Callable, out_dtype: torch.dtype):
-    """The call on its backend: the kernels (`op`), or the torch or loop implementation
-    `impl(x, o, dtype)` (float64 where an input is, else float32), differentiated by autograd
-    and refusing second-order gradients as the kernels' backward does. Returns the outputs
-    (one tensor, or a tuple), every one of `out_dtype`."""
-    backend = backend_for(backend, call.device)
-    if backend == "triton":
-        outs = op(x, o, call.needs_grad)
-    else:
-        dtype = torch.float64 if call.float64 else torch.float32
-        impl = torch_impl if backend == "torch" else loop_impl
-        outs = [t.to(out_dtype) for t in impl(x, o, dtype)]
-        if call.needs_grad:
-            grads = [i for i in range(len(outs)) if i not in op.nondiff]
-            wrapped = _FirstOrder.apply(*[outs[i] for i in grads])
-            for i, t in zip(grads, wrapped):
-                outs[i] = t
-    return outs[0] if len(outs) == 1 else tuple(outs)
+def runtime_check(x: tuple, o: tuple) -> None:
+    """The offsets' values (semantics §9, `cu_seqlens`), on every call unless `check_offsets`
+    is False or the host cannot read them now (no read, no sync)."""
+    cu = getattr(x, "cu_seqlens", None)
+    if cu is not None and o.check_offsets and not unreadable():
+        check_offsets(cu, x[0].shape[0], cu.device)

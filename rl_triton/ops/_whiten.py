@@ -1,4 +1,5 @@
-"""`masked_whiten`'s Triton path (semantics §8), forward and backward, three launches each.
+"""`masked_whiten`'s Triton path (semantics §8), forward and backward, three launches each: the
+kernels of the op `outcome.WHITEN` (its autograd and custom op are the framework's, `_core.op`).
 
 Forward: a reduction pass (each program its block's count, mean and centered sum of squares),
 one program combining the blocks in float64 (Chan's parallel formula), the all-reduce over a
@@ -22,7 +23,6 @@ import contextlib
 
 import torch
 
-from .._plans import SECOND_ORDER
 from ..scan.jit import cdiv, tl, triton
 from ..scan.launch import _current_device, launch
 
@@ -309,10 +309,17 @@ def _operands(x: Tensor, mask, *others) -> tuple:
     return order, flat, meta
 
 
-def _forward(x: Tensor, mask, opts) -> tuple:
-    """(y, stats): the whitened x and the float64 statistics its backward reads."""
+def _forward(x: Tensor, mask, opts, plain: bool = False, memo=None) -> tuple:
+    """(y, stats): the whitened x and the float64 statistics its backward reads; `plain`: x
+    and the mask are contiguous and not negated (the plan's signature says so), read as they
+    are (a kernel reads only their address); `memo`: the plan's (`scan.launch.launch`)."""
     shift_mean, eps, correction, group, out_dtype = opts
-    order, (xf, mf), meta = _operands(x, mask)
+    if plain:
+        xf, mf, order = x, x if mask is None else mask, None
+        meta = dict(HAS_MASK=mask is not None, F64=x.dtype is torch.float64,
+                    VEC=16 // x.element_size())
+    else:
+        order, (xf, mf), meta = _operands(x, mask)
     N = xf.numel()
     P = cdiv(N, BLOCK)
     # one partial at least: the combining program takes its pointer even when P is 0
@@ -320,18 +327,18 @@ def _forward(x: Tensor, mask, opts) -> tuple:
                        device=x.device)
     stats = torch.empty(3, dtype=torch.float64, device=x.device)
     if N:
-        launch(_stats_kernel, P, (xf, mf, part, N, P), x.device, **meta, BLOCK=BLOCK,
+        launch(_stats_kernel, P, (xf, mf, part, N, P), x.device, memo, **meta, BLOCK=BLOCK,
                num_warps=WARPS)
-    launch(_combine_kernel, 1, (part, stats, P), x.device, SUMS=group is not None,
+    launch(_combine_kernel, 1, (part, stats, P), x.device, memo, SUMS=group is not None,
            BLOCK=COMBINE_BLOCK, num_warps=WARPS)
     _all_reduce(stats, group)  # on every rank, even one without data
-    y = torch.empty(N, dtype=out_dtype, device=x.device)
+    y = torch.empty(x.shape if plain else N, dtype=out_dtype, device=x.device)
     if N:
         launch(_apply_kernel, cdiv(N, APPLY_BLOCK),
-               (xf, mf, stats, y, N, float(correction), float(eps)), x.device, **meta,
+               (xf, mf, stats, y, N, float(correction), float(eps)), x.device, memo, **meta,
                SUMS=group is not None, SHIFT=shift_mean, BLOCK=APPLY_BLOCK,
                num_warps=APPLY_WARPS)
-    return _unflat(y, x, order), stats
+    return (y if plain else _unflat(y, x, order)), stats
 
 
 def _backward(x: Tensor, mask, stats: Tensor, g: Tensor, opts) -> Tensor:
@@ -354,31 +361,3 @@ def _backward(x: Tensor, mask, stats: Tensor, g: Tensor, opts) -> Tensor:
                **meta, SUMS=group is not None, SHIFT=shift_mean, BLOCK=APPLY_BLOCK,
                num_warps=APPLY_WARPS)
     return _unflat(dx, x, order)
-
-
-class _Whiten(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mask, opts):
-        y, stats = _forward(x, mask, opts)
-        ctx.save_for_backward(x, mask, stats)
-        ctx.opts = opts
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        if torch.is_grad_enabled():
-            raise RuntimeError(SECOND_ORDER)
-        x, mask, stats = ctx.saved_tensors
-        with _on(x.device):
-            return _backward(x, mask, stats, g, ctx.opts), None, None
-
-
-def masked_whiten(x: Tensor, mask, shift_mean: bool, eps: float, correction: int, group,
-                  out_dtype: torch.dtype) -> Tensor:
-    """The Triton path of `rl_triton.masked_whiten` on checked arguments (mask: None or the
-    caller's, set where nonzero); differentiable in x."""
-    opts = (shift_mean, eps, correction, group, out_dtype)
-    with _on(x.device):
-        if x.requires_grad and torch.is_grad_enabled():
-            return _Whiten.apply(x, mask, opts)
-        return _forward(x, mask, opts)[0]

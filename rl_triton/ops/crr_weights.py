@@ -9,6 +9,7 @@ import torch
 from .. import reference
 from .._args import Call, check_backend, check_choice, check_out_dtype, check_scalar
 from ..scan.jit import cdiv, next_power_of_2, tl, triton
+from .._core.op import Op
 from . import _losses as L
 
 Tensor = torch.Tensor
@@ -56,7 +57,7 @@ def forward_kernel(q, sampled, out, N, J, q_n, s_n, s_j, beta, max_weight,
     tl.store(out + n, w.to(out.dtype.element_ty), mask=inb)
 
 
-def forward(x: Inputs, o: Options):
+def forward(x: Inputs, o: Options, plan=None):
     q, sampled = x
     N, J = q.numel(), sampled.shape[-1]
     out = torch.empty(q.shape, dtype=o.out_dtype, device=q.device)
@@ -71,7 +72,7 @@ def forward(x: Inputs, o: Options):
     L.launch(forward_kernel, cdiv(N, block_n), qv, sv, out, N, J, qv.stride(0),
              *sv.stride(), o.beta, o.max_weight, EXP=o.kind == "exp", MEAN=o.baseline == "mean",
              INT64=max(extent, N * J) > L.INT32_MAX, BLOCK_N=block_n, BLOCK_J=block_j,
-             num_warps=4)
+             num_warps=4, plan=plan)
     return [out], []
 
 
@@ -80,7 +81,7 @@ def fake(x: Inputs, o: Options):
 
 
 def torch_impl(x: Inputs, o: Options, dtype):
-    q, sampled = (t.to(dtype) for t in x)
+    q, sampled = (t.detach().to(dtype) for t in x)  # weights carry no gradient
     base = sampled.mean(-1) if o.baseline == "mean" else sampled.amax(-1)
     adv = q - base
     if o.kind == "exp":
@@ -89,12 +90,37 @@ def torch_impl(x: Inputs, o: Options, dtype):
 
 
 def loop_impl(x: Inputs, o: Options, dtype):
-    return (reference.crr_weights(*x, beta=o.beta, kind=o.kind, max_weight=o.max_weight,
+    return (reference.crr_weights(*(t.detach() for t in x), beta=o.beta, kind=o.kind,
+                                  max_weight=o.max_weight,
                                   baseline=o.baseline, dtype=dtype),)
 
 
-OP = L.Fused("crr_weights", Inputs, Options, forward=forward, fake=fake, n_out=1, n_saved=0,
-             nondiff=(0,))
+
+
+def _check(t: tuple, a: tuple):
+    """The public call's arguments checked (`crr_weights`'s order): (inputs, plan)."""
+    q_values, sampled_q_values = t
+    beta, kind, max_weight, baseline, backend, out_dtype = a
+    backend = check_backend(backend)
+    out_dtype = check_out_dtype(out_dtype)
+    call = Call("q_values", q_values, None)
+    q = call.step("q_values", q_values)
+    sampled = call.step("sampled_q_values", sampled_q_values, trailing=1)
+    if sampled.shape[-1] == 0:
+        raise ValueError(f"sampled_q_values has shape {tuple(sampled.shape)}: no sampled "
+                         "action (its last axis holds them)")
+    o = Options(check_scalar("beta", beta, high=None, low_open=True),
+                check_choice("kind", kind, KINDS),
+                check_scalar("max_weight", max_weight, high=None, low_open=True),
+                check_choice("baseline", baseline, BASELINES), out_dtype)
+    call.needs_grad = False
+    if torch.compiler.is_compiling():  # (the custom op has no autograd)
+        q, sampled = q.detach(), sampled.detach()
+    return Inputs(q, sampled), L.plan(call, backend, o)
+
+
+OP = Op("crr_weights", "loss", Inputs, Options, outputs=1, nondiff=(0,), forward=forward,
+        fake=fake, check=_check, torch=torch_impl, loop=loop_impl)
 
 
 def crr_weights(q_values, sampled_q_values, *, beta=1.0, kind="exp", max_weight=20.0,
@@ -116,18 +142,5 @@ def crr_weights(q_values, sampled_q_values, *, beta=1.0, kind="exp", max_weight=
         >>> w = rl_triton.crr_weights(q_data, q_sampled, beta=1.0)
         >>> actor_loss = -(w * policy.log_prob(actions)).mean()
     """
-    backend = check_backend(backend)
-    out_dtype = check_out_dtype(out_dtype)
-    call = Call("q_values", q_values, None)
-    q = call.step("q_values", q_values)
-    sampled = call.step("sampled_q_values", sampled_q_values, trailing=1)
-    if sampled.shape[-1] == 0:
-        raise ValueError(f"sampled_q_values has shape {tuple(sampled.shape)}: no sampled "
-                         "action (its last axis holds them)")
-    o = Options(check_scalar("beta", beta, high=None, low_open=True),
-                check_choice("kind", kind, KINDS),
-                check_scalar("max_weight", max_weight, high=None, low_open=True),
-                check_choice("baseline", baseline, BASELINES), out_dtype)
-    call.needs_grad = False
-    return L.run(OP, Inputs(q.detach(), sampled.detach()), o, call, backend, torch_impl,
-                 loop_impl, out_dtype)
+    return OP((q_values, sampled_q_values),
+              (beta, kind, max_weight, baseline, backend, out_dtype))

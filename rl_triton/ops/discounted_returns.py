@@ -7,12 +7,12 @@ import torch
 
 from .. import reference
 from .._args import check_discount
-from .._plans import Op
+from .._core.scan import ScanOp
 from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import (cut_flags, flags_before, load_step, load_step_flag, row_value,
-                           single_store, single_store_masked, store_out, successor)
+from ..scan.kernel import (cut_flags, flags_before, load_at, load_step, load_step_flag, row_value,
+                           single_store, single_store_masked, store_at, store_out, successor)
 from ..scan.launch import Kernel
 from ._common import bits, like, run_backward, scan_plan, value_args
 
@@ -36,23 +36,19 @@ R, TERM, TRUNC, LAST_V, NEXT_V, MASK = slots(Inputs)
 
 
 @triton.jit
-def coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-         HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-         VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-         ACT_VEC: tl.constexpr, after):
-    gamma = params[0]
-    r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
-    if VARIANT == 1:
+def coef(step, after):
+    gamma = step.params[0]
+    r = load_step(step, R)
+    if step.VARIANT == 1:
         # last_value is the scan's initial carry A[T] (`Kernel.carries_last`): step T-1 passes
         # it on unless terminated. Through alpha instead, the rewards' loads waited on the
         # flags' and last_value's (time-major 16384x1024 68.6 -> 56.6 µs on the H200).
-        cut = load_step_flag(ins, st, s1, s2, TERM, t, b1, b2, mask)
-        if HAS_TRUNC:
-            cut = cut | (load_step_flag(ins, st, s1, s2, TRUNC, t, b1, b2, mask) & (t < T - 1))
+        cut = load_step_flag(step, TERM)
+        if step.HAS_TRUNC:
+            cut = cut | (load_step_flag(step, TRUNC) & (step.t < step.T - 1))
         return r, tl.where(cut, 0.0, gamma), 0.0
-    term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
-    v_succ, _ = successor(ins, st, s1, s2, 0, NEXT_V, LAST_V, t, b1, b2, mask, end_rows, T,
-                          None, False, HAS_NEXT, HAS_LAST, False, None)
+    term, cut = cut_flags(step, TERM, TRUNC)
+    v_succ, _ = successor(step, 0, NEXT_V, LAST_V, None, False, False, None)
     alpha = r + tl.where(term, 0.0, tl.where(cut, gamma * v_succ, 0.0))
     beta = tl.where(cut, 0.0, gamma)
     return alpha, beta, 0.0
@@ -64,28 +60,25 @@ KERNEL = Kernel(coef, single_store, reverse=True, carries_last=True)
 # ---- with a mask (semantics §7): the successor is the next decision step (the kernel's W scan) ---
 
 @triton.jit
-def coef_masked(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-                HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-                VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-                ACT_VEC: tl.constexpr, after):
+def coef_masked(step, after):
     """No values: a truncation bootstraps from w' = last_value past the last decision step and
     0 inside the row (w = 0); with next_values w = 1, and w' = 0 tells the window end."""
-    r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
-    term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
-    if HAS_NEXT:
-        w = tl.full(mask.shape, 1.0, tl.float32)
-        nv = load_step(ins, st, s1, s2, NEXT_V, t, b1, b2, mask)
+    r = load_step(step, R)
+    term, cut = cut_flags(step, TERM, TRUNC)
+    if step.HAS_NEXT:
+        w = tl.full(step.mask.shape, 1.0, tl.float32)
+        nv = load_step(step, NEXT_V)
     else:
-        w = tl.zeros(mask.shape, tl.float32)
+        w = tl.zeros(step.mask.shape, tl.float32)
         nv = w
     return (w, (r, term, cut, nv)), 0.0, 0.0
 
 
 @triton.jit
-def finish_masked(pieces, beta, wn, params, HAS_NEXT: tl.constexpr, VARIANT: tl.constexpr):
-    gamma = params[0]
+def finish_masked(step, pieces, beta, wn):
+    gamma = step.params[0]
     r, term, cut, nv = pieces
-    if HAS_NEXT:
+    if step.HAS_NEXT:
         cut = cut | (wn == 0)
         v_succ = nv
     else:
@@ -94,12 +87,11 @@ def finish_masked(pieces, beta, wn, params, HAS_NEXT: tl.constexpr, VARIANT: tl.
 
 
 @triton.jit
-def boot_masked(ins, st, s1, s2, sa, b1, b2, rows, T, n_act, params, HAS_NEXT: tl.constexpr,
-                HAS_LAST: tl.constexpr, VARIANT: tl.constexpr):
+def boot_masked(step):
     """(G, w) past the window: last_value for both (0 without it), or 0 with next_values."""
-    last = tl.zeros(b1.shape, tl.float32)
-    if HAS_LAST and not HAS_NEXT:
-        last = row_value(ins, st, s1, s2, LAST_V, b1, b2, rows)
+    last = tl.zeros(step.b1.shape, tl.float32)
+    if step.HAS_LAST and not step.HAS_NEXT:
+        last = row_value(step, LAST_V)
     return last, last
 
 
@@ -123,42 +115,38 @@ D_R, D_NEXT, D_ROWS, D_LAST = (tl.constexpr(1 << i) for i in range(4))  # VARIAN
 
 
 @triton.jit
-def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-              HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-              VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-              ACT_VEC: tl.constexpr, after):
-    gamma = params[0]
-    d_ret = load_step(ins, st, s1, s2, G_DRET, t, b1, b2, mask)
-    term, cut = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
-    _, cut_b = flags_before(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T, HAS_TRUNC,
-                            term, cut)
+def grad_coef(step, after):
+    mask = step.mask
+    t = step.t
+    gamma = step.params[0]
+    d_ret = load_step(step, G_DRET)
+    term, cut = cut_flags(step, G_TERM, G_TRUNC)
+    _, cut_b = flags_before(step, G_TERM, G_TRUNC, term, cut)
     beta = tl.where(cut_b | (t == 0), 0.0, gamma)
     boot = cut & (term == 0)  # the steps that bootstrap from v'
     v_succ = tl.zeros(mask.shape, tl.float32)
     g_after = tl.zeros(mask.shape, tl.float32)
-    if D_ROWS & VARIANT:
-        v_succ, _ = successor(ins, st, s1, s2, 0, G_NEXT_V, G_LAST_V, t, b1, b2, mask,
-                              end_rows, T, None, False, HAS_NEXT, HAS_LAST, False, None)
-        g_after = load_step(ins, st, s1, s2, G_RET, t + 1, b1, b2, mask & (t + 1 < T))
-    return d_ret, beta, (boot, cut, v_succ, g_after, t == T - 1)
+    if D_ROWS & step.VARIANT:
+        v_succ, _ = successor(step, 0, G_NEXT_V, G_LAST_V, None, False, False, None)
+        g_after = load_at(step, G_RET, t + 1, mask & (t + 1 < step.T))
+    return d_ret, beta, (boot, cut, v_succ, g_after, t == step.T - 1)
 
 
 @triton.jit
-def grad_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
-               VARIANT: tl.constexpr):
+def grad_store(step, res, res_prev, aux):
     """res = H[t]: the inputs' gradients at t."""
-    gamma = params[0]
+    VARIANT: tl.constexpr = step.VARIANT
+    gamma = step.params[0]
     boot, cut, v_succ, g_after, at_end = aux
     if D_R & VARIANT:
-        store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)
+        store_out(step, 0, res)
     d_succ = tl.where(boot, gamma * res, 0.0)
     if D_NEXT & VARIANT:
-        store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, d_succ)
+        store_out(step, 1, d_succ)
     if D_ROWS & VARIANT:
-        store_out(outs, ost, os1, os2, 2, t, b1, b2, mask,
-                  res * (tl.where(boot, v_succ, 0.0) + tl.where(cut, 0.0, g_after)))
+        store_out(step, 2, res * (tl.where(boot, v_succ, 0.0) + tl.where(cut, 0.0, g_after)))
     if D_LAST & VARIANT:
-        store_out(outs, ost, os1, os2, 3, t, b1, b2, mask & at_end, d_succ)
+        store_at(step, 3, step.mask & at_end, d_succ)
 
 
 GRAD_KERNEL = Kernel(grad_coef, grad_store, reverse=False, exclusive=True, aux=True)
@@ -205,11 +193,11 @@ def _plan(x, call, out_dtype, extra):
                      carried="last_value" if carried else None)
 
 
-OP = Op("discounted_returns", Inputs, Scalars,
-        check=lambda x, td, extra, segments=None: value_args(x, td, bootstrap=False,
-                                                             segments=segments), plan=_plan,
-        torch=torch_impl, loop=loop_impl, row_params=1, backward=backward,
-        masked_kernels=lambda x: True, packed_kernels=lambda x: True)
+OP = ScanOp("discounted_returns", Inputs, Scalars,
+            check=lambda x, td, extra, segments=None: value_args(x, td, bootstrap=False,
+                                                                 segments=segments), plan=_plan,
+            torch=torch_impl, loop=loop_impl, row_params=1, backward=backward,
+            masked_kernels=lambda x: True, packed_kernels=lambda x: True)
 
 
 def discounted_returns(rewards, terminated, truncated=None, *, last_value=None, next_values=None,

@@ -7,11 +7,13 @@ import torch
 
 from .. import reference
 from .._args import FLAG, Call, check_discount
-from .._plans import OPS, Op
+from .._core.op import OPS
+from .._core.scan import ScanOp
 from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import load_flag, load_step, offsets, row_value, single_store, store_out
+from ..scan.kernel import (load_at, load_flag, load_flag_at, load_step, load_step_flag,
+                           row_value, single_store, slot_offsets, store_at, store_out)
 from ..scan.launch import Kernel
 from ._common import bits, like, run_backward, scan_plan
 
@@ -38,15 +40,12 @@ X, DONES, INITIAL, MASK = slots(Inputs)
 
 
 @triton.jit
-def coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-         HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-         VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-         ACT_VEC: tl.constexpr, after):
+def coef(step, after):
     """A[t] = x[t] + keep * (1 - done[t-1]) * A[t-1]; keep = gamma * lam, or 1."""
-    keep = params[0]
-    x = load_step(ins, st, s1, s2, X, t, b1, b2, mask)
-    done_before = load_flag(ins[DONES], offsets(t - 1, b1, b2, st[DONES], s1[DONES], s2[DONES]),
-                            mask & (t >= 1))
+    keep = step.params[0]
+    x = load_step(step, X)
+    done_before = load_flag(step.ins[DONES], slot_offsets(step, DONES, step.t - 1),
+                            step.mask & (step.t >= 1))
     return x, tl.where(done_before, 0.0, keep), 0.0
 
 
@@ -58,23 +57,19 @@ KERNEL = Kernel(coef, single_store, reverse=False)
 # divided by keep), so that every coefficient is the step's own: A[t] = x[t] + keep * Y[t-1].
 
 @triton.jit
-def coef_masked(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-                HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-                VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-                ACT_VEC: tl.constexpr, after):
-    keep = params[0]
-    x = load_step(ins, st, s1, s2, X, t, b1, b2, mask)
-    done = load_flag(ins[DONES], offsets(t, b1, b2, st[DONES], s1[DONES], s2[DONES]), mask)
+def coef_masked(step, after):
+    keep = step.params[0]
+    x = load_step(step, X)
+    done = load_step_flag(step, DONES)
     return tl.where(done, 0.0, x), tl.where(done, 0.0, keep + tl.zeros(x.shape, tl.float32)), x
 
 
 @triton.jit
-def store_masked(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
-                 VARIANT: tl.constexpr):
-    keep = params[0]
+def store_masked(step, res, res_prev, aux):
+    keep = step.params[0]
     x, decision = aux
     z = x + tl.where(keep == 0, 0.0, keep * res_prev)  # a zero keep cuts, whatever Y holds
-    store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, tl.where(decision, z, 0.0))
+    store_out(step, 0, tl.where(decision, z, 0.0))
 
 
 KERNEL_MASKED = Kernel(coef_masked, store_masked, reverse=False, exclusive=True, aux=True,
@@ -85,21 +80,19 @@ KERNEL_MASKED = Kernel(coef_masked, store_masked, reverse=False, exclusive=True,
 # restarted at every segment's first step from Y = `initial` of that segment -----------------
 
 @triton.jit
-def boot_packed(ins, st, s1, s2, sa, b1, b2, rows, T, n_act, params, HAS_NEXT: tl.constexpr,
-                HAS_LAST: tl.constexpr, VARIANT: tl.constexpr):
+def boot_packed(step):
     """Y before a segment's first step: its `initial` (VARIANT 1), else 0 (done[-1] = 0)."""
-    y = tl.zeros(b1.shape, tl.float32)
-    if VARIANT == 1:
-        y = row_value(ins, st, s1, s2, INITIAL, b1, b2, rows)
+    y = tl.zeros(step.b1.shape, tl.float32)
+    if step.VARIANT == 1:
+        y = row_value(step, INITIAL)
     return y, y
 
 
 @triton.jit
-def store_packed(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
-                 VARIANT: tl.constexpr):
-    keep = params[0]
+def store_packed(step, res, res_prev, aux):
+    keep = step.params[0]
     z = aux + tl.where(keep == 0, 0.0, keep * res_prev)  # as `store_masked`, every step kept
-    store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, z)
+    store_out(step, 0, z)
 
 
 KERNEL_PACKED = Kernel(coef_masked, store_packed, reverse=False, exclusive=True, aux=True,
@@ -122,40 +115,37 @@ D_X, D_INIT, D_ROWS, HAS_INITIAL = (tl.constexpr(1 << i) for i in range(4))  # V
 
 
 @triton.jit
-def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-              HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-              VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-              ACT_VEC: tl.constexpr, after):
-    keep = params[0]
-    d_out = load_step(ins, st, s1, s2, G_DOUT, t, b1, b2, mask)
-    done = load_flag(ins[G_DONES], offsets(t, b1, b2, st[G_DONES], s1[G_DONES], s2[G_DONES]),
-                     mask)
-    beta = tl.where(done | (t == T - 1), 0.0, keep)
+def grad_coef(step, after):
+    VARIANT: tl.constexpr = step.VARIANT
+    mask = step.mask
+    t = step.t
+    keep = step.params[0]
+    d_out = load_step(step, G_DOUT)
+    done = load_step_flag(step, G_DONES)
+    beta = tl.where(done | (t == step.T - 1), 0.0, keep)
     a_before = tl.zeros(mask.shape, tl.float32)
     first = t == 0
     if D_ROWS & VARIANT:  # (1 - done[t-1]) A[t-1], the initial value at t = 0
         before = mask & (t >= 1)
-        done_b = load_flag(ins[G_DONES], offsets(t - 1, b1, b2, st[G_DONES], s1[G_DONES],
-                                                 s2[G_DONES]), before)
-        a_before = tl.where(done_b, 0.0, load_step(ins, st, s1, s2, G_OUT, t - 1, b1, b2,
-                                                   before))
+        done_b = load_flag_at(step, G_DONES, t - 1, before)
+        a_before = tl.where(done_b, 0.0, load_at(step, G_OUT, t - 1, before))
         if HAS_INITIAL & VARIANT:
-            init = load_step(ins, st, s1, s2, G_INIT, 0, b1, b2, mask & first)
+            init = load_at(step, G_INIT, 0, mask & first)
             a_before = tl.where(first, init, a_before)
     return d_out, beta, (a_before, first)
 
 
 @triton.jit
-def grad_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
-               VARIANT: tl.constexpr):
-    keep = params[0]
+def grad_store(step, res, res_prev, aux):
+    VARIANT: tl.constexpr = step.VARIANT
+    keep = step.params[0]
     a_before, first = aux
     if D_X & VARIANT:
-        store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)
+        store_out(step, 0, res)
     if D_ROWS & VARIANT:
-        store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, res * a_before)
+        store_out(step, 1, res * a_before)
     if D_INIT & VARIANT:
-        store_out(outs, ost, os1, os2, 2, t, b1, b2, mask & first, keep * res)
+        store_at(step, 2, step.mask & first, keep * res)
 
 
 GRAD_KERNEL = Kernel(grad_coef, grad_store, reverse=True, aux=True)
@@ -242,18 +232,18 @@ def _cumsum_torch(x: Inputs, s: NoScalars, extra=(), dtype=torch.float32, packed
     return _scan_torch(xs, d, x.mask, init, 1.0, packed)
 
 
-TRACES = Op("eligibility_traces", Inputs, TraceScalars, check=_check, plan=_plan, copy=_copy,
-            kernel_scalars=lambda s: (s.gamma * s.lam,), torch=_traces_torch, row_params=1,
-            masked_kernels=lambda x: True, packed_kernels=lambda x: True,
-            loop=lambda x, s, extra, dtype: reference.eligibility_traces(
-                *x[:2], initial=x.initial, mask=x.mask, **s._asdict(), dtype=dtype),
-            backward=_backward("eligibility_traces", 1))
-CUMSUM = Op("episodic_cumsum", Inputs, NoScalars, check=_check, plan=_plan, copy=_copy,
-            kernel_scalars=lambda s: (1.0,), torch=_cumsum_torch, masked_kernels=lambda x: True,
-            packed_kernels=lambda x: True,
-            loop=lambda x, s, extra, dtype: reference.episodic_cumsum(
-                *x[:2], initial=x.initial, mask=x.mask, dtype=dtype),
-            backward=_backward("episodic_cumsum", 0))
+TRACES = ScanOp("eligibility_traces", Inputs, TraceScalars, check=_check, plan=_plan, copy=_copy,
+                kernel_scalars=lambda s: (s.gamma * s.lam,), torch=_traces_torch, row_params=1,
+                masked_kernels=lambda x: True, packed_kernels=lambda x: True,
+                loop=lambda x, s, extra, dtype: reference.eligibility_traces(
+                    *x[:2], initial=x.initial, mask=x.mask, **s._asdict(), dtype=dtype),
+                backward=_backward("eligibility_traces", 1))
+CUMSUM = ScanOp("episodic_cumsum", Inputs, NoScalars, check=_check, plan=_plan, copy=_copy,
+                kernel_scalars=lambda s: (1.0,), torch=_cumsum_torch, masked_kernels=lambda x: True,
+                packed_kernels=lambda x: True,
+                loop=lambda x, s, extra, dtype: reference.episodic_cumsum(
+                    *x[:2], initial=x.initial, mask=x.mask, dtype=dtype),
+                backward=_backward("episodic_cumsum", 0))
 
 
 def eligibility_traces(x, dones, *, gamma, lam, initial=None, mask=None, cu_seqlens=None,

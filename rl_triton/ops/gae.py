@@ -7,12 +7,12 @@ import torch
 
 from .. import reference
 from .._args import check_discount
-from .._plans import Op
+from .._core.scan import ScanOp
 from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import (cut_flags, finish_linear, flags_before, load_step, row_value,
-                           store_out, successor)
+from ..scan.kernel import (cut_flags, finish_linear, flags_before, load_at, load_step, row_value,
+                           store_at, store_out, successor)
 from ..scan.launch import Kernel
 from ._common import bits, like, run_backward, scan_plan, value_args
 
@@ -38,28 +38,23 @@ R, V, TERM, TRUNC, LAST_V, NEXT_V, MASK = slots(Inputs)
 
 
 @triton.jit
-def coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-         HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-         VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-         ACT_VEC: tl.constexpr, after):
+def coef(step, after):
     """alpha = delta[t], beta = gamma * lam where the trace goes on; aux: values[t]."""
-    gamma = params[0]
-    lam = params[1]
-    r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
-    v = load_step(ins, st, s1, s2, V, t, b1, b2, mask)
-    term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
-    v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, end_rows, T, v,
-                          True, HAS_NEXT, HAS_LAST, False, after)
+    gamma = step.params[0]
+    lam = step.params[1]
+    r = load_step(step, R)
+    v = load_step(step, V)
+    term, cut = cut_flags(step, TERM, TRUNC)
+    v_succ, _ = successor(step, V, NEXT_V, LAST_V, v, True, False, after)
     alpha = r + tl.where(term, 0.0, gamma * v_succ) - v
     beta = tl.where(cut, 0.0, gamma * lam)
     return alpha, beta, v
 
 
 @triton.jit
-def store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
-          VARIANT: tl.constexpr):
-    store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)  # advantages
-    store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, res + aux)  # returns = A + V
+def store(step, res, res_prev, aux):
+    store_out(step, 0, res)  # advantages
+    store_out(step, 1, res + aux)  # returns = A + V
 
 
 KERNEL = Kernel(coef, store, reverse=True, aux=True)
@@ -68,43 +63,38 @@ KERNEL = Kernel(coef, store, reverse=True, aux=True)
 # ---- with a mask (semantics §7): the successor is the next decision step (the kernel's W scan) ---
 
 @triton.jit
-def coef_masked(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-                HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-                VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-                ACT_VEC: tl.constexpr, after):
+def coef_masked(step, after):
     """w = V[t] (what the decision step before bootstraps from); alpha = (r - V) + c * w' with
     c = gamma (0 at a termination), or with next_values c = 0 and gamma v' in a."""
-    gamma = params[0]
-    lam = params[1]
-    r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
-    v = load_step(ins, st, s1, s2, V, t, b1, b2, mask)
-    term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
+    gamma = step.params[0]
+    lam = step.params[1]
+    r = load_step(step, R)
+    v = load_step(step, V)
+    term, cut = cut_flags(step, TERM, TRUNC)
     a = r - v
-    if HAS_NEXT:
-        a += tl.where(term, 0.0, gamma * load_step(ins, st, s1, s2, NEXT_V, t, b1, b2, mask))
-        c = tl.zeros(mask.shape, tl.float32)
+    if step.HAS_NEXT:
+        a += tl.where(term, 0.0, gamma * load_step(step, NEXT_V))
+        c = tl.zeros(step.mask.shape, tl.float32)
     else:
-        c = tl.where(term, 0.0, gamma + tl.zeros(mask.shape, tl.float32))
+        c = tl.where(term, 0.0, gamma + tl.zeros(step.mask.shape, tl.float32))
     # the window end (the last decision step) needs no cut of its own: A past it is 0
     return (v, (a, c)), tl.where(cut, 0.0, gamma * lam), v
 
 
 @triton.jit
-def boot_masked(ins, st, s1, s2, sa, b1, b2, rows, T, n_act, params, HAS_NEXT: tl.constexpr,
-                HAS_LAST: tl.constexpr, VARIANT: tl.constexpr):
+def boot_masked(step):
     """(A, w) past the window: 0, and last_value (the last decision step's successor)."""
-    w = tl.zeros(b1.shape, tl.float32)
-    if HAS_LAST:
-        w = row_value(ins, st, s1, s2, LAST_V, b1, b2, rows)
-    return tl.zeros(b1.shape, tl.float32), w
+    w = tl.zeros(step.b1.shape, tl.float32)
+    if step.HAS_LAST:
+        w = row_value(step, LAST_V)
+    return tl.zeros(step.b1.shape, tl.float32), w
 
 
 @triton.jit
-def store_masked(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
-                 VARIANT: tl.constexpr):
+def store_masked(step, res, res_prev, aux):
     v, keep, _ = aux
-    store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, tl.where(keep, res, 0.0))
-    store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, tl.where(keep, res + v, 0.0))
+    store_out(step, 0, tl.where(keep, res, 0.0))
+    store_out(step, 1, tl.where(keep, res + v, 0.0))
 
 
 KERNEL_MASKED = Kernel(coef_masked, store_masked, reverse=True, aux=True, mask_slot=MASK,
@@ -131,58 +121,54 @@ D_R, D_V, D_NEXT, D_ROWS, D_LAST, HAS_DADV, HAS_DRET, SLOT_SUCC = (
 
 
 @triton.jit
-def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-              HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-              VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-              ACT_VEC: tl.constexpr, after):
+def grad_coef(step, after):
     """alpha = dA[t] = d advantages[t] + d returns[t]; beta = gamma * lam where the trace from
     t-1 went on (0 at t = 0)."""
-    gamma = params[0]
-    lam = params[1]
+    gamma = step.params[0]
+    lam = step.params[1]
+    t = step.t
+    mask = step.mask
+    VARIANT: tl.constexpr = step.VARIANT
     d_ret = tl.zeros(mask.shape, tl.float32)
     d_a = tl.zeros(mask.shape, tl.float32)
     if HAS_DRET & VARIANT:
-        d_ret = load_step(ins, st, s1, s2, G_DRET, t, b1, b2, mask)
+        d_ret = load_step(step, G_DRET)
     if HAS_DADV & VARIANT:
-        d_a = load_step(ins, st, s1, s2, G_DADV, t, b1, b2, mask)
-    term, cut = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
-    term_b, cut_b = flags_before(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T,
-                                 HAS_TRUNC, term, cut)
+        d_a = load_step(step, G_DADV)
+    term, cut = cut_flags(step, G_TERM, G_TRUNC)
+    term_b, cut_b = flags_before(step, G_TERM, G_TRUNC, term, cut)
     beta = tl.where(cut_b | (t == 0), 0.0, gamma * lam)
     v_succ = tl.zeros(mask.shape, tl.float32)
     a_after = tl.zeros(mask.shape, tl.float32)
     if D_ROWS & VARIANT:
-        v_succ, _ = successor(ins, st, s1, s2, G_V, G_NEXT_V, G_LAST_V, t, b1, b2, mask,
-                              end_rows, T, None, True, HAS_NEXT, HAS_LAST, False, None)
-        a_after = load_step(ins, st, s1, s2, G_ADV, t + 1, b1, b2, mask & (t + 1 < T))
+        v_succ, _ = successor(step, G_V, G_NEXT_V, G_LAST_V, None, True, False, None)
+        a_after = load_at(step, G_ADV, t + 1, mask & (t + 1 < step.T))
     return d_a + d_ret, beta, (d_ret, term_b | (t == 0), term, cut, v_succ, a_after,
-                               t == T - 1)
+                               t == step.T - 1)
 
 
 @triton.jit
-def grad_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
-               VARIANT: tl.constexpr):
+def grad_store(step, res, res_prev, aux):
     """res = H[t] = d delta[t], res_prev = H[t-1]: the inputs' gradients at t."""
-    gamma = params[0]
-    lam = params[1]
+    gamma = step.params[0]
+    lam = step.params[1]
+    VARIANT: tl.constexpr = step.VARIANT
     d_ret, term_b, term, cut, v_succ, a_after, at_end = aux
     if D_R & VARIANT:
-        store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)
+        store_out(step, 0, res)
     if D_V & VARIANT:  # returns = A + V; delta[t] has -V[t]; delta[t-1] has gamma v'[t-1]
         dv = d_ret - res
         if SLOT_SUCC & VARIANT:  # v'[t-1] = V[t] (no next_values)
             dv += tl.where(term_b, 0.0, gamma * res_prev)
-        store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, dv)
+        store_out(step, 1, dv)
     d_succ = tl.where(term, 0.0, gamma * res)
     if D_NEXT & VARIANT:
-        store_out(outs, ost, os1, os2, 2, t, b1, b2, mask, d_succ)
+        store_out(step, 2, d_succ)
     if D_ROWS & VARIANT:
-        store_out(outs, ost, os1, os2, 3, t, b1, b2, mask,
-                  res * (tl.where(term, 0.0, v_succ) + tl.where(cut, 0.0, lam * a_after)))
-        store_out(outs, ost, os1, os2, 4, t, b1, b2, mask,
-                  res * tl.where(cut, 0.0, gamma * a_after))
+        store_out(step, 3, res * (tl.where(term, 0.0, v_succ) + tl.where(cut, 0.0, lam * a_after)))
+        store_out(step, 4, res * tl.where(cut, 0.0, gamma * a_after))
     if D_LAST & VARIANT:
-        store_out(outs, ost, os1, os2, 5, t, b1, b2, mask & at_end, d_succ)
+        store_at(step, 5, step.mask & at_end, d_succ)
 
 
 GRAD_KERNEL = Kernel(grad_coef, grad_store, reverse=False, exclusive=True, aux=True)
@@ -218,12 +204,12 @@ def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
     return reference.gae(**x._asdict(), **s._asdict(), dtype=dtype)
 
 
-OP = Op("gae", Inputs, Scalars, outputs=2,
-        check=lambda x, td, extra, segments=None: value_args(x, td, segments=segments),
-        plan=lambda x, call, out_dtype, extra: scan_plan(
-            KERNEL if x.mask is None else KERNEL_MASKED, x, call, 2, out_dtype),
-        torch=torch_impl, loop=loop_impl, row_params=2,
-        backward=backward, masked_kernels=lambda x: True, packed_kernels=lambda x: True)
+OP = ScanOp("gae", Inputs, Scalars, outputs=2,
+            check=lambda x, td, extra, segments=None: value_args(x, td, segments=segments),
+            plan=lambda x, call, out_dtype, extra: scan_plan(
+                KERNEL if x.mask is None else KERNEL_MASKED, x, call, 2, out_dtype),
+            torch=torch_impl, loop=loop_impl, row_params=2,
+            backward=backward, masked_kernels=lambda x: True, packed_kernels=lambda x: True)
 
 
 def gae(rewards, values, terminated, truncated=None, *, last_value=None, next_values=None,

@@ -1,5 +1,6 @@
 """KL penalties per position (semantics §9): Schulman's estimators k1, k2, k3 and |d|, optionally
-clamped; one elementwise kernel forward, one backward."""
+clamped, and their straight-through "+" kinds (semantics §9); one elementwise kernel forward, one
+backward."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -9,10 +10,13 @@ import torch
 from .. import reference
 from .._args import Call, check_backend, check_choice, check_out_dtype, check_scalar
 from ..scan.jit import cdiv, tl, triton
+from .._core.op import Op
 from . import _losses as L
 
 Tensor = torch.Tensor
-KINDS = ("k1", "abs", "k2", "k3")  # the kernels' KIND, in this order
+# the kernels' KIND, in this order; "+": straight-through, the value of the kind before it and
+# the gradient of d^2 / 2 (d, unclamped), verl's "k3+" (semantics §9)
+KINDS = ("k1", "abs", "k2", "k3", "k1+", "abs+", "k2+", "k3+")
 
 
 class Inputs(NamedTuple):
@@ -28,14 +32,15 @@ class Options(NamedTuple):
 
 @triton.jit
 def estimate(d, clamp, KIND: tl.constexpr, CLAMPED: tl.constexpr):
-    """The estimate k(d) and dk/dd (0 where the clamp binds)."""
-    if KIND == 0:
+    """The estimate k(d) and dk/dd (0 where the clamp binds; d itself for the "+" kinds)."""
+    d0 = d
+    if KIND % 4 == 0:
         k = d
         dk = tl.full(d.shape, 1.0, tl.float32)
-    elif KIND == 1:
+    elif KIND % 4 == 1:
         k = tl.abs(d)
         dk = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
-    elif KIND == 2:
+    elif KIND % 4 == 2:
         k = 0.5 * d * d
         dk = d
     else:
@@ -43,11 +48,14 @@ def estimate(d, clamp, KIND: tl.constexpr, CLAMPED: tl.constexpr):
             low = -(tl.minimum(clamp, 80.0) + 1.0)  # (d = -inf: inf - inf would be NaN)
             d = tl.where(d < low, low, d)
         e = tl.exp(-d)
-        k = e + d - 1.0
+        # (e - 1) + d: OpenRLHF's float32 rounding; verl's tests pass within their tolerance
+        k = (e - 1.0) + d
         dk = 1.0 - e
     if CLAMPED:
         dk = tl.where(tl.abs(k) <= clamp, dk, 0.0)
         k = L.clamp(k, -clamp, clamp)
+    if KIND >= 4:
+        dk = d0
     return k, dk
 
 
@@ -81,18 +89,18 @@ def _meta(o: Options, lay: L.Layout, N: int) -> dict:
                 INT64=lay.INT64, BLOCK=L.block(N), num_warps=L.NUM_WARPS)
 
 
-def forward(x: Inputs, o: Options):
+def forward(x: Inputs, o: Options, plan=None):
     lp = x.log_probs
     out = torch.empty(lp.shape, dtype=o.out_dtype, device=lp.device)
-    lay = L.layout(tuple(lp.shape), lp, x.ref_log_probs)
+    lay = L.layout(tuple(lp.shape), lp, x.ref_log_probs, plan=plan)
     N = lp.numel()
     meta = _meta(o, lay, N)
     L.launch(forward_kernel, cdiv(N, meta["BLOCK"]), *lay.tensors, out, N, lay.C,
-             *lay.strides, 0.0 if o.clamp is None else o.clamp, **meta)
+             *lay.strides, 0.0 if o.clamp is None else o.clamp, **meta, plan=plan)
     return [out], []
 
 
-def backward(x: Inputs, o: Options, saved, grads, needs):
+def backward(x: Inputs, o: Options, saved, grads, needs, plan=None):
     lp, ref = x
     outs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) if need else None
             for t, need in zip(x, needs)]
@@ -110,28 +118,47 @@ def fake(x: Inputs, o: Options):
 
 
 def torch_impl(x: Inputs, o: Options, dtype):
-    d = x.log_probs.to(dtype) - x.ref_log_probs.to(dtype)
+    d0 = d = x.log_probs.to(dtype) - x.ref_log_probs.to(dtype)
+    kind = o.kind.rstrip("+")
     if o.clamp is not None:
         # beyond these k is clamped (gradient 0) either way; bounding d keeps the derivatives
         # that 0 multiplies finite (an infinite log-ratio's, exp(-d)'s): 0 * inf is NaN
-        d = d.clamp(*reference.kl_bounds(o.kind, o.clamp))
-    if o.kind == "k1":
+        d = d.clamp(*reference.kl_bounds(kind, o.clamp))
+    if kind == "k1":
         k = d
-    elif o.kind == "abs":
+    elif kind == "abs":
         k = d.abs()
-    elif o.kind == "k2":
+    elif kind == "k2":
         k = 0.5 * d * d
     else:
-        k = torch.exp(-d) + d - 1
-    return (k if o.clamp is None else k.clamp(-o.clamp, o.clamp),)
+        k = (torch.exp(-d) - 1) + d  # the kernel's order
+    k = k if o.clamp is None else k.clamp(-o.clamp, o.clamp)
+    return (reference.straight_through(k, d0) if o.kind.endswith("+") else k,)
 
 
 def loop_impl(x: Inputs, o: Options, dtype):
     return (reference.kl_penalty(*x, kind=o.kind, clamp=o.clamp, dtype=dtype),)
 
 
-OP = L.Fused("kl_penalty", Inputs, Options, forward=forward, backward=backward, fake=fake,
-             n_out=1, n_saved=0)
+
+
+def _check(t: tuple, a: tuple):
+    """The public call's arguments checked (`kl_penalty`'s order): (inputs, plan)."""
+    log_probs, ref_log_probs = t
+    kind, clamp, backend, out_dtype = a
+    backend = check_backend(backend)
+    out_dtype = check_out_dtype(out_dtype)
+    call = Call("log_probs", log_probs, None)
+    lp = call.step("log_probs", log_probs)
+    ref = call.step("ref_log_probs", ref_log_probs)
+    kind = check_choice("kind", kind, KINDS)
+    if clamp is not None:
+        clamp = check_scalar("clamp", clamp, high=None, low_open=True)
+    return Inputs(lp, ref), L.plan(call, backend, Options(kind, clamp, out_dtype))
+
+
+OP = Op("kl_penalty", "loss", Inputs, Options, outputs=1, forward=forward, backward=backward,
+        fake=fake, check=_check, torch=torch_impl, loop=loop_impl)
 
 
 def kl_penalty(log_probs, ref_log_probs, kind="k3", clamp=None, *, backend="auto",
@@ -146,20 +173,14 @@ def kl_penalty(log_probs, ref_log_probs, kind="k3", clamp=None, *, backend="auto
 
     `clamp` bounds the result to [-clamp, clamp] (OpenRLHF and verl clamp k3 to 10). Returns a
     tensor of `log_probs`' shape; differentiable with respect to both inputs (zero where the
-    clamp binds).
+    clamp binds). The straight-through kinds "k1+", "abs+", "k2+", "k3+" (verl's) have the value
+    of the kind without "+" (clamped as it is) and the gradient of d^2 / 2, d, wherever the
+    clamp binds or not: an unbiased gradient of KL(pi || pi_ref) (docs/semantics.md §9).
 
     Example::
 
         >>> kl = rl_triton.kl_penalty(log_probs, ref_log_probs, "k3", clamp=10.0)
         >>> loss = pg_loss + 0.001 * (kl * mask).sum() / mask.sum()
     """
-    backend = check_backend(backend)
-    out_dtype = check_out_dtype(out_dtype)
-    call = Call("log_probs", log_probs, None)
-    lp = call.step("log_probs", log_probs)
-    ref = call.step("ref_log_probs", ref_log_probs)
-    kind = check_choice("kind", kind, KINDS)
-    if clamp is not None:
-        clamp = check_scalar("clamp", clamp, high=None, low_open=True)
-    return L.run(OP, Inputs(lp, ref), Options(kind, clamp, out_dtype), call, backend,
-                 torch_impl, loop_impl, out_dtype)
+    return OP((log_probs, ref_log_probs),
+              (kind, clamp, backend, out_dtype))

@@ -7,12 +7,12 @@ import torch
 
 from .. import reference
 from .._args import check_discount
-from .._plans import Op
+from .._core.scan import ScanOp
 from ..reference import _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import (cut_flags, flags_before, load_step, row_value, single_store,
-                           single_store_masked, store_out, successor)
+from ..scan.kernel import (cut_flags, flags_before, load_at, load_step, row_value, single_store,
+                           single_store_masked, store_at, store_out, successor)
 from ..scan.launch import Kernel
 from ._common import bits, like, run_backward, scan_plan, value_args
 
@@ -38,16 +38,12 @@ R, V, TERM, TRUNC, LAST_V, NEXT_V, MASK = slots(Inputs)
 
 
 @triton.jit
-def coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-         HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-         VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-         ACT_VEC: tl.constexpr, after):
-    gamma = params[0]
-    lam = params[1]
-    r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
-    term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
-    v_succ, _ = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask, end_rows, T,
-                          None, True, HAS_NEXT, HAS_LAST, False, None)
+def coef(step, after):
+    gamma = step.params[0]
+    lam = step.params[1]
+    r = load_step(step, R)
+    term, cut = cut_flags(step, TERM, TRUNC)
+    v_succ, _ = successor(step, V, NEXT_V, LAST_V, None, True, False, None)
     keep = tl.where(cut, 0.0, lam)
     alpha = r + tl.where(term, 0.0, gamma * (1.0 - keep) * v_succ)
     beta = gamma * keep  # keep is 0 at terminations (cut includes them)
@@ -60,30 +56,27 @@ KERNEL = Kernel(coef, single_store, reverse=True, trunc_slot_always=(TERM.value,
 # ---- with a mask (semantics §7): the successor is the next decision step (the kernel's W scan) ---
 
 @triton.jit
-def coef_masked(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-                HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-                VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-                ACT_VEC: tl.constexpr, after):
+def coef_masked(step, after):
     """w = V[t], the successor's value; with next_values w = 1 instead: the W scan then tells
     the window end (the last decision step: no decision step after it, w' = 0), where the trace
     is cut."""
-    r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
-    term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
-    if HAS_NEXT:
-        w = tl.full(mask.shape, 1.0, tl.float32)
-        nv = load_step(ins, st, s1, s2, NEXT_V, t, b1, b2, mask)
+    r = load_step(step, R)
+    term, cut = cut_flags(step, TERM, TRUNC)
+    if step.HAS_NEXT:
+        w = tl.full(step.mask.shape, 1.0, tl.float32)
+        nv = load_step(step, NEXT_V)
     else:
-        w = load_step(ins, st, s1, s2, V, t, b1, b2, mask)
+        w = load_step(step, V)
         nv = w
     return (w, (r, term, cut, nv)), 0.0, 0.0
 
 
 @triton.jit
-def finish_masked(pieces, beta, wn, params, HAS_NEXT: tl.constexpr, VARIANT: tl.constexpr):
-    gamma = params[0]
-    lam = params[1]
+def finish_masked(step, pieces, beta, wn):
+    gamma = step.params[0]
+    lam = step.params[1]
     r, term, cut, nv = pieces
-    if HAS_NEXT:
+    if step.HAS_NEXT:
         keep = tl.where(cut | (wn == 0), 0.0, lam)
         v_succ = nv
     else:
@@ -93,13 +86,12 @@ def finish_masked(pieces, beta, wn, params, HAS_NEXT: tl.constexpr, VARIANT: tl.
 
 
 @triton.jit
-def boot_masked(ins, st, s1, s2, sa, b1, b2, rows, T, n_act, params, HAS_NEXT: tl.constexpr,
-                HAS_LAST: tl.constexpr, VARIANT: tl.constexpr):
+def boot_masked(step):
     """(G, w) past the window: last_value for both (the last decision step's G reads
     (1 - lam) v' + lam G[t+1] = last_value unless cut), or 0 with next_values."""
-    last = tl.zeros(b1.shape, tl.float32)
-    if not HAS_NEXT:  # (one return: Triton 3.6 checks both where rows are packed rows' steps)
-        last = row_value(ins, st, s1, s2, LAST_V, b1, b2, rows)
+    last = tl.zeros(step.b1.shape, tl.float32)
+    if not step.HAS_NEXT:  # (one return: Triton 3.6 checks both where rows are packed rows' steps)
+        last = row_value(step, LAST_V)
     return last, last
 
 
@@ -124,51 +116,46 @@ D_R, D_V, D_NEXT, D_ROWS, D_LAST = (tl.constexpr(1 << i) for i in range(5))  # V
 
 
 @triton.jit
-def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-              HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-              VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-              ACT_VEC: tl.constexpr, after):
-    gamma = params[0]
-    lam = params[1]
-    d_ret = load_step(ins, st, s1, s2, G_DRET, t, b1, b2, mask)
-    term, cut = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
-    term_b, cut_b = flags_before(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T,
-                                 HAS_TRUNC, term, cut)
+def grad_coef(step, after):
+    mask = step.mask
+    t = step.t
+    gamma = step.params[0]
+    lam = step.params[1]
+    d_ret = load_step(step, G_DRET)
+    term, cut = cut_flags(step, G_TERM, G_TRUNC)
+    term_b, cut_b = flags_before(step, G_TERM, G_TRUNC, term, cut)
     first = t == 0
     beta = tl.where(cut_b | first, 0.0, gamma * lam)
     v_succ = tl.zeros(mask.shape, tl.float32)
     g_after = tl.zeros(mask.shape, tl.float32)
-    if D_ROWS & VARIANT:
-        v_succ, _ = successor(ins, st, s1, s2, G_V, G_NEXT_V, G_LAST_V, t, b1, b2, mask,
-                              end_rows, T, None, True, HAS_NEXT, HAS_LAST, False, None)
-        g_after = load_step(ins, st, s1, s2, G_RET, t + 1, b1, b2, mask & (t + 1 < T))
+    if D_ROWS & step.VARIANT:
+        v_succ, _ = successor(step, G_V, G_NEXT_V, G_LAST_V, None, True, False, None)
+        g_after = load_at(step, G_RET, t + 1, mask & (t + 1 < step.T))
     # the weight of v'[t-1] = V[t] in G[t-1]: gamma (1 - term) (1 - keep), keep = lam (1 - cut)
     w_b = tl.where(term_b | first, 0.0, gamma * (1.0 - tl.where(cut_b, 0.0, lam)))
-    return d_ret, beta, (w_b, term, cut, v_succ, g_after, t == T - 1)
+    return d_ret, beta, (w_b, term, cut, v_succ, g_after, t == step.T - 1)
 
 
 @triton.jit
-def grad_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
-               VARIANT: tl.constexpr):
+def grad_store(step, res, res_prev, aux):
     """res = H[t], res_prev = H[t-1]: the inputs' gradients at t."""
-    gamma = params[0]
-    lam = params[1]
+    VARIANT: tl.constexpr = step.VARIANT
+    gamma = step.params[0]
+    lam = step.params[1]
     w_b, term, cut, v_succ, g_after, at_end = aux
     if D_R & VARIANT:
-        store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)
+        store_out(step, 0, res)
     if D_V & VARIANT:  # values as successors of the steps before
-        store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, w_b * res_prev)
+        store_out(step, 1, w_b * res_prev)
     keep = tl.where(cut, 0.0, lam)
     d_succ = tl.where(term, 0.0, gamma * (1.0 - keep) * res)
     if D_NEXT & VARIANT:
-        store_out(outs, ost, os1, os2, 2, t, b1, b2, mask, d_succ)
+        store_out(step, 2, d_succ)
     if D_ROWS & VARIANT:
-        store_out(outs, ost, os1, os2, 3, t, b1, b2, mask,
-                  res * (tl.where(term, 0.0, (1.0 - keep) * v_succ) + keep * g_after))
-        store_out(outs, ost, os1, os2, 4, t, b1, b2, mask,
-                  res * tl.where(cut, 0.0, gamma * (g_after - v_succ)))
+        store_out(step, 3, res * (tl.where(term, 0.0, (1.0 - keep) * v_succ) + keep * g_after))
+        store_out(step, 4, res * tl.where(cut, 0.0, gamma * (g_after - v_succ)))
     if D_LAST & VARIANT:
-        store_out(outs, ost, os1, os2, 5, t, b1, b2, mask & at_end, d_succ)
+        store_at(step, 5, step.mask & at_end, d_succ)
 
 
 GRAD_KERNEL = Kernel(grad_coef, grad_store, reverse=False, exclusive=True, aux=True)
@@ -209,13 +196,13 @@ def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
     return reference.lambda_returns(**x._asdict(), **s._asdict(), dtype=dtype)
 
 
-OP = Op("lambda_returns", Inputs, Scalars,
-        check=lambda x, td, extra, segments=None: value_args(
-            x, td, values_optional=x.next_values is not None, segments=segments),
-        plan=lambda x, call, out_dtype, extra: scan_plan(
-            KERNEL if x.mask is None else KERNEL_MASKED, x, call, 1, out_dtype),
-        masked_kernels=lambda x: True, packed_kernels=lambda x: True,
-        torch=torch_impl, loop=loop_impl, row_params=2, backward=backward)
+OP = ScanOp("lambda_returns", Inputs, Scalars,
+            check=lambda x, td, extra, segments=None: value_args(
+                x, td, values_optional=x.next_values is not None, segments=segments),
+            plan=lambda x, call, out_dtype, extra: scan_plan(
+                KERNEL if x.mask is None else KERNEL_MASKED, x, call, 1, out_dtype),
+            masked_kernels=lambda x: True, packed_kernels=lambda x: True,
+            torch=torch_impl, loop=loop_impl, row_params=2, backward=backward)
 
 
 def lambda_returns(rewards, values, terminated, truncated=None, *, last_value=None,

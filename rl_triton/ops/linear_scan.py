@@ -7,11 +7,11 @@ import torch
 
 from .. import reference
 from .._args import Call, check_bool
-from .._plans import Op
+from .._core.scan import ScanOp
 from ..reference import _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import load_step, single_store, store_out, value_before
+from ..scan.kernel import load_at, load_step, single_store, store_at, store_out, value_before
 from ..scan.launch import Kernel
 from ._common import bits, like, run_backward, scan_plan
 
@@ -36,12 +36,9 @@ ALPHA, BETA, INITIAL = slots(Inputs)
 
 
 @triton.jit
-def coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-         HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-         VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-         ACT_VEC: tl.constexpr, after):
-    alpha = load_step(ins, st, s1, s2, ALPHA, t, b1, b2, mask)
-    beta = load_step(ins, st, s1, s2, BETA, t, b1, b2, mask)
+def coef(step, after):
+    alpha = load_step(step, ALPHA)
+    beta = load_step(step, BETA)
     # A[t] is NaN where beta[t] is: as alpha NaN with beta 0, so that betas stay finite (the
     # scan's combine relies on it) and a cut before that step still holds
     nan = beta != beta
@@ -71,44 +68,43 @@ D_ALPHA, D_BETA, D_INIT, FORWARD_OP, HAS_INITIAL = (tl.constexpr(1 << i) for i i
 
 
 @triton.jit
-def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-              HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-              VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-              ACT_VEC: tl.constexpr, after):
-    d_out = load_step(ins, st, s1, s2, G_DOUT, t, b1, b2, mask)
-    beta = load_step(ins, st, s1, s2, G_BETA, t, b1, b2, mask)
+def grad_coef(step, after):
+    VARIANT: tl.constexpr = step.VARIANT
+    mask = step.mask
+    t = step.t
+    d_out = load_step(step, G_DOUT)
+    beta = load_step(step, G_BETA)
     if FORWARD_OP & VARIANT:
         before = t + 1  # the step before t in the adjoint's order
         edge = t == 0  # the step that reads the initial value
-        inside = mask & (before < T)
-        beta_b = load_step(ins, st, s1, s2, G_BETA, before, b1, b2, inside)
+        inside = mask & (before < step.T)
+        beta_b = load_at(step, G_BETA, before, inside)
     else:
         before = t - 1
-        edge = t == T - 1
+        edge = t == step.T - 1
         inside = mask & (before >= 0)
-        beta_b = value_before(ins, st, s1, s2, G_BETA, t, b1, b2, mask, beta)
+        beta_b = value_before(step, G_BETA, beta)
     beta_b = tl.where(inside & (beta_b == beta_b), beta_b, 0.0)  # NaN betas: as the forward
     a_other = tl.zeros(mask.shape, tl.float32)
     if D_BETA & VARIANT:
         other = 2 * t - before  # A[t+1] (reverse) or A[t-1] (forward)
-        a_other = load_step(ins, st, s1, s2, G_OUT, other, b1, b2,
-                            mask & (other >= 0) & (other < T))
+        a_other = load_at(step, G_OUT, other, mask & (other >= 0) & (other < step.T))
         if HAS_INITIAL & VARIANT:  # the initial value, where `other` is outside the window
-            init = load_step(ins, st, s1, s2, G_INIT, 0, b1, b2, mask & edge)
+            init = load_at(step, G_INIT, 0, mask & edge)
             a_other = tl.where(edge, init, a_other)
     return d_out, beta_b, (a_other, beta, edge)
 
 
 @triton.jit
-def grad_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
-               VARIANT: tl.constexpr):
+def grad_store(step, res, res_prev, aux):
+    VARIANT: tl.constexpr = step.VARIANT
     a_other, beta, edge = aux
     if D_ALPHA & VARIANT:
-        store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)
+        store_out(step, 0, res)
     if D_BETA & VARIANT:
-        store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, res * a_other)
+        store_out(step, 1, res * a_other)
     if D_INIT & VARIANT:
-        store_out(outs, ost, os1, os2, 2, t, b1, b2, mask & edge, res * beta)
+        store_at(step, 2, step.mask & edge, res * beta)
 
 
 GRAD_REVERSE = Kernel(grad_coef, grad_store, reverse=False, aux=True)
@@ -140,14 +136,14 @@ def _torch(x: Inputs, s, extra: Extras, dtype=torch.float32):
     return torch_scan.scan(al, be, reverse=extra.reverse, initial=init)
 
 
-OP = Op("linear_scan", Inputs, NoScalars, extras=Extras, check=_check,
-        plan=lambda x, call, out_dtype, extra: scan_plan(
-            REVERSE if extra.reverse else FORWARD, x, call, 1, out_dtype,
-            carried="initial" if x.initial is not None else None),
-        kernel_scalars=lambda s: (0.0,), torch=_torch,
-        loop=lambda x, s, extra, dtype: reference.linear_scan(
-            x.alpha, x.beta, reverse=extra.reverse, initial=x.initial, dtype=dtype),
-        backward=backward)
+OP = ScanOp("linear_scan", Inputs, NoScalars, extras=Extras, check=_check,
+            plan=lambda x, call, out_dtype, extra: scan_plan(
+                REVERSE if extra.reverse else FORWARD, x, call, 1, out_dtype,
+                carried="initial" if x.initial is not None else None),
+            kernel_scalars=lambda s: (0.0,), torch=_torch,
+            loop=lambda x, s, extra, dtype: reference.linear_scan(
+                x.alpha, x.beta, reverse=extra.reverse, initial=x.initial, dtype=dtype),
+            backward=backward)
 
 
 def linear_scan(alpha, beta, *, reverse=True, initial=None, time_dim=0, backend="auto",

@@ -6,7 +6,9 @@ scans. `group_advantages` runs as vectorized torch ops ("loop": the float64-capa
 references of `rl_triton.reference`), differentiable by autograd, and on the Triton backend by
 `group_size` as the one kernel of `_group` where no gradient is needed; `masked_whiten` runs as
 torch ops on the torch and loop backends, and on the Triton backend the kernels of `_whiten`
-(three launches forward, three backward).
+(three launches forward, three backward). Both are `_core.op.Op`s of kind "outcome"
+(docs/dev/op-framework.md): their custom ops (`torch.ops.rl_triton.<name>`; whitening over a
+process group is traced as torch ops instead), autograd and hot path are the framework's.
 """
 from __future__ import annotations
 
@@ -15,8 +17,11 @@ import numbers
 import torch
 
 from .. import reference
+from typing import NamedTuple, Optional
+
 from .._args import FLAG_DTYPES, _flag_grad_error, check_backend, check_out_dtype
-from .._plans import backend_for
+from .._core.op import Op, Plan
+from .._core.plans import backend_for
 from . import _group, _whiten
 
 Tensor = torch.Tensor
@@ -80,6 +85,110 @@ def _float(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype is torch.float64 else torch.float32
 
 
+class GroupInputs(NamedTuple):
+    scores: Tensor
+    group_index: Optional[Tensor]
+    mask: Optional[Tensor]
+
+
+class GroupTensors(NamedTuple):  # the kernel's (consecutive groups, no gradient)
+    scores: Tensor
+
+
+class GroupOptions(NamedTuple):
+    group_size: int
+    baseline: str
+    scale: str
+    eps: float
+    std_correction: int
+    out_dtype: torch.dtype
+
+
+def _group_check(t: tuple, a: tuple):
+    """`group_advantages`' arguments checked: (inputs, plan)."""
+    scores, group_index, mask = t
+    group_size, baseline, scale, eps, std_correction, backend, out_dtype = a
+    backend = check_backend(backend)
+    out_dtype = check_out_dtype(out_dtype)
+    s = _values("scores", scores)
+    if s.ndim != 1:
+        raise ValueError(f"scores must have shape (B,), one score per response; got shape "
+                         f"{tuple(s.shape)}")
+    B = s.shape[0]
+    baseline = _choice("baseline", baseline, BASELINES)
+    scale = _choice("scale", scale, SCALES)
+    eps = float(_nonneg("eps", eps))
+    correction = _nonneg("std_correction", std_correction, numbers.Integral)
+    if (group_index is None) == (group_size is None):
+        raise ValueError("pass exactly one of group_index (a group id per response) and "
+                         "group_size (consecutive groups of that many responses)")
+    if group_size is not None:
+        if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
+            raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+        if group_size < 1 or B % group_size:
+            raise ValueError(f"group_size={group_size} must be positive and divide the number "
+                             f"of scores, {B}")
+        gi = None
+    else:
+        gi = _tensor("group_index", group_index, s.device)
+        if gi.is_floating_point() or gi.dtype is torch.bool:
+            raise TypeError(f"group_index has dtype {gi.dtype}; expected an integer dtype")
+        if gi.shape != s.shape:
+            raise ValueError(f"group_index has shape {tuple(gi.shape)} but scores has shape "
+                             f"{tuple(s.shape)}; one group id per score")
+    if mask is not None:
+        mask = _mask(mask, s.device)
+        if mask.ndim != 2 or mask.shape[0] != B:
+            raise ValueError(f"mask has shape {tuple(mask.shape)}; expected (B, T) with B = "
+                             f"{B}, the number of scores")
+    o = GroupOptions(0 if group_size is None else group_size, baseline, scale, eps, correction,
+                     out_dtype)
+    backend = backend_for(backend, s.device)
+    needs_grad = s.requires_grad and torch.is_grad_enabled()
+    return GroupInputs(s, gi, mask), Plan(o, backend, needs_grad, _float(s))
+
+
+def _group_forward(x: GroupTensors, o: GroupOptions, plan=None):
+    return [_group.group_advantages(x.scores, o.group_size, baseline=o.baseline, scale=o.scale,
+                                    eps=o.eps, std_correction=o.std_correction,
+                                    memo=None if plan is None else plan.memo)], []
+
+
+def _group_run(x: GroupInputs, plan: Plan) -> Tensor:
+    s, o = x.scores, plan.o
+    B = s.shape[0]
+    args = dict(baseline=o.baseline, scale=o.scale, eps=o.eps, std_correction=o.std_correction)
+    # one kernel (_group, through the framework: the custom op inside torch.compile); scores
+    # that need gradients, float64 ones and groups by index run the torch ops (differentiable
+    # by autograd)
+    fused = plan.memo.get("fused")  # (the signature fixes it)
+    if fused is None:
+        fused = plan.memo["fused"] = (
+            plan.backend == "triton" and x.group_index is None and not plan.needs_grad
+            and _group.usable(s, o.group_size))
+    if fused:
+        (a,) = GROUP.triton(GroupTensors(s), o, plan, False)
+    else:
+        if x.group_index is None:
+            n_groups = B // o.group_size
+            ids = torch.arange(B, device=s.device) // o.group_size
+        else:
+            _, ids = torch.unique(x.group_index, return_inverse=True)  # 0..G-1 (a CUDA sync)
+            n_groups = int(ids.max()) + 1 if B else 0
+        if plan.backend == "loop":
+            a = reference.group_advantages(s, ids, **args, dtype=_float(s))
+        else:
+            a = _group_advantages_torch(s.to(_float(s)), ids, n_groups, **args)
+    if x.mask is not None:  # a select: a NaN or inf advantage stays out of masked-out tokens
+        a = torch.where(x.mask != 0, a[:, None], 0.0)
+    return a if a.dtype is o.out_dtype else a.to(o.out_dtype)
+
+
+GROUP = Op("group_advantages", "outcome", GroupInputs, GroupOptions, tensors=GroupTensors,
+           outputs=1, forward=_group_forward, check=_group_check, run=_group_run,
+           fake=lambda x, o: ([x.scores.new_empty(x.scores.shape, dtype=torch.float32)], []))
+
+
 def group_advantages(scores, group_index=None, *, group_size=None, baseline="mean",
                      scale="std", eps=1e-6, std_correction=1, mask=None, backend="auto",
                      out_dtype=torch.float32):
@@ -105,59 +214,8 @@ def group_advantages(scores, group_index=None, *, group_size=None, baseline="mea
         >>> adv = rl_triton.group_advantages(rewards, group_size=8)  # GRPO, 8 samples a prompt
         >>> tok = rl_triton.group_advantages(rewards, prompt_ids, scale="none", mask=resp_mask)
     """
-    backend = check_backend(backend)
-    out_dtype = check_out_dtype(out_dtype)
-    s = _values("scores", scores)
-    if s.ndim != 1:
-        raise ValueError(f"scores must have shape (B,), one score per response; got shape "
-                         f"{tuple(s.shape)}")
-    B = s.shape[0]
-    baseline = _choice("baseline", baseline, BASELINES)
-    scale = _choice("scale", scale, SCALES)
-    eps = float(_nonneg("eps", eps))
-    correction = _nonneg("std_correction", std_correction, numbers.Integral)
-    if (group_index is None) == (group_size is None):
-        raise ValueError("pass exactly one of group_index (a group id per response) and "
-                         "group_size (consecutive groups of that many responses)")
-    if group_size is not None:
-        if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
-            raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
-        if group_size < 1 or B % group_size:
-            raise ValueError(f"group_size={group_size} must be positive and divide the number "
-                             f"of scores, {B}")
-        ids, n_groups = None, B // group_size  # arange(B) // group_size where needed
-    else:
-        gi = _tensor("group_index", group_index, s.device)
-        if gi.is_floating_point() or gi.dtype is torch.bool:
-            raise TypeError(f"group_index has dtype {gi.dtype}; expected an integer dtype")
-        if gi.shape != s.shape:
-            raise ValueError(f"group_index has shape {tuple(gi.shape)} but scores has shape "
-                             f"{tuple(s.shape)}; one group id per score")
-        _, ids = torch.unique(gi, return_inverse=True)  # renumbered 0..G-1 (a sync on CUDA)
-        n_groups = int(ids.max()) + 1 if B else 0
-    if mask is not None:
-        mask = _mask(mask, s.device)
-        if mask.ndim != 2 or mask.shape[0] != B:
-            raise ValueError(f"mask has shape {tuple(mask.shape)}; expected (B, T) with B = "
-                             f"{B}, the number of scores")
-    args = dict(baseline=baseline, scale=scale, eps=eps, std_correction=correction)
-    backend = backend_for(backend, s.device)
-    # one kernel (_group); scores that need gradients, float64 ones, groups by index and
-    # traced calls run the torch ops (differentiable by autograd)
-    fused = (backend == "triton" and group_size is not None and _group.usable(s, group_size)
-             and not (s.requires_grad and torch.is_grad_enabled())
-             and not torch.compiler.is_compiling())
-    if ids is None and not fused:
-        ids = torch.arange(B, device=s.device) // group_size
-    if fused:
-        a = _group.group_advantages(s, group_size, **args)
-    elif backend == "loop":
-        a = reference.group_advantages(s, ids, **args, dtype=_float(s))
-    else:
-        a = _group_advantages_torch(s.to(_float(s)), ids, n_groups, **args)
-    if mask is not None:  # a select: a NaN or inf advantage stays out of masked-out tokens
-        a = torch.where(mask != 0, a[:, None], 0.0)
-    return a.to(out_dtype)
+    return GROUP((scores, group_index, mask),
+                 (group_size, baseline, scale, eps, std_correction, backend, out_dtype))
 
 
 def _group_advantages_torch(s, ids, n_groups, *, baseline, scale, eps, std_correction):
@@ -186,25 +244,22 @@ def _group_advantages_torch(s, ids, n_groups, *, baseline, scale, eps, std_corre
     return torch.where(alone, s, a)  # a group of one: baseline 0, scale 1
 
 
-def masked_whiten(x, mask=None, *, shift_mean=True, eps=1e-8, std_correction=1, group=None,
-                  backend="auto", out_dtype=torch.float32):
-    """`(x - mean) * rsqrt(var + eps)` over the positions where `mask` is set (semantics §8).
+class WhitenInputs(NamedTuple):
+    x: Tensor
+    mask: Optional[Tensor]
 
-    Mean and variance (`std_correction=1`: unbiased) are taken over the masked-in positions of
-    `x` (all without a mask); `shift_mean=False` adds the mean back; masked positions are 0.
-    With `group` (a `torch.distributed` process group) mean and variance are global over its
-    ranks, from one all-reduce of (count, sum, sum of squares) in float64: the result equals
-    whitening the concatenation of every rank's data, and gradients flow across ranks (every
-    rank calls it with the same backend: the Triton backward all-reduces its own sums); a
-    `group` that is not a process group raises TypeError. Every backend accumulates in float64
-    around a first estimate of the mean, so float32 data far from zero (mean 1e4 std) keeps
-    float32 precision. Fewer than `1 + std_correction` positions set: NaN there. A NaN or inf
-    at a masked position reaches neither the result nor any gradient.
 
-    Example::
+class WhitenOptions(NamedTuple):
+    shift_mean: bool
+    eps: float
+    std_correction: int
+    out_dtype: torch.dtype
 
-        >>> adv = rl_triton.masked_whiten(advantages, response_mask)  # PPO's normalization
-    """
+
+def _whiten_check(t: tuple, a: tuple):
+    """`masked_whiten`'s arguments checked: (inputs, plan); `plan.group` the process group."""
+    x, mask = t
+    shift_mean, eps, std_correction, group, backend, out_dtype = a
     backend = check_backend(backend)
     out_dtype = check_out_dtype(out_dtype)
     x = _values("x", x)
@@ -218,10 +273,46 @@ def masked_whiten(x, mask=None, *, shift_mean=True, eps=1e-8, std_correction=1, 
     eps = float(_nonneg("eps", eps))
     correction = _nonneg("std_correction", std_correction, numbers.Integral)
     group = _process_group(group)
-    backend = backend_for(backend, x.device)
-    if backend == "triton" and not torch.compiler.is_compiling():
-        # under torch.compile the torch ops below are traced instead (no custom op yet)
-        return _whiten.masked_whiten(x, mask, shift_mean, eps, correction, group, out_dtype)
+    plan = Plan(WhitenOptions(shift_mean, eps, correction, out_dtype),
+                backend_for(backend, x.device), x.requires_grad and torch.is_grad_enabled(),
+                _float(x))
+    plan.group = group
+    return WhitenInputs(x, mask), plan
+
+
+def _whiten_opts(o: WhitenOptions, plan) -> tuple:
+    return (o.shift_mean, o.eps, o.std_correction, None if plan is None else plan.group,
+            o.out_dtype)
+
+
+def _whiten_forward(x: WhitenInputs, o: WhitenOptions, plan=None):
+    plain = False
+    if plan is not None:  # what the signature fixes, once
+        plain = plan.memo.get("plain")
+        if plain is None:
+            plain = plan.memo["plain"] = all(t is None or (t.is_contiguous() and not t.is_neg())
+                                             for t in x)
+    with _whiten._on(x.x.device):
+        y, stats = _whiten._forward(x.x, x.mask, _whiten_opts(o, plan), plain,
+                                    plan.memo if plain else None)
+    return [y], [stats]
+
+
+def _whiten_backward(x: WhitenInputs, o: WhitenOptions, saved, grads, needs, plan=None):
+    (g,) = grads
+    if g is None or not needs[0]:
+        return [None, None]
+    with _whiten._on(x.x.device):
+        return [_whiten._backward(x.x, x.mask, saved[0], g, _whiten_opts(o, plan)), None]
+
+
+def _whiten_run(x: WhitenInputs, plan: Plan) -> Tensor:
+    if plan.backend == "triton" and (plan.group is None or not torch.compiler.is_compiling()):
+        # (inside torch.compile a process group's whitening is traced as the torch ops below:
+        # a custom op's schema holds no process group)
+        return WHITEN.triton(x, plan.o, plan, plan.needs_grad)[0]
+    x, mask, o, group, backend = x.x, x.mask, plan.o, plan.group, plan.backend
+    shift_mean, eps, correction, out_dtype = o
     m = torch.ones_like(x, dtype=torch.bool) if mask is None else mask != 0
     dtype = _float(x)
     if backend == "loop":
@@ -256,6 +347,42 @@ def masked_whiten(x, mask=None, *, shift_mean=True, eps=1e-8, std_correction=1, 
     if not shift_mean:
         out = out + mean.to(dtype)
     return torch.where(m, out, 0.0).to(out_dtype)
+
+
+
+
+def _whiten_like(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """A new tensor laid out as the kernels write x's result or gradient (`_whiten._unflat`)."""
+    return _whiten._unflat(x.new_empty(x.numel(), dtype=dtype), x, _whiten._order(x))
+
+
+WHITEN = Op("masked_whiten", "outcome", WhitenInputs, WhitenOptions, outputs=1, saved=1,
+            forward=_whiten_forward, backward=_whiten_backward, check=_whiten_check,
+            run=_whiten_run, grad_like=lambda t: _whiten_like(t, t.dtype),
+            fake=lambda x, o: ([_whiten_like(x.x, o.out_dtype)],
+                               [x.x.new_empty(3, dtype=torch.float64)]))
+
+
+def masked_whiten(x, mask=None, *, shift_mean=True, eps=1e-8, std_correction=1, group=None,
+                  backend="auto", out_dtype=torch.float32):
+    """`(x - mean) * rsqrt(var + eps)` over the positions where `mask` is set (semantics §8).
+
+    Mean and variance (`std_correction=1`: unbiased) are taken over the masked-in positions of
+    `x` (all without a mask); `shift_mean=False` adds the mean back; masked positions are 0.
+    With `group` (a `torch.distributed` process group) mean and variance are global over its
+    ranks, from one all-reduce of (count, sum, sum of squares) in float64: the result equals
+    whitening the concatenation of every rank's data, and gradients flow across ranks (every
+    rank calls it with the same backend: the Triton backward all-reduces its own sums); a
+    `group` that is not a process group raises TypeError. Every backend accumulates in float64
+    around a first estimate of the mean, so float32 data far from zero (mean 1e4 std) keeps
+    float32 precision. Fewer than `1 + std_correction` positions set: NaN there. A NaN or inf
+    at a masked position reaches neither the result nor any gradient.
+
+    Example::
+
+        >>> adv = rl_triton.masked_whiten(advantages, response_mask)  # PPO's normalization
+    """
+    return WHITEN((x, mask), (shift_mean, eps, std_correction, group, backend, out_dtype))
 
 
 def _centered(x: Tensor, mean: Tensor) -> Tensor:

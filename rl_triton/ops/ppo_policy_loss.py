@@ -9,6 +9,7 @@ import torch
 from .. import reference
 from .._args import Call, check_backend, check_bool, check_out_dtype, check_scalar
 from ..scan.jit import cdiv, tl, triton
+from .._core.op import Op
 from . import _losses as L
 
 Tensor = torch.Tensor
@@ -143,27 +144,36 @@ def _seq(x: Inputs, o: Options):
     return seq, scale, cu, S, max(S - 1, 0).bit_length()
 
 
-def forward(x: Inputs, o: Options):
-    lp = x.log_probs
-    N, dev, per_position = lp.numel(), lp.device, o.aggregation == "none"
-    seq, scale, cu, S, steps = _seq(x, o)
-    loss = torch.empty(lp.shape if per_position else (), dtype=o.out_dtype, device=dev)
-    clip, kl = (torch.empty((), dtype=o.out_dtype, device=dev) for _ in range(2))
-    inv = torch.empty((), dtype=torch.float32, device=dev)
-    lay = L.layout(tuple(lp.shape), lp, x.old_log_probs, x.advantages, x.mask)
+def _fixed(x: Inputs, o: Options):
+    """The forward's sizes, grid, scalars and flags (fixed by the call's signature)."""
+    N, per_position = x.log_probs.numel(), o.aggregation == "none"
     bl = L.block(N)
-    programs = cdiv(N, bl)
-    parts = torch.empty((programs, 4), dtype=torch.float32, device=dev)
+    return (N, cdiv(N, bl), tuple(x.log_probs.shape) if per_position else (), _scalars(o),
+            dict(HAS_MASK=x.mask is not None, SEQ=L.seq_kind(o.aggregation, x.cu_seqlens),
+                 DUAL=o.dual_clip is not None, PER_POSITION=per_position, BLOCK=bl,
+                 num_warps=L.NUM_WARPS),
+            dict(mean=o.aggregation == "token-mean", write_loss=not per_position))
+
+
+def forward(x: Inputs, o: Options, plan=None):
+    lp = x.log_probs
+    dev = lp.device
+    N, programs, loss_shape, scalars, meta, fin = L.fixed(plan, _fixed, x, o)
+    seq, scale, cu, S, steps = _seq(x, o)
+    loss = L.new(plan, loss_shape, o.out_dtype, dev)
+    clip, kl = L.new(plan, (), o.out_dtype, dev), L.new(plan, (), o.out_dtype, dev)
+    inv = L.new(plan, (), torch.float32, dev)
+    lay = L.layout(tuple(lp.shape), lp, x.old_log_probs, x.advantages, x.mask, plan=plan)
+    parts = L.new(plan, (programs, 4), torch.float32, dev)
     L.launch(forward_kernel, programs, *lay.tensors, scale, cu, loss, parts,
-             N, lay.C, S, steps, *lay.strides, *_scalars(o), HAS_MASK=x.mask is not None,
-             SEQ=seq, DUAL=o.dual_clip is not None, PER_POSITION=per_position, FLAT=lay.FLAT,
-             INT64=lay.INT64, BLOCK=bl, num_warps=L.NUM_WARPS)
-    L.finish(parts, loss, inv, (clip, kl), mean=o.aggregation == "token-mean",
-             write_loss=not per_position)
-    return [loss, clip, kl], [inv, scale if seq else lp.new_empty(0, dtype=torch.float32)]
+             N, lay.C, S, steps, *lay.strides, *scalars, FLAT=lay.FLAT, INT64=lay.INT64,
+             **meta, plan=plan)
+    L.finish(parts, loss, inv, (clip, kl), **fin, plan=plan)
+    # (no sequence weights: a placeholder, the backward reads none; eagerly `inv` itself)
+    return [loss, clip, kl], [inv, scale if seq else inv if plan else inv.new_empty(0)]
 
 
-def backward(x: Inputs, o: Options, saved, grads, needs):
+def backward(x: Inputs, o: Options, saved, grads, needs, plan=None):
     lp = x.log_probs
     inv, scale = saved
     g_loss, _, g_kl = grads
@@ -224,8 +234,37 @@ def loop_impl(x: Inputs, o: Options, dtype):
                                      aggregation=o.aggregation, dtype=dtype)
 
 
-OP = L.Fused("ppo_policy_loss", Inputs, Options, forward=forward, backward=backward, fake=fake,
-             n_out=3, n_saved=2, nondiff=(1,))
+
+
+def _check(t: tuple, a: tuple):
+    """The public call's arguments checked (`ppo_policy_loss`'s order): (inputs, plan)."""
+    log_probs, old_log_probs, advantages, mask, cu_seqlens = t
+    (clip_low, clip_high, dual_clip, log_ratio_clamp, aggregation, check_offsets,
+     backend, out_dtype) = a
+    backend = check_backend(backend)
+    out_dtype = check_out_dtype(out_dtype)
+    call = Call("log_probs", log_probs, None)
+    lp = call.step("log_probs", log_probs)
+    old = call.step("old_log_probs", old_log_probs)
+    adv = call.step("advantages", advantages)
+    check_offsets = check_bool("check_offsets", check_offsets)
+    aggregation, mask, cu = L.aggregation_args(call, aggregation, mask, cu_seqlens,
+                                               check_offsets)
+    clip_low = check_scalar("clip_low", clip_low)
+    clip_high = clip_low if clip_high is None else check_scalar("clip_high", clip_high,
+                                                                high=None)
+    if dual_clip is not None:
+        dual_clip = check_scalar("dual_clip", dual_clip, low=1.0, high=None, low_open=True)
+    log_ratio_clamp = check_scalar("log_ratio_clamp", log_ratio_clamp, high=None,
+                                   low_open=True)
+    o = Options(clip_low, clip_high, dual_clip, log_ratio_clamp, aggregation, out_dtype,
+                check_offsets)
+    return Inputs(lp, old, adv, mask, cu), L.plan(call, backend, o)
+
+
+OP = Op("ppo_policy_loss", "loss", Inputs, Options, outputs=3, saved=2, nondiff=(1,),
+        forward=forward, backward=backward, fake=fake, check=_check,
+        runtime_check=L.runtime_check, torch=torch_impl, loop=loop_impl)
 
 
 def ppo_policy_loss(log_probs, old_log_probs, advantages, mask=None, *, clip_low=0.2,
@@ -261,23 +300,6 @@ def ppo_policy_loss(log_probs, old_log_probs, advantages, mask=None, *, clip_low
         >>> loss, clip_fraction, approx_kl = rl_triton.ppo_policy_loss(
         ...     new_log_probs, old_log_probs, advantages, response_mask, clip_high=0.28)
     """
-    backend = check_backend(backend)
-    out_dtype = check_out_dtype(out_dtype)
-    call = Call("log_probs", log_probs, None)
-    lp = call.step("log_probs", log_probs)
-    old = call.step("old_log_probs", old_log_probs)
-    adv = call.step("advantages", advantages)
-    check_offsets = check_bool("check_offsets", check_offsets)
-    aggregation, mask, cu = L.aggregation_args(call, aggregation, mask, cu_seqlens,
-                                               check_offsets)
-    clip_low = check_scalar("clip_low", clip_low)
-    clip_high = clip_low if clip_high is None else check_scalar("clip_high", clip_high,
-                                                                high=None)
-    if dual_clip is not None:
-        dual_clip = check_scalar("dual_clip", dual_clip, low=1.0, high=None, low_open=True)
-    log_ratio_clamp = check_scalar("log_ratio_clamp", log_ratio_clamp, high=None,
-                                   low_open=True)
-    o = Options(clip_low, clip_high, dual_clip, log_ratio_clamp, aggregation, out_dtype,
-                check_offsets)
-    return L.run(OP, Inputs(lp, old, adv, mask, cu), o, call, backend, torch_impl, loop_impl,
-                 out_dtype)
+    return OP((log_probs, old_log_probs, advantages, mask, cu_seqlens),
+              (clip_low, clip_high, dual_clip, log_ratio_clamp, aggregation, check_offsets,
+               backend, out_dtype))

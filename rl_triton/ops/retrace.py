@@ -8,12 +8,12 @@ import torch
 from .. import reference
 from .._args import (FLAG, INDEX, VALUE, Call, check_actions, check_bool, check_discount,
                      check_scalar)
-from .._plans import Op
+from .._core.scan import ScanOp
 from ..reference import _decided, _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import (clip, cut_flags, finish_linear, flags_before, load_step, load_value,
-                           offsets, store_out)
+from ..scan.kernel import (clip, cut_flags, finish_linear, flags_before, load_at, load_step,
+                           load_value, out_offsets, slot_offsets, store_at, store_out)
 from ..scan.launch import Kernel
 from ._common import bits, like, run_backward, scan_plan
 
@@ -48,31 +48,29 @@ R, Q, ACT, PI, MU, TERM, TRUNC, LAST_Q, LAST_PI, MASK = slots(Inputs)
 
 
 @triton.jit
-def coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-         HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-         VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-         ACT_VEC: tl.constexpr, after):
-    return terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params, HAS_TRUNC,
-                 VARIANT, BLOCK_A, ACT_BLOCKS, ACT_VEC, False)
+def coef(step, after):
+    return terms(step, False)
 
 
 @triton.jit
-def coef_whole(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-               HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-               VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-               ACT_VEC: tl.constexpr, after):
+def coef_whole(step, after):
     """`coef` for tiles that span their rows' whole window (each holds step T-1)."""
-    return terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params, HAS_TRUNC,
-                 VARIANT, BLOCK_A, ACT_BLOCKS, ACT_VEC, True)
+    return terms(step, True)
 
 
 @triton.jit
-def terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-          HAS_TRUNC: tl.constexpr, VARIANT: tl.constexpr, BLOCK_A: tl.constexpr,
-          ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr, WHOLE: tl.constexpr):
-    gamma = params[0]
-    lam = params[1]
-    c_clip = params[2]
+def terms(step, WHOLE: tl.constexpr):
+    t = step.t
+    mask = step.mask
+    T = step.T
+    ins = step.ins
+    sa = step.sa
+    n_act = step.n_act
+    BLOCK_A: tl.constexpr = step.BLOCK_A
+    ACT_VEC: tl.constexpr = step.ACT_VEC
+    gamma = step.params[0]
+    lam = step.params[1]
+    c_clip = step.params[2]
     inside = mask & (t + 1 < T)  # slot t+1 is in the window
     # The gathers of a_{t+1}'s entries of Q and pi come before E[t]'s blocks, so that their
     # round trip overlaps the blocks' loads (16384x1024 batch-major 787 -> 737 µs on the H200).
@@ -82,21 +80,20 @@ def terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
     # (EARLY: 3 load rounds instead of 5; 4096x128 0.85 of the time).
     EARLY: tl.constexpr = WHOLE and mask.shape[0] == 1
     if EARLY:
-        a_next = load_action(ins, st, s1, s2, t + 1, b1, b2, inside, n_act)
-    r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
-    term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
+        a_next = load_action(step, t + 1, inside)
+    r = load_step(step, R)
+    term, cut = cut_flags(step, TERM, TRUNC)
     if EARLY:
-        mu_next = tl.where(inside, load_step(ins, st, s1, s2, MU, t + 1, b1, b2, inside),
-                           1.0)
-    q_row = tl.trans(offsets(t + 1, b1, b2, st[Q], s1[Q], s2[Q]))
-    pi_row = tl.trans(offsets(t + 1, b1, b2, st[PI], s1[PI], s2[PI]))
+        mu_next = tl.where(inside, load_at(step, MU, t + 1, inside), 1.0)
+    q_row = tl.trans(slot_offsets(step, Q, t + 1))
+    pi_row = tl.trans(slot_offsets(step, PI, t + 1))
     inside_tr = tl.trans(inside)
     # rows that start at a multiple of ACT_VEC actions load ACT_VEC at a time (`action_vector`)
     if ACT_VEC > 1:
         q_row = q_row // ACT_VEC * ACT_VEC
         pi_row = pi_row // ACT_VEC * ACT_VEC
     if not EARLY:
-        a_next = load_action(ins, st, s1, s2, t + 1, b1, b2, inside, n_act)
+        a_next = load_action(step, t + 1, inside)
     a_next = tl.trans(a_next)
     q_a_next = tl.trans(load_value(ins[Q], q_row + a_next * sa[Q], inside_tr))
     pi_a_next = tl.trans(load_value(ins[PI], pi_row + a_next * sa[PI], inside_tr))
@@ -109,8 +106,8 @@ def terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
     if FOLD:
         at_end = tl.trans(mask & (t == T - 1))
         state_tr = inside_tr | at_end
-        lq_row = tl.trans(offsets(0, b1, b2, st[LAST_Q], s1[LAST_Q], s2[LAST_Q]))
-        lpi_row = tl.trans(offsets(0, b1, b2, st[LAST_PI], s1[LAST_PI], s2[LAST_PI]))
+        lq_row = tl.trans(slot_offsets(step, LAST_Q, 0))
+        lpi_row = tl.trans(slot_offsets(step, LAST_PI, 0))
         if ACT_VEC > 1:
             lq_row = lq_row // ACT_VEC * ACT_VEC
             lpi_row = lpi_row // ACT_VEC * ACT_VEC
@@ -118,7 +115,7 @@ def terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
         products = tl.zeros([inside_tr.shape[0], inside_tr.shape[1], BLOCK_A], tl.float32)
     else:
         expected = tl.zeros(inside_tr.shape, tl.float32)
-    for k in tl.static_range(ACT_BLOCKS):
+    for k in tl.static_range(step.ACT_BLOCKS):
         a = k * BLOCK_A + tl.arange(0, BLOCK_A)[None, None, :]
         in_a = tl.max_constancy(state_tr[:, :, None] & (a < n_act), [1, 1, ACT_VEC])
         q_ptr = ins[Q] + (q_row[:, :, None] + a * sa[Q])
@@ -138,17 +135,15 @@ def terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
         expected = tl.sum(products, axis=2)
     expected = tl.trans(expected)
     if not EARLY:
-        mu_next = tl.where(inside, load_step(ins, st, s1, s2, MU, t + 1, b1, b2, inside),
-                           1.0)
+        mu_next = tl.where(inside, load_at(step, MU, t + 1, inside), 1.0)
     c_next = lam * clip(pi_a_next / mu_next, c_clip)
 
     # At t = T-1, E comes from the bootstrap state s_T: read by the tile that holds T-1 only.
     if not FOLD:
-        if tl.max(end_rows.to(tl.int32)) != 0:
-            last = end_rows
-            lq_row = offsets(0, b1, b2, st[LAST_Q], s1[LAST_Q], s2[LAST_Q])[:, :, None]
-            lpi_row = offsets(0, b1, b2, st[LAST_PI], s1[LAST_PI],
-                              s2[LAST_PI])[:, :, None]
+        if tl.max(step.end_rows.to(tl.int32)) != 0:
+            last = step.end_rows
+            lq_row = slot_offsets(step, LAST_Q, 0)[:, :, None]
+            lpi_row = slot_offsets(step, LAST_PI, 0)[:, :, None]
             end = tl.zeros(last.shape, tl.float32)
             for a0 in range(0, n_act, BLOCK_A):
                 a = a0 + tl.arange(0, BLOCK_A)[None, None, :]
@@ -162,28 +157,26 @@ def terms(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
     # a NaN trace coefficient makes alpha NaN; beta stays finite (the scan's combine relies on it)
     beta = tl.where(cut | (c_next != c_next), 0.0, gamma * c_next)
     q_a = 0.0
-    if VARIANT == 1:  # also return G - Q(s_t, a_t)
-        a_t = load_action(ins, st, s1, s2, t, b1, b2, mask, n_act)
-        q_a = tl.trans(load_value(ins[Q], tl.trans(offsets(t, b1, b2, st[Q], s1[Q],
-                                                               s2[Q]) + a_t * sa[Q]),
+    if step.VARIANT == 1:  # also return G - Q(s_t, a_t)
+        a_t = load_action(step, t, mask)
+        q_a = tl.trans(load_value(ins[Q], tl.trans(slot_offsets(step, Q, t) + a_t * sa[Q]),
                                   tl.trans(mask)))
     return alpha, beta, q_a
 
 
 @triton.jit
-def load_action(ins, st, s1, s2, t, b1, b2, mask, n_act):
+def load_action(step, t, mask):
     """The actions at steps t (0 where masked), clamped into [0, n_act): whatever they hold,
     the gathers stay inside their rows (the host checks them unless told not to)."""
-    a = tl.load(ins[ACT] + offsets(t, b1, b2, st[ACT], s1[ACT], s2[ACT]), mask=mask, other=0)
-    return tl.minimum(tl.maximum(a, 0), n_act - 1)
+    a = tl.load(step.ins[ACT] + slot_offsets(step, ACT, t), mask=mask, other=0)
+    return tl.minimum(tl.maximum(a, 0), step.n_act - 1)
 
 
 @triton.jit
-def store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
-          VARIANT: tl.constexpr):
-    store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)
-    if VARIANT == 1:
-        store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, res - aux)
+def store(step, res, res_prev, aux):
+    store_out(step, 0, res)
+    if step.VARIANT == 1:
+        store_out(step, 1, res - aux)
 
 
 KERNEL = Kernel(coef, store, reverse=True, trunc_slot_always=(TERM.value, TRUNC.value),
@@ -200,35 +193,35 @@ KERNEL = Kernel(coef, store, reverse=True, trunc_slot_always=(TERM.value, TRUNC.
 # (w') and U[n] (the exclusive scan). Past the window: U = 0, w = the bootstrap state's e.
 
 @triton.jit
-def coef_masked(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-                HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-                VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-                ACT_VEC: tl.constexpr, after):
+def coef_masked(step, after):
     """w = e[t]; alpha = c (r - Q_a) + c gamma (1 - term) w' (`finish_linear`), beta = gamma c
     where the trace goes on. Slot t's action axis in blocks, on the transposed tile, as `terms`
     walks slot t+1's."""
-    gamma = params[0]
-    lam = params[1]
-    c_clip = params[2]
-    a_t = tl.trans(load_action(ins, st, s1, s2, t, b1, b2, mask, n_act))
-    r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
-    term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
-    mu = tl.where(mask, load_step(ins, st, s1, s2, MU, t, b1, b2, mask), 1.0)
-    q_row = tl.trans(offsets(t, b1, b2, st[Q], s1[Q], s2[Q]))
-    pi_row = tl.trans(offsets(t, b1, b2, st[PI], s1[PI], s2[PI]))
+    ACT_VEC: tl.constexpr = step.ACT_VEC
+    mask = step.mask
+    t = step.t
+    gamma = step.params[0]
+    lam = step.params[1]
+    c_clip = step.params[2]
+    a_t = tl.trans(load_action(step, t, mask))
+    r = load_step(step, R)
+    term, cut = cut_flags(step, TERM, TRUNC)
+    mu = tl.where(mask, load_step(step, MU), 1.0)
+    q_row = tl.trans(slot_offsets(step, Q, t))
+    pi_row = tl.trans(slot_offsets(step, PI, t))
     mask_tr = tl.trans(mask)
     if ACT_VEC > 1:  # rows that start at a multiple of ACT_VEC actions (`action_vector`)
         q_row = q_row // ACT_VEC * ACT_VEC
         pi_row = pi_row // ACT_VEC * ACT_VEC
-    q_a = tl.trans(load_value(ins[Q], q_row + a_t * sa[Q], mask_tr))
-    pi_a = tl.trans(load_value(ins[PI], pi_row + a_t * sa[PI], mask_tr))
+    q_a = tl.trans(load_value(step.ins[Q], q_row + a_t * step.sa[Q], mask_tr))
+    pi_a = tl.trans(load_value(step.ins[PI], pi_row + a_t * step.sa[PI], mask_tr))
     expected = tl.zeros(mask_tr.shape, tl.float32)
-    for k in tl.static_range(ACT_BLOCKS):
-        a = k * BLOCK_A + tl.arange(0, BLOCK_A)[None, None, :]
-        in_a = tl.max_constancy(mask_tr[:, :, None] & (a < n_act), [1, 1, ACT_VEC])
-        q = tl.load(ins[Q] + (q_row[:, :, None] + a * sa[Q]), mask=in_a,
+    for k in tl.static_range(step.ACT_BLOCKS):
+        a = k * step.BLOCK_A + tl.arange(0, step.BLOCK_A)[None, None, :]
+        in_a = tl.max_constancy(mask_tr[:, :, None] & (a < step.n_act), [1, 1, ACT_VEC])
+        q = tl.load(step.ins[Q] + (q_row[:, :, None] + a * step.sa[Q]), mask=in_a,
                     other=0.0).to(tl.float32)
-        p = tl.load(ins[PI] + (pi_row[:, :, None] + a * sa[PI]), mask=in_a,
+        p = tl.load(step.ins[PI] + (pi_row[:, :, None] + a * step.sa[PI]), mask=in_a,
                     other=0.0).to(tl.float32)
         expected += tl.sum(q * p, axis=2)
     c = lam * clip(pi_a / mu, c_clip)
@@ -244,34 +237,34 @@ BOOT_BLOCK_A = tl.constexpr(4)  # actions per load of the bootstrap state (`boot
 
 
 @triton.jit
-def boot_masked(ins, st, s1, s2, sa, b1, b2, rows, T, n_act, params, HAS_NEXT: tl.constexpr,
-                HAS_LAST: tl.constexpr, VARIANT: tl.constexpr):
+def boot_masked(step):
     """(U, w) past the window: 0, and sum_a pi(a | s_T) Q(s_T, a) from the bootstrap state
-    (read where `rows` is set: the first tile in scan order, or packed rows' segment ends)."""
-    lq = ins[LAST_Q] + offsets(0, b1, b2, st[LAST_Q], s1[LAST_Q], s2[LAST_Q])
-    lpi = ins[LAST_PI] + offsets(0, b1, b2, st[LAST_PI], s1[LAST_PI], s2[LAST_PI])
+    (read where the step's mask is set: the first tile in scan order, or packed rows' segment
+    ends)."""
+    rows = step.mask
+    lq = step.ins[LAST_Q] + slot_offsets(step, LAST_Q, 0)
+    lpi = step.ins[LAST_PI] + slot_offsets(step, LAST_PI, 0)
     end = tl.zeros(rows.shape, tl.float32)
-    for a0 in range(0, n_act, BOOT_BLOCK_A):
+    for a0 in range(0, step.n_act, BOOT_BLOCK_A):
         a = a0 + tl.arange(0, BOOT_BLOCK_A)[None, None, :]
-        in_a = rows[:, :, None] & (a < n_act)
-        end += tl.sum(tl.load(lq[:, :, None] + a * sa[LAST_Q], mask=in_a, other=0.0)
+        in_a = rows[:, :, None] & (a < step.n_act)
+        end += tl.sum(tl.load(lq[:, :, None] + a * step.sa[LAST_Q], mask=in_a, other=0.0)
                       .to(tl.float32)
-                      * tl.load(lpi[:, :, None] + a * sa[LAST_PI], mask=in_a, other=0.0)
+                      * tl.load(lpi[:, :, None] + a * step.sa[LAST_PI], mask=in_a, other=0.0)
                       .to(tl.float32), axis=2)
     return tl.zeros(rows.shape, tl.float32), end
 
 
 @triton.jit
-def store_masked(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
-                 VARIANT: tl.constexpr):
+def store_masked(step, res, res_prev, aux):
     """G = r + gamma (1 - term) (e' + (1 - cut) U'), U' the exclusive scan (0 past the window)."""
-    gamma = params[0]
+    gamma = step.params[0]
     own, keep, e_succ = aux  # (no nested unpacking: Triton 3.6)
     r, term, cut, q_a = own
     g = r + tl.where(term, 0.0, gamma * (e_succ + tl.where(cut, 0.0, res_prev)))
-    store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, tl.where(keep, g, 0.0))
-    if VARIANT == 1:
-        store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, tl.where(keep, g - q_a, 0.0))
+    store_out(step, 0, tl.where(keep, g, 0.0))
+    if step.VARIANT == 1:
+        store_out(step, 1, tl.where(keep, g - q_a, 0.0))
 
 
 KERNEL_MASKED = Kernel(coef_masked, store_masked, reverse=True, exclusive=True, aux=True,
@@ -307,28 +300,26 @@ O_R, O_MU, O_GAMMA, O_LAM, O_Q, O_PI, O_LAST = (tl.constexpr(i) for i in range(7
 
 
 @triton.jit
-def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-              HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-              VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-              ACT_VEC: tl.constexpr, after):
-    gamma = params[0]
-    lam = params[1]
-    c_clip = params[2]
+def grad_coef(step, after):
+    VARIANT: tl.constexpr = step.VARIANT
+    mask = step.mask
+    t = step.t
+    gamma = step.params[0]
+    lam = step.params[1]
+    c_clip = step.params[2]
     first = t == 0
-    term, cut = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
-    term_b, cut_b = flags_before(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T,
-                                 HAS_TRUNC, term, cut)
+    term, cut = cut_flags(step, G_TERM, G_TRUNC)
+    term_b, cut_b = flags_before(step, G_TERM, G_TRUNC, term, cut)
     # a_t's entries of Q and pi (on the transposed tile, as the forward's gathers)
-    a_t = tl.load(ins[G_ACT] + offsets(t, b1, b2, st[G_ACT], s1[G_ACT], s2[G_ACT]), mask=mask,
-                  other=0)
-    a_t = tl.minimum(tl.maximum(a_t, 0), n_act - 1)  # inside the rows, whatever they hold
+    a_t = tl.load(step.ins[G_ACT] + slot_offsets(step, G_ACT, t), mask=mask, other=0)
+    a_t = tl.minimum(tl.maximum(a_t, 0), step.n_act - 1)  # inside the rows, whatever they hold
     a_tr = tl.trans(a_t)
     mask_tr = tl.trans(mask)
-    q_a = tl.trans(load_value(ins[G_Q], tl.trans(offsets(t, b1, b2, st[G_Q], s1[G_Q], s2[G_Q]))
-                              + a_tr * sa[G_Q], mask_tr))
-    pi_a = tl.trans(load_value(ins[G_PI], tl.trans(offsets(t, b1, b2, st[G_PI], s1[G_PI],
-                                                           s2[G_PI])) + a_tr * sa[G_PI], mask_tr))
-    mu = tl.where(mask, load_step(ins, st, s1, s2, G_MU, t, b1, b2, mask), 1.0)
+    q_a = tl.trans(load_value(step.ins[G_Q], tl.trans(slot_offsets(step, G_Q, t))
+                              + a_tr * step.sa[G_Q], mask_tr))
+    pi_a = tl.trans(load_value(step.ins[G_PI], tl.trans(slot_offsets(step, G_PI, t))
+                               + a_tr * step.sa[G_PI], mask_tr))
+    mu = tl.where(mask, load_step(step, G_MU), 1.0)
     ratio = pi_a / mu
     c = lam * clip(ratio, c_clip)
     stop_b = cut_b | first
@@ -336,35 +327,38 @@ def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
     d_a = tl.zeros(mask.shape, tl.float32)
     d_adv = tl.zeros(mask.shape, tl.float32)
     if HAS_DRET & VARIANT:
-        d_a += load_step(ins, st, s1, s2, G_DRET, t, b1, b2, mask)
+        d_a += load_step(step, G_DRET)
     if HAS_DADV & VARIANT:
-        d_adv = load_step(ins, st, s1, s2, G_DADV, t, b1, b2, mask)
+        d_adv = load_step(step, G_DADV)
     # G[t] - Q(s_t, a_t): what c[t] multiplies in G[t-1]
-    ahead = load_step(ins, st, s1, s2, G_RET, t, b1, b2, mask) - q_a
+    ahead = load_step(step, G_RET) - q_a
     # d ratio = lam y ahead below the clip (ties too, as torch.clamp), y = d G[t-1] / d (c[t] ..)
     k_ratio = tl.where(ratio <= c_clip, lam * ahead, 0.0)
     return d_a + d_adv, beta, (d_adv, a_t, term_b | first, stop_b, c, k_ratio / mu,
                                -k_ratio * pi_a / (mu * mu), c * ahead,
-                               clip(ratio, c_clip) * ahead, term, t == T - 1)
+                               clip(ratio, c_clip) * ahead, term, t == step.T - 1)
 
 
 @triton.jit
-def grad_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
-               VARIANT: tl.constexpr, src, ACT: tl.constexpr):
-    """res = H[t], res_prev = H[t-1]; `src` and ACT: the inputs, for slot t's action axis."""
-    gamma = params[0]
-    ins, st, s1, s2, sa, n_act = src
-    BLOCK_A: tl.constexpr = ACT[0]
-    ACT_VEC: tl.constexpr = ACT[2]
+def grad_store(step, res, res_prev, aux):
+    """res = H[t], res_prev = H[t-1]; reads slot t's action axis of the inputs too."""
+    gamma = step.params[0]
+    t = step.t
+    ins = step.ins
+    sa = step.sa
+    outs = step.outs
+    n_act = step.n_act
+    VARIANT: tl.constexpr = step.VARIANT
+    BLOCK_A: tl.constexpr = step.BLOCK_A
+    ACT_VEC: tl.constexpr = step.ACT_VEC
     d_adv, a_t, off_b, stop_b, c, k_pi, k_mu, c_ahead, clip_ahead, term, at_end = aux
     if D_R & VARIANT:
-        store_out(outs, ost, os1, os2, O_R, t, b1, b2, mask, res)
+        store_out(step, O_R, res)
     y = tl.where(stop_b, 0.0, gamma * res_prev)  # d G[t-1] / d (c[t] (G[t] - Q(s_t, a_t)))
     if D_MU & VARIANT:  # d mu = -d ratio * ratio / mu
-        store_out(outs, ost, os1, os2, O_MU, t, b1, b2, mask, k_mu * y)
+        store_out(step, O_MU, k_mu * y)
     if D_LAST & VARIANT:  # the weight of E[T-1] (the bootstrap state's), over gamma
-        store_out(outs, ost, os1, os2, O_LAST, t, b1, b2, mask & at_end,
-                  tl.where(term, 0.0, res))
+        store_at(step, O_LAST, step.mask & at_end, tl.where(term, 0.0, res))
     if (D_Q | D_PI | D_ROWS) & VARIANT:
         # slot t's action axis, in blocks on the transposed tile (as the forward's builder):
         # d Q(s_t, .) = gamma he pi(. | s_t), plus dqa at a_t; d pi(. | s_t) alike
@@ -373,11 +367,11 @@ def grad_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
         dqa = tl.trans(-y * c - d_adv)[:, :, None]
         dpia = tl.trans(y * k_pi)[:, :, None]
         a_tr = tl.trans(a_t)[:, :, None]
-        in_tr = tl.trans(mask)[:, :, None]
-        q_row = tl.trans(offsets(t, b1, b2, st[G_Q], s1[G_Q], s2[G_Q]))[:, :, None]
-        pi_row = tl.trans(offsets(t, b1, b2, st[G_PI], s1[G_PI], s2[G_PI]))[:, :, None]
-        dq_row = tl.trans(offsets(t, b1, b2, ost[O_Q], os1[O_Q], os2[O_Q]))[:, :, None]
-        dpi_row = tl.trans(offsets(t, b1, b2, ost[O_PI], os1[O_PI], os2[O_PI]))[:, :, None]
+        in_tr = tl.trans(step.mask)[:, :, None]
+        q_row = tl.trans(slot_offsets(step, G_Q, t))[:, :, None]
+        pi_row = tl.trans(slot_offsets(step, G_PI, t))[:, :, None]
+        dq_row = tl.trans(out_offsets(step, O_Q))[:, :, None]
+        dpi_row = tl.trans(out_offsets(step, O_PI))[:, :, None]
         # rows that start at a multiple of ACT_VEC actions load ACT_VEC at a time
         # (`launch.action_vector`); the gradients' rows are contiguous, n_act long
         if ACT_VEC > 1:
@@ -386,7 +380,7 @@ def grad_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
             dq_row = dq_row // ACT_VEC * ACT_VEC
             dpi_row = dpi_row // ACT_VEC * ACT_VEC
         e_slot = tl.zeros([g_he.shape[0], g_he.shape[1], BLOCK_A], tl.float32)
-        for k in tl.static_range(ACT[1]):
+        for k in tl.static_range(step.ACT_BLOCKS):
             a = k * BLOCK_A + tl.arange(0, BLOCK_A)[None, None, :]
             in_a = tl.max_constancy(in_tr & (a < n_act), [1, 1, ACT_VEC])
             taken = a == a_tr
@@ -405,9 +399,8 @@ def grad_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
                 e_slot += q * p
         if D_ROWS & VARIANT:  # d gamma: E[t-1] from slot t, and c[t] (G[t] - Q(s_t, a_t))
             e = tl.trans(tl.sum(e_slot, axis=2))
-            store_out(outs, ost, os1, os2, O_GAMMA, t, b1, b2, mask,
-                      he * e + tl.where(stop_b, 0.0, res_prev * c_ahead))
-            store_out(outs, ost, os1, os2, O_LAM, t, b1, b2, mask, y * clip_ahead)
+            store_out(step, O_GAMMA, he * e + tl.where(stop_b, 0.0, res_prev * c_ahead))
+            store_out(step, O_LAM, y * clip_ahead)
 
 
 GRAD_KERNEL = Kernel(grad_coef, grad_store, reverse=False, exclusive=True, aux=True,
@@ -513,13 +506,13 @@ def _check_actions(x: Inputs, extra: Extras):
         check_actions(acts, x.q_values.shape[-1])
 
 
-OP = Op("retrace", Inputs, Scalars, outputs=2, extras=Extras, check=_check,
-        plan=lambda x, call, out_dtype, extra: scan_plan(
-            KERNEL if x.mask is None else KERNEL_MASKED, x, call, 1 + extra.return_advantages,
-            out_dtype, variant=int(extra.return_advantages)),
-        torch=torch_impl, loop=loop_impl, n_out=lambda extra: 1 + extra.return_advantages,
-        runtime_check=_check_actions, row_params=2, backward=backward,
-        masked_kernels=lambda x: True, packed_kernels=lambda x: True)
+OP = ScanOp("retrace", Inputs, Scalars, outputs=2, extras=Extras, check=_check,
+            plan=lambda x, call, out_dtype, extra: scan_plan(
+                KERNEL if x.mask is None else KERNEL_MASKED, x, call, 1 + extra.return_advantages,
+                out_dtype, variant=int(extra.return_advantages)),
+            torch=torch_impl, loop=loop_impl, n_out=lambda extra: 1 + extra.return_advantages,
+            runtime_check=_check_actions, row_params=2, backward=backward,
+            masked_kernels=lambda x: True, packed_kernels=lambda x: True)
 
 
 def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated, truncated=None,

@@ -11,6 +11,7 @@ from .. import reference
 from .._args import FLAG, Call, check_backend, check_out_dtype, check_scalar
 from ..reference import _decided, _prep
 from ..scan.jit import cdiv, next_power_of_2, tl, triton
+from .._core.op import Op
 from . import _losses as L
 
 Tensor = torch.Tensor
@@ -180,18 +181,38 @@ def _alpha(x: Inputs, o: Options, like: Tensor):
     return (like if x.alpha is None else x.alpha), o.alpha_value
 
 
-def forward(x: Inputs, o: Options):
+def _fixed(x: Inputs):
+    """(views' sizes and strides, which inputs they copy, grid, flags): fixed by the call's
+    signature; the inputs read in place are passed as they are (a kernel reads their address)."""
     vw = _views(x)
-    y = torch.empty(x.rewards.shape, dtype=o.out_dtype, device=x.rewards.device)
+    read = (x.rewards, x.terminated, x.next_q_values, x.next_log_probs,
+            x.next_probs if x.next_probs is not None else x.next_log_probs)
+    copied = [v.data_ptr() != t.data_ptr() for v, t in zip(vw.tensors, read)]
     meta = _blocks(vw.N, vw.A)
+    return vw._replace(tensors=None), copied, meta, cdiv(vw.N, meta["BLOCK_N"])
+
+
+def forward(x: Inputs, o: Options, plan=None):
+    if plan is None:
+        vw = _views(x)
+        meta = _blocks(vw.N, vw.A)
+    else:
+        vw, copied, meta, _ = L.fixed(plan, _fixed, x)
+        if any(copied):
+            vw = _views(x)
+        else:
+            vw = vw._replace(tensors=[x.rewards, x.terminated, x.next_q_values,
+                                      x.next_log_probs, x.next_probs if x.next_probs is not None
+                                      else x.next_log_probs])
+    y = torch.empty(x.rewards.shape, dtype=o.out_dtype, device=x.rewards.device)
     alpha_t, alpha = _alpha(x, o, y)
     L.launch(forward_kernel, cdiv(vw.N, meta["BLOCK_N"]), *vw.tensors, alpha_t, y, vw.N,
              vw.A, vw.K, *vw.strides, o.gamma, alpha, HAS_PROBS=x.next_probs is not None,
-             ALPHA_TENSOR=x.alpha is not None, INT64=vw.INT64, **meta)
+             ALPHA_TENSOR=x.alpha is not None, INT64=vw.INT64, **meta, plan=plan)
     return [y], []
 
 
-def backward(x: Inputs, o: Options, saved, grads, needs):
+def backward(x: Inputs, o: Options, saved, grads, needs, plan=None):
     vw = _views(x)
     (g,) = grads
     n_r, _, n_q, n_lp, n_p, n_alpha = needs
@@ -245,39 +266,13 @@ def loop_impl(x: Inputs, o: Options, dtype):
                                   next_probs=x.next_probs, dtype=dtype),)
 
 
-OP = L.Fused("sac_targets", Inputs, Options, forward=forward, backward=backward, fake=fake,
-             n_out=1, n_saved=0)
 
 
-def sac_targets(rewards, terminated, next_q_values, next_log_probs, *, gamma=0.99, alpha=0.2,
-                next_probs=None, backend="auto", out_dtype=torch.float32):
-    """Soft Q-learning targets (SAC), from K target critics at the next state.
-
-    Continuous actions (`next_q_values[..., K]` at the sampled next action a',
-    `next_log_probs[...]` = log pi(a'|s'))::
-
-        y = r + gamma * (1 - terminated) * (min_k Q_k(s', a') - alpha * log pi(a'|s'))
-
-    Discrete actions (`next_probs[..., A]` given, with `next_q_values[..., A, K]` and
-    `next_log_probs[..., A]` for every action): the expectation
-    `sum_a pi(a|s') * (min_k Q_k(s', a) - alpha * log pi(a|s'))` in place of the bracket.
-
-    Only terminations drop the bootstrap (a truncation keeps it; flags are set where nonzero).
-    `alpha` is a number or a one-element tensor (a learned temperature, read on the device).
-    An action of probability 0 adds 0 to the expectation, whatever its log-probability (-inf
-    from invalid-action masking) and Q-values hold, and gets gradient 0; so do a terminal
-    step's next-state inputs. Differentiable with respect to every floating input, `alpha`
-    included (`d y / d alpha =
-    -gamma (1 - terminated) log pi`, in expectation over the actions for discrete ones);
-    targets are usually held fixed, as CleanRL computes them
-    under `torch.no_grad()`: do so, or pass `alpha.detach()`, where the temperature must not
-    learn from the critic loss. At a tie between critics the gradient goes to the first.
-
-    Example::
-
-        >>> y = rl_triton.sac_targets(rewards, terminations, torch.stack([q1, q2], -1),
-        ...                           next_log_pi, gamma=0.99, alpha=log_alpha.exp())
-    """
+def _check(t: tuple, a: tuple):
+    """The public call's arguments checked (`sac_targets`'s order): (inputs, plan)."""
+    rewards, terminated, next_q_values, next_log_probs, next_probs, alpha = t
+    gamma, number, backend, out_dtype = a
+    alpha = number if alpha is None else alpha
     backend = check_backend(backend)
     out_dtype = check_out_dtype(out_dtype)
     call = Call("rewards", rewards, None)
@@ -319,5 +314,45 @@ def sac_targets(rewards, terminated, next_q_values, next_log_probs, *, gamma=0.9
     else:
         raise TypeError(f"alpha must be a number or a tensor, got {type(alpha).__name__}")
     o = Options(gamma, alpha_value, out_dtype)
-    return L.run(OP, Inputs(r, term, q, lp, probs, alpha_t), o, call, backend, torch_impl,
-                 loop_impl, out_dtype)
+    return Inputs(r, term, q, lp, probs, alpha_t), L.plan(call, backend, o)
+
+
+OP = Op("sac_targets", "loss", Inputs, Options, outputs=1, forward=forward,
+        backward=backward, fake=fake, check=_check, torch=torch_impl, loop=loop_impl)
+
+
+def sac_targets(rewards, terminated, next_q_values, next_log_probs, *, gamma=0.99, alpha=0.2,
+                next_probs=None, backend="auto", out_dtype=torch.float32):
+    """Soft Q-learning targets (SAC), from K target critics at the next state.
+
+    Continuous actions (`next_q_values[..., K]` at the sampled next action a',
+    `next_log_probs[...]` = log pi(a'|s'))::
+
+        y = r + gamma * (1 - terminated) * (min_k Q_k(s', a') - alpha * log pi(a'|s'))
+
+    Discrete actions (`next_probs[..., A]` given, with `next_q_values[..., A, K]` and
+    `next_log_probs[..., A]` for every action): the expectation
+    `sum_a pi(a|s') * (min_k Q_k(s', a) - alpha * log pi(a|s'))` in place of the bracket.
+
+    Only terminations drop the bootstrap (a truncation keeps it; flags are set where nonzero).
+    `alpha` is a number or a one-element tensor (a learned temperature, read on the device).
+    An action of probability 0 adds 0 to the expectation, whatever its log-probability (-inf
+    from invalid-action masking) and Q-values hold, and gets gradient 0; so do a terminal
+    step's next-state inputs. Differentiable with respect to every floating input, `alpha`
+    included (`d y / d alpha =
+    -gamma (1 - terminated) log pi`, in expectation over the actions for discrete ones);
+    targets are usually held fixed, as CleanRL computes them
+    under `torch.no_grad()`: do so, or pass `alpha.detach()`, where the temperature must not
+    learn from the critic loss. At a tie between critics the gradient goes to the first.
+
+    Example::
+
+        >>> y = rl_triton.sac_targets(rewards, terminations, torch.stack([q1, q2], -1),
+        ...                           next_log_pi, gamma=0.99, alpha=log_alpha.exp())
+    """
+    # a tensor alpha is among the tensors (its signature keys the plan), a number among the
+    # options
+    tensor = isinstance(alpha, Tensor)
+    return OP((rewards, terminated, next_q_values, next_log_probs, next_probs,
+               alpha if tensor else None),
+              (gamma, None if tensor else alpha, backend, out_dtype))

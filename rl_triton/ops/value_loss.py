@@ -9,6 +9,7 @@ import torch
 from .. import reference
 from .._args import Call, check_backend, check_bool, check_choice, check_out_dtype, check_scalar
 from ..scan.jit import cdiv, tl, triton
+from .._core.op import Op
 from . import _losses as L
 
 Tensor = torch.Tensor
@@ -144,25 +145,34 @@ def _seq(x: Inputs, o: Options):
     return scale, v if x.cu_seqlens is None else x.cu_seqlens, S, max(S - 1, 0).bit_length()
 
 
-def forward(x: Inputs, o: Options):
-    v = x.values
-    N, dev, per_position = v.numel(), v.device, o.aggregation == "none"
-    scale, cu, S, steps = _seq(x, o)
-    loss = torch.empty(v.shape if per_position else (), dtype=o.out_dtype, device=dev)
-    inv = torch.empty((), dtype=torch.float32, device=dev)
-    lay = L.layout(tuple(v.shape), v, x.returns, x.old_values, x.mask)
+def _fixed(x: Inputs, o: Options):
+    """The forward's sizes, grid, scalars and flags (fixed by the call's signature)."""
+    N, per_position = x.values.numel(), o.aggregation == "none"
     bl = L.block(N)
-    programs = cdiv(N, bl)
-    parts = torch.empty((programs, 2), dtype=torch.float32, device=dev)
+    flags = _flags(x, o)
+    return (N, cdiv(N, bl), tuple(x.values.shape) if per_position else (), _scalars(o),
+            dict(flags, BLOCK=bl, num_warps=L.NUM_WARPS),
+            dict(mean=o.aggregation == "token-mean", write_loss=not per_position),
+            flags["SEQ"] != L.NO_SEQ)
+
+
+def forward(x: Inputs, o: Options, plan=None):
+    v = x.values
+    dev = v.device
+    N, programs, loss_shape, scalars, meta, fin, seq = L.fixed(plan, _fixed, x, o)
+    scale, cu, S, steps = _seq(x, o)
+    loss = L.new(plan, loss_shape, o.out_dtype, dev)
+    inv = L.new(plan, (), torch.float32, dev)
+    lay = L.layout(tuple(v.shape), v, x.returns, x.old_values, x.mask, plan=plan)
+    parts = L.new(plan, (programs, 2), torch.float32, dev)
     L.launch(forward_kernel, programs, *lay.tensors, scale, cu, loss, parts, N, lay.C, S, steps,
-             *lay.strides, *_scalars(o), **_flags(x, o), FLAT=lay.FLAT, INT64=lay.INT64,
-             BLOCK=bl, num_warps=L.NUM_WARPS)
-    L.finish(parts, loss, inv, mean=o.aggregation == "token-mean", write_loss=not per_position)
-    seq = L.seq_kind(o.aggregation, x.cu_seqlens) != L.NO_SEQ
-    return [loss], [inv, scale if seq else v.new_empty(0, dtype=torch.float32)]
+             *lay.strides, *scalars, FLAT=lay.FLAT, INT64=lay.INT64, **meta, plan=plan)
+    L.finish(parts, loss, inv, **fin, plan=plan)
+    # (no sequence weights: a placeholder, the backward reads none; eagerly `inv` itself)
+    return [loss], [inv, scale if seq else inv if plan else inv.new_empty(0)]
 
 
-def backward(x: Inputs, o: Options, saved, grads, needs):
+def backward(x: Inputs, o: Options, saved, grads, needs, plan=None):
     v = x.values
     inv, scale = saved
     (g_loss,) = grads
@@ -220,8 +230,37 @@ def loop_impl(x: Inputs, o: Options, dtype):
                                  dtype=dtype),)
 
 
-OP = L.Fused("value_loss", Inputs, Options, forward=forward, backward=backward, fake=fake,
-             n_out=1, n_saved=2)
+
+
+def _check(t: tuple, a: tuple):
+    """The public call's arguments checked (`value_loss`'s order): (inputs, plan)."""
+    values, returns, old_values, mask, cu_seqlens = t
+    clip, kind, huber_delta, aggregation, check_offsets, backend, out_dtype = a
+    backend = check_backend(backend)
+    out_dtype = check_out_dtype(out_dtype)
+    call = Call("values", values, None)
+    v = call.step("values", values)
+    ret = call.step("returns", returns)
+    old = call.step("old_values", old_values, optional=True)
+    check_offsets = check_bool("check_offsets", check_offsets)
+    aggregation, mask, cu = L.aggregation_args(call, aggregation, mask, cu_seqlens,
+                                               check_offsets)
+    kind = check_choice("kind", kind, KINDS)
+    huber_delta = check_scalar("huber_delta", huber_delta, high=None, low_open=True)
+    if clip is not None:
+        clip = check_scalar("clip", clip, high=None)
+        if old is None:
+            raise ValueError("clip needs old_values (the values at rollout time) to clip "
+                             "around")
+    else:
+        old = None  # unread without a clip
+    o = Options(clip, kind, huber_delta, aggregation, out_dtype, check_offsets)
+    return Inputs(v, ret, old, mask, cu), L.plan(call, backend, o)
+
+
+OP = Op("value_loss", "loss", Inputs, Options, outputs=1, saved=2, forward=forward,
+        backward=backward, fake=fake, check=_check, runtime_check=L.runtime_check,
+        torch=torch_impl, loop=loop_impl)
 
 
 def value_loss(values, returns, old_values=None, mask=None, *, clip=None, kind="mse",
@@ -246,24 +285,5 @@ def value_loss(values, returns, old_values=None, mask=None, *, clip=None, kind="
 
         >>> v_loss = rl_triton.value_loss(new_values, returns, old_values, mask, clip=0.2)
     """
-    backend = check_backend(backend)
-    out_dtype = check_out_dtype(out_dtype)
-    call = Call("values", values, None)
-    v = call.step("values", values)
-    ret = call.step("returns", returns)
-    old = call.step("old_values", old_values, optional=True)
-    check_offsets = check_bool("check_offsets", check_offsets)
-    aggregation, mask, cu = L.aggregation_args(call, aggregation, mask, cu_seqlens,
-                                               check_offsets)
-    kind = check_choice("kind", kind, KINDS)
-    huber_delta = check_scalar("huber_delta", huber_delta, high=None, low_open=True)
-    if clip is not None:
-        clip = check_scalar("clip", clip, high=None)
-        if old is None:
-            raise ValueError("clip needs old_values (the values at rollout time) to clip "
-                             "around")
-    else:
-        old = None  # unread without a clip
-    o = Options(clip, kind, huber_delta, aggregation, out_dtype, check_offsets)
-    return L.run(OP, Inputs(v, ret, old, mask, cu), o, call, backend, torch_impl, loop_impl,
-                 out_dtype)
+    return OP((values, returns, old_values, mask, cu_seqlens),
+              (clip, kind, huber_delta, aggregation, check_offsets, backend, out_dtype))

@@ -7,12 +7,12 @@ import torch
 
 from .. import reference
 from .._args import check_discount, check_scalar
-from .._plans import Op
+from .._core.scan import ScanOp
 from ..reference import _decided, _flags, _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import (clip, cut_flags, finish_linear, flags_before, load_step, row_value,
-                           store_out, successor, value_before)
+from ..scan.kernel import (clip, cut_flags, finish_linear, flags_before, load_at, load_step,
+                           row_value, store_out, successor, value_before)
 from ..scan.launch import Kernel
 from ._common import bits, like, run_backward, scan_plan, value_args
 
@@ -43,22 +43,17 @@ R, V, TERM, TARGET_LP, BEHAVIOR_LP, TRUNC, LAST_V, NEXT_V, MASK = slots(Inputs)
 
 
 @triton.jit
-def coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-         HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-         VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-         ACT_VEC: tl.constexpr, after):
-    gamma = params[0]
-    lam = params[1]
-    rho_clip = params[2]
-    c_clip = params[3]
-    r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
-    v = load_step(ins, st, s1, s2, V, t, b1, b2, mask)
-    term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
-    v_succ, v_slot_next = successor(ins, st, s1, s2, V, NEXT_V, LAST_V, t, b1, b2, mask,
-                                    end_rows, T, v, True, HAS_NEXT, HAS_LAST, True,
+def coef(step, after):
+    gamma = step.params[0]
+    lam = step.params[1]
+    rho_clip = step.params[2]
+    c_clip = step.params[3]
+    r = load_step(step, R)
+    v = load_step(step, V)
+    term, cut = cut_flags(step, TERM, TRUNC)
+    v_succ, v_slot_next = successor(step, V, NEXT_V, LAST_V, v, True, True,
                                     None if after is None else after[1])
-    ratio = tl.exp(load_step(ins, st, s1, s2, TARGET_LP, t, b1, b2, mask)
-                   - load_step(ins, st, s1, s2, BEHAVIOR_LP, t, b1, b2, mask))
+    ratio = tl.exp(load_step(step, TARGET_LP) - load_step(step, BEHAVIOR_LP))
     target = r + tl.where(term, 0.0, gamma * v_succ)
     alpha = clip(ratio, rho_clip) * (target - v)
     # a NaN ratio makes alpha NaN; beta stays finite (the scan's combine relies on it)
@@ -67,18 +62,17 @@ def coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
 
 
 @triton.jit
-def store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
-          VARIANT: tl.constexpr):
-    gamma = params[0]
-    lam = params[1]
-    pg_rho_clip = params[4]
+def store(step, res, res_prev, aux):
+    gamma = step.params[0]
+    lam = step.params[1]
+    pg_rho_clip = step.params[4]
     r, v, term, cut, ratio, v_succ, v_slot_next = aux
-    store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, v + res)  # vs
+    store_out(step, 0, v + res)  # vs
     # vs'[t] = vs[t+1] = V[t+1] + D[t+1] inside an episode and the window, v'[t] at a cut.
     vs_succ = tl.where(cut, v_succ, v_slot_next + res_prev)
     pg = clip(ratio, pg_rho_clip) * (
         r + tl.where(term, 0.0, gamma * (lam * vs_succ + (1.0 - lam) * v_succ)) - v)
-    store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, pg)
+    store_out(step, 1, pg)
 
 
 KERNEL = Kernel(coef, store, reverse=True, exclusive=True, aux=True)
@@ -87,30 +81,26 @@ KERNEL = Kernel(coef, store, reverse=True, exclusive=True, aux=True)
 # ---- with a mask (semantics §7): the successor is the next decision step (the kernel's W scan) ---
 
 @triton.jit
-def coef_masked(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-                HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-                VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-                ACT_VEC: tl.constexpr, after):
+def coef_masked(step, after):
     """w = V[t]; delta = rho (r - V) + rho gamma (1 - term) w' (`finish_linear`), or with
     next_values rho (r + gamma (1 - term) v' - V) (c = 0), v' in the aux."""
-    gamma = params[0]
-    lam = params[1]
-    rho_clip = params[2]
-    c_clip = params[3]
-    r = load_step(ins, st, s1, s2, R, t, b1, b2, mask)
-    v = load_step(ins, st, s1, s2, V, t, b1, b2, mask)
-    term, cut = cut_flags(ins, st, s1, s2, TERM, TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
-    ratio = tl.exp(load_step(ins, st, s1, s2, TARGET_LP, t, b1, b2, mask)
-                   - load_step(ins, st, s1, s2, BEHAVIOR_LP, t, b1, b2, mask))
+    gamma = step.params[0]
+    lam = step.params[1]
+    rho_clip = step.params[2]
+    c_clip = step.params[3]
+    r = load_step(step, R)
+    v = load_step(step, V)
+    term, cut = cut_flags(step, TERM, TRUNC)
+    ratio = tl.exp(load_step(step, TARGET_LP) - load_step(step, BEHAVIOR_LP))
     rho = clip(ratio, rho_clip)
-    if HAS_NEXT:
-        nv = load_step(ins, st, s1, s2, NEXT_V, t, b1, b2, mask)
-        c = tl.zeros(mask.shape, tl.float32)
+    if step.HAS_NEXT:
+        nv = load_step(step, NEXT_V)
+        c = tl.zeros(step.mask.shape, tl.float32)
     else:
         c = tl.where(term, 0.0, rho * gamma)  # NaN with a NaN ratio: alpha NaN
     beta = tl.where(cut | (ratio != ratio), 0.0, gamma * lam * clip(ratio, c_clip))
     # (one return: Triton 3.6 checks every return's types)
-    if HAS_NEXT:
+    if step.HAS_NEXT:
         a = rho * (r + tl.where(term, 0.0, gamma * nv) - v)
         own = (r, v, term, cut, ratio, nv)
     else:
@@ -120,33 +110,32 @@ def coef_masked(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params
 
 
 @triton.jit
-def boot_masked(ins, st, s1, s2, sa, b1, b2, rows, T, n_act, params, HAS_NEXT: tl.constexpr,
-                HAS_LAST: tl.constexpr, VARIANT: tl.constexpr):
+def boot_masked(step):
     """(D, w) past the window: 0, and last_value; with next_values w = NaN, which marks the
     last decision step (`store_masked`)."""
-    if HAS_NEXT:
-        w = tl.full(b1.shape, float("nan"), tl.float32)
+    if step.HAS_NEXT:
+        w = tl.full(step.b1.shape, float("nan"), tl.float32)
     else:
-        w = row_value(ins, st, s1, s2, LAST_V, b1, b2, rows)
-    return tl.zeros(b1.shape, tl.float32), w
+        w = row_value(step, LAST_V)
+    return tl.zeros(step.b1.shape, tl.float32), w
 
 
 NEXT = tl.constexpr(1)  # the masked kernel's VARIANT bit: next_values (no HAS_NEXT in writers)
 
 
 @triton.jit
-def store_masked(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
-                 VARIANT: tl.constexpr):
-    gamma = params[0]
-    lam = params[1]
-    pg_rho_clip = params[4]
+def store_masked(step, res, res_prev, aux):
+    VARIANT: tl.constexpr = step.VARIANT
+    gamma = step.params[0]
+    lam = step.params[1]
+    pg_rho_clip = step.params[4]
     own, keep, wn = aux  # (no nested unpacking: Triton 3.6)
     if NEXT & VARIANT:
         r, v, term, cut, ratio, v_succ = own
     else:
         r, v, term, cut, ratio = own
         v_succ = wn
-    store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, tl.where(keep, v + res, 0.0))
+    store_out(step, 0, tl.where(keep, v + res, 0.0))
     # vs' = vs at the next decision step = its value (w') + its D (the exclusive scan)
     if NEXT & VARIANT:
         # past the last decision step w' is the boot's NaN and D' is 0; elsewhere w' is V at
@@ -157,7 +146,7 @@ def store_masked(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, param
         vs_succ = tl.where(cut, v_succ, v_succ + res_prev)
     pg = clip(ratio, pg_rho_clip) * (
         r + tl.where(term, 0.0, gamma * (lam * vs_succ + (1.0 - lam) * v_succ)) - v)
-    store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, tl.where(keep, pg, 0.0))
+    store_out(step, 1, tl.where(keep, pg, 0.0))
 
 
 KERNEL_MASKED = Kernel(coef_masked, store_masked, reverse=True, exclusive=True, aux=True,
@@ -189,50 +178,45 @@ D_R, D_V, D_TLP, D_BLP, D_NEXT, D_ROWS, HAS_DVS, HAS_DPG, SLOT_SUCC = (
 
 
 @triton.jit
-def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
-              HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-              VARIANT: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-              ACT_VEC: tl.constexpr, after):
+def grad_coef(step, after):
     """alpha = dD[t], beta = gamma lam c[t-1] where the trace from t-1 went on. The aux: each
     gradient at t as c0 + c1 * H[t] (+ c2 * H[t-1]), its coefficients formed here, so that the
     scan holds those (8 per step without per-row discounts) rather than the 15 values behind
     them (they spilled registers)."""
-    gamma = params[0]
-    lam = params[1]
-    rho_clip = params[2]
-    c_clip = params[3]
-    pg_rho_clip = params[4]
-    zero = tl.zeros(mask.shape, tl.float32)
+    VARIANT: tl.constexpr = step.VARIANT
+    t = step.t
+    gamma = step.params[0]
+    lam = step.params[1]
+    rho_clip = step.params[2]
+    c_clip = step.params[3]
+    pg_rho_clip = step.params[4]
+    zero = tl.zeros(step.mask.shape, tl.float32)
     first = t == 0
     # step t
-    r = load_step(ins, st, s1, s2, G_R, t, b1, b2, mask)
-    v = load_step(ins, st, s1, s2, G_V, t, b1, b2, mask)
-    term, cut = cut_flags(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T, HAS_TRUNC)
-    v_succ, v_after = successor(ins, st, s1, s2, G_V, G_NEXT_V, G_LAST_V, t, b1, b2, mask,
-                                end_rows, T, v, True, HAS_NEXT, HAS_LAST, True, None)
-    tlp = load_step(ins, st, s1, s2, G_TLP, t, b1, b2, mask)
-    blp = load_step(ins, st, s1, s2, G_BLP, t, b1, b2, mask)
+    r = load_step(step, G_R)
+    v = load_step(step, G_V)
+    term, cut = cut_flags(step, G_TERM, G_TRUNC)
+    v_succ, v_after = successor(step, G_V, G_NEXT_V, G_LAST_V, v, True, True, None)
+    tlp = load_step(step, G_TLP)
+    blp = load_step(step, G_BLP)
     ratio = tl.exp(tlp - blp)
-    vs_after = load_step(ins, st, s1, s2, G_VS, t + 1, b1, b2, mask & (t + 1 < T))
+    vs_after = load_at(step, G_VS, t + 1, step.mask & (t + 1 < step.T))
     d_after = tl.where(cut, 0.0, vs_after - v_after)  # D[t+1] inside the episode
     vs_succ = tl.where(cut, v_succ, vs_after)
     d_pg = zero
     if HAS_DPG & VARIANT:
-        d_pg = load_step(ins, st, s1, s2, G_DPG, t, b1, b2, mask)
+        d_pg = load_step(step, G_DPG)
     d_vs = zero
     if HAS_DVS & VARIANT:
-        d_vs = load_step(ins, st, s1, s2, G_DVS, t, b1, b2, mask)
+        d_vs = load_step(step, G_DVS)
     # step t-1: its trace coefficient and pg[t-1]'s weight on vs[t]
-    term_b, cut_b = flags_before(ins, st, s1, s2, G_TERM, G_TRUNC, t, b1, b2, mask, T,
-                                 HAS_TRUNC, term, cut)
-    ratio_b = tl.exp(value_before(ins, st, s1, s2, G_TLP, t, b1, b2, mask, tlp)
-                     - value_before(ins, st, s1, s2, G_BLP, t, b1, b2, mask, blp))
+    term_b, cut_b = flags_before(step, G_TERM, G_TRUNC, term, cut)
+    ratio_b = tl.exp(value_before(step, G_TLP, tlp) - value_before(step, G_BLP, blp))
     stop_b = cut_b | first
     beta = tl.where(stop_b | (ratio_b != ratio_b), 0.0, gamma * lam * clip(ratio_b, c_clip))
     p_b = zero
     if HAS_DPG & VARIANT:
-        p_b = value_before(ins, st, s1, s2, G_DPG, t, b1, b2, mask, d_pg) * clip(ratio_b,
-                                                                                 pg_rho_clip)
+        p_b = value_before(step, G_DPG, d_pg) * clip(ratio_b, pg_rho_clip)
     alpha = d_vs + tl.where(stop_b, 0.0, gamma * lam * p_b)
     # the gradients' coefficients; rho H[t] + p is d r[t] (p: d pg[t] / d its bracket)
     rho = clip(ratio, rho_clip)
@@ -264,29 +248,29 @@ def grad_coef(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act, params,
 
 
 @triton.jit
-def grad_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
-               VARIANT: tl.constexpr):
+def grad_store(step, res, res_prev, aux):
     """res = H[t], res_prev = H[t-1]: the inputs' gradients at t."""
+    VARIANT: tl.constexpr = step.VARIANT
     rho, p, dv0, dv2, dl1, dl0, dn1, dn0, dg1, dg0, dm1, dm0 = aux
     h_rho = res * rho
     if D_R & VARIANT:
-        store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, h_rho + p)
+        store_out(step, 0, h_rho + p)
     if D_V & VARIANT:
         dv = dv0 - h_rho
         if SLOT_SUCC & VARIANT:
             dv += dv2 * res_prev
-        store_out(outs, ost, os1, os2, 1, t, b1, b2, mask, dv)
+        store_out(step, 1, dv)
     if (D_TLP | D_BLP) & VARIANT:
         d_log = dl1 * res + dl0
         if D_TLP & VARIANT:
-            store_out(outs, ost, os1, os2, 2, t, b1, b2, mask, d_log)
+            store_out(step, 2, d_log)
         if D_BLP & VARIANT:
-            store_out(outs, ost, os1, os2, 3, t, b1, b2, mask, -d_log)
+            store_out(step, 3, -d_log)
     if D_NEXT & VARIANT:
-        store_out(outs, ost, os1, os2, 4, t, b1, b2, mask, dn1 * res + dn0)
+        store_out(step, 4, dn1 * res + dn0)
     if D_ROWS & VARIANT:
-        store_out(outs, ost, os1, os2, 5, t, b1, b2, mask, dg1 * res + dg0)
-        store_out(outs, ost, os1, os2, 6, t, b1, b2, mask, dm1 * res + dm0)
+        store_out(step, 5, dg1 * res + dg0)
+        store_out(step, 6, dm1 * res + dm0)
 
 
 GRAD_KERNEL = Kernel(grad_coef, grad_store, reverse=False, exclusive=True, aux=True, heavy=True)
@@ -340,13 +324,13 @@ def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
     return reference.vtrace(**x._asdict(), **s._asdict(), dtype=dtype)
 
 
-OP = Op("vtrace", Inputs, Scalars, outputs=2,
-        check=lambda x, td, extra, segments=None: value_args(x, td, segments=segments),
-        plan=lambda x, call, out_dtype, extra: scan_plan(
-            KERNEL if x.mask is None else KERNEL_MASKED, x, call, 2, out_dtype,
-            variant=int(x.mask is not None and x.next_values is not None)),
-        masked_kernels=lambda x: True, packed_kernels=lambda x: True,
-        torch=torch_impl, loop=loop_impl, row_params=2, backward=backward)
+OP = ScanOp("vtrace", Inputs, Scalars, outputs=2,
+            check=lambda x, td, extra, segments=None: value_args(x, td, segments=segments),
+            plan=lambda x, call, out_dtype, extra: scan_plan(
+                KERNEL if x.mask is None else KERNEL_MASKED, x, call, 2, out_dtype,
+                variant=int(x.mask is not None and x.next_values is not None)),
+            masked_kernels=lambda x: True, packed_kernels=lambda x: True,
+            torch=torch_impl, loop=loop_impl, row_params=2, backward=backward)
 
 
 def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, truncated=None, *,

@@ -4,7 +4,8 @@
 `COEF` builds the tile's coefficients (alpha, beta) in registers from the raw inputs, the tile is
 scanned with `tl.associative_scan` from a zero carry, the carry from the steps before the tile (in
 scan order: later steps for reverse scans) is applied, and the estimator's `STORE` writes the
-outputs. Inputs are read once and nothing but the outputs goes to memory, whatever the length.
+outputs. Each gets one argument, a `Step`: the steps, with the tensors, indices, scalars and
+flags the kernel has for them. Inputs are read once and nothing but the outputs goes to memory, whatever the length.
 
 Reverse scans run as forward scans over steps laid in decreasing t: Triton's `reverse=True`
 reverses the whole tile, across lanes, around the scan
@@ -40,6 +41,8 @@ Every tensor is addressed as `ptr + t * st + b1 * s1 + b2 * s2`, where the flatt
 splits as (b // B2, b % B2): two strides describe any layout whose batch axes fall into two
 contiguous groups (time-major, batch-major, slices, broadcast flags over feature axes).
 """
+from typing import NamedTuple
+
 from .jit import tl, triton
 
 
@@ -89,32 +92,125 @@ def load_flag(ptr, off, mask):
     return tl.load(ptr + off, mask=mask, other=0) != 0
 
 
-@triton.jit
-def load_step(ins, st, s1, s2, SLOT: tl.constexpr, t, b1, b2, mask):
-    """Input slot SLOT at steps t (float32)."""
-    return load_value(ins[SLOT], offsets(t, b1, b2, st[SLOT], s1[SLOT], s2[SLOT]), mask)
+class Rows(NamedTuple):
+    """What every tile of a program's rows shares (`scan_kernel` builds it once): the input
+    slots (pointers; time / batch-1 / batch-2 / action strides), the output slots, the rows'
+    indices (b1, b2) and mask, the window end T, the action count and the op's scalars (per-row
+    vectors with ROW_PARAMS, semantics §6). With `OPTS` (the constant tuple (HAS_TRUNC, HAS_NEXT,
+    HAS_LAST, VARIANT, BLOCK_A, ACT_BLOCKS, ACT_VEC)) it is all a `Step` is built from."""
+    ins: tuple
+    st: tuple
+    s1: tuple
+    s2: tuple
+    sa: tuple
+    outs: tuple
+    ost: tuple
+    os1: tuple
+    os2: tuple
+    b1: object
+    b2: object
+    mask: object
+    T: object
+    n_act: object
+    params: tuple
+
+
+class Step(NamedTuple):
+    """The one argument of an op's coefficient builder (`COEF(step, after)`), output writer
+    (`STORE(step, res, res_prev, aux)`), boot (`BOOT(step)`) and finisher
+    (`FINISH(step, pieces, beta, wn)`): the steps they work on, with everything the kernel knows
+    of them. Read through `load_step`, `load_at`, `cut_flags`, `successor`, `row_value`,
+    `store_out` and the like.
+
+    `t` and `mask`: the steps of a (sub-)tile and where they are inside the window and the rows
+    (None and the rows' mask for `BOOT` and `FINISH`, which work per row; for `BOOT` the rows
+    that read the bootstraps). `end_rows`: the rows whose step T-1 (the bootstrap step) is in
+    the tile (builders only, else None). `T`: the window end; for packed rows (semantics §7) an
+    unmasked reverse builder sees each step's segment end as T, and its bootstrap slots read at
+    that segment. The rest as in `Rows`. The compile-time flags: truncation flags given
+    (HAS_TRUNC), next_values (HAS_NEXT), last_value (HAS_LAST), the op's variant bits (VARIANT),
+    and Retrace's action axis: actions per block, blocks and vector width (BLOCK_A, ACT_BLOCKS,
+    ACT_VEC).
+
+    A Triton tuple with field names, which Triton 3.6 and 3.9 both pass to jit functions with
+    its constants still constants. Both turn them into runtime values where such a tuple is
+    assigned to a name, and Triton 3.6 where it is returned: a Step is only ever built in the
+    call that passes it (`coefficients`, `write`, `boot_carries`, `finish`) and passed on by
+    name. (`tl.core._aggregate` classes, which keep them, differ between the two versions and
+    fail in the interpreter.)"""
+    ins: tuple
+    st: tuple
+    s1: tuple
+    s2: tuple
+    sa: tuple
+    outs: tuple
+    ost: tuple
+    os1: tuple
+    os2: tuple
+    t: object
+    b1: object
+    b2: object
+    mask: object
+    end_rows: object
+    T: object
+    n_act: object
+    params: tuple
+    HAS_TRUNC: tl.constexpr
+    HAS_NEXT: tl.constexpr
+    HAS_LAST: tl.constexpr
+    VARIANT: tl.constexpr
+    BLOCK_A: tl.constexpr
+    ACT_BLOCKS: tl.constexpr
+    ACT_VEC: tl.constexpr
 
 
 @triton.jit
-def load_step_flag(ins, st, s1, s2, SLOT: tl.constexpr, t, b1, b2, mask):
-    return load_flag(ins[SLOT], offsets(t, b1, b2, st[SLOT], s1[SLOT], s2[SLOT]), mask)
+def slot_offsets(step, SLOT: tl.constexpr, t):
+    """The offsets of input slot SLOT at steps t of the step's rows."""
+    return offsets(t, step.b1, step.b2, step.st[SLOT], step.s1[SLOT], step.s2[SLOT])
 
 
 @triton.jit
-def cut_flags(ins, st, s1, s2, TERM: tl.constexpr, TRUNC: tl.constexpr, t, b1, b2, mask, T,
-              HAS_TRUNC: tl.constexpr):
+def load_at(step, SLOT: tl.constexpr, t, mask):
+    """Input slot SLOT at steps t (float32), 0 outside `mask`."""
+    return load_value(step.ins[SLOT], slot_offsets(step, SLOT, t), mask)
+
+
+@triton.jit
+def load_step(step, SLOT: tl.constexpr):
+    """Input slot SLOT at the step's steps (float32)."""
+    return load_at(step, SLOT, step.t, step.mask)
+
+
+@triton.jit
+def load_flag_at(step, SLOT: tl.constexpr, t, mask):
+    return load_flag(step.ins[SLOT], slot_offsets(step, SLOT, t), mask)
+
+
+@triton.jit
+def load_step_flag(step, SLOT: tl.constexpr):
+    return load_flag_at(step, SLOT, step.t, step.mask)
+
+
+@triton.jit
+def cut_flags_at(step, TERM: tl.constexpr, TRUNC: tl.constexpr, t, mask):
     """(terminated[t], cut[t]) with cut = terminated or truncated or t == T-1."""
-    term = load_step_flag(ins, st, s1, s2, TERM, t, b1, b2, mask)
-    cut = term | (t == T - 1)
-    if HAS_TRUNC:
-        cut = cut | load_step_flag(ins, st, s1, s2, TRUNC, t, b1, b2, mask)
+    term = load_flag_at(step, TERM, t, mask)
+    cut = term | (t == step.T - 1)
+    if step.HAS_TRUNC:
+        cut = cut | load_flag_at(step, TRUNC, t, mask)
     return term, cut
 
 
 @triton.jit
-def successor(ins, st, s1, s2, V: tl.constexpr, NV: tl.constexpr, LV: tl.constexpr, t, b1, b2,
-              mask, end_rows, T, v, HAS_VALUES: tl.constexpr, HAS_NEXT: tl.constexpr,
-              HAS_LAST: tl.constexpr, NEED_SLOT_NEXT: tl.constexpr, v_after):
+def cut_flags(step, TERM: tl.constexpr, TRUNC: tl.constexpr):
+    """`cut_flags_at` the step's steps."""
+    return cut_flags_at(step, TERM, TRUNC, step.t, step.mask)
+
+
+@triton.jit
+def successor(step, V: tl.constexpr, NV: tl.constexpr, LV: tl.constexpr, v,
+              HAS_VALUES: tl.constexpr, NEED_SLOT_NEXT: tl.constexpr, v_after):
     """(v'[t], values[t+1]): the successor value, and the value in slot t+1 (0 past the end).
 
     v'[t] is next_values[t] when given, else values[t+1], and last_value at t = T-1 (zero when
@@ -122,25 +218,28 @@ def successor(ins, st, s1, s2, V: tl.constexpr, NV: tl.constexpr, LV: tl.constex
     `v` is values[t] on the tile when the caller has it (batch-major tiles shift it), else None;
     `v_after` is values[t+1] when the caller has it (time-major sub-tiles), else None.
     """
+    t = step.t
+    T = step.T
+    mask = step.mask
     inside = mask & (t + 1 < T)
     slot_next = tl.zeros(mask.shape, tl.float32)
     if HAS_VALUES:
-        if NEED_SLOT_NEXT or not HAS_NEXT:
+        if NEED_SLOT_NEXT or not step.HAS_NEXT:
             if t.shape[0] == 1 and t.shape[1] >= 8:  # batch-major: time is the tile's last axis
                 if v is None:
-                    v = load_step(ins, st, s1, s2, V, t, b1, b2, mask)
-                slot_next = step_after(v, ins, st, s1, s2, V, t, b1, b2, mask, T)
+                    v = load_step(step, V)
+                slot_next = step_after(v, step, V)
             elif v_after is not None:
                 slot_next = v_after
             else:
-                slot_next = load_step(ins, st, s1, s2, V, t + 1, b1, b2, inside)
-    if HAS_NEXT:
-        v_succ = load_step(ins, st, s1, s2, NV, t, b1, b2, mask)
+                slot_next = load_at(step, V, t + 1, inside)
+    if step.HAS_NEXT:
+        v_succ = load_step(step, NV)
     else:
         v_succ = slot_next
-        if HAS_LAST:
+        if step.HAS_LAST:
             # Bootstrap tensors have a zero time stride: read one row, in the tile holding T-1.
-            last = load_value(ins[LV], offsets(0, b1, b2, st[LV], s1[LV], s2[LV]), end_rows)
+            last = load_value(step.ins[LV], slot_offsets(step, LV, 0), step.end_rows)
             v_succ = tl.where(t == T - 1, last, v_succ)
     return v_succ, slot_next
 
@@ -155,20 +254,21 @@ def last_of_8(x, ROWS: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def step_after(v, ins, st, s1, s2, V: tl.constexpr, t, b1, b2, mask, T):
+def step_after(v, step, V: tl.constexpr):
     """values[t+1] on a batch-major tile (time along its last axis), from `v` = values[t]: moved
     by one step within groups of 8 steps (split and join, which stay in registers where a
     thread holds 8 consecutive steps), plus one load per group for the step after it; 0 past
     the end. Loading values[t+1] directly is 8 unaligned scalar loads per thread, 10% slower
     (docs/dev/kernel-decisions.md#the-next-steps-value-from-registers). T: the window end, or one
     per step (packed rows)."""
+    t = step.t
+    T = step.T
     BB: tl.constexpr = v.shape[0]
     BT: tl.constexpr = v.shape[1]
     G: tl.constexpr = BT // 8
     t_after = last_of_8(t, 1, G) + 1
     ends = last_of_8(T, 1, G) if len(T.shape) == 2 else T
-    after = load_step(ins, st, s1, s2, V, t_after, b1, b2,
-                      last_of_8(mask, BB, G) & (t_after < ends))
+    after = load_at(step, V, t_after, last_of_8(step.mask, BB, G) & (t_after < ends))
     e1, o1 = tl.split(tl.reshape(v, (BB, G, 4, 2)))  # steps 0 2 4 6 | 1 3 5 7 of each group
     e2, o2 = tl.split(tl.reshape(e1, (BB, G, 2, 2)))  # 0 4 | 2 6
     _, o3 = tl.split(tl.reshape(e2, (BB, G, 1, 2)))  # 4
@@ -203,37 +303,37 @@ def shift_in(x, first):
 
 
 @triton.jit
-def flags_before(ins, st, s1, s2, TERM: tl.constexpr, TRUNC: tl.constexpr, t, b1, b2, mask, T,
-                 HAS_TRUNC: tl.constexpr, term, cut):
+def flags_before(step, TERM: tl.constexpr, TRUNC: tl.constexpr, term, cut):
     """(terminated[t-1], cut[t-1]), False at t = 0, from (term, cut) at t: on batch-major
     tiles moved by one step in registers plus one load per group of 8 (a load at t - 1 is 8
     unaligned scalar loads per thread and flag), else loaded at t - 1."""
+    t = step.t
+    mask = step.mask
     if t.shape[0] == 1 and t.shape[1] >= 8:  # batch-major (constexpr, inline for Triton 3.6)
         BB: tl.constexpr = mask.shape[0]
         G: tl.constexpr = mask.shape[1] // 8
         tb = first_of_8(t, 1, G) - 1
-        term_g, cut_g = cut_flags(ins, st, s1, s2, TERM, TRUNC, tb, b1, b2,
-                                  first_of_8(mask, BB, G) & (tb >= 0), T, HAS_TRUNC)
+        term_g, cut_g = cut_flags_at(step, TERM, TRUNC, tb, first_of_8(mask, BB, G) & (tb >= 0))
         term_b = shift_in(term.to(tl.int8), term_g.to(tl.int8)) != 0
         cut_b = shift_in(cut.to(tl.int8), cut_g.to(tl.int8)) != 0
     else:
-        term_b, cut_b = cut_flags(ins, st, s1, s2, TERM, TRUNC, t - 1, b1, b2,
-                                  mask & (t >= 1), T, HAS_TRUNC)
+        term_b, cut_b = cut_flags_at(step, TERM, TRUNC, t - 1, mask & (t >= 1))
     return term_b, cut_b
 
 
 @triton.jit
-def value_before(ins, st, s1, s2, SLOT: tl.constexpr, t, b1, b2, mask, x):
+def value_before(step, SLOT: tl.constexpr, x):
     """Input slot SLOT at steps t - 1 (0 at t = 0), from x = its values at t: as
     `flags_before`."""
+    t = step.t
+    mask = step.mask
     if t.shape[0] == 1 and t.shape[1] >= 8:  # batch-major (constexpr, inline for Triton 3.6)
         BB: tl.constexpr = mask.shape[0]
         G: tl.constexpr = mask.shape[1] // 8
         tb = first_of_8(t, 1, G) - 1
-        return shift_in(x, load_step(ins, st, s1, s2, SLOT, tb, b1, b2,
-                                     first_of_8(mask, BB, G) & (tb >= 0)))
+        return shift_in(x, load_at(step, SLOT, tb, first_of_8(mask, BB, G) & (tb >= 0)))
     else:
-        return load_step(ins, st, s1, s2, SLOT, t - 1, b1, b2, mask & (t >= 1))
+        return load_at(step, SLOT, t - 1, mask & (t >= 1))
 
 
 @triton.jit
@@ -337,6 +437,45 @@ def look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry_i
     return acc_a
 
 
+# ---- the op's functions (COEF, STORE, BOOT, FINISH) are called here only, each with one `Step`
+# built in the call (`Step`: Triton 3.6 keeps its constants so) ----------------------------------
+
+@triton.jit
+def coefficients(COEF: tl.constexpr, rows, OPTS: tl.constexpr, ins, t, mask, end_rows, T, after):
+    """COEF's (alpha, beta, aux) at steps t of `rows` (input slots `ins`, window end T)."""
+    return COEF(Step(ins, rows.st, rows.s1, rows.s2, rows.sa, rows.outs, rows.ost, rows.os1,
+                     rows.os2, t, rows.b1, rows.b2, mask, end_rows, T, rows.n_act, rows.params,
+                     OPTS[0], OPTS[1], OPTS[2], OPTS[3], OPTS[4], OPTS[5], OPTS[6]), after)
+
+
+@triton.jit
+def write(STORE: tl.constexpr, rows, OPTS: tl.constexpr, t, mask, res, res_prev, aux):
+    """STORE's outputs at steps t of `rows`."""
+    STORE(Step(rows.ins, rows.st, rows.s1, rows.s2, rows.sa, rows.outs, rows.ost, rows.os1,
+               rows.os2, t, rows.b1, rows.b2, mask, None, rows.T, rows.n_act, rows.params,
+               OPTS[0], OPTS[1], OPTS[2], OPTS[3], OPTS[4], OPTS[5], OPTS[6]),
+          res, res_prev, aux)
+
+
+@triton.jit
+def boot_carries(BOOT: tl.constexpr, rows, OPTS: tl.constexpr, ins, mask):
+    """BOOT's initial carries (A, w) of `rows`, bootstraps read (from input slots `ins`) where
+    `mask` is set."""
+    return BOOT(Step(ins, rows.st, rows.s1, rows.s2, rows.sa, rows.outs, rows.ost, rows.os1,
+                     rows.os2, None, rows.b1, rows.b2, mask, None, rows.T, rows.n_act,
+                     rows.params, OPTS[0], OPTS[1], OPTS[2], OPTS[3], OPTS[4], OPTS[5],
+                     OPTS[6]))
+
+
+@triton.jit
+def finish(FINISH: tl.constexpr, rows, OPTS: tl.constexpr, pieces, beta, wn):
+    """FINISH's (alpha, beta) from the builder's pieces and the successor's w'."""
+    return FINISH(Step(rows.ins, rows.st, rows.s1, rows.s2, rows.sa, rows.outs, rows.ost,
+                       rows.os1, rows.os2, None, rows.b1, rows.b2, rows.mask, None, rows.T,
+                       rows.n_act, rows.params, OPTS[0], OPTS[1], OPTS[2], OPTS[3], OPTS[4],
+                       OPTS[5], OPTS[6]), pieces, beta, wn)
+
+
 @triton.jit
 def tile_steps(chunk, J: tl.constexpr, TIME_AXIS: tl.constexpr, INT64: tl.constexpr,
                BLOCK_T: tl.constexpr, FLIP: tl.constexpr, DESC: tl.constexpr, SUB: tl.constexpr):
@@ -353,12 +492,9 @@ def tile_steps(chunk, J: tl.constexpr, TIME_AXIS: tl.constexpr, INT64: tl.conste
 
 
 @triton.jit
-def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
-                      COEF: tl.constexpr, HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr,
-                      HAS_LAST: tl.constexpr, VARIANT: tl.constexpr, TIME_AXIS: tl.constexpr,
-                      INT64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr,
-                      ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr, FLIP: tl.constexpr,
-                      DESC: tl.constexpr, J: tl.constexpr, SUB: tl.constexpr,
+def tile_coefficients(rows, OPTS: tl.constexpr, chunk, n_chunks, COEF: tl.constexpr,
+                      TIME_AXIS: tl.constexpr, INT64: tl.constexpr, BLOCK_T: tl.constexpr,
+                      FLIP: tl.constexpr, DESC: tl.constexpr, J: tl.constexpr, SUB: tl.constexpr,
                       EVEN: tl.constexpr, MASK: tl.constexpr, W_PHASE: tl.constexpr, after,
                       window):
     """The steps `t` of sub-tile J of tile `chunk` (along the time axis), their mask, and the
@@ -370,9 +506,12 @@ def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n
     Position p holds step p of the chunk; with `FLIP`, step (G - 1 - p // 8) * 8 + p % 8 of
     its G groups of 8; with `DESC`, step BLOCK_T - 1 - p.
     With `EVEN` every tile is full (T and B multiples of the tile) and the mask is a constant.
+    The builder gets one `Step` (`coefficients`): these steps of `rows` (`Rows`, with the
+    constants `OPTS`).
     `after`: the builder's aux at steps t + 1 (the op's builder, `rl_triton.ops`), or None.
     `window`: None, or for packed rows what the builder sees instead of the input slots, T and
     the rows whose window ends here (`segment_windows`)."""
+    mask_b = rows.mask
     # the steps of `tile_steps`, inline: as a call, unpacked kernels compiled to other SASS
     j = tl.arange(0, BLOCK_T // SUB) * SUB + J
     if FLIP:
@@ -385,21 +524,21 @@ def tile_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n
     if EVEN:  # no step past T: the constant mask_b (`scan_kernel`), broadcast over the steps
         mask = tl.full(t.shape, 1, tl.int1) & mask_b
     else:
-        mask = (t < T) & mask_b
+        mask = (t < rows.T) & mask_b
     # the rows whose step T-1 (the bootstrap step) is in this tile
     end_rows = tl.where(chunk == n_chunks - 1, mask_b, False)
     if window is None:
-        alpha, beta, aux = COEF(ins, st, s1, s2, sa, t, b1, b2, mask, end_rows, T, n_act,
-                                scalars, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A,
-                                ACT_BLOCKS, ACT_VEC, after)
+        alpha, beta, aux = coefficients(COEF, rows, OPTS, rows.ins, t, mask, end_rows, rows.T,
+                                        after)
     else:
         w_ins, w_T, w_ends, _ = window
-        alpha, beta, aux = COEF(w_ins, st, s1, s2, sa, t, b1, b2, mask, mask & w_ends, w_T,
-                                n_act, scalars, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A,
-                                ACT_BLOCKS, ACT_VEC, after)
+        alpha, beta, aux = coefficients(COEF, rows, OPTS, w_ins, t, mask, mask & w_ends, w_T,
+                                        after)
     # one return: Triton 3.6 checks every return's types, even under a constant condition
     if MASK >= 0:
-        keep = load_step_flag(ins, st, s1, s2, MASK, t, b1, b2, mask)
+        keep = load_flag(rows.ins[MASK],
+                         offsets(t, rows.b1, rows.b2, rows.st[MASK], rows.s1[MASK],
+                                 rows.s2[MASK]), mask)
         if W_PHASE:
             w, pieces = alpha
             alpha = (tl.where(keep, w, 0.0), pieces)
@@ -441,13 +580,10 @@ def scan_tile(alpha, beta, REVERSE: tl.constexpr, EXCLUSIVE: tl.constexpr,
 
 
 @triton.jit
-def scan_chunk(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
-               COEF: tl.constexpr, HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr,
-               HAS_LAST: tl.constexpr, VARIANT: tl.constexpr, EXCLUSIVE: tl.constexpr,
-               SCAN_REVERSE: tl.constexpr, TIME_AXIS: tl.constexpr, INT64: tl.constexpr,
-               BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-               ACT_VEC: tl.constexpr, FLIP: tl.constexpr, DESC: tl.constexpr,
-               SUB: tl.constexpr, EVEN: tl.constexpr, WHOLE: tl.constexpr,
+def scan_chunk(rows, OPTS: tl.constexpr, chunk, n_chunks, COEF: tl.constexpr,
+               EXCLUSIVE: tl.constexpr, SCAN_REVERSE: tl.constexpr, TIME_AXIS: tl.constexpr,
+               INT64: tl.constexpr, BLOCK_T: tl.constexpr, FLIP: tl.constexpr,
+               DESC: tl.constexpr, SUB: tl.constexpr, EVEN: tl.constexpr, WHOLE: tl.constexpr,
                MASK: tl.constexpr, windows):
     """Tile `chunk` scanned from a zero carry, as SUB sub-tiles (`tile_coefficients`): tuples
     of their (t, mask, a, bb, ea, eb, aux) as `scan_tile` returns them, and the tile's whole
@@ -460,10 +596,8 @@ def scan_chunk(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, s
     in one thread: every step of it crosses lanes, warps and repetitions of the layout."""
     if SUB == 1:
         t, mask, alpha, beta, aux = tile_coefficients(
-            ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
-            HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
-            ACT_BLOCKS, ACT_VEC, FLIP, DESC, 0, 1, EVEN, MASK, False, None,
-            None if windows is None else windows[0])
+            rows, OPTS, chunk, n_chunks, COEF, TIME_AXIS, INT64, BLOCK_T, FLIP, DESC, 0, 1,
+            EVEN, MASK, False, None, None if windows is None else windows[0])
         a, bb, ea, eb = scan_tile(alpha, beta, SCAN_REVERSE, EXCLUSIVE, TIME_AXIS, FLIP)
         agg_a = edge(a, TIME_AXIS, BLOCK_T, WHOLE)
         agg_b = edge(bb, TIME_AXIS, BLOCK_T, WHOLE)
@@ -478,10 +612,8 @@ def scan_chunk(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, s
             # steps in decreasing t: the sub-tile before holds the steps t + 1
             after = auxs[J - 1] if DESC and J > 0 else None
             t, mask, alpha, beta, aux = tile_coefficients(
-                ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
-                HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
-                ACT_BLOCKS, ACT_VEC, FLIP, DESC, J, SUB, EVEN, MASK, False, after,
-                None if windows is None else windows[J])
+                rows, OPTS, chunk, n_chunks, COEF, TIME_AXIS, INT64, BLOCK_T, FLIP, DESC, J,
+                SUB, EVEN, MASK, False, after, None if windows is None else windows[J])
             if J > 0:
                 alpha, beta = combine(As[J - 1], Bs[J - 1], alpha, beta)
             ts = ts + (t,)
@@ -546,13 +678,10 @@ def compose(alphas, betas, EXCLUSIVE: tl.constexpr, SCAN_REVERSE: tl.constexpr,
 
 
 @triton.jit
-def chunk_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
-                       COEF: tl.constexpr, HAS_TRUNC: tl.constexpr, HAS_NEXT: tl.constexpr,
-                       HAS_LAST: tl.constexpr, VARIANT: tl.constexpr, TIME_AXIS: tl.constexpr,
-                       INT64: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr,
-                       ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr, FLIP: tl.constexpr,
-                       DESC: tl.constexpr, SUB: tl.constexpr, EVEN: tl.constexpr,
-                       MASK: tl.constexpr, W_PHASE: tl.constexpr, windows):
+def chunk_coefficients(rows, OPTS: tl.constexpr, chunk, n_chunks, COEF: tl.constexpr,
+                       TIME_AXIS: tl.constexpr, INT64: tl.constexpr, BLOCK_T: tl.constexpr,
+                       FLIP: tl.constexpr, DESC: tl.constexpr, SUB: tl.constexpr,
+                       EVEN: tl.constexpr, MASK: tl.constexpr, W_PHASE: tl.constexpr, windows):
     """A tile's steps, masks, builder coefficients, betas and auxes, per sub-tile, not yet
     scanned (`tile_coefficients`; with W_PHASE, the masked builders' (w, pieces))."""
     ts = ()
@@ -562,10 +691,8 @@ def chunk_coefficients(ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, 
     auxs = ()
     for J in tl.static_range(SUB):
         t, mask, alpha, beta, aux = tile_coefficients(
-            ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
-            HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
-            ACT_BLOCKS, ACT_VEC, FLIP, DESC, J, SUB, EVEN, MASK, W_PHASE, None,
-            None if windows is None else windows[J])
+            rows, OPTS, chunk, n_chunks, COEF, TIME_AXIS, INT64, BLOCK_T, FLIP, DESC, J, SUB,
+            EVEN, MASK, W_PHASE, None, None if windows is None else windows[J])
         ts = ts + (t,)
         masks = masks + (mask,)
         alphas = alphas + (alpha,)
@@ -602,8 +729,8 @@ def successors(alphas, auxs, SCAN_REVERSE: tl.constexpr, TIME_AXIS: tl.constexpr
 
 
 @triton.jit
-def finish_chunk(alphas, betas, auxs, ew_s, ewd_s, carry_w, scalars, FINISH: tl.constexpr,
-                 HAS_NEXT: tl.constexpr, VARIANT: tl.constexpr, SUB: tl.constexpr, restarts):
+def finish_chunk(alphas, betas, auxs, ew_s, ewd_s, carry_w, rows, OPTS: tl.constexpr,
+                 FINISH: tl.constexpr, SUB: tl.constexpr, restarts):
     """A masked tile's coefficients once the W carry into it is known: the builder's pieces
     finished with each step's successor W (`FINISH`), masked steps the identity; the auxes
     become (the builder's aux, the decision steps, the successor W). With `restarts` (packed
@@ -615,7 +742,7 @@ def finish_chunk(alphas, betas, auxs, ew_s, ewd_s, carry_w, scalars, FINISH: tl.
         _, pieces = alphas[J]
         aux, keep = auxs[J]
         wn = apply_map(ew_s[J], ewd_s[J], carry_w)
-        alpha, beta = FINISH(pieces, betas[J], wn, scalars, HAS_NEXT, VARIANT)
+        alpha, beta = finish(FINISH, rows, OPTS, pieces, betas[J], wn)
         alpha = tl.where(keep, alpha, 0.0)
         beta = tl.where(keep, beta, 1.0)
         if restarts is not None:
@@ -706,7 +833,7 @@ def segment_slots(ins, st, seg, SLOTS: tl.constexpr):
 
 
 @triton.jit
-def segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS: tl.constexpr, INT64: tl.constexpr,
+def segment_windows(rows, cu, n_seg, chunk, TIME_AXIS: tl.constexpr, INT64: tl.constexpr,
                     BLOCK_T: tl.constexpr, FLIP: tl.constexpr, DESC: tl.constexpr,
                     SUB: tl.constexpr, REVERSE: tl.constexpr, SLOTS: tl.constexpr,
                     RESTART: tl.constexpr):
@@ -717,6 +844,8 @@ def segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS: tl.constexpr, INT64
     window end) and read the bootstraps (SLOTS) at its segment; with `RESTART` the builders see
     the plain row, and the scan restarts at the heads from the boot carries
     (`segment_restarts`)."""
+    ins = rows.ins
+    T = rows.T
     t0 = chunk * BLOCK_T
     first, last = tile_segments(cu, n_seg - 1, t0, tl.minimum(t0 + BLOCK_T, T) - 1)
     windows = ()
@@ -733,21 +862,20 @@ def segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS: tl.constexpr, INT64
         if RESTART:
             windows = windows + ((ins, T, head, seg),)
         else:
-            windows = windows + ((segment_slots(ins, st, seg, SLOTS), bound, head, seg),)
+            windows = windows + ((segment_slots(ins, rows.st, seg, SLOTS), bound, head, seg),)
     return windows
 
 
 @triton.jit
-def segment_restarts(windows, st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars,
-                     BOOT: tl.constexpr, HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr,
-                     VARIANT: tl.constexpr, SUB: tl.constexpr, SLOTS: tl.constexpr):
+def segment_restarts(windows, rows, OPTS: tl.constexpr, BOOT: tl.constexpr, SUB: tl.constexpr,
+                     SLOTS: tl.constexpr):
     """Per sub-tile of packed rows: (its heads, the scan's carry there and the W scan's): the
     carries past each head's segment, `BOOT` read at the segment."""
     out = ()
     for J in tl.static_range(SUB):
         ins, _, head, seg = windows[J]
-        a, w = BOOT(segment_slots(ins, st, seg, SLOTS), st, s1, s2, sa, b1, b2, mask_b & head,
-                    T, n_act, scalars, HAS_NEXT, HAS_LAST, VARIANT)
+        a, w = boot_carries(BOOT, rows, OPTS, segment_slots(ins, rows.st, seg, SLOTS),
+                            rows.mask & head)
         out = out + ((head, a, w),)
     return out
 
@@ -786,27 +914,23 @@ def restart_exclusive(ea_s, eb_s, restarts, WHICH: tl.constexpr, SUB: tl.constex
 
 
 @triton.jit
-def packed_forward_chunk(ins, st, s1, s2, sa, cu, n_seg, chunk, n_chunks, b1, b2, mask_b, T, n_act,
-                         scalars, COEF: tl.constexpr, BOOT: tl.constexpr, HAS_TRUNC: tl.constexpr,
-                         HAS_NEXT: tl.constexpr, HAS_LAST: tl.constexpr, VARIANT: tl.constexpr,
-                         EXCLUSIVE: tl.constexpr, SCAN_REVERSE: tl.constexpr,
-                         REVERSE: tl.constexpr, TIME_AXIS: tl.constexpr, INT64: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_A: tl.constexpr, ACT_BLOCKS: tl.constexpr,
-                         ACT_VEC: tl.constexpr, FLIP: tl.constexpr, DESC: tl.constexpr,
-                         SUB: tl.constexpr, EVEN: tl.constexpr, WHOLE: tl.constexpr,
-                         MASK: tl.constexpr, BOOT_SLOTS: tl.constexpr):
+def packed_forward_chunk(rows, OPTS: tl.constexpr, cu, n_seg, chunk, n_chunks,
+                         COEF: tl.constexpr, BOOT: tl.constexpr, EXCLUSIVE: tl.constexpr,
+                         SCAN_REVERSE: tl.constexpr, REVERSE: tl.constexpr,
+                         TIME_AXIS: tl.constexpr, INT64: tl.constexpr, BLOCK_T: tl.constexpr,
+                         FLIP: tl.constexpr, DESC: tl.constexpr, SUB: tl.constexpr,
+                         EVEN: tl.constexpr, WHOLE: tl.constexpr, MASK: tl.constexpr,
+                         BOOT_SLOTS: tl.constexpr):
     """`scan_chunk` for packed forward scans: the tile's maps restarted at its segments'
     starts from `BOOT`'s carries, then composed."""
     ts, masks, als, bes, auxs = chunk_coefficients(
-        ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
-        HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A, ACT_BLOCKS,
-        ACT_VEC, FLIP, DESC, SUB, EVEN, MASK, False, None)
+        rows, OPTS, chunk, n_chunks, COEF, TIME_AXIS, INT64, BLOCK_T, FLIP, DESC, SUB, EVEN,
+        MASK, False, None)
     # found after the coefficients' loads are issued: they overlap
     restarts = segment_restarts(
-        segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS, INT64, BLOCK_T, FLIP, DESC,
-                        SUB, REVERSE, BOOT_SLOTS, True),
-        st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars, BOOT, HAS_NEXT, HAS_LAST, VARIANT,
-        SUB, BOOT_SLOTS)
+        segment_windows(rows, cu, n_seg, chunk, TIME_AXIS, INT64, BLOCK_T, FLIP, DESC, SUB,
+                        REVERSE, BOOT_SLOTS, True),
+        rows, OPTS, BOOT, SUB, BOOT_SLOTS)
     als, bes = restart_chunk(als, bes, restarts, SUB)
     a_s, bb_s, ea_s, eb_s, agg_a, agg_b = compose(
         als, bes, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, FLIP, BLOCK_T, SUB, WHOLE)
@@ -816,21 +940,15 @@ def packed_forward_chunk(ins, st, s1, s2, sa, cu, n_seg, chunk, n_chunks, b1, b2
 
 
 @triton.jit
-def store_chunk(outs, ost, os1, os2, b1, b2, ts, masks, a_s, bb_s, ea_s, eb_s, auxs, carry,
-                scalars, STORE: tl.constexpr, VARIANT: tl.constexpr, SUB: tl.constexpr, src,
-                ACT: tl.constexpr, STORE_INPUTS: tl.constexpr):
-    """The outputs of a tile scanned by `scan_chunk`, whose carry is now known. With
-    `STORE_INPUTS` the writer also reads inputs, as the builder sees them: `src` is
-    (ins, st, s1, s2, sa, n_act) and ACT (BLOCK_A, ACT_BLOCKS, ACT_VEC)."""
+def store_chunk(rows, OPTS: tl.constexpr, ts, masks, a_s, bb_s, ea_s, eb_s, auxs, carry,
+                STORE: tl.constexpr, SUB: tl.constexpr):
+    """The outputs of a tile scanned by `scan_chunk`, whose carry is now known: the writer
+    gets each sub-tile's `Step` (`write`), whose inputs it may read too (those of the plain
+    rows, whose T is the window end)."""
     for J in tl.static_range(SUB):
         res = apply_map(a_s[J], bb_s[J], carry)
         res_prev = apply_map(ea_s[J], eb_s[J], carry)
-        if STORE_INPUTS:
-            STORE(outs, ost, os1, os2, ts[J], b1, b2, masks[J], res, res_prev, auxs[J], scalars,
-                  VARIANT, src, ACT)
-        else:
-            STORE(outs, ost, os1, os2, ts[J], b1, b2, masks[J], res, res_prev, auxs[J], scalars,
-                  VARIANT)
+        write(STORE, rows, OPTS, ts[J], masks[J], res, res_prev, auxs[J])
 
 
 # n_row_tiles is never specialized: as the stride between a look-back window's words it must not
@@ -853,7 +971,6 @@ def scan_kernel(
     ACT_BLOCKS: tl.constexpr, ACT_VEC: tl.constexpr, SUB: tl.constexpr, ROW_VEC: tl.constexpr,
     EVEN: tl.constexpr, ROW_PARAMS: tl.constexpr, MASK: tl.constexpr, W_PHASE: tl.constexpr,
     BOOT: tl.constexpr, FINISH: tl.constexpr, SEGMENTS: tl.constexpr, BOOT_SLOTS: tl.constexpr,
-    STORE_INPUTS: tl.constexpr,
 ):
     """One program per tile of `BLOCK_B` rows x `BLOCK_T` steps (`n_chunks` tiles along time),
     scanned once and kept in registers; with `LOOKBACK`, the tiles of a row run in parallel and
@@ -865,8 +982,11 @@ def scan_kernel(
     estimator's successor is then the next decision step, however far: with `W_PHASE` a second
     scan (`successors`) carries the successor's own value w across masked steps, with a carry
     and look-back of its own, before the main scan; `BOOT` gives both initial carries and
-    `FINISH` the coefficients from each step's successor w. With `STORE_INPUTS` the writer
-    reads inputs too (`store_chunk`).
+    `FINISH` the coefficients from each step's successor w.
+
+    The op's functions (COEF, STORE, BOOT, FINISH) each get one `Step`, built from the rows'
+    `Rows` and the constants `OPTS` where they are called (`coefficients`, `write`,
+    `boot_carries`, `finish`).
 
     With `SEGMENTS` (packed rows, semantics §7) the one row of T steps holds n_seg segments (offsets
     `cu`), each a row of its own (`segment_windows`): the bootstrap slots (bits of BOOT_SLOTS)
@@ -894,7 +1014,8 @@ def scan_kernel(
         st = multiples(st, ROW_VEC)
         ost = multiples(ost, ROW_VEC)
         B = B // ROW_VEC * ROW_VEC
-    src = (ins, st, s1, s2, sa, n_act)  # what a writer with STORE_INPUTS reads
+    # what every `Step` holds besides its rows and steps (compile-time constants)
+    OPTS: tl.constexpr = (HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A, ACT_BLOCKS, ACT_VEC)
     k = tl.program_id(0)
     order = k // n_row_tiles  # tiles before this one in scan order, along its rows
     pid_b = k % n_row_tiles
@@ -934,35 +1055,33 @@ def scan_kernel(
         # its steps wherever the builders use the scalars
         scalars = row_scalars(row_ptr, row_sk, row_s1, row_s2, b1, b2, mask_b, scalars,
                               ROW_PARAMS)
+    rows = Rows(ins, st, s1, s2, sa, outs, ost, os1, os2, b1, b2, mask_b, T, n_act, scalars)
     carry = tl.zeros(r.shape, tl.float32)
     if WALK:
         if HAS_INIT:
             carry = load_value(init, b1 * init_s1 + b2 * init_s2, mask_b)
         if W_PHASE:
-            carry, carry_w = BOOT(ins, st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars,
-                                  HAS_NEXT, HAS_LAST, VARIANT)
+            carry, carry_w = boot_carries(BOOT, rows, OPTS, ins, mask_b)
         for i in range(n_chunks):
             chunk = n_chunks - 1 - i if REVERSE else i
             windows = None
             if SEGMENTS and BOOT is None:  # the builders see each step's segment
-                windows = segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS, INT64,
-                                          BLOCK_T, FLIP, DESC, SUB, REVERSE, BOOT_SLOTS, False)
+                windows = segment_windows(rows, cu, n_seg, chunk, TIME_AXIS, INT64, BLOCK_T,
+                                          FLIP, DESC, SUB, REVERSE, BOOT_SLOTS, False)
             if W_PHASE:
                 ts, masks, als, bes, auxs = chunk_coefficients(
-                    ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
-                    COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T,
-                    BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, MASK, True, windows)
+                    rows, OPTS, chunk, n_chunks, COEF, TIME_AXIS, INT64, BLOCK_T, FLIP, DESC,
+                    SUB, EVEN, MASK, True, windows)
                 restarts = None
                 if SEGMENTS:  # found after the coefficients' loads are issued: they overlap
                     restarts = segment_restarts(
-                        segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS, INT64,
-                                        BLOCK_T, FLIP, DESC, SUB, REVERSE, BOOT_SLOTS, True),
-                        st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars, BOOT, HAS_NEXT,
-                        HAS_LAST, VARIANT, SUB, BOOT_SLOTS)
+                        segment_windows(rows, cu, n_seg, chunk, TIME_AXIS, INT64, BLOCK_T,
+                                        FLIP, DESC, SUB, REVERSE, BOOT_SLOTS, True),
+                        rows, OPTS, BOOT, SUB, BOOT_SLOTS)
                 ew_s, ewd_s, agg_w, agg_wd = successors(als, auxs, SCAN_REVERSE, TIME_AXIS, FLIP,
                                                         BLOCK_T, SUB, WHOLE, restarts)
-                als, bes, auxs = finish_chunk(als, bes, auxs, ew_s, ewd_s, carry_w, scalars,
-                                              FINISH, HAS_NEXT, VARIANT, SUB, restarts)
+                als, bes, auxs = finish_chunk(als, bes, auxs, ew_s, ewd_s, carry_w, rows, OPTS,
+                                              FINISH, SUB, restarts)
                 a_s, bb_s, ea_s, eb_s, agg_a, agg_b = compose(
                     als, bes, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, FLIP, BLOCK_T, SUB, WHOLE)
                 if restarts is not None and EXCLUSIVE:
@@ -970,44 +1089,37 @@ def scan_kernel(
                 carry_w = apply_map(agg_w, agg_wd, carry_w)
             elif SEGMENTS and BOOT is not None:  # packed forward scans: restart at starts
                 ts, masks, a_s, bb_s, ea_s, eb_s, auxs, agg_a, agg_b = packed_forward_chunk(
-                    ins, st, s1, s2, sa, cu, n_seg, chunk, n_chunks, b1, b2, mask_b, T, n_act,
-                    scalars, COEF, BOOT, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, EXCLUSIVE,
-                    SCAN_REVERSE, REVERSE, TIME_AXIS, INT64, BLOCK_T, BLOCK_A, ACT_BLOCKS, ACT_VEC,
-                    FLIP, DESC, SUB, EVEN, WHOLE, MASK, BOOT_SLOTS)
+                    rows, OPTS, cu, n_seg, chunk, n_chunks, COEF, BOOT, EXCLUSIVE, SCAN_REVERSE,
+                    REVERSE, TIME_AXIS, INT64, BLOCK_T, FLIP, DESC, SUB, EVEN, WHOLE, MASK,
+                    BOOT_SLOTS)
             else:
                 ts, masks, a_s, bb_s, ea_s, eb_s, auxs, agg_a, agg_b = scan_chunk(
-                    ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars,
-                    COEF, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, EXCLUSIVE, SCAN_REVERSE,
-                    TIME_AXIS, INT64, BLOCK_T, BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB,
-                    EVEN, WHOLE, MASK, windows)
-            store_chunk(outs, ost, os1, os2, b1, b2, ts, masks, a_s, bb_s, ea_s, eb_s, auxs,
-                        carry, scalars, STORE, VARIANT, SUB, src,
-                        (BLOCK_A, ACT_BLOCKS, ACT_VEC), STORE_INPUTS)
+                    rows, OPTS, chunk, n_chunks, COEF, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, INT64,
+                    BLOCK_T, FLIP, DESC, SUB, EVEN, WHOLE, MASK, windows)
+            store_chunk(rows, OPTS, ts, masks, a_s, bb_s, ea_s, eb_s, auxs, carry, STORE, SUB)
             # the tile's outgoing value: the carry into the next tile in scan order
             carry = apply_map(agg_a, agg_b, carry)
     else:
         chunk = n_chunks - 1 - order if REVERSE else order
         windows = None
         if SEGMENTS and BOOT is None:  # the builders see each step's segment
-            windows = segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS, INT64, BLOCK_T,
-                                      FLIP, DESC, SUB, REVERSE, BOOT_SLOTS, False)
+            windows = segment_windows(rows, cu, n_seg, chunk, TIME_AXIS, INT64, BLOCK_T, FLIP,
+                                      DESC, SUB, REVERSE, BOOT_SLOTS, False)
         if W_PHASE:
             ts, masks, als, bes, auxs = chunk_coefficients(
-                ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
-                HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, TIME_AXIS, INT64, BLOCK_T, BLOCK_A,
-                ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, MASK, True, windows)
+                rows, OPTS, chunk, n_chunks, COEF, TIME_AXIS, INT64, BLOCK_T, FLIP, DESC, SUB,
+                EVEN, MASK, True, windows)
             restarts = None
             if SEGMENTS:  # found after the coefficients' loads are issued: they overlap
                 restarts = segment_restarts(
-                    segment_windows(ins, st, cu, n_seg, chunk, T, TIME_AXIS, INT64, BLOCK_T,
-                                    FLIP, DESC, SUB, REVERSE, BOOT_SLOTS, True),
-                    st, s1, s2, sa, b1, b2, mask_b, T, n_act, scalars, BOOT, HAS_NEXT,
-                    HAS_LAST, VARIANT, SUB, BOOT_SLOTS)
+                    segment_windows(rows, cu, n_seg, chunk, TIME_AXIS, INT64, BLOCK_T, FLIP,
+                                    DESC, SUB, REVERSE, BOOT_SLOTS, True),
+                    rows, OPTS, BOOT, SUB, BOOT_SLOTS)
             ew_s, ewd_s, agg_w, agg_wd = successors(als, auxs, SCAN_REVERSE, TIME_AXIS, FLIP,
                                                     BLOCK_T, SUB, WHOLE, restarts)
             # both initial carries: read by the first tile in scan order only (as HAS_INIT's)
-            carry, carry_w = BOOT(ins, st, s1, s2, sa, b1, b2, tl.where(order == 0, mask_b, False),
-                                  T, n_act, scalars, HAS_NEXT, HAS_LAST, VARIANT)
+            carry, carry_w = boot_carries(BOOT, rows, OPTS, ins,
+                                          tl.where(order == 0, mask_b, False))
             if LOOKBACK:
                 slot_w = k * BLOCK_B + r
                 if order > 0:
@@ -1019,24 +1131,21 @@ def scan_kernel(
                     tl.atomic_xchg(words_wa + slot_w,
                                    pack(apply_map(agg_w, agg_wd, carry_w), tag + 2),
                                    sem="relaxed")
-            als, bes, auxs = finish_chunk(als, bes, auxs, ew_s, ewd_s, carry_w, scalars, FINISH,
-                                          HAS_NEXT, VARIANT, SUB, restarts)
+            als, bes, auxs = finish_chunk(als, bes, auxs, ew_s, ewd_s, carry_w, rows, OPTS,
+                                          FINISH, SUB, restarts)
             a_s, bb_s, ea_s, eb_s, agg_a, agg_b = compose(
                 als, bes, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, FLIP, BLOCK_T, SUB, WHOLE)
             if restarts is not None and EXCLUSIVE:
                 ea_s, eb_s = restart_exclusive(ea_s, eb_s, restarts, 1, SUB)
         elif SEGMENTS and BOOT is not None:  # packed forward scans: restart at starts
             ts, masks, a_s, bb_s, ea_s, eb_s, auxs, agg_a, agg_b = packed_forward_chunk(
-                ins, st, s1, s2, sa, cu, n_seg, chunk, n_chunks, b1, b2, mask_b, T, n_act,
-                scalars, COEF, BOOT, HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, EXCLUSIVE,
-                SCAN_REVERSE, REVERSE, TIME_AXIS, INT64, BLOCK_T, BLOCK_A, ACT_BLOCKS, ACT_VEC,
-                FLIP, DESC, SUB, EVEN, WHOLE, MASK, BOOT_SLOTS)
+                rows, OPTS, cu, n_seg, chunk, n_chunks, COEF, BOOT, EXCLUSIVE, SCAN_REVERSE,
+                REVERSE, TIME_AXIS, INT64, BLOCK_T, FLIP, DESC, SUB, EVEN, WHOLE, MASK,
+                BOOT_SLOTS)
         else:
             ts, masks, a_s, bb_s, ea_s, eb_s, auxs, agg_a, agg_b = scan_chunk(
-                ins, st, s1, s2, sa, chunk, n_chunks, b1, b2, mask_b, T, n_act, scalars, COEF,
-                HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS,
-                INT64, BLOCK_T, BLOCK_A, ACT_BLOCKS, ACT_VEC, FLIP, DESC, SUB, EVEN, WHOLE, MASK,
-                windows)
+                rows, OPTS, chunk, n_chunks, COEF, EXCLUSIVE, SCAN_REVERSE, TIME_AXIS, INT64,
+                BLOCK_T, FLIP, DESC, SUB, EVEN, WHOLE, MASK, windows)
         if HAS_INIT:
             # read by the first tile in scan order only, after its scan (not held through it):
             # a tile after it never reaches the initial carry in its look-back, since the first
@@ -1053,9 +1162,7 @@ def scan_kernel(
             if order < n_chunks - 1:
                 tl.atomic_xchg(words_a + slot, pack(apply_map(agg_a, agg_b, carry), tag + 2),
                                sem="relaxed")
-        store_chunk(outs, ost, os1, os2, b1, b2, ts, masks, a_s, bb_s, ea_s, eb_s, auxs, carry,
-                    scalars, STORE, VARIANT, SUB, src, (BLOCK_A, ACT_BLOCKS, ACT_VEC),
-                    STORE_INPUTS)
+        store_chunk(rows, OPTS, ts, masks, a_s, bb_s, ea_s, eb_s, auxs, carry, STORE, SUB)
 
 
 @triton.jit
@@ -1071,13 +1178,14 @@ def row_scalars(rows, sk, s1, s2, b1, b2, mask_b, scalars, N: tl.constexpr):
 
 
 @triton.jit
-def row_value(ins, st, s1, s2, SLOT: tl.constexpr, b1, b2, rows):
-    """A bootstrap slot's value at each row (its time stride is 0), zero outside `rows`."""
-    return load_value(ins[SLOT], offsets(0, b1, b2, st[SLOT], s1[SLOT], s2[SLOT]), rows)
+def row_value(step, SLOT: tl.constexpr):
+    """A bootstrap slot's value at each row (its time stride is 0), zero outside the step's
+    mask (`BOOT`'s: the rows that read it)."""
+    return load_value(step.ins[SLOT], slot_offsets(step, SLOT, 0), step.mask)
 
 
 @triton.jit
-def finish_linear(pieces, beta, wn, params, HAS_NEXT: tl.constexpr, VARIANT: tl.constexpr):
+def finish_linear(step, pieces, beta, wn):
     """The masked builders' common `FINISH`: alpha = a + c * w', exactly a where c = 0 (a
     select, whatever the successor's value w' holds: a termination keeps out the next episode's
     NaN)."""
@@ -1086,25 +1194,36 @@ def finish_linear(pieces, beta, wn, params, HAS_NEXT: tl.constexpr, VARIANT: tl.
 
 
 @triton.jit
-def store_out(outs, ost, os1, os2, SLOT: tl.constexpr, t, b1, b2, mask, value):
-    ptr = outs[SLOT] + offsets(t, b1, b2, ost[SLOT], os1[SLOT], os2[SLOT])
+def out_offsets(step, SLOT: tl.constexpr):
+    """The offsets of output slot SLOT at the step's steps."""
+    return offsets(step.t, step.b1, step.b2, step.ost[SLOT], step.os1[SLOT], step.os2[SLOT])
+
+
+@triton.jit
+def store_at(step, SLOT: tl.constexpr, mask, value):
+    """Output slot SLOT at the step's steps, where `mask` is set."""
+    ptr = step.outs[SLOT] + out_offsets(step, SLOT)
     tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def single_store(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
-                 VARIANT: tl.constexpr):
-    """The writer of ops whose one output is the scan's value."""
-    store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, res)
+def store_out(step, SLOT: tl.constexpr, value):
+    """Output slot SLOT at the step's steps."""
+    store_at(step, SLOT, step.mask, value)
 
 
 @triton.jit
-def single_store_masked(outs, ost, os1, os2, t, b1, b2, mask, res, res_prev, aux, params,
-                        VARIANT: tl.constexpr):
+def single_store(step, res, res_prev, aux):
+    """The writer of ops whose one output is the scan's value."""
+    store_out(step, 0, res)
+
+
+@triton.jit
+def single_store_masked(step, res, res_prev, aux):
     """`single_store` of a masked reverse scan (aux: the builder's, the decision steps, the
     successor's value): 0 at masked steps."""
     _, keep, _ = aux
-    store_out(outs, ost, os1, os2, 0, t, b1, b2, mask, tl.where(keep, res, 0.0))
+    store_out(step, 0, tl.where(keep, res, 0.0))
 
 
 @triton.jit

@@ -27,7 +27,8 @@ INT32_MAX = 2**31 - 1
 
 @dataclass(frozen=True)
 class Kernel:
-    """What an op plugs into the scan kernel: its coefficient builder and output writer."""
+    """What an op plugs into the scan kernel: its coefficient builder and output writer (each
+    takes one `kernel.Step`)."""
     coef: object
     store: object
     reverse: bool
@@ -43,8 +44,8 @@ class Kernel:
     # the builder for tiles that span their rows' whole window (each holds step T-1)
     coef_whole: object = None
     action_slots: tuple = ()  # slots with a trailing action axis (Retrace)
-    # outputs with that action axis (Retrace's backward: the gradients of the action slots),
-    # whose writer reads inputs (`kernel.store_chunk`)
+    # outputs with that action axis (Retrace's backward: the gradients of the action slots, which
+    # its writer forms from the inputs' action axis, read through its `kernel.Step`)
     action_outs: tuple = ()
     # masks (semantics §7): the mask's input slot; for reverse estimators, whose successor is the
     # next decision step, `boot` (both initial carries) and `finish` (the coefficients from the
@@ -235,7 +236,6 @@ class Launch:
                          MASK=kernel.mask_slot, W_PHASE=w_phase, BOOT=kernel.boot,
                          FINISH=kernel.finish, SEGMENTS=segments is not None,
                          BOOT_SLOTS=sum(1 << i for i in boots),
-                         STORE_INPUTS=bool(kernel.action_outs),
                          num_warps=cfg.num_warps)
         if cfg.max_registers:
             self.meta["maxnreg"] = cfg.max_registers
@@ -338,25 +338,32 @@ class Launch:
                 rows, *rest, cu, self.n_seg)
 
 
-def launch(fn, grid: int, args: tuple, device: torch.device, **meta) -> None:
+def launch(fn, grid: int, args: tuple, device: torch.device, memo: Optional[dict] = None,
+           **meta) -> None:
     """`fn[(grid,)](*args, **meta)` for a kernel other than the scan (`args`: its leading
     arguments, tensors and numbers; `meta`: its other arguments by name, constexprs, and launch
     options such as num_warps), with the host path `Launch` has: after the first launch of a
     specialization, its compiled kernel with the tensors' addresses as integers. The key holds
-    what Triton specializes on (`_spec`)."""
+    what Triton specializes on (`_spec`). `memo`: a dict of the caller's plan whose signature
+    fixes every specialization of this launch site (dtypes, alignment, integers, meta): the
+    compiled kernel is kept there under `fn`, and the key is not formed again."""
     if device.type != "cuda" or not HAS_TRITON:  # Triton's interpreter
         fn[(grid,)](*args, **meta)
         return
     on = device.index != _current_device()  # Triton launches on the current device
-    key = (fn, device.index, *meta.items(), *map(_spec, args))
-    hit = _COMPILED.get(key)
+    hit = None if memo is None else memo.get(fn)
     if hit is None:
-        with torch.cuda.device(device) if on else contextlib.nullcontext():
-            compiled = fn[(grid,)](*args, **meta)
-        if len(_COMPILED) >= _MAX_COMPILED:
-            _COMPILED.clear()
-        _COMPILED[key] = (compiled, tuple(meta[n] for n in fn.arg_names[len(args):]))
-        return
+        key = (fn, device.index, *meta.items(), *map(_spec, args))
+        hit = _COMPILED.get(key)
+        if hit is None:
+            with torch.cuda.device(device) if on else contextlib.nullcontext():
+                compiled = fn[(grid,)](*args, **meta)
+            if len(_COMPILED) >= _MAX_COMPILED:
+                _COMPILED.clear()
+            _COMPILED[key] = (compiled, tuple(meta[n] for n in fn.arg_names[len(args):]))
+            return
+        if memo is not None:
+            memo[fn] = hit
     kernel, tail = hit
     args = tuple(a.data_ptr() if isinstance(a, Tensor) else a for a in args)
     stream = _stream(device.index)

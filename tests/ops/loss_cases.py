@@ -88,6 +88,9 @@ def spec_value(v, ret, old, m, *, clip=None, kind="mse", huber_delta=1.0,
 
 def spec_kl(lp, ref, kind, clamp=None):
     d = lp - ref
+    if kind.endswith("+"):  # straight-through: the value of the kind, the gradient of d^2 / 2
+        half = d ** 2 / 2
+        return spec_kl(lp, ref, kind[:-1], clamp).detach() + half - half.detach()
     k = {"k1": lambda: d, "abs": lambda: d.abs(), "k2": lambda: d ** 2 / 2,
          "k3": lambda: torch.exp(-d) + d - 1}[kind]()
     return k if clamp is None else torch.clamp(k, -clamp, clamp)

@@ -15,7 +15,7 @@ OPS = ["kl_penalty"]
 
 
 @pytest.mark.parametrize("backend", ["torch", "loop"])
-@pytest.mark.parametrize("kind", ["k1", "abs", "k2", "k3"])
+@pytest.mark.parametrize("kind", ["k1", "abs", "k2", "k3"])  # "+": gradient is not the value's
 @pytest.mark.parametrize("clamp", [None, 0.4])
 def test_gradcheck_kl_penalty(kind, clamp, backend):
     xs = leaves(randn((3, 7), 7, dtype=torch.float64), randn((3, 7), 8, dtype=torch.float64))
@@ -23,7 +23,7 @@ def test_gradcheck_kl_penalty(kind, clamp, backend):
         *xs, kind, clamp, backend=backend, out_dtype=torch.float64), xs)
 
 
-@pytest.mark.parametrize("kind", ["k1", "abs", "k2", "k3"])
+@pytest.mark.parametrize("kind", ["k1", "abs", "k2", "k3", "k1+", "abs+", "k2+", "k3+"])
 @pytest.mark.parametrize("clamp", [None, 0.5, 10.0])
 def test_kl_penalty_triton(kind, clamp, device):
     for shape, dtype in [((1,), torch.float32), ((37,), torch.float32),

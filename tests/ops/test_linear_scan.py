@@ -49,7 +49,7 @@ def test_long_reverse_scan_without_boundaries(beta, tol):
 def test_look_back_without_cuts(layout):
     """beta close to 1 and no cut: every tile's carry depends on every tile before it, so the
     look-back must reach back to published values or to the start (fresh plans, cold launches)."""
-    from rl_triton import _plans
+    from rl_triton._core import plans as _plans
 
     T, n, td = 2**20, 4, 0 if layout == "time-major" else 1
     g = torch.Generator(device=DEV).manual_seed(3)

@@ -266,11 +266,44 @@ def test_fullgraph_compile(backend, device):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_the_hot_path_still_checks(backend, device):
+    """A repeated call finds its plan (one per signature), and still checks what its signature
+    does not fix: the offsets' values; a new option value or type is a new signature, checked
+    (docs/dev/op-framework.md)."""
+    from rl_triton._core import plans
+    lp, old, adv = (torch.randn(12, device=device) for _ in range(3))
+    cu = torch.tensor([0, 5, 12], device=device)
+    kw = dict(cu_seqlens=cu, aggregation="seq-mean-token-mean", backend=backend)
+    plans.clear_plans()
+    first = rl_triton.ppo_policy_loss(lp, old, adv, **kw)
+    again = rl_triton.ppo_policy_loss(lp, old, adv, **kw)
+    assert len(plans._PLANS) == 1
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    cu[1] = 13  # in place: no signature changes
+    with pytest.raises(ValueError, match="never decrease"):
+        rl_triton.ppo_policy_loss(lp, old, adv, **kw)
+    cu[1] = 5
+    with pytest.raises(ValueError, match="clip_low"):
+        rl_triton.ppo_policy_loss(lp, old, adv, clip_low=2.0, **kw)
+    with pytest.raises(TypeError, match="check_offsets"):
+        rl_triton.ppo_policy_loss(lp, old, adv, check_offsets=1, **kw)
+    with pytest.raises(ValueError, match="clip needs old_values"):
+        rl_triton.value_loss(lp, adv, clip=0.2, backend=backend)
+    # old_values unread without a clip: set aside by the check, on the hot path too
+    for _ in range(2):
+        torch.testing.assert_close(rl_triton.value_loss(lp, adv, old, backend=backend),
+                                   rl_triton.value_loss(lp, adv, backend=backend))
+
+
 def test_custom_ops_are_registered():
-    for name in ("ppo_policy_loss", "value_loss", "kl_penalty", "sac_targets"):
-        assert hasattr(torch.ops.rl_triton, name) and hasattr(torch.ops.rl_triton,
-                                                               name + "_backward")
-    assert hasattr(torch.ops.rl_triton, "crr_weights")
+    from rl_triton._core.op import OPS, ops
+    assert ops("loss") == ["ppo_policy_loss", "policy_loss", "value_loss", "kl_penalty",
+                           "sac_targets", "crr_weights"]
+    for name in ops("loss"):
+        assert hasattr(torch.ops.rl_triton, name)
+        assert hasattr(torch.ops.rl_triton, name + "_backward") == (name != "crr_weights")
+        assert OPS[name].function is getattr(rl_triton, name)
 
 
 # ---- bad input -----------------------------------------------------------------------------------

@@ -261,8 +261,9 @@ def test_masked_whiten_triton_reads_any_layout_and_writes_nothing():
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_masked_whiten_fullgraph_compile(backend):
-    """Inside torch.compile the torch ops are traced (the Triton path's kernels are not custom
-    ops yet): one graph, the eager call's values and gradients."""
+    """Inside torch.compile the torch backend's ops are traced, the Triton backend's kernels are
+    the custom ops `torch.ops.rl_triton.masked_whiten` and `masked_whiten_backward`: one graph,
+    the eager call's values and gradients."""
     x, mask, _ = whiten_inputs((4, 33), torch.bool, seed=7)
     w = torch.randn(4, 33)
 
@@ -281,6 +282,29 @@ def test_masked_whiten_fullgraph_compile(backend):
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got_dx, want_dx)
     assert want_dx.abs().max() > 0.1
+
+
+def test_outcome_ops_compile_to_their_custom_ops():
+    """On the Triton backend inside torch.compile, group_advantages' kernel (group_size, no
+    gradient) and masked_whiten are their custom ops (docs/semantics.md §1, Composability)."""
+    x, mask, _ = whiten_inputs((4, 33), torch.bool, seed=3)
+    scores = torch.randn(24)
+    targets = []
+
+    def backend(gm, inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes)
+        return gm.forward
+
+    def step(x, mask, scores):
+        return (rl_triton.masked_whiten(x, mask, backend="triton"),
+                rl_triton.group_advantages(scores, group_size=4, backend="triton"))
+
+    torch._dynamo.reset()
+    got = torch.compile(step, fullgraph=True, backend=backend)(x, mask, scores)
+    assert any("rl_triton.masked_whiten" in t for t in targets), targets
+    assert any("rl_triton.group_advantages" in t for t in targets), targets
+    for a, b in zip(got, step(x, mask, scores)):
+        torch.testing.assert_close(a, b)
 
 
 def test_masked_whiten_triton_refuses_second_order():
@@ -528,7 +552,7 @@ def test_masked_whiten_cuda_graph_replay():
 
 @pytest.mark.gpu_large
 def test_masked_whiten_torch_compile_fullgraph():
-    """Inside torch.compile (Inductor) the torch backend's ops are traced: no graph break."""
+    """Inside torch.compile (Inductor) the kernels are the custom op: no graph break."""
     x, mask, m = large_inputs((64, 300), seed=5)
 
     def step(x, mask):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rl_triton
-from rl_triton import _plans
+from rl_triton._core import plans as _plans
 from rl_triton.ops import retrace as retrace_op
 from rl_triton.scan import tiles
 from by_hand import close, flags, successor, t
@@ -227,7 +227,7 @@ def retrace_kernel(monkeypatch):
     def refuse_padded(*args, **kwargs):
         raise AssertionError("packed rows ran as padded rows")
     monkeypatch.setattr(rl_triton.ops.retrace.OP, "torch", refuse)
-    monkeypatch.setattr(rl_triton._plans.Op, "_padded", refuse_padded)
+    monkeypatch.setattr(rl_triton._core.scan.ScanOp, "_padded", refuse_padded)
 
 
 @pytest.mark.parametrize("n_act", [1, 3, 18])

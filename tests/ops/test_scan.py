@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import rl_triton
-from rl_triton import _plans
+from rl_triton._core import plans as _plans
 from rl_triton.scan import tiles
 from cases import BACKENDS, ESTIMATORS, FLAGGED, assert_close, make_case, rel_err, subprocess_env
 from conftest import DEVICE
@@ -70,7 +70,7 @@ def test_check_offsets_false_reads_nothing(backend, monkeypatch):
         reads.append(data)
         return real(*args, data=data, **kwargs)
 
-    monkeypatch.setattr(rl_triton._plans, "check_offsets", spy)
+    monkeypatch.setattr(rl_triton._core.scan, "check_offsets", spy)
     cu = torch.tensor([0, 3, 7])
     want = packed_call("gae", [3, 4], True, cu, backend)
     for _ in range(2):
@@ -180,7 +180,7 @@ def test_look_back_on_cold_launches(T, n, layout, rows):
     launches (docs/dev/kernel-decisions.md#the-window-no-word-held-by-two-threads). Every
     launch is checked, for tiles of one to 32 rows (the rule's window for each: one warp's worth
     for several rows, one word per thread for one)."""
-    from rl_triton import _plans
+    from rl_triton._core import plans as _plans
     from rl_triton.scan import tiles
 
     case = make_case("gae", T, (n,), device=DEV, seed=11, p_term=0.01, p_trunc=0.01)
@@ -199,7 +199,7 @@ def test_launch_hooks_see_every_launch():
     call them as Triton's own launch path does."""
     from triton import knobs
 
-    from rl_triton import _plans
+    from rl_triton._core import plans as _plans
 
     seen = []
 

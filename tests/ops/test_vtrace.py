@@ -11,7 +11,7 @@ import torch
 
 import rl_triton
 from rl_triton import testing
-from rl_triton._plans import clear_plans
+from rl_triton._core.plans import clear_plans
 from rl_triton.scan import tiles
 from by_hand import close, flags, t
 from by_hand import backend  # noqa: F401 (a fixture: every backend)
@@ -237,7 +237,7 @@ def test_masked_vtrace_next_values_large(shape, layout, monkeypatch):
 def test_packed_vtrace_next_values_large(monkeypatch):
     """Packed V-trace with a mask and next_values, in place (padded rows refused): 512
     segments summing to 512 x 4096 tokens (every 37th empty) against float64."""
-    monkeypatch.setattr(rl_triton._plans.Op, "_padded", refuse)
+    monkeypatch.setattr(rl_triton._core.scan.ScanOp, "_padded", refuse)
     lengths = random_lengths(512, 512 * 4096, seed=7, empty_every=37)
     assert all(e < 1e-5 for e in packed_against_float64("vtrace", lengths, True,
                                                         bootstrap="next_values"))

@@ -3,7 +3,7 @@ in each op's module: tests/ops/test_<op>.py)."""
 import pytest
 import torch
 
-from rl_triton import _plans
+from rl_triton._core import plans as _plans
 from rl_triton.scan import tiles
 from cases import BACKENDS, ESTIMATORS, FLAG_DTYPES, assert_close, make_case, per_op, rel_err
 

@@ -56,7 +56,7 @@ def test_full_tiles_drop_their_masks_where_that_keeps_the_warps(name, T, n, layo
     """A plan whose tiles divide the problem compiles its kernel with and without masks at its
     first launch and runs the one `launch.even_keeps_occupancy` picks (its rule:
     tests/test_config.py); other plans keep their masks. Either way the results are exact."""
-    from rl_triton import _plans
+    from rl_triton._core import plans as _plans
     from rl_triton.scan import launch
     picked = []
     rule = launch.even_keeps_occupancy

@@ -194,7 +194,7 @@ def in_place(monkeypatch):
     """Packed calls must not fall back to padded rows."""
     def refuse(*args, **kwargs):
         raise AssertionError("packed rows ran as padded rows")
-    monkeypatch.setattr(rl_triton._plans.Op, "_padded", refuse)
+    monkeypatch.setattr(rl_triton._core.scan.ScanOp, "_padded", refuse)
 
 
 def packed_inputs(name, lengths, masked, seed=2, **kw):

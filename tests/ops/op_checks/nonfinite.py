@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import rl_triton
-from rl_triton import _plans
+from rl_triton._core import plans as _plans
 from rl_triton.scan import tiles as tiles_rule
 from rl_triton.testing import make_inputs, make_packed_inputs
 from cases import BACKENDS, FLAGGED, Case, make_case, per_op

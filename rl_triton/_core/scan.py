@@ -1,79 +1,49 @@
-"""Backend choice, the launch-plan cache and the custom ops: what every op's public function
-calls once its arguments are described.
+"""The scans' op (`ScanOp`, docs/dev/op-framework.md): what the estimators and the forward scans
+(semantics §2-§5) add to `op.Op`.
 
-An op (`rl_triton/ops/*.py`) declares an `Op`: its input NamedTuple (one order for the public
-function, the custom op and the kernel's slots), its scalars, its argument check, its Triton plan
-builder and its torch and loop implementations. `Op.__call__` checks every argument (every call),
-picks the backend and runs it:
-- Triton, eager: the launch plan cached under the call's signature (shapes, strides, dtypes,
-  alignment and options, collected by the check), else a new one;
-- Triton inside `torch.compile`: the op's custom op (`torch.ops.rl_triton.<name>`), whose
-  implementation is the eager path above and whose fake gives the outputs' shapes;
+A scan declares its input NamedTuple (one order for the public function, the custom op and the
+kernel's slots), its scalars, its options (`extras`), its argument check, its Triton plan builder
+and its torch and loop implementations. `ScanOp.__call__` is the hot path: a call whose
+signature (`_args.signature`, with time_dim, backend, out_dtype, the options and the grad mode)
+passed the checks finds its launch plan in one lookup (`plans._PLANS`) and launches, the value
+checks (Retrace's actions) still run; else every argument is checked and the backend runs:
+- Triton, eager: the launch plan cached under the call's signature, else a new one; with
+  gradients through `op.Eager`;
+- Triton inside `torch.compile`: the op's custom op (`custom_ops.register`: its tensors are the
+  inputs and `row_params`, its options the scalars, time_dim, out_dtype and extras), whose
+  implementation is the eager path above;
 - torch and loop: the implementation on time-major views, copied into outputs in the caller's
-  layout.
-Packed rows (`cu_seqlens`, docs/semantics.md §7, `Op._packed`): on the Triton backend in place
-(inside `torch.compile` through `torch.ops.rl_triton.<name>_packed`); on the torch backend, and
-wherever gradients are needed, the torch implementation on the same packed row (traced by
+  layout, through `op.FirstOrder`.
+Packed rows (`cu_seqlens`, docs/semantics.md §7, `ScanOp._packed`): on the Triton backend in
+place (inside `torch.compile` through `torch.ops.rl_triton.<name>_packed`); on the torch backend,
+and wherever gradients are needed, the torch implementation on the same packed row (traced by
 torch.compile); the loop backend, and Triton calls with per-row discounts, as padded rows.
-Gradients (semantics §6): where an input requires grad, the Triton path runs the custom op, whose
-autograd calls the op's backward (Triton kernels, through a second custom op,
-`torch.ops.rl_triton.<name>_backward`); the torch and loop backends are differentiated by
-autograd. Every backend refuses second-order gradients with one clear error. A tensor gamma or
-lam (one per row) reaches the kernels as a `[k, *batch]` tensor of the op's first k kernel
-scalars (`row_params`), built here from the tensors: autograd carries its gradient back.
+Gradients (semantics §6): the op's backward (Triton kernels); a tensor gamma or lam (one per row)
+reaches the kernels as a `[k, *batch]` tensor of the op's first k kernel scalars (`row_params`),
+built here from the tensors: autograd carries its gradient back.
 Nothing under `rl_triton.scan` imports this module.
 """
 from __future__ import annotations
 
-import inspect
 import operator
-import os
 import typing
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ._args import (Call, check_backend, check_bool, check_offsets, check_out_dtype,
-                    signature)
-from .scan import jit, torch_scan
-from .scan.jit import HAS_TRITON
+from .._args import Call, check_backend, check_bool, check_offsets, check_out_dtype, signature
+from ..scan import torch_scan
+from . import custom_ops
+from .op import Eager, Op, first_order
+from .plans import _PLANS, backend_for, cached_plan, unreadable
 
 Tensor = torch.Tensor
-_PLANS: dict = {}
-OPS: dict = {}  # every Op, by name
-_MAX_PLANS = 4096
+DTYPE = torch.dtype  # (`torch` is an argument of ScanOp's constructor)
 DISCOUNTS = ("gamma", "lam")  # the scalars that may be tensors (one per row)
-SECOND_ORDER = ("rl_triton computes first-order gradients only: a backward pass with "
-                "create_graph=True (second-order gradients) through it is not supported")
 
 
-def clear_plans() -> None:
-    """Forget every cached launch plan (tests and tuning: tile rules read at plan time)."""
-    _PLANS.clear()
-
-
-def backend_for(backend: str, device: torch.device) -> str:
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton":
-        if not HAS_TRITON:
-            raise RuntimeError("backend='triton' needs Triton, which is not installed here; use "
-                               "backend='torch'")
-        if device.type == "cpu" and not jit.INTERPRETER:
-            if os.environ.get("TRITON_INTERPRET") == "1":
-                raise ValueError("backend='triton' on CPU tensors: TRITON_INTERPRET=1 was set "
-                                 "after rl_triton was imported, and Triton reads it when the "
-                                 "kernels are defined; set it before `import rl_triton` (in "
-                                 "the shell, or at the top of the script), or use "
-                                 "backend='torch'")
-            raise ValueError("backend='triton' on CPU tensors runs Triton's interpreter: set "
-                             "TRITON_INTERPRET=1 before triton is imported, or use "
-                             "backend='torch'")
-    return backend
-
-
-class Op:
-    """One op's declaration (see the module docstring).
+class ScanOp(Op):
+    """One scan's declaration (see the module docstring).
 
     check(x, time_dim, extra) -> (x, call): the checked inputs (the caller's tensors, or their
         values for lazily negated views) and the `Call` that checked them;
@@ -101,17 +71,13 @@ class Op:
                  kernel_scalars: Callable = tuple, backward: Optional[Callable] = None,
                  row_params: int = 0, masked_kernels: Callable = lambda x: False,
                  packed_kernels: Callable = lambda x: False):
-        self.name, self.inputs, self.scalars, self.extras = name, inputs, scalars, extras
-        self.backward, self.row_params = backward, row_params
+        self.scalars, self.extras = scalars, extras
+        self.row_params = row_params
         self.discounts = tuple(f for f in scalars._fields if f in DISCOUNTS)
-        self.check, self.plan, self.torch, self.loop = check, plan, torch, loop
-        self.outputs = outputs
+        self.plan = plan
         self.n_out = n_out or (lambda extra: outputs)
         self.copy = copy or (lambda x: type(x)(*(None if t is None else t.contiguous()
                                                   for t in x)))
-        # data-dependent checks (Retrace's actions): eagerly before the launch, and inside the
-        # custom op under torch.compile (where tracing cannot read data)
-        self.runtime_check = runtime_check
         self.kernel_scalars = kernel_scalars  # the kernel's float arguments from the scalars
         self._steps = tuple(not f.startswith(("last_", "initial")) for f in inputs._fields)
         # the mask (no gradient) is not among the inputs an op's backward sees
@@ -120,10 +86,23 @@ class Op:
         # masked calls run on the torch backend)
         self.masked_kernels = masked_kernels
         self.packed_kernels = packed_kernels
-        self.custom_op = _register(self)
-        self.grad_op = _register_backward(self)
+        # the custom op's arguments: the inputs and the per-row scalars; the scalars, time_dim,
+        # out_dtype and the options
+        hints = typing.get_type_hints
+        tensors = NamedTuple(f"{name}_tensors", [*hints(inputs).items(),
+                                                 ("row_params", Optional[Tensor])])
+        options = NamedTuple(f"{name}_options", [
+            *hints(scalars).items(), ("time_dim", int), ("out_dtype", DTYPE),
+            *(hints(extras).items() if extras is not None else ())])
+        self._n_s = len(scalars._fields)
+        super().__init__(name, "scan", inputs, options, outputs=outputs, forward=None,
+                         fake=None, backward=backward, tensors=tensors, torch=torch, loop=loop)
+        # (after Op's: a scan's check and value check take the time axis and the options)
+        self.check = check
+        # data-dependent checks (Retrace's actions): eagerly before the launch, and inside the
+        # custom op under torch.compile (where tracing cannot read data)
+        self.runtime_check = runtime_check
         self.packed_op = _register_packed(self) if self._mask is not None else None
-        OPS[name] = self
 
     def __call__(self, x: tuple, s: tuple, time_dim, backend, out_dtype, extra: tuple = (),
                  cu_seqlens=None, check_offsets=True):
@@ -173,13 +152,13 @@ class Op:
         if backend == "triton":
             floats = self._floats(s)
             if call.key is None:  # compiling: the custom op checks data, its autograd
-                outs = self.custom_op(*x, *floats, call.time_dim, out_dtype, *extra, rows)
+                outs = self.custom_op(*x, rows, *floats, call.time_dim, out_dtype, *extra)
                 return _result(list(outs[:n]) if self.outputs > 1 else [outs])
             if self.runtime_check is not None:
                 self.runtime_check(x, extra)
             if call.needs_grad:  # eager: the same backward, without the dispatcher's layers
-                return _result(list(_Eager.apply(self, (floats, call, out_dtype, extra), rows,
-                                                 *x)))
+                o = self.options(*floats, call.time_dim, out_dtype, *extra)
+                return _result(list(Eager.apply(self, o, call, *x, rows))[:n])
             # the plan under the call's signature (`key`) where the hot path can find it: the
             # caller's own tensors, scalars that are numbers, no gradient
             same = key is not None and rows is None and all(map(operator.is_, x, given))
@@ -207,7 +186,7 @@ class Op:
             (out.movedim(call.time_dim, 0) if call.time_dim else out).copy_(r)
             outs.append(out)
         if call.needs_grad:
-            outs = list(_FirstOrder.apply(*outs))
+            first_order(outs)
         return _result(outs)
 
     def _packed(self, x, s, time_dim, backend, out_dtype, extra, cu_seqlens, check):
@@ -362,12 +341,52 @@ class Op:
             return outs[seg, pos]
         return tuple(o[seg, pos] for o in outs)
 
+    # ---- the hooks of the custom op and `op.Eager` ------------------------------------------
+
+    def _split(self, o: tuple):
+        """(scalars, time_dim, out_dtype, extras) of the custom op's options."""
+        k = self._n_s
+        extra = self.extras(*o[k + 2:]) if self.extras is not None else ()
+        return self.scalars(*o[:k]), o[k], o[k + 1], extra
+
+    def forward(self, x: tuple, o: tuple, call: Optional[Call] = None):
+        """The launch on the custom op's tensors (the inputs, then `row_params`) and options:
+        `call` the checked call's, or None (the custom op: every check, the values' too)."""
+        inputs, rows = self.inputs(*x[:-1]), x[-1]
+        s, time_dim, out_dtype, extra = self._split(o)
+        if call is None:
+            inputs, call = self.check(inputs, time_dim, extra)
+            if self.runtime_check is not None:
+                self.runtime_check(inputs, extra)
+            if call.empty():
+                return _fake_outputs(self, inputs[0], out_dtype, extra), []
+        outs = self._launch(inputs, s, call, out_dtype, extra, rows)[:self.n_out(extra)]
+        res = _custom_outputs(self, outs, inputs[0], out_dtype)
+        return (res if isinstance(res, tuple) else (res,)), []
+
+    def backward(self, x, o, outs, saved, grads, needs, call: Optional[Call] = None) -> list:
+        inputs, rows = self.inputs(*x[:-1]), x[-1]
+        s, time_dim, out_dtype, extra = self._split(o)
+        if call is None:
+            inputs, call = self.check(inputs, time_dim, extra)
+        m = self.n_out(extra)
+        return self.run_backward(inputs, list(outs[:m]), list(grads[:m]), s, rows, call, extra,
+                                 list(needs))
+
+    def fake(self, x: tuple, o: tuple):
+        s, time_dim, out_dtype, extra = self._split(o)
+        res = _fake_outputs(self, x[0], out_dtype, extra)
+        return (res if isinstance(res, tuple) else (res,)), []
+
+    def grad_like(self, t: Tensor) -> Tensor:
+        return torch.empty_like(t)
+
     def run_backward(self, x, outs, grads, s, rows, call, extra, needs) -> list:
         """`backward`'s gradients, one per input (None for the mask) and one for `rows`."""
         k = self._mask
         if k is None:
-            return self.backward(x, outs, grads, s, rows, call, extra, needs)
-        res = self.backward(x, outs, grads, s, rows, call, extra, needs[:k] + needs[k + 1:])
+            return self._backward(x, outs, grads, s, rows, call, extra, needs)
+        res = self._backward(x, outs, grads, s, rows, call, extra, needs[:k] + needs[k + 1:])
         return res[:k] + [None] + res[k:]
 
     def _floats(self, s: tuple) -> tuple:
@@ -401,175 +420,31 @@ class Op:
         return plan.run(x, self.kernel_scalars(s), rows, cu)
 
 
-def cached_plan(key: tuple, build: Callable, x: tuple, copy: Callable, row_params: int = 0):
-    """(plan, inputs): the plan cached under `key`, else `build(x)`'s; where that cannot read
-    `x` in place (batch axes no two strides describe), the plan of contiguous copies, uncached."""
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = build(x)
-        if plan is None:
-            x = copy(x)
-            return build(x).per_row(row_params), x
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan.per_row(row_params)
-    return plan, x
-
-
-def unreadable() -> bool:
-    """Whether the host cannot read device data now (tracing, CUDA-graph capture): offsets'
-    values are then not checked (the kernels read only inside their tensors)."""
-    return torch.compiler.is_compiling() or (
-        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
 def _result(outs: list):
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 
-# ---- custom ops ----------------------------------------------------------------------------------
-
-def _hints(op: Op) -> list:
-    """The custom op's arguments: the op's inputs, scalars, time_dim, out_dtype and extras, in
-    that order (the input NamedTuple's order), then the per-row scalars."""
-    hints = [typing.get_type_hints(t) for t in (op.inputs, op.scalars)]
-    hints.append({"time_dim": int, "out_dtype": torch.dtype})
-    if op.extras is not None:
-        hints.append(typing.get_type_hints(op.extras))
-    hints.append({"row_params": Optional[Tensor]})
-    return hints
-
-
-def _parameters(hints: list) -> list:
-    return [inspect.Parameter(k, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=v)
-            for h in hints for k, v in h.items()]
-
-
-def _custom_outputs(op: Op, outs, ref: Tensor, out_dtype):
+def _custom_outputs(op: ScanOp, outs, ref: Tensor, out_dtype):
     """A custom op's return value: its `op.outputs` tensors, those the call does not compute
     empty (a custom op returns a fixed number of tensors)."""
     outs = list(outs) + [ref.new_empty(0, dtype=out_dtype) for _ in range(op.outputs - len(outs))]
     return outs[0] if op.outputs == 1 else tuple(outs)
 
 
-def _fake_outputs(op: Op, ref: Tensor, out_dtype, extra):
+def _fake_outputs(op: ScanOp, ref: Tensor, out_dtype, extra):
     """A custom op's fake: outputs of input 0's shape."""
     return _custom_outputs(op, [torch.empty(ref.shape, dtype=out_dtype, device=ref.device)
                                 for _ in range(op.n_out(extra))], ref, out_dtype)
 
 
-def _register(op: Op):
-    """`torch.ops.rl_triton.<name>` (`_hints` its arguments), returning `outputs` tensors,
-    with its autograd: `op.backward` through `torch.ops.rl_triton.<name>_backward`."""
-    hints = _hints(op)
-    n_in, n_s = len(hints[0]), len(hints[1])
-    n_args = sum(map(len, hints))
-    returns = Tensor if op.outputs == 1 else tuple[(Tensor,) * op.outputs]
-
-    def unpack(args):
-        x = op.inputs(*args[:n_in])
-        s = op.scalars(*args[n_in:n_in + n_s])
-        time_dim, out_dtype = args[n_in + n_s:n_in + n_s + 2]
-        extra = op.extras(*args[n_in + n_s + 2:-1]) if op.extras is not None else ()
-        return x, s, time_dim, out_dtype, extra, args[-1]
-
-    def impl(*args):
-        x, s, time_dim, out_dtype, extra, rows = unpack(args)
-        x, call = op.check(x, time_dim, extra)
-        if op.runtime_check is not None:
-            op.runtime_check(x, extra)
-        if call.empty():
-            outs = [torch.empty(x[0].shape, dtype=out_dtype, device=call.device)
-                    for _ in range(op.n_out(extra))]
-        else:
-            outs = op._launch(x, s, call, out_dtype, extra, rows)[:op.n_out(extra)]
-        return _custom_outputs(op, outs, x[0], out_dtype)
-
-    def fake(*args):
-        x, s, time_dim, out_dtype, extra, rows = unpack(args)
-        return _fake_outputs(op, x[0], out_dtype, extra)
-
-    def setup_context(ctx, inputs, output):
-        outs = output if isinstance(output, tuple) else (output,)
-        ctx.save_for_backward(*inputs[:n_in], inputs[-1], *outs)
-        ctx.rest = inputs[n_in:-1]  # scalars, time_dim, out_dtype, extras
-
-    def backward(ctx, *grads):
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            raise RuntimeError(SECOND_ORDER)
-        saved = ctx.saved_tensors
-        needs = list(ctx.needs_input_grad[:n_in]) + [ctx.needs_input_grad[-1]]
-        rest = list(ctx.rest)
-        del rest[n_s + 1]  # out_dtype: the backward's are the inputs'
-        res = op.grad_op(*saved[:n_in], *saved[n_in + 1:], *grads, *rest, saved[n_in], needs)
-        res = [r if need else None for r, need in zip(res, needs)]
-        return (*res[:n_in], *(None,) * (n_args - n_in - 1), res[n_in])
-
-    impl.__signature__ = inspect.Signature(_parameters(hints), return_annotation=returns)
-    impl.__name__ = op.name
-    custom = torch.library.custom_op(f"rl_triton::{op.name}", impl, mutates_args=())
-    custom.register_fake(fake)
-    if op.backward is not None:
-        custom.register_autograd(backward, setup_context=setup_context)
-    return custom
-
-
-def _register_backward(op: Op):
-    """`torch.ops.rl_triton.<name>_backward`: the op's inputs, its outputs, their gradients
-    (None: zero), its scalars, time_dim, extras, the per-row scalars and which gradients to
-    form; returns one per input and one for the per-row scalars (empty where not formed)."""
-    if op.backward is None:
-        return None
-    hints = _hints(op)
-    n_in, n_s = len(hints[0]), len(hints[1])
-    outs = {f"out{i}": Tensor for i in range(op.outputs)}
-    grads = {f"grad{i}": Optional[Tensor] for i in range(op.outputs)}
-    del hints[2]["out_dtype"]
-    hints = [hints[0], outs, grads, *hints[1:], {"needs": list[bool]}]
-    n = op.outputs
-
-    def unpack(args):
-        x = op.inputs(*args[:n_in])
-        outs, grads = args[n_in:n_in + n], args[n_in + n:n_in + 2 * n]
-        k = n_in + 2 * n
-        s = op.scalars(*args[k:k + n_s])
-        time_dim = args[k + n_s]
-        extra = op.extras(*args[k + n_s + 1:-2]) if op.extras is not None else ()
-        return x, outs, grads, s, time_dim, extra, args[-2], args[-1]
-
-    def impl(*args):
-        x, outs, grads, s, time_dim, extra, rows, needs = unpack(args)
-        x, call = op.check(x, time_dim, extra)
-        m = op.n_out(extra)
-        res = op.run_backward(x, outs[:m], grads[:m], s, rows, call, extra, list(needs))
-        ref = outs[0]
-        return [ref.new_empty(0) if r is None else r for r in res]
-
-    def fake(*args):
-        x, outs, grads, s, time_dim, extra, rows, needs = unpack(args)
-        ref = outs[0]
-        return [torch.empty_like(t) if need else ref.new_empty(0)
-                for t, need in zip((*x, rows), needs)]
-
-    def refuse(ctx, *grads):
-        raise RuntimeError(SECOND_ORDER)
-
-    impl.__signature__ = inspect.Signature(_parameters(hints), return_annotation=list[Tensor])
-    impl.__name__ = op.name + "_backward"
-    custom = torch.library.custom_op(f"rl_triton::{op.name}_backward", impl, mutates_args=())
-    custom.register_fake(fake)
-    custom.register_autograd(refuse, setup_context=lambda ctx, inputs, output: None)
-    return custom
-
-
-def _register_packed(op: Op):
+def _register_packed(op: ScanOp):
     """`torch.ops.rl_triton.<name>_packed`: a packed call (docs/semantics.md §7) that
     torch.compile must not trace (the in-place kernels, or the loop backend's padded rows) as
     one custom op: the op's inputs, its scalars (a per-row discount 0.0, its tensor in
     `<discount>_rows`), the offsets, backend, out_dtype, extras and check_offsets. Its
     implementation is the eager packed path
-    (`Op._packed`, which checks the offsets' values at run time); no autograd: calls that need
-    gradients trace the torch implementation instead (`Op._packed_torch`)."""
+    (`ScanOp._packed`, which checks the offsets' values at run time); no autograd: calls that
+    need gradients trace the torch implementation instead (`ScanOp._packed_torch`)."""
     inputs = typing.get_type_hints(op.inputs)
     scalars = typing.get_type_hints(op.scalars)
     rows = {f + "_rows": Optional[Tensor] for f in op.discounts}
@@ -598,50 +473,4 @@ def _register_packed(op: Op):
         x, s, cu, backend, out_dtype, extra, check = unpack(args)
         return _fake_outputs(op, x[0], out_dtype, extra)
 
-    impl.__signature__ = inspect.Signature(_parameters(hints), return_annotation=returns)
-    impl.__name__ = op.name + "_packed"
-    custom = torch.library.custom_op(f"rl_triton::{op.name}_packed", impl, mutates_args=())
-    custom.register_fake(fake)
-    return custom
-
-
-class _Eager(torch.autograd.Function):
-    """An eager Triton call that records its backward: `Op.backward` directly (the custom op's
-    autograd runs the same function, through two dispatcher calls that cost about 100 µs of
-    host time each)."""
-
-    @staticmethod
-    def forward(ctx, op, meta, rows, *x):
-        s, call, out_dtype, extra = meta
-        outs = op._launch(op.inputs(*x), s, call, out_dtype, extra, rows)[:op.n_out(extra)]
-        ctx.save_for_backward(*x, rows, *outs)
-        ctx.op, ctx.meta = op, meta
-        ctx.set_materialize_grads(False)  # an output without gradient is not read
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        if torch.is_grad_enabled():
-            raise RuntimeError(SECOND_ORDER)
-        op, (s, call, out_dtype, extra) = ctx.op, ctx.meta
-        saved = ctx.saved_tensors
-        n = len(op.inputs._fields)
-        needs = list(ctx.needs_input_grad[3:]) + [ctx.needs_input_grad[2]]
-        res = op.run_backward(op.inputs(*saved[:n]), saved[n + 1:], grads, s, saved[n], call,
-                              extra, needs)
-        return (None, None, res[n], *res[:n])
-
-
-class _FirstOrder(torch.autograd.Function):
-    """The torch and loop backends' outputs, as they are: autograd differentiates those
-    backends, and this refuses second-order gradients as the Triton backward does."""
-
-    @staticmethod
-    def forward(ctx, *outs):
-        return tuple(o.view_as(o) for o in outs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        if torch.is_grad_enabled():
-            raise RuntimeError(SECOND_ORDER)
-        return grads
+    return custom_ops.define(op.name + "_packed", impl, fake, hints, returns)
