@@ -65,7 +65,10 @@ def test_mask_is_binary(packed_rows, aggregation, backend, device):
         outs = (*outs, rl_triton.value_loss(*v, m, clip=0.2, **kw, backend=backend))
         results.append([o.detach() for o in outs] + grads_of(outs, xs + v))
     for a, b in zip(*results):
-        assert torch.equal(a, b), (a, b)
+        if backend == "torch" and a.is_cuda:  # its segment sums: index_add's atomics on CUDA
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+        else:
+            assert torch.equal(a, b), (a, b)
     if aggregation in SEQ_MODES:  # the mean over the sequences with a set position
         l = -adv * torch.exp(lp - old)
         l = torch.maximum(l, -adv * torch.exp(lp - old).clamp(0.8, 1.2))

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import rl_triton
+from rl_triton._core import plans
 from rl_triton.ops import _whiten
 import op_checks
 
@@ -118,7 +119,11 @@ def blocks(request, monkeypatch):
         monkeypatch.setattr(_whiten, "BLOCK", 16)
         monkeypatch.setattr(_whiten, "APPLY_BLOCK", 8)
         monkeypatch.setattr(_whiten, "COMBINE_BLOCK", 4)
-    return request.param
+    # a plan keeps the compiled kernels of its block sizes (scan.launch.launch's memo): fresh
+    # plans for these sizes, and none of them left for the next test
+    plans.clear_plans()
+    yield request.param
+    plans.clear_plans()
 
 
 def whiten_inputs(shape, mask_dtype, dtype=torch.float32, seed=0, scale=3.0, shift=2.0):
@@ -284,11 +289,11 @@ def test_masked_whiten_fullgraph_compile(backend):
     assert want_dx.abs().max() > 0.1
 
 
-def test_outcome_ops_compile_to_their_custom_ops():
+def test_outcome_ops_compile_to_their_custom_ops(device):
     """On the Triton backend inside torch.compile, group_advantages' kernel (group_size, no
     gradient) and masked_whiten are their custom ops (docs/semantics.md §1, Composability)."""
     x, mask, _ = whiten_inputs((4, 33), torch.bool, seed=3)
-    scores = torch.randn(24)
+    x, mask, scores = x.to(device), mask.to(device), torch.randn(24, device=device)
     targets = []
 
     def backend(gm, inputs):
