@@ -109,6 +109,18 @@ def seq_scale(aggregation: str, m: Optional[Tensor], cu: Optional[Tensor], shape
     return torch.ones(n.shape, dtype=dtype, device=device) / n_seq.to(dtype)
 
 
+def seq_weights(aggregation: str, mask: Optional[Tensor], cu: Optional[Tensor], ref: Tensor):
+    """(SEQ, scale, cu, S, STEPS): how the kernels weight a position's sequence (`seq_weight`);
+    `ref` the per-position tensor whose shape the call has (also what unused slots point at)."""
+    seq = seq_kind(aggregation, cu)
+    if seq == NO_SEQ:
+        return seq, ref, ref, 0, 0
+    scale = seq_scale(aggregation, counted(mask), cu, tuple(ref.shape), torch.float32,
+                      ref.device)
+    S = scale.shape[0]
+    return seq, scale, ref if cu is None else cu, S, max(S - 1, 0).bit_length()
+
+
 def aggregate(l: Tensor, m: Optional[Tensor], aggregation: str, cu: Optional[Tensor]) -> Tensor:
     """The torch backend's aggregation of per-position losses `l` over `m` (bool or None)."""
     lm = l if m is None else torch.where(m, l, 0.0)

@@ -492,16 +492,7 @@ def _meta(x: Inputs, o: Options) -> dict:
 
 
 def _seq(x: Inputs, o: Options):
-    """(SEQ, scale, cu, S, STEPS): how the kernels weight a position's sequence."""
-    seq = L.seq_kind(o.aggregation, x.cu_seqlens)
-    lp = x.log_probs
-    if seq == L.NO_SEQ:
-        return seq, lp, lp, 0, 0
-    scale = L.seq_scale(o.aggregation, L.counted(x.mask), x.cu_seqlens, tuple(lp.shape),
-                        torch.float32, lp.device)
-    cu = lp if x.cu_seqlens is None else x.cu_seqlens
-    S = scale.shape[0]
-    return seq, scale, cu, S, max(S - 1, 0).bit_length()
+    return L.seq_weights(o.aggregation, x.mask, x.cu_seqlens, x.log_probs)
 
 
 def forward(x: Inputs, o: Options, plan=None):

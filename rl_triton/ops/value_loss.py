@@ -136,13 +136,7 @@ def _flags(x: Inputs, o: Options) -> dict:
 
 def _seq(x: Inputs, o: Options):
     """(scale, cu, S, STEPS) of the kernels' sequence weights (unused ones: any tensor)."""
-    v = x.values
-    if L.seq_kind(o.aggregation, x.cu_seqlens) == L.NO_SEQ:
-        return v, v, 0, 0
-    scale = L.seq_scale(o.aggregation, L.counted(x.mask), x.cu_seqlens, tuple(v.shape),
-                        torch.float32, v.device)
-    S = scale.shape[0]
-    return scale, v if x.cu_seqlens is None else x.cu_seqlens, S, max(S - 1, 0).bit_length()
+    return L.seq_weights(o.aggregation, x.mask, x.cu_seqlens, x.values)[1:]
 
 
 def _fixed(x: Inputs, o: Options):
