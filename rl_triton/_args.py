@@ -59,6 +59,19 @@ def check_scalar(name: str, value, *, low: float = 0.0, high: float | None = 1.0
     return v
 
 
+
+def check_clips(clip_low, clip_high, dual_clip, log_ratio_clamp) -> tuple:
+    """PPO's clip options checked (semantics §9): clip_low in [0, 1], clip_high >= 0 (default
+    clip_low), dual_clip > 1 or None, log_ratio_clamp > 0; returned as floats."""
+    clip_low = check_scalar("clip_low", clip_low)
+    clip_high = clip_low if clip_high is None else check_scalar("clip_high", clip_high,
+                                                                high=None)
+    if dual_clip is not None:
+        dual_clip = check_scalar("dual_clip", dual_clip, low=1.0, high=None, low_open=True)
+    log_ratio_clamp = check_scalar("log_ratio_clamp", log_ratio_clamp, high=None,
+                                   low_open=True)
+    return clip_low, clip_high, dual_clip, log_ratio_clamp
+
 def check_bool(name: str, value) -> bool:
     if type(value) is not bool:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")

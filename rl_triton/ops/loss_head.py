@@ -25,7 +25,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import reference
-from .._args import INDEX, VALUE, Call, check_backend, check_bool, check_choice, check_scalar
+from .._args import (INDEX, VALUE, Call, check_backend, check_bool, check_choice, check_clips,
+                     check_scalar)
 from .._core.custom_ops import SECOND_ORDER
 from .._core.op import FirstOrder
 from .._core.plans import backend_for
@@ -703,13 +704,8 @@ def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, mask=N
         raise ValueError("kl_coef is nonzero but ref_log_probs is None; pass the reference "
                          "policy's log-probabilities")
     entropy_coef = check_scalar("entropy_coef", entropy_coef, low=-float("inf"), high=None)
-    clip_low = check_scalar("clip_low", clip_low)
-    clip_high = clip_low if clip_high is None else check_scalar("clip_high", clip_high,
-                                                                high=None)
-    if dual_clip is not None:
-        dual_clip = check_scalar("dual_clip", dual_clip, low=1.0, high=None, low_open=True)
-    log_ratio_clamp = check_scalar("log_ratio_clamp", log_ratio_clamp, high=None,
-                                   low_open=True)
+    clip_low, clip_high, dual_clip, log_ratio_clamp = check_clips(clip_low, clip_high, dual_clip,
+                                                                  log_ratio_clamp)
     options = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
                    log_ratio_clamp=log_ratio_clamp)
     N = a.labels.shape[0]

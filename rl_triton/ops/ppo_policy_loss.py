@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import reference
-from .._args import Call, check_backend, check_bool, check_out_dtype, check_scalar
+from .._args import Call, check_backend, check_bool, check_clips, check_out_dtype
 from ..scan.jit import cdiv, tl, triton
 from .._core.op import Op
 from . import _losses as L
@@ -241,13 +241,8 @@ def _check(t: tuple, a: tuple):
     check_offsets = check_bool("check_offsets", check_offsets)
     aggregation, mask, cu = L.aggregation_args(call, aggregation, mask, cu_seqlens,
                                                check_offsets)
-    clip_low = check_scalar("clip_low", clip_low)
-    clip_high = clip_low if clip_high is None else check_scalar("clip_high", clip_high,
-                                                                high=None)
-    if dual_clip is not None:
-        dual_clip = check_scalar("dual_clip", dual_clip, low=1.0, high=None, low_open=True)
-    log_ratio_clamp = check_scalar("log_ratio_clamp", log_ratio_clamp, high=None,
-                                   low_open=True)
+    clip_low, clip_high, dual_clip, log_ratio_clamp = check_clips(clip_low, clip_high, dual_clip,
+                                                                  log_ratio_clamp)
     o = Options(clip_low, clip_high, dual_clip, log_ratio_clamp, aggregation, out_dtype,
                 check_offsets)
     return Inputs(lp, old, adv, mask, cu), L.plan(call, backend, o)
