@@ -319,7 +319,7 @@ class ScanOp(Op):
         cu = cu.long()
         longest = min(max(int((cu[1:] - cu[:-1]).max()), 1), L)  # (bounded, whatever cu holds)
         steps = torch.arange(L, device=call.device)
-        seg = torch.searchsorted(cu[1:], steps, right=True).clamp_max(S - 1)
+        seg = torch_scan.segment_ids(cu, L)
         pos = (steps - cu[:-1][seg]).clamp(0, longest - 1)
 
         def pad(t):

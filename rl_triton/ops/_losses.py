@@ -42,6 +42,7 @@ from .._core.op import Plan
 from .._core.plans import backend_for, unreadable
 from ..scan.jit import next_power_of_2, tl, triton
 from ..scan.launch import launch as compiled_launch
+from ..scan.torch_scan import segment_ids
 
 Tensor = torch.Tensor
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "sum", "none")
@@ -84,12 +85,6 @@ def counted(mask: Optional[Tensor]) -> Optional[Tensor]:
 
 def seq_kind(aggregation: str, cu: Optional[Tensor]) -> int:
     return NO_SEQ if aggregation not in SEQ_MODES else SEGMENTS if cu is not None else ROWS
-
-
-def segment_ids(cu: Tensor, L: int) -> Tensor:
-    """The segment of every packed position (clamped into range whatever `cu` holds)."""
-    positions = torch.arange(L, device=cu.device)
-    return torch.searchsorted(cu[1:], positions, right=True).clamp_max(max(cu.shape[0] - 2, 0))
 
 
 def seq_scale(aggregation: str, m: Optional[Tensor], cu: Optional[Tensor], shape: tuple,

@@ -25,14 +25,21 @@ class Packed(NamedTuple):
     starts: Tensor  # bool [L, *batch]
 
 
+def segment_ids(cu: Tensor, L: int) -> Tensor:
+    """The segment s of each of `L` packed positions t, cu[s] <= t < cu[s + 1], clamped into
+    [0, S - 1] whatever the offsets `cu` [S + 1] hold. It searches the whole of `cu`, not
+    `cu[1:]`: Inductor on CUDA (torch 2.11) ignores a sliced view's offset there (pytorch#182343)."""
+    t = torch.arange(L, device=cu.device)
+    return (torch.searchsorted(cu, t, right=True) - 1).clamp(0, max(cu.shape[0] - 2, 0))
+
+
 def packed_rows(cu: Tensor, shape: tuple, mask: Optional[Tensor]) -> tuple:
     """(segment of each step [L], `Packed`) of offsets `cu` [S + 1] over steps of `shape`
     `[L, *batch]` with the decision steps `mask` (None: all). No host read, and whatever `cu`
     holds every index stays inside its tensor (unchecked offsets give garbage, not a fault)."""
     L, S = shape[0], cu.shape[0] - 1
     cu = cu.long().clamp(0, L)
-    seg = torch.searchsorted(cu[1:], torch.arange(L, device=cu.device),
-                             right=True).clamp_max(S - 1)
+    seg = segment_ids(cu, L)
     if mask is None:
         count = torch.arange(L, device=cu.device).view((L,) + (1,) * (len(shape) - 1))
         m, before, after = None, count, count + 1
