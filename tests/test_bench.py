@@ -1070,6 +1070,7 @@ def test_head_reports(tmp_path):
     md = (tmp_path / "r" / "bench.md").read_text()
     assert "| 4096 | rl_triton | 29.6 | 2.32 | 0.0e+00 | 0.0e+00 |  |" in md
     assert "| 4096 | liger | nan | nan | nan | nan | not available |" in md
+    assert (tmp_path / "r" / "head.png").stat().st_size > 1000
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suite would run")

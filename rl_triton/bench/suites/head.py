@@ -237,8 +237,40 @@ def run_head(tokens, env, device, out, max_seconds):
 
 
 def head_report(result) -> str:
-    """bench.md of a bench.json of this suite (a table, no plot)."""
+    """bench.md of a bench.json of this suite."""
     return head_markdown(report.env_line(result["env"]), head_rows(result))
 
 
-report.RENDERERS["head"] = (head_report, None, None)
+def head_plot(result, path):
+    """head.png: time and peak memory against the token count, one line per implementation
+    (log-log), the three bare matmuls' summed time dashed beside the times."""
+    plt = report._pyplot()
+    if plt is None:
+        return
+    lines: dict = {}
+    matmuls: dict = {}
+    for r in result["rows"]:
+        if r["impl"].startswith("matmul"):
+            matmuls[r["tokens"]] = matmuls.get(r["tokens"], 0.0) + r["ms"]
+        elif report.measured(r["ms"]):
+            lines.setdefault(r["impl"], []).append((r["tokens"], r["ms"], r["peak_gib"]))
+    if not lines:
+        return
+    fig, (t_ax, m_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, points in lines.items():
+        L, ms, gib = zip(*sorted(points))
+        t_ax.loglog(L, ms, "o-", ms=4, label=name)
+        m_ax.loglog(L, gib, "o-", ms=4, label=name)
+    if matmuls:
+        t_ax.loglog(*zip(*sorted(matmuls.items())), "k--", lw=1, label="three bare matmuls")
+    t_ax.set_ylabel("forward + backward, ms")
+    m_ax.set_ylabel("peak GiB beyond inputs and gradients")
+    for ax in (t_ax, m_ax):
+        ax.set_xlabel("tokens L")
+        ax.grid(True, which="both", lw=0.3)
+    t_ax.legend(fontsize=7)
+    report._save(fig, f"Fused loss head, bf16, H = {HEAD_H}, V = {HEAD_V}, on "
+                      f"{result['env']['gpu']} ({result['env']['date']})", path)
+
+
+report.RENDERERS["head"] = (head_report, head_plot, "head.png")
