@@ -1,6 +1,7 @@
-"""A digest of the SASS of every scan-kernel variant that tests/compile_sm90.py builds (forward,
-masked, packed, backward and per-row), compiled for sm_90 without a GPU: to show that a change
-leaves the compiled code of the variants it does not target as it was.
+"""A digest of the SASS of every kernel variant that tests/compile_sm90.py builds (the scan's
+forward, masked, packed, backward and per-row; the losses' forward and backward), compiled for
+sm_90 without a GPU: to show that a change leaves the compiled code of the variants it does not
+target as it was.
 
     python tools/sass_digest.py > before.txt; (change); python tools/sass_digest.py > after.txt
     diff before.txt after.txt
@@ -40,15 +41,22 @@ def labelled():
         yield label, lambda case=case, layout=layout, per_row=per_row: c.plans_of(
             case, layout, grad=True, per_row=per_row)
 
+def compiled():
+    """(label, compiled kernels) of every scan variant, then of every loss variant."""
+    for label, plans in labelled():
+        yield label, lambda plans=plans: [c.compile_plan(plan, *args) for plan, args in plans()]
+    for label, run, int64 in c.loss_variants():
+        yield f"loss {label}", lambda run=run, int64=int64: [
+            c.compile_kernel(*launch) for launch in c.loss_launches(run, int64)]
+
 def main():
     assert os.environ.get("TRITON_INTERPRET") != "1", "run without TRITON_INTERPRET"
     registers.as_on_the_gpu()
     only = sys.argv[1] if len(sys.argv) > 1 else ""
-    for label, plans in labelled():
+    for label, kernels in compiled():
         if only not in label:
             continue
-        for i, (plan, args) in enumerate(plans()):
-            kernel = c.compile_plan(plan, *args)
+        for i, kernel in enumerate(kernels()):
             text = instructions(sass(kernel))
             digest = hashlib.sha1(text.encode()).hexdigest()[:16]
             print(f"{label} [{i}]: {len(text.splitlines())} instructions {digest}", flush=True)

@@ -350,6 +350,33 @@ def terms(x, o, a, ld, sel, clip_low, clip_high, dual_clip, delta, ratio_clamp, 
 
 
 @triton.jit
+def position_terms(lp, old, adv, mask, ld, sel, N, C, lp_r, lp_c, old_r, old_c, adv_r, adv_c,
+                   m_r, m_c, ld_r, ld_c, s_r, s_c, clip_low, clip_high, dual_clip, delta,
+                   ratio_clamp, tau_pos, tau_neg, truncation, dro_beta, kl_cov_coef,
+                   LOSS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_LD: tl.constexpr,
+                   HAS_SEL: tl.constexpr, CLAMP: tl.constexpr, DUAL: tl.constexpr,
+                   DELTA: tl.constexpr, FLAT: tl.constexpr, INT64: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """The forward's and the backward's common start: this program's positions, whether each
+    counts, and `terms` of its inputs."""
+    i, inb = L.positions(N, INT64, BLOCK)
+    x = L.load(lp, i, C, lp_r, lp_c, inb, FLAT)
+    o = L.load(old, i, C, old_r, old_c, inb, FLAT)
+    a = L.load(adv, i, C, adv_r, adv_c, inb, FLAT)
+    keep = L.selected(mask, i, C, m_r, m_c, inb, HAS_MASK, FLAT)
+    d_in = x
+    if HAS_LD:
+        d_in = L.load(ld, i, C, ld_r, ld_c, inb, FLAT)
+    pick = tl.zeros(x.shape, tl.int1)
+    if HAS_SEL:
+        pick = L.selected(sel, i, C, s_r, s_c, inb, True, FLAT)
+    l, dl_dd, dl_dx, dl_do, dl_da, clip, lower, negative, positive, raw, _, ok = terms(
+        x, o, a, d_in, pick, clip_low, clip_high, dual_clip, delta, ratio_clamp, tau_pos,
+        tau_neg, truncation, dro_beta, kl_cov_coef, LOSS, HAS_LD, CLAMP, DUAL, DELTA)
+    return i, inb, keep, l, dl_dd, dl_dx, dl_do, dl_da, clip, lower, negative, positive, raw, ok
+
+
+@triton.jit
 def forward_kernel(lp, old, adv, mask, wt, ld, sel, scale, cu, loss, parts, N, C, S, STEPS,
                    lp_r, lp_c, old_r, old_c, adv_r, adv_c, m_r, m_c, w_r, w_c, ld_r, ld_c,
                    s_r, s_c, clip_low, clip_high, dual_clip, delta, ratio_clamp, tau_pos,
@@ -362,20 +389,11 @@ def forward_kernel(lp, old, adv, mask, wt, ld, sel, scale, cu, loss, parts, N, C
     """Partial sums of this program's positions, in three [programs, 4] blocks of `parts`:
     [count, weighted loss, clip, lower], [count, 0, negative, positive], [count, 0, kl, 0];
     with PER_POSITION (aggregation "none") the masked losses too."""
-    i, inb = L.positions(N, INT64, BLOCK)
-    x = L.load(lp, i, C, lp_r, lp_c, inb, FLAT)
-    o = L.load(old, i, C, old_r, old_c, inb, FLAT)
-    a = L.load(adv, i, C, adv_r, adv_c, inb, FLAT)
-    keep = L.selected(mask, i, C, m_r, m_c, inb, HAS_MASK, FLAT)
-    d_in = x
-    if HAS_LD:
-        d_in = L.load(ld, i, C, ld_r, ld_c, inb, FLAT)
-    pick = tl.zeros(x.shape, tl.int1)
-    if HAS_SEL:
-        pick = L.selected(sel, i, C, s_r, s_c, inb, True, FLAT)
-    l, dl_dd, dl_dx, dl_do, dl_da, clip, lower, negative, positive, raw, d, ok = terms(
-        x, o, a, d_in, pick, clip_low, clip_high, dual_clip, delta, ratio_clamp, tau_pos,
-        tau_neg, truncation, dro_beta, kl_cov_coef, LOSS, HAS_LD, CLAMP, DUAL, DELTA)
+    i, inb, keep, l, dl_dd, dl_dx, dl_do, dl_da, clip, lower, negative, positive, raw, ok = \
+        position_terms(lp, old, adv, mask, ld, sel, N, C, lp_r, lp_c, old_r, old_c, adv_r, adv_c,
+                       m_r, m_c, ld_r, ld_c, s_r, s_c, clip_low, clip_high, dual_clip, delta,
+                       ratio_clamp, tau_pos, tau_neg, truncation, dro_beta, kl_cov_coef, LOSS,
+                       HAS_MASK, HAS_LD, HAS_SEL, CLAMP, DUAL, DELTA, FLAT, INT64, BLOCK)
     if HAS_W:
         l = l * L.load(wt, i, C, w_r, w_c, inb, FLAT)
     if PER_POSITION:
@@ -426,21 +444,12 @@ def backward_kernel(lp, old, adv, mask, wt, ld, sel, scale, cu, g_loss, inv, d_l
     d x = g w (dl/dx + dl/dd) (dl/dd where the log-ratio is formed here and inside its clamp;
     else it goes to the given log-ratio), d old = g w (dl/dold - dl/dd), d A = g w dl/dA,
     d w = g l; zero where a position does not count."""
-    i, inb = L.positions(N, INT64, BLOCK)
-    x = L.load(lp, i, C, lp_r, lp_c, inb, FLAT)
-    o = L.load(old, i, C, old_r, old_c, inb, FLAT)
-    a = L.load(adv, i, C, adv_r, adv_c, inb, FLAT)
-    keep = L.selected(mask, i, C, m_r, m_c, inb, HAS_MASK, FLAT)
-    d_in = x
-    if HAS_LD:
-        d_in = L.load(ld, i, C, ld_r, ld_c, inb, FLAT)
-    pick = tl.zeros(x.shape, tl.int1)
-    if HAS_SEL:
-        pick = L.selected(sel, i, C, s_r, s_c, inb, True, FLAT)
-    l, dl_dd, dl_dx, dl_do, dl_da, clip, lower, negative, positive, raw, d, ok = terms(
-        x, o, a, d_in, pick, clip_low, clip_high, dual_clip, delta, ratio_clamp, tau_pos,
-        tau_neg, truncation, dro_beta, kl_cov_coef, LOSS, HAS_LD, CLAMP, DUAL, DELTA)
-    g = tl.zeros(x.shape, tl.float32)
+    i, inb, keep, l, dl_dd, dl_dx, dl_do, dl_da, clip, lower, negative, positive, raw, ok = \
+        position_terms(lp, old, adv, mask, ld, sel, N, C, lp_r, lp_c, old_r, old_c, adv_r, adv_c,
+                       m_r, m_c, ld_r, ld_c, s_r, s_c, clip_low, clip_high, dual_clip, delta,
+                       ratio_clamp, tau_pos, tau_neg, truncation, dro_beta, kl_cov_coef, LOSS,
+                       HAS_MASK, HAS_LD, HAS_SEL, CLAMP, DUAL, DELTA, FLAT, INT64, BLOCK)
+    g = tl.zeros(l.shape, tl.float32)
     if HAS_G:
         if PER_POSITION:
             g = L.load(g_loss, i, C, g_r, g_c, inb, FLAT)
