@@ -21,5 +21,15 @@ python -m pip install -q --no-deps --target .ci/triton-oldest "triton==3.6.0"
 rm -rf .ci/frameworks
 python -m pip install -q --no-deps --target .ci/frameworks "verl==0.9.1" "openrlhf==0.11.2" \
   "omegaconf==2.3.0" "antlr4-python3-runtime==4.9.3" "codetiming==1.4.0" "PyYAML==6.0.3"
+# TRL, whose GRPOTrainer rl_triton.integrations.trl.GRPOTrainerMixin replaces the loss of
+# (tests/test_trl_trainer.py runs both trainers): trl 1.16.0 and what `pip install trl==1.16.0`
+# resolves to beside this environment, less what the environment already has (the folder goes at
+# the end of sys.path, rl_triton.testing.import_trl, so that the environment's own versions win).
+python -m pip install -q --no-deps --target .ci/frameworks "trl==1.16.0" "transformers==5.25.0" \
+  "accelerate==1.16.0" "datasets==5.2.0" "huggingface_hub==2.4.0" "tokenizers==0.23.3" \
+  "safetensors==0.8.0" "psutil==7.2.2" "tqdm==4.70.1" "pyarrow==26.0.1" "dill==0.4.1" \
+  "multiprocess==0.70.19" "xxhash==4.1.0" "httpx2==2.16.2" "httpcore2==2.16.2" "h11==0.16.0" \
+  "truststore==0.10.5" "anyio==4.16.0" "hf-xet==1.8.0" "kernels==0.19.1" "tomlkit==0.15.3" \
+  "typer==0.29.2" "shellingham==1.5.4" "annotated-doc==0.0.7"
 # The documentation site (mkdocs.yml; `mkdocs build --strict`)
 python -m pip install -q -e ".[docs]"
