@@ -194,6 +194,30 @@ def import_frameworks(path=None):
                                  openrlhf_loss=loss, openrlhf_utils=utils)
 
 
+TRL = "1.16.0"  # the TRL release rl_triton.integrations.trl reproduces (its TRL_VERSION)
+
+
+def import_trl(path=None):
+    """The `trl` package at the pinned version TRL, from `path` (default `$RL_TRITON_FRAMEWORKS`,
+    else `.ci/frameworks`, where tools/install_extras.sh puts it with transformers, accelerate,
+    datasets and what they need). The folder is appended to `sys.path` and stays there
+    (transformers imports its dependencies lazily), after the environment's own folders, so that
+    the environment's packages win. Raises ImportError if TRL is not there at that version."""
+    import importlib
+    import os
+    import sys
+
+    path = os.path.abspath(path or os.environ.get("RL_TRITON_FRAMEWORKS", ".ci/frameworks"))
+    found = [d for d in os.listdir(path) if d.startswith("trl-") and
+             d.endswith(".dist-info")] if os.path.isdir(path) else []
+    if found != [f"trl-{TRL}.dist-info"]:
+        raise ImportError(f"trl=={TRL} is not installed in {path} (found {found}); "
+                          "bash tools/install_extras.sh")
+    if path not in sys.path:
+        sys.path.append(path)
+    return importlib.import_module("trl")
+
+
 TOKEN_KINDS = ("dense", "padded", "multi-turn", "packed")
 
 

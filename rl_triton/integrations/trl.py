@@ -29,7 +29,7 @@ import torch
 import rl_triton
 from ..ops import _losses
 
-__all__ = ["grpo_loss", "gamma_weights", "GRPOTrainerMixin", "GRPOTrainer", "LOSS_TYPES",
+__all__ = ["grpo_loss", "GRPOTrainerMixin", "GRPOTrainer", "LOSS_TYPES",
            "TRL_VERSION"]
 
 Tensor = torch.Tensor
@@ -129,10 +129,13 @@ def grpo_loss(per_token_logps: Tensor, old_per_token_logps, advantages: Tensor, 
         if (gradient_accumulation_steps, steps_per_generation) != (1, 1):
             n = n * gradient_accumulation_steps / steps_per_generation
         agg, counts, ga = "token-mean", dict(batch_num_tokens=n), False
-    if weights is not None and weights.shape != (B, T):
-        weights = weights.expand(B, T)
-    dtype = per_token_logps.dtype if per_token_logps.dtype in (torch.float32, torch.float64) \
-        else torch.float32
+    # the loss in the inputs' promoted float type (TRL's torch arithmetic), at least float32
+    dtype = torch.float64 if torch.float64 in [t.dtype for t in (
+        per_token_logps, old, advantages, ref_per_token_logps, importance_sampling_ratio)
+        if isinstance(t, Tensor)] else torch.float32
+    if weights is not None:  # TRL's masks come as the completion mask's (integer) type
+        weights = weights.expand(B, T) if weights.is_floating_point() else \
+            weights.to(dtype).expand(B, T)
     loss, ours = rl_triton.policy_loss(per_token_logps, old, adv, mask, aggregation=agg,
                                        weights=weights, backend=backend, out_dtype=dtype,
                                        **options, **counts)
@@ -149,7 +152,7 @@ def grpo_loss(per_token_logps: Tensor, old_per_token_logps, advantages: Tensor, 
         metrics["kl"] = _losses.masked_mean(kl.detach(), m)
     if ga:
         loss = loss / gradient_accumulation_steps
-    if loss_type in CLIPPED:
+    if loss_type in _CLIPPED:
         low, high_ = ours["clip_fraction_negative"], ours["clip_fraction_positive"]
         if level == "sequence" and adv_rows:  # TRL's [B, 1] flags: means over the B rows
             r = _coef(per_token_logps.detach(), old.detach(), m, level)[:, 0]
@@ -175,9 +178,6 @@ def grpo_loss(per_token_logps: Tensor, old_per_token_logps, advantages: Tensor, 
         metrics["vespo/phi_seq_mean"] = phi.mean() if phi.shape[1] == 1 else \
             _losses.masked_mean(phi, m)
     return loss, metrics
-
-
-CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
 @torch.no_grad()
@@ -243,39 +243,50 @@ def _scaled(x, factor):
 # ---- the trainer ---------------------------------------------------------------------------------
 
 class GRPOTrainerMixin:
-    """Put before TRL's `GRPOTrainer` (or a subclass of it) in the bases: its `_compute_loss` is
-    TRL 1.16.0's, the policy loss and KL term one `grpo_loss` call (every `loss_type`, both
-    `importance_sampling_level`s), everything else TRL's own steps: the log-probabilities and
-    entropies (`_get_per_token_logps_and_entropies`), the entropy mask (`top_entropy_quantile`),
-    the off-policy mask (`off_policy_mask_threshold`), the vLLM importance-sampling correction,
-    the entropy bonus (static or adaptive), the auxiliary router loss and the metrics TRL logs,
-    reduced over processes as TRL reduces them. A mixin rather than a class built from
-    `trl.GRPOTrainer`, so that it goes on any GRPOTrainer subclass and needs no TRL import."""
+    """Put before `trl.GRPOTrainer` in a subclass (`class T(GRPOTrainerMixin, trl.GRPOTrainer)`):
+    its `_compute_loss` is TRL 1.16.0's with the loss, the KL term and the clip metrics on
+    rl_triton (`grpo_loss`); the rest of the method (log-probabilities, masks, entropy bonus,
+    auxiliary loss, metric reduction over processes) follows TRL's code line for line. A mixin
+    rather than a class built from `trl.GRPOTrainer`, so that it goes on any GRPOTrainer subclass
+    and importing this module needs no TRL."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        import trl
+        if trl.__version__ != TRL_VERSION:
+            import warnings
+            warnings.warn(f"rl_triton's GRPOTrainerMixin reproduces TRL {TRL_VERSION}'s "
+                          f"GRPOTrainer._compute_loss; TRL {trl.__version__} is installed",
+                          stacklevel=2)
 
     def _compute_loss(self, model, inputs):
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        logits_to_keep = completion_ids.size(1)
+        mask = completion_mask if "tool_mask" not in inputs else \
+            completion_mask * inputs["tool_mask"]
         per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
+            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True,
             compute_aux_loss=self.aux_loss_enabled,
             **{k: inputs.get(k) for k in _MODEL_INPUTS})
         entropy_mask = None
         if self.top_entropy_quantile < 1.0:
-            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+            entropy_mask = self.get_high_entropy_mask(entropies, mask,
+                                                      1 - self.top_entropy_quantile)
         advantages = inputs["advantages"]
+        adv2 = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
         old = inputs.get("old_per_token_logps")
-        old = per_token_logps.detach() if old is None else old
-        weights = entropy_mask
+        off_policy_mask = None
         if self.off_policy_mask_threshold is not None:
-            off = self.get_off_policy_mask(
-                advantages=advantages[:, None] if advantages.ndim == 1 else advantages,
-                per_token_logps=per_token_logps,
-                sampling_per_token_logps=inputs.get("sampling_per_token_logps", old),
-                mask=mask, off_policy_threshold=self.off_policy_mask_threshold)
-            weights = off if weights is None else off * weights
+            sampling = inputs.get("sampling_per_token_logps",
+                                  per_token_logps.detach() if old is None else old)
+            off_policy_mask = self.get_off_policy_mask(
+                advantages=adv2, per_token_logps=per_token_logps,
+                sampling_per_token_logps=sampling, mask=mask,
+                off_policy_threshold=self.off_policy_mask_threshold)
+        args = self.args
         if self.loss_type == "vespo":
             is_ratio = inputs.get("importance_sampling_ratio")
         elif self.use_vllm and self.vllm_importance_sampling_correction:
@@ -284,41 +295,45 @@ class GRPOTrainerMixin:
             is_ratio = None
         mode = "train" if self.model.training else "eval"
         train = mode == "train"
-        args = self.args
+        ga = self.current_gradient_accumulation_steps if train else 1
         loss, metrics = grpo_loss(
             per_token_logps, old, advantages, mask, loss_type=self.loss_type,
-            importance_sampling_level=self.importance_sampling_level, epsilon=self.epsilon_low,
-            epsilon_high=self.epsilon_high, delta=args.delta,
+            importance_sampling_level=self.importance_sampling_level,
+            epsilon=self.epsilon_low, epsilon_high=self.epsilon_high, delta=args.delta,
             sapo_temperature_pos=args.sapo_temperature_pos,
-            sapo_temperature_neg=args.sapo_temperature_neg, vespo_k_pos=args.vespo_k_pos,
-            vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
-            vespo_lambda_neg=args.vespo_lambda_neg, beta=self.beta,
-            ref_per_token_logps=inputs.get("ref_per_token_logps"),
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos,
+            vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg,
+            beta=self.beta, ref_per_token_logps=inputs.get("ref_per_token_logps"),
             use_bias_correction_kl=args.use_bias_correction_kl,
-            importance_sampling_ratio=is_ratio, per_token_weights=weights,
-            max_completion_length=self.max_completion_length,
+            importance_sampling_ratio=is_ratio, off_policy_mask=off_policy_mask,
+            entropy_mask=entropy_mask, max_completion_length=self.max_completion_length,
             num_items_in_batch=inputs.get("num_items_in_batch"),
-            num_processes=self.accelerator.num_processes,
-            gradient_accumulation_steps=self.current_gradient_accumulation_steps if train else 1,
-            steps_per_generation=args.steps_per_generation if train else 1,
-            sequence_extremes=True)
-        accumulation = self.current_gradient_accumulation_steps if train else 1.0
-        log = self._metrics[mode]
-        if self._entropy_bonus_enabled:  # TRL's entropy bonus, its adaptive coefficient
-            effective = mask if entropy_mask is None else mask * entropy_mask
-            entropy_loss = (entropies * effective).sum() / effective.sum().clamp(min=1.0) / accumulation
+            num_processes=self.accelerator.num_processes, gradient_accumulation_steps=ga,
+            steps_per_generation=args.steps_per_generation if train else 1)
+        divided = self.loss_type not in ("cispo", "dapo", "vespo")
+        policy_loss = loss.detach() * ga if divided else loss.detach()
+
+        if self._entropy_bonus_enabled:  # TRL's entropy bonus and its adaptive controller
+            effective_mask = mask if entropy_mask is None else mask * entropy_mask
+            entropy_loss = ((entropies * effective_mask).sum()
+                            / effective_mask.sum().clamp(min=1.0) / ga)
             if self.use_adaptive_entropy:
-                coef = self.entropy_coef if self._last_world_entropy <= args.entropy_target else 0.0
+                apply_coef = self.entropy_coef if \
+                    self._last_world_entropy <= args.entropy_target else 0.0
             else:
-                coef = self.entropy_coef
-            loss = loss - coef * entropy_loss
-            log["policy_loss"].append(self.accelerator.gather(metrics["policy_loss"]).nanmean().item())
+                apply_coef = self.entropy_coef
+            loss = loss - apply_coef * entropy_loss
+            self._metrics[mode]["policy_loss"].append(
+                self.accelerator.gather(policy_loss).nanmean().item())
             if self.use_adaptive_entropy and train:
-                stats = torch.stack([(entropies * effective).sum(), effective.sum()]).detach()
-                self._entropy_window_stats = stats if self._entropy_window_stats is None else \
-                    self._entropy_window_stats + stats
+                stats = torch.stack([(entropies * effective_mask).sum(),
+                                     effective_mask.sum()]).detach()
+                self._entropy_window_stats = stats if self._entropy_window_stats is None \
+                    else self._entropy_window_stats + stats
                 if self.accelerator.sync_gradients:
-                    window = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                    window = self.accelerator.reduce(self._entropy_window_stats,
+                                                     reduction="sum")
                     world_entropy = (window[0] / window[1].clamp(min=1.0)).item()
                     if world_entropy <= args.entropy_target:
                         self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta,
@@ -329,39 +344,48 @@ class GRPOTrainerMixin:
                     self._last_world_entropy = world_entropy
                     self._entropy_window_stats = None
             if train and self.accelerator.sync_gradients:
-                log["entropy_coef"].append(self.entropy_coef)
+                self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+
         if self.aux_loss_enabled:
-            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
-            log["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+            loss = loss + self.router_aux_loss_coef * aux_loss / ga
+            self._metrics[mode]["aux_loss"].append(
+                self.accelerator.gather_for_metrics(aux_loss).mean().item())
 
-        tokens = mask.sum().float()
-        # TRL's metrics are global: (sum, count) reduced over processes; a sequence-level flag
-        # counts once per sequence
-        sequences = torch.tensor(float(mask.shape[0]), device=tokens.device)
-        per_sequence = self.importance_sampling_level == "sequence" and advantages.ndim == 1
+        # the metrics: rl_triton's local means, reduced over processes as TRL's
+        # global_masked_mean (sum and count); TRL's [B, 1] values count sequences
+        n_tokens = mask.sum().float()
+        rows = torch.tensor(float(mask.shape[0]), device=mask.device)
+        seq_flags = self.importance_sampling_level == "sequence" and advantages.dim() == 1
 
-        def global_mean(value, count):
+        def log_mean(name, value, count):
             totals = self.accelerator.reduce(torch.stack([value.float() * count, count]),
                                              reduction="sum")
-            return (totals[0] / totals[1].clamp(min=1.0)).item()
+            self._metrics[mode][name].append((totals[0] / totals[1].clamp(min=1.0)).item())
 
         if self.beta != 0.0:
-            log["kl"].append(global_mean(metrics["kl"], tokens))
-        log["entropy"].append(global_mean(_losses.masked_mean(entropies.detach(), mask != 0), tokens))
+            log_mean("kl", metrics["kl"], n_tokens)
+        ent = (entropies * mask).sum()
+        totals = self.accelerator.reduce(torch.stack([ent, n_tokens]), reduction="sum")
+        self._metrics[mode]["entropy"].append((totals[0] / totals[1].clamp(min=1.0)).item())
         if self.loss_type in _CLIPPED:
-            count = sequences if per_sequence else tokens
-            for name in ("low_mean", "high_mean", "region_mean"):
-                log[f"clip_ratio/{name}"].append(global_mean(metrics[f"clip_ratio/{name}"], count))
-            for name, fn in (("low_min", torch.min), ("high_max", torch.max)):
-                values = self.accelerator.gather(metrics[f"clip_ratio/{name}"].reshape(1))
-                ok = ~torch.isnan(values)
-                log[f"clip_ratio/{name}"].append(fn(values[ok]).item() if ok.any() else float("nan"))
+            for name in ("clip_ratio/low_mean", "clip_ratio/high_mean",
+                         "clip_ratio/region_mean"):
+                log_mean(name, metrics[name], rows if seq_flags else n_tokens)
+            new = per_token_logps.detach()
+            lo, hi = _clipped_per_sequence(new, new if old is None else old.detach(),
+                                           advantages, mask != 0,
+                                           self.importance_sampling_level, self.epsilon_low,
+                                           self.epsilon_high, args.delta, _metric_dtype(new))
+            self._metrics[mode]["clip_ratio/low_min"].append(
+                _nan_extreme(self.accelerator.gather(lo), torch.min).item())
+            self._metrics[mode]["clip_ratio/high_max"].append(
+                _nan_extreme(self.accelerator.gather(hi), torch.max).item())
         elif self.loss_type == "cispo":
-            count = sequences if per_sequence else tokens
-            log["cispo_clip_ratio"].append(global_mean(metrics["cispo_clip_ratio"], count))
+            log_mean("cispo_clip_ratio", metrics["cispo_clip_ratio"],
+                     rows if seq_flags else n_tokens)
         elif self.loss_type == "vespo":
-            count = sequences if advantages.ndim == 1 else tokens
-            log["vespo/phi_seq_mean"].append(global_mean(metrics["vespo/phi_seq_mean"], count))
+            log_mean("vespo/phi_seq_mean", metrics["vespo/phi_seq_mean"],
+                     rows if advantages.dim() == 1 else n_tokens)
         return loss
 
 
@@ -369,23 +393,19 @@ class GRPOTrainerMixin:
 _MODEL_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
                  "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids",
                  "mm_token_type_ids", "image_position_ids")
-_TRAINER = None
+
+
+def _metric_dtype(x):
+    return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def __getattr__(name):
-    # `GRPOTrainer`: built, and TRL imported, on first use
-    global _TRAINER
-    if name != "GRPOTrainer":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if _TRAINER is None:
+    # `GRPOTrainer`, built on first use so that importing this module does not import TRL
+    if name == "GRPOTrainer":
         import trl
-
-        if trl.__version__ != TRL_VERSION:
-            import warnings
-            warnings.warn(f"rl_triton.integrations.trl reproduces TRL {TRL_VERSION}'s "
-                          f"GRPOTrainer._compute_loss; TRL {trl.__version__} is installed",
-                          stacklevel=2)
-        _TRAINER = type("GRPOTrainer", (GRPOTrainerMixin, trl.GRPOTrainer),
-                        {"__module__": __name__, "__doc__": "TRL's GRPOTrainer with the loss on "
-                         "rl_triton (GRPOTrainerMixin)."})
-    return _TRAINER
+        cls = type("GRPOTrainer", (GRPOTrainerMixin, trl.GRPOTrainer), {
+            "__module__": __name__,
+            "__doc__": "trl.GRPOTrainer with its loss on rl_triton (GRPOTrainerMixin)."})
+        globals()["GRPOTrainer"] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
