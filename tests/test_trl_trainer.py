@@ -185,8 +185,8 @@ def check(trainer, inputs, **settings):
     torch.testing.assert_close(got[0], want[0], rtol=2e-5, atol=1e-7)
     assert got[1].keys() == want[1].keys() and want[1]
     # the loss's gradient to float32 rounding; the parameters' through the model's backward,
-    # which amplifies those last-bit differences where the terms of a sum cancel (up to 5e-4 of
-    # the largest entry seen): to a fraction of each tensor's largest entry
+    # which amplifies those last-bit differences where the terms of a sum cancel (up to 6e-4 of
+    # the tensor's largest entry in repeated runs; most stay below 1e-5): to 2e-3 of it
     lp = want[1]["per_token_logps"]
     torch.testing.assert_close(got[1]["per_token_logps"], lp, rtol=1e-6,
                                atol=1e-6 * float(lp.abs().max()))
