@@ -198,16 +198,16 @@ TRL = "1.16.0"  # the TRL release rl_triton.integrations.trl reproduces (its TRL
 
 
 def import_trl(path=None):
-    """The `trl` package at the pinned version TRL, from `path` (default `$RL_TRITON_FRAMEWORKS`,
-    else `.ci/frameworks`, where tools/install_extras.sh puts it with transformers, accelerate,
-    datasets and what they need). The folder is appended to `sys.path` and stays there
+    """The `trl` package at the pinned version TRL, from `path` (default `$RL_TRITON_TRL`, else
+    `.ci/trl`, where tools/install_extras.sh puts it with transformers, accelerate, datasets and
+    what they need beyond this environment). The folder is appended to `sys.path` and stays there
     (transformers imports its dependencies lazily), after the environment's own folders, so that
     the environment's packages win. Raises ImportError if TRL is not there at that version."""
     import importlib
     import os
     import sys
 
-    path = os.path.abspath(path or os.environ.get("RL_TRITON_FRAMEWORKS", ".ci/frameworks"))
+    path = os.path.abspath(path or os.environ.get("RL_TRITON_TRL", ".ci/trl"))
     found = [d for d in os.listdir(path) if d.startswith("trl-") and
              d.endswith(".dist-info")] if os.path.isdir(path) else []
     if found != [f"trl-{TRL}.dist-info"]:

@@ -23,10 +23,11 @@ def test_doc_examples_run(doc, title, blocks):
         pytest.importorskip("stable_baselines3")
     if "TorchRL" in title:
         pytest.importorskip("torchrl")
-    if title == "Drop-ins":  # verl's and OpenRLHF's modules, imported as the LLM tests do
-        from rl_triton.testing import import_frameworks
+    if title == "Drop-ins":  # verl's, OpenRLHF's and TRL's modules, imported as the LLM tests do
+        from rl_triton.testing import import_frameworks, import_trl
         try:
             import_frameworks()
+            import_trl()
         except ImportError as e:
             pytest.skip(str(e))
     ns = {}

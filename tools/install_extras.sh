@@ -21,11 +21,15 @@ python -m pip install -q --no-deps --target .ci/triton-oldest "triton==3.6.0"
 rm -rf .ci/frameworks
 python -m pip install -q --no-deps --target .ci/frameworks "verl==0.9.1" "openrlhf==0.11.2" \
   "omegaconf==2.3.0" "antlr4-python3-runtime==4.9.3" "codetiming==1.4.0" "PyYAML==6.0.3"
-# TRL, whose GRPOTrainer rl_triton.integrations.trl.GRPOTrainerMixin replaces the loss of
-# (tests/test_trl_trainer.py runs both trainers): trl 1.16.0 and what `pip install trl==1.16.0`
-# resolves to beside this environment, less what the environment already has (the folder goes at
-# the end of sys.path, rl_triton.testing.import_trl, so that the environment's own versions win).
-python -m pip install -q --no-deps --target .ci/frameworks "trl==1.16.0" "transformers==5.25.0" \
+# TRL, whose GRPOTrainer rl_triton.integrations.trl.GRPOTrainer replaces the loss of
+# (tests/test_trl_trainer.py runs both on a tiny random model), pinned, without dependencies:
+# trl 1.16.0 and what `pip install trl==1.16.0` adds to this environment (transformers, accelerate,
+# datasets and theirs), less what the environment already has. Its own folder, which
+# rl_triton.testing.import_trl appends to sys.path (after the environment's, so the environment's
+# versions win; it stays there, transformers imports lazily): not .ci/frameworks, which the verl
+# and OpenRLHF imports put first on sys.path beside stubbed transformers (framework_suites_runner).
+rm -rf .ci/trl
+python -m pip install -q --no-deps --target .ci/trl "trl==1.16.0" "transformers==5.25.0" \
   "accelerate==1.16.0" "datasets==5.2.0" "huggingface_hub==2.4.0" "tokenizers==0.23.3" \
   "safetensors==0.8.0" "psutil==7.2.2" "tqdm==4.70.1" "pyarrow==26.0.1" "dill==0.4.1" \
   "multiprocess==0.70.19" "xxhash==4.1.0" "httpx2==2.16.2" "httpcore2==2.16.2" "h11==0.16.0" \
