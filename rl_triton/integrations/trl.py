@@ -1,8 +1,8 @@
 """TRL integration (checked against TRL 1.16.0, `trl/trainer/grpo_trainer.py`, installed in CI).
 
-A `GRPOTrainer` whose loss runs on rl_triton, for every `loss_type` of semantics §10 ("grpo",
-"bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo") and `importance_sampling_level`
-("token", "sequence"), one line::
+A `GRPOTrainer` whose loss runs on rl_triton, for every `loss_type` of TRL 1.16.0 ("grpo",
+"bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"; semantics §10) and
+`importance_sampling_level` ("token", "sequence"), one line::
 
     from rl_triton.integrations.trl import GRPOTrainer   # instead of `from trl import GRPOTrainer`
 
@@ -29,8 +29,7 @@ import torch
 import rl_triton
 from ..ops import _losses
 
-__all__ = ["grpo_loss", "GRPOTrainerMixin", "GRPOTrainer", "LOSS_TYPES",
-           "TRL_VERSION"]
+__all__ = ["grpo_loss", "GRPOTrainerMixin", "GRPOTrainer", "LOSS_TYPES", "TRL_VERSION"]
 
 Tensor = torch.Tensor
 # the rl_triton backend these functions call ("auto": the Triton kernels on CUDA, torch on CPU)

@@ -3,6 +3,8 @@ agg_loss, OpenRLHF 0.11.2's PolicyLoss (both called from .ci/frameworks through
 `rl_triton.testing.import_frameworks`), TRL's GRPO loss against formulas transcribed from TRL's
 code; the torch, loop and Triton (interpreter on CPU) backends against each other; bad input.
 """
+import math
+
 import pytest
 import torch
 
@@ -302,12 +304,15 @@ def trl_loss(per_token_logps, old_per_token_logps, advantages, mask, *, loss_typ
              sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, beta=0.0,
              ref_per_token_logps=None, use_bias_correction_kl=False,
              importance_sampling_ratio=None, max_completion_length=None,
-             num_items_in_batch=None, num_processes=1, gradient_accumulation_steps=1):
-    """TRL 1.9.0's GRPOTrainer._compute_loss, transcribed from trl/trainer/grpo_trainer.py
-    (tag v1.9.0): lines 3029-3030 (advantages [B] -> [B, 1]), 3054-3066 (log importance weights
-    by level), 3069-3076 (the KL term and its bias correction), 3080-3095 (cispo, the clipped
-    types with delta, sapo), 3117-3121 (importance_sampling_ratio, beta), 3124-3142 (the
-    aggregations) and 3223-3256 (the metrics, gathered over one process); training mode."""
+             num_items_in_batch=None, num_processes=1, gradient_accumulation_steps=1,
+             steps_per_generation=1, off_policy_mask=None, entropy_mask=None):
+    """TRL 1.16.0's GRPOTrainer._compute_loss, transcribed from trl/trainer/grpo_trainer.py
+    (the wheel trl-1.16.0): lines 3058-3059 (advantages [B] -> [B, 1]), 3083-3095 (log importance
+    weights by level), 3098-3105 (the KL term and its bias correction), 3109-3136 (cispo, the
+    clipped types with delta, sapo, vespo with get_gamma_weights, lines 2972-3018), 3140-3150
+    (the off-policy and entropy masks, importance_sampling_ratio, beta), 3152-3185 (the
+    aggregations) and 3254-3290 (the metrics, gathered over one process); training mode. The
+    trainer itself is checked in tests/test_trl_trainer.py (TRL installed)."""
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
     log_ratio = per_token_logps - old_per_token_logps
@@ -325,7 +330,7 @@ def trl_loss(per_token_logps, old_per_token_logps, advantages, mask, *, loss_typ
     if loss_type == "cispo":
         clamped_ratios = torch.clamp(coef_1, max=epsilon_high).detach()
         per_token_loss = -clamped_ratios * advantages * per_token_logps
-    elif loss_type in ["grpo", "bnpo", "dr_grpo", "dapo"]:
+    elif loss_type in ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"]:
         coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
         if delta is not None:
             coef_1 = torch.clamp(coef_1, max=delta)
@@ -336,7 +341,27 @@ def trl_loss(per_token_logps, old_per_token_logps, advantages, mask, *, loss_typ
         temperatures = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
         soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
         per_token_loss = -soft_coef_1 * advantages
-    if importance_sampling_ratio is not None:
+    elif loss_type == "vespo":
+        with torch.no_grad():
+            lower_clamp = math.log(1e-8)
+            log_ratio_clamped = torch.clamp(log_ratio, -20.0, 20.0)
+            seq_log_ratio = torch.sum(log_ratio_clamped * mask, dim=-1, keepdim=True)
+            if importance_sampling_ratio is not None:
+                log_is_ratio = torch.clamp(torch.log(importance_sampling_ratio), lower_clamp, 20.0)
+                seq_log_ratio += torch.sum(log_is_ratio, dim=-1, keepdim=True)
+            log_w_seq = torch.clamp(seq_log_ratio, lower_clamp, 20.0)
+            w_seq = torch.exp(log_w_seq)
+            is_nonneg_adv = advantages >= 0
+            k_seq = torch.where(is_nonneg_adv, 2.0, 3.0)
+            lambda_seq = torch.where(is_nonneg_adv, 3.0, 2.0).clamp(min=1e-4)
+            log_phi = lambda_seq + k_seq * log_w_seq - lambda_seq * w_seq
+            phi_seq = torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        per_token_loss = -phi_seq * advantages * per_token_logps
+    if off_policy_mask is not None:
+        per_token_loss = per_token_loss * off_policy_mask
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask
+    if importance_sampling_ratio is not None and loss_type != "vespo":
         per_token_loss = per_token_loss * importance_sampling_ratio
     if beta != 0.0:
         per_token_loss = per_token_loss + beta * per_token_kl
@@ -349,8 +374,12 @@ def trl_loss(per_token_logps, old_per_token_logps, advantages, mask, *, loss_typ
     elif loss_type == "dr_grpo":
         loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
         loss = loss / gradient_accumulation_steps
+    elif loss_type == "luspo":
+        loss = (per_token_loss * mask).sum(-1).mean()
+        loss = loss / gradient_accumulation_steps
     else:
         normalizer = num_items_in_batch.clamp(min=1.0) / num_processes
+        normalizer = normalizer * gradient_accumulation_steps / steps_per_generation
         loss = (per_token_loss * mask).sum() / normalizer
 
     def global_masked_mean(x):
@@ -361,7 +390,7 @@ def trl_loss(per_token_logps, old_per_token_logps, advantages, mask, *, loss_typ
     metrics = {}
     if beta != 0.0:
         metrics["kl"] = global_masked_mean(per_token_kl)
-    if loss_type in ["grpo", "bnpo", "dr_grpo", "dapo"]:
+    if loss_type in ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"]:
         is_low_clipped = (coef_1 < 1 - epsilon_low) & (advantages < 0)
         is_high_clipped = (coef_1 > 1 + epsilon_high) & (advantages > 0)
         is_region_clipped = is_low_clipped | is_high_clipped
@@ -385,6 +414,8 @@ def trl_loss(per_token_logps, old_per_token_logps, advantages, mask, *, loss_typ
     elif loss_type == "cispo":
         is_cispo_clipped = (coef_1 > epsilon_high) & (advantages > 0)
         metrics["cispo_clip_ratio"] = global_masked_mean(is_cispo_clipped.float())
+    elif loss_type == "vespo":
+        metrics["vespo/phi_seq_mean"] = global_masked_mean(phi_seq)
     return loss, metrics
 
 
@@ -396,6 +427,12 @@ TRL_CASES = [  # (loss_type, extra options)
     ("sapo", dict(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05)),
     ("grpo", dict(beta=0.04, use_bias_correction_kl=True, gradient_accumulation_steps=4)),
     ("bnpo", dict(beta=0.04, weighted=True)),
+    ("luspo", dict(beta=0.04, gradient_accumulation_steps=2)),
+    ("vespo", dict(num_items_in_batch=torch.tensor(110.0))),
+    ("vespo", dict(beta=0.04, weighted=True, num_items_in_batch=torch.tensor(110.0))),
+    ("dapo", dict(num_items_in_batch=torch.tensor(120.0), gradient_accumulation_steps=4,
+                  steps_per_generation=2, masks=True)),
+    ("sapo", dict(masks=True, weighted=True)),
 ]
 
 
@@ -409,6 +446,11 @@ def test_trl_grpo_loss(case, level, rows, backend):
     lp, old, adv, w, mask = batch(seed=20 + case, device=device_of(backend))
     ref = (lp + 0.1).clamp(max=-0.01)
     weighted = extra.pop("weighted", False)
+    if extra.pop("masks", False):  # TRL's off-policy mask [B, 1] and entropy mask [B, T]
+        extra["off_policy_mask"] = (torch.arange(lp.shape[0], device=lp.device) % 3 != 1
+                                    ).float()[:, None]
+        extra["entropy_mask"] = (torch.rand(lp.shape, generator=torch.Generator().manual_seed(
+            case)) < 0.7).float().to(lp.device)
     if rows:
         adv = adv[:, 0]
     eps_high = extra.pop("epsilon_high", 0.28)
