@@ -258,3 +258,18 @@ def test_train_step(setup):
     out = trainer.train()
     assert torch.isfinite(torch.tensor(out.training_loss))
     assert any(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
+
+
+def test_import_does_not_import_trl():
+    """Importing the integration (and building the mixin) imports neither TRL nor transformers,
+    TRL importable or not."""
+    import os
+    import subprocess
+    import sys
+
+    trl_path = os.path.dirname(os.path.dirname(trl.__file__))
+    code = ("import sys; sys.path.append(sys.argv[1]); import rl_triton.integrations.trl as t; "
+            "t.GRPOTrainerMixin; assert not {'trl', 'transformers'} & set(sys.modules), "
+            "sorted(m for m in sys.modules if m.startswith(('trl', 'transformers')))")
+    subprocess.run([sys.executable, "-c", code, trl_path], check=True,
+                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
