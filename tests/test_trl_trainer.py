@@ -66,7 +66,10 @@ def setup(tmp_path_factory):
     trainer.current_gradient_accumulation_steps = 1
     batch = next(iter(trainer.get_train_dataloader()))
     inputs = trainer._prepare_inputs(batch)
-    return trainer, inputs
+    # what TRL logged of this batch (in generation order), before test_train_step adds more
+    logged = {"rewards": torch.tensor(list(trainer._logs["rewards"]["reward"])),
+              "advantages": torch.tensor(list(trainer._logs["advantages"]))}
+    return trainer, dict(inputs, logged=logged)
 
 
 def test_class():
@@ -80,8 +83,8 @@ def test_advantages_are_group_advantages(setup):
     rl_triton.group_advantages of its rewards, as docs/llm.md's table says (both as TRL logs
     them, in generation order: the batch itself comes shuffled)."""
     trainer, inputs = setup
-    rewards = torch.tensor(list(trainer._logs["rewards"]["reward"]))[-B_GEN:]
-    logged = torch.tensor(list(trainer._logs["advantages"]))[-B_GEN:]
+    rewards, logged = inputs["logged"]["rewards"], inputs["logged"]["advantages"]
+    assert rewards.shape == logged.shape == (B_GEN,)
     want = rl_triton.group_advantages(rewards, group_size=trainer.num_generations, eps=1e-4)
     assert rewards.std() > 0
     torch.testing.assert_close(logged, want, rtol=1e-6, atol=1e-6)
@@ -93,7 +96,7 @@ def batch_for(trainer, inputs, seed=0):
     ratios beyond the clips), a tool mask with a masked span mid-row, a fully masked row, and a
     zero advantage where TRL's groups tie."""
     gen = torch.Generator().manual_seed(seed)
-    x = dict(inputs)
+    x = {k: v for k, v in inputs.items() if k != "logged"}
     with torch.no_grad():
         ids = torch.cat([x["prompt_ids"], x["completion_ids"]], 1)
         att = torch.cat([x["prompt_mask"], x["completion_mask"]], 1)
@@ -255,7 +258,11 @@ def test_train_step(setup):
     """One optimizer step of rl_triton's trainer, end to end: generation, rewards, our loss."""
     trainer, _ = setup
     before = [p.detach().clone() for p in trainer.model.parameters()]
-    out = trainer.train()
+    try:
+        out = trainer.train()
+    finally:  # the other tests (in whatever order they run) compare on a training-mode model
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1
     assert torch.isfinite(torch.tensor(out.training_loss))
     assert any(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
 
