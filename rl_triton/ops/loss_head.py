@@ -32,6 +32,7 @@ from .._core.op import FirstOrder
 from .._core.plans import backend_for
 from ..scan.jit import next_power_of_2, tl, triton
 from . import _losses as L
+from . import policy_loss as PL
 from .kl_penalty import KINDS as KL_KINDS
 
 Tensor = torch.Tensor
@@ -486,35 +487,51 @@ class Terms(NamedTuple):
     metrics: dict
 
 
-def clipped_surrogate(lp, old, adv, o) -> Terms:
-    """PPO's clipped surrogate with dual clip (semantics §9, as `ppo_policy_loss`)."""
-    d = (lp - old).clamp(-o["log_ratio_clamp"], o["log_ratio_clamp"])
-    ratio = d.exp()
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1 - o["clip_low"], 1 + o["clip_high"])
-    l = torch.maximum(unclipped, clipped)
-    metrics = {"clip_fraction": (clipped > unclipped).to(lp.dtype),
-               "approx_kl": (ratio - 1 - d).detach()}
-    if o["dual_clip"] is not None:
-        dual = (adv < 0) & (-adv * o["dual_clip"] < l)
-        l = torch.where(dual, -adv * o["dual_clip"], l)
-        metrics["dual_clip_fraction"] = dual.to(lp.dtype)
+def policy_terms(lp, old, adv, options) -> Terms:
+    """A per-token loss type's loss and metrics: `policy_loss`'s per-position formula
+    (`policy_loss.token_terms`, semantics §10) on the token's clamped log-ratio. options:
+    (policy_loss.Options, whether to report policy_loss's metrics; vanilla and grpo report
+    clip_fraction and dual_clip_fraction, as `ppo_policy_loss`)."""
+    o, full = options
+    d = PL.clamped(lp - old, o.log_ratio_clamp)
+    l, clip, lower, negative, positive = PL.token_terms(o, lp, old, adv, d, None)
+    dt = lp.dtype
+    metrics = {"clip_fraction": clip.to(dt), "approx_kl": (d.exp() - 1 - d).detach()}
+    if full:
+        metrics.update(clip_fraction_lower=lower.to(dt), clip_fraction_negative=negative.to(dt),
+                       clip_fraction_positive=positive.to(dt), ppo_kl=-d.detach())
+    elif o.dual_clip is not None:
+        metrics["dual_clip_fraction"] = lower.to(dt)
     return Terms(l, metrics)
 
 
 class LossType(NamedTuple):
-    """A `loss_type` of `linear_policy_loss`: its per-token formula `per_token(lp, old, adv,
-    options) -> Terms` and its default aggregation. Any loss whose token i depends on token i's
-    log-probability alone fits (semantics §11); another section-10 loss plugs in here."""
-    per_token: object
+    """A `loss_type` of `linear_policy_loss`: `policy_loss`'s loss type it runs, its default
+    aggregation, and whether token i's loss depends on token i's log-probability alone (the
+    chunk loop computes its gradient during the forward; the others run in two passes,
+    semantics §11)."""
+    name: str
     aggregation: str
+    per_token: bool
 
 
 LOSS_TYPES = {
-    "vanilla": LossType(clipped_surrogate, "token-mean"),
+    "vanilla": LossType("vanilla", "token-mean", True),
     # DeepSeekMath's GRPO: the same clipped surrogate (KL and entropy inside the token's loss),
     # each response's token mean, then the mean over responses (TRL's loss_type="grpo")
-    "grpo": LossType(clipped_surrogate, "seq-mean-token-mean"),
+    "grpo": LossType("vanilla", "seq-mean-token-mean", True),
+    # a sequence's ratio (gspo), a per-sequence loss (geo_mean, whose aggregation is then the
+    # KL and entropy terms') or a batch-wide pick (clip_cov, kl_cov): two passes
+    "gspo": LossType("gspo", "token-mean", False),
+    "sapo": LossType("sapo", "token-mean", True),
+    "gpg": LossType("gpg", "token-mean", True),
+    "clip_cov": LossType("clip_cov", "token-mean", False),
+    "kl_cov": LossType("kl_cov", "token-mean", False),
+    "geo_mean": LossType("geo_mean", "seq-mean-token-mean", False),
+    "cispo": LossType("cispo", "token-mean", True),
+    "dppo_tv": LossType("dppo_tv", "token-mean", True),
+    "dppo_kl": LossType("dppo_kl", "token-mean", True),
+    "dro": LossType("dro", "token-mean", True),
 }
 
 
@@ -636,15 +653,56 @@ class _LinearPolicyLoss(torch.autograd.Function):
         return (None, None, *[None if t is None else t * g.to(t.dtype) for t in out])
 
 
+def _two_pass(a, head, keep, mask, cu, old, adv, ref, aggregation, w, pl_args, kl, dt):
+    """A loss type whose token's loss depends on other tokens (a sequence's ratio, a loss per
+    sequence, a batch-wide pick: semantics §11) in two passes: `token_log_probs`'s chunks
+    (log-probabilities and entropies; on the loop backend, the reference's), `policy_loss` on
+    them, and the gradient back through the head chunk by chunk in `token_log_probs`'s backward
+    (one more matmul than the fused loop: each chunk's logits again). Returns (loss, metrics,
+    lp, keep) with the metrics' sums."""
+    kl_coef, kl_kind, kl_clamp, entropy_coef = kl
+    if a.backend == "loop":
+        lp, ent = reference.token_log_probs(a.hidden, a.weight, head.labels, bias=a.bias,
+                                            temperature=head.temperature,
+                                            ignore_index=head.ignore_index, dtype=dt)
+    elif a.call.needs_grad:
+        lp, ent = _TokenLogProbs.apply(head, True, a.hidden, a.weight, a.bias)
+    else:
+        lp, ent, _ = _token_stats(head)
+    lp, ent = lp.to(dt), ent.to(dt)
+    m = keep.reshape(a.shape)
+    pg, pm = PL.policy_loss(lp.reshape(a.shape), old.reshape(a.shape), adv.reshape(a.shape), m,
+                            cu_seqlens=cu, check_offsets=False, backend=a.backend,
+                            out_dtype=dt, **pl_args)
+    x, old_, ref_ = L.kept(keep, dt, lp, old, ref)
+    extra = -entropy_coef * ent
+    sums = {}
+    if ref_ is not None:
+        k = _kl(x, ref_, kl_kind, kl_clamp)
+        extra = extra + kl_coef * k
+        sums["kl"] = torch.where(keep, k.detach(), 0.0).sum()
+    loss = pg + torch.where(keep, w * extra, 0.0).sum()
+    d = PL.clamped(x - old_, pl_args["log_ratio_clamp"]).detach()
+    count = keep.sum().clamp_min(1)
+    sums.update(approx_kl=torch.where(keep, d.exp() - 1 - d, 0.0).sum(),
+                entropy=torch.where(keep, ent.detach(), 0.0).sum())
+    metrics = {k: v / count for k, v in sums.items()}
+    metrics.update((k if k != "kl" else "ppo_kl", v) for k, v in pm.items())
+    metrics["pg_loss"] = pg.detach()
+    return loss, metrics
+
+
 def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, mask=None, *,
                        ref_log_probs=None, kl_coef=0.0, kl_kind="k3", kl_clamp=None,
                        entropy_coef=0.0, loss_type="vanilla", temperature=1.0, bias=None,
                        ignore_index=-100, clip_low=0.2, clip_high=None, dual_clip=None,
                        log_ratio_clamp=20.0, aggregation=None, cu_seqlens=None,
-                       chunk_size=None, check_labels=True, check_offsets=True, backend="auto"):
-    """A policy loss on the log-probabilities of `hidden @ weight.T`, its gradient computed
-    chunk by chunk during the forward: forward plus backward never hold `[N, V]` logits
-    (semantics §11). Returns `(loss, metrics)`.
+                       ratio_level="token", delta=None, tau_pos=1.0, tau_neg=1.05,
+                       truncation=20.0, dro_beta=None, cov_ratio=2e-4, cov_bounds=(1.0, 5.0),
+                       kl_cov_coef=1.0, generator=None, chunk_size=None, check_labels=True,
+                       check_offsets=True, backend="auto"):
+    """A policy loss on the log-probabilities of `hidden @ weight.T`, without ever holding the
+    `[N, V]` logits (semantics §11). Returns `(loss, metrics)`.
 
     `hidden`, `weight`, `labels`, `bias`, `temperature`, `ignore_index`, `chunk_size` as
     `token_log_probs`; `old_log_probs`, `advantages`, `mask` and `ref_log_probs` have `labels`'
@@ -657,21 +715,31 @@ def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, mask=N
     aggregated over the tokens that count (mask set and label not `ignore_index`) as
     `aggregation` says (semantics §9; "none" is refused: the loss must be a scalar). The KL term
     is `kl_penalty(lp, ref_log_probs, kl_kind, kl_clamp)`, present when `ref_log_probs` is given.
-    `loss_type`:
+    `loss_type` is a loss of `policy_loss` (semantics §10), with its options (`clip_low`,
+    `clip_high`, `dual_clip`, `delta`, `log_ratio_clamp`, `ratio_level`, `tau_pos`, `tau_neg`,
+    `truncation`, `dro_beta`, `cov_ratio`, `cov_bounds`, `kl_cov_coef`, `generator`), or
+    "grpo": "vanilla" with default aggregation "seq-mean-token-mean" (each response's mean over
+    its tokens, then the mean over responses with a token that counts: DeepSeekMath's GRPO,
+    TRL's `loss_type="grpo"`). The default aggregation is "token-mean" otherwise; geo_mean's
+    policy term is its own mean over sequences, and `aggregation` (default
+    "seq-mean-token-mean") aggregates its KL and entropy terms.
 
-    - "vanilla": PPO's clipped surrogate with dual clip, `ppo_policy_loss`'s formula and options
-      (`clip_low`, `clip_high`, `dual_clip`, `log_ratio_clamp`); default aggregation
-      "token-mean".
-    - "grpo": the same per-token loss, default aggregation "seq-mean-token-mean" (each
-      response's mean over its tokens, then the mean over responses with a token that counts):
-      DeepSeekMath's GRPO objective, TRL's `loss_type="grpo"`.
+    The per-token losses (vanilla, grpo, sapo, gpg, cispo, dppo_tv, dppo_kl, dro, at
+    `ratio_level="token"`) compute their gradient chunk by chunk during the forward (three
+    matmuls). A loss whose token depends on its sequence or the batch (gspo,
+    `ratio_level="sequence"`, geo_mean, clip_cov, kl_cov) runs in two passes:
+    `token_log_probs`, `policy_loss` on its output, and the gradient back through the head in
+    chunks (four matmuls); neither holds `[N, V]`.
 
     `loss` is a 0-d float32 tensor (float64 for float64 inputs on the torch and loop backends);
     `metrics` (0-d float32 tensors, no gradient): "pg_loss" (the aggregated policy term alone),
-    "clip_fraction", "approx_kl" (k3 of old against new), "dual_clip_fraction" (with
-    `dual_clip`), "kl" (with `ref_log_probs`) and "entropy": means over the tokens that count.
-    Gradients reach `hidden`, `weight`, `bias`, and the floating per-token inputs that require
-    grad, each in its own dtype.
+    "approx_kl" (k3 of old against new, per token), "entropy", "kl" (with `ref_log_probs`),
+    means over the tokens that count, and the loss type's: "clip_fraction" and, with
+    `dual_clip`, "dual_clip_fraction" for vanilla and grpo (as `ppo_policy_loss`);
+    `policy_loss`'s "clip_fraction", "clip_fraction_lower", "clip_fraction_negative",
+    "clip_fraction_positive" and its "kl" as "ppo_kl" for the others. Gradients reach `hidden`,
+    `weight`, `bias`, and the floating per-token inputs that require grad, each in its own
+    dtype.
 
     Example::
 
@@ -704,22 +772,39 @@ def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, mask=N
         raise ValueError("kl_coef is nonzero but ref_log_probs is None; pass the reference "
                          "policy's log-probabilities")
     entropy_coef = check_scalar("entropy_coef", entropy_coef, low=-float("inf"), high=None)
-    clip_low, clip_high, dual_clip, log_ratio_clamp = check_clips(clip_low, clip_high, dual_clip,
-                                                                  log_ratio_clamp)
-    options = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-                   log_ratio_clamp=log_ratio_clamp)
+    ratio_level = check_choice("ratio_level", ratio_level, ("token", "sequence"))
+    if kind.name == "vanilla":  # PPO's clips (semantics §9), as ppo_policy_loss
+        check_clips(clip_low, clip_high, dual_clip, log_ratio_clamp)
+    elif dual_clip is not None or delta is not None:
+        raise ValueError(f"dual_clip and delta apply to loss_type 'vanilla' and 'grpo'; got "
+                         f"loss_type={loss_type!r}")
+    if ratio_level == "sequence" and kind.name not in PL.RATIO_TYPES:
+        raise ValueError(f"ratio_level='sequence' applies to loss_type 'vanilla', 'grpo', "
+                         f"'sapo' and 'cispo'; {loss_type!r} has its own")
+    (clip_low, clip_high, dual_clip, delta, log_ratio_clamp, tau_pos, tau_neg, truncation,
+     dro_beta, cov_ratio, cov_bounds, kl_cov_coef) = PL.check_options(
+        kind.name, clip_low, clip_high, dual_clip, delta, log_ratio_clamp, tau_pos, tau_neg,
+        truncation, dro_beta, cov_ratio, cov_bounds, kl_cov_coef)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    per_token = kind.per_token and ratio_level == "token"
     N = a.labels.shape[0]
     keep = a.labels != ignore_index
     if mask is not None:
         keep = keep & (L.counted(mask).reshape(N))
     dt = torch.float64 if call.float64 and a.backend != "triton" else torch.float32
     flat = [None if t is None else t.reshape(N) for t in (old, adv, ref)]
-    if a.backend == "loop":
+    o = PL.Options(kind.name, ratio_level, clip_low, clip_high, dual_clip, delta,
+                   log_ratio_clamp, tau_pos, tau_neg, truncation, dro_beta, kl_cov_coef,
+                   aggregation, torch.float32)
+    options = (o, loss_type not in ("vanilla", "grpo"))
+    if a.backend == "loop" and per_token:
         loss, metrics = reference.linear_policy_loss(
             a.hidden, a.weight, a.labels, *flat[:2], keep, ref_log_probs=flat[2],
             kl_coef=kl_coef, kl_kind=kl_kind, kl_clamp=kl_clamp, entropy_coef=entropy_coef,
             temperature=temperature, bias=a.bias, ignore_index=ignore_index,
-            aggregation=aggregation, cu_seqlens=cu, shape=a.shape, dtype=dt, **options)
+            loss_type=loss_type, aggregation=aggregation, cu_seqlens=cu, shape=a.shape,
+            dtype=dt, **{k: getattr(o, k) for k in PL.Options._fields[1:12]})
         if call.needs_grad:
             (loss,) = FirstOrder.apply(loss)
         return loss, {k: v.detach().float() for k, v in metrics.items()}
@@ -730,7 +815,19 @@ def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, mask=N
     head = _Head(a.hidden, a.weight, labels, a.bias, float(temperature), ignore_index,
                  a.chunk_size, a.backend)
     w = _token_weights(keep, aggregation, cu, a.shape, dt)
-    plan = _Plan(head, kind.per_token, options, keep, w, kl_coef, kl_kind, kl_clamp,
+    if not per_token:
+        pl_args = dict(loss_type=kind.name, ratio_level=ratio_level,
+                       aggregation="seq-mean" if kind.name == "geo_mean" else aggregation,
+                       clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, delta=delta,
+                       log_ratio_clamp=log_ratio_clamp, tau_pos=tau_pos, tau_neg=tau_neg,
+                       truncation=truncation, dro_beta=dro_beta, cov_ratio=cov_ratio,
+                       cov_bounds=cov_bounds, kl_cov_coef=kl_cov_coef, generator=generator)
+        loss, metrics = _two_pass(a, head, keep, mask, cu, *flat, aggregation, w, pl_args,
+                                  (kl_coef, kl_kind, kl_clamp, entropy_coef), dt)
+        if a.backend == "loop" and call.needs_grad:
+            (loss,) = FirstOrder.apply(loss)
+        return loss, {k: v.detach().float() for k, v in metrics.items()}
+    plan = _Plan(head, policy_terms, options, keep, w, kl_coef, kl_kind, kl_clamp,
                  entropy_coef, dt)
     if call.needs_grad:
         sums: dict = {}
@@ -739,7 +836,7 @@ def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, mask=N
         loss, sums, _, _ = _policy_chunks(plan, *flat, [False] * 6)
     if not sums:  # no token at all: every metric 0
         none = torch.zeros(0, dtype=dt, device=keep.device)
-        names = list(kind.per_token(none, none, none, options).metrics)
+        names = list(policy_terms(none, none, none, options).metrics)
         names += (["kl"] if ref is not None else []) + ["entropy", "pg_loss"]
         sums = {k: torch.zeros((), dtype=dt, device=keep.device) for k in names}
     count = keep.sum().clamp_min(1)
