@@ -28,7 +28,7 @@ from .. import reference
 from .._args import (INDEX, VALUE, Call, check_backend, check_bool, check_choice, check_clips,
                      check_scalar)
 from .._core.custom_ops import SECOND_ORDER
-from .._core.op import FirstOrder
+from .._core.op import FirstOrder, Op, Plan, first_order
 from .._core.plans import backend_for
 from ..scan.jit import next_power_of_2, tl, triton
 from . import _losses as L
@@ -385,37 +385,91 @@ def _head_args(hidden, weight, labels, bias, temperature, ignore_index, chunk_si
                  chunk_size)
 
 
+def _head_plan(a: _Args, temperature, ignore_index) -> Plan:
+    chunks = "triton" if a.backend == "triton" else "torch"
+    dt = torch.float64 if a.call.float64 else torch.float32
+    return Plan(HeadOptions(float(temperature), ignore_index, a.chunk_size, chunks), a.backend,
+                a.call.needs_grad, dt)
+
+
 # ---- token_log_probs -----------------------------------------------------------------------------
 
-class _TokenLogProbs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, head, return_entropy, hidden, weight, bias):
-        lp, ent, lse = _token_stats(head)
-        ctx.head = head
-        ctx.save_for_backward(hidden, weight, bias, head.labels, lse, ent)
-        ctx.set_materialize_grads(False)
-        return (lp, ent) if return_entropy else (lp,)
-
-    @staticmethod
-    def backward(ctx, g_lp, g_ent=None):
-        if torch.is_grad_enabled():
-            raise RuntimeError(SECOND_ORDER)
-        head = ctx.head
-        hidden, weight, bias, labels, lse, ent = ctx.saved_tensors
-        needs = list(ctx.needs_input_grad[2:5])
-        if (g_lp is None and g_ent is None) or not any(needs):
-            return (None, None, None, None, None)
-        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp
-        grads = head.grad_buffers(needs)
-        for s, e in head.chunks():  # the logits again, chunk by chunk: never [N, V]
-            z = head.logits(s, e)
-            d = head.grad_logits(z, s, e, lse[s:e], ent[s:e], g_lp[s:e],
-                                 None if g_ent is None else g_ent[s:e])
-            head.backprop(d, s, e, grads, needs)
-        head.release()
-        return (None, None, *_finish(grads, weight, bias))
+class HeadInputs(NamedTuple):
+    """`token_log_probs`'s tensors, checked: [N, H], [V, H], [N] (contiguous), [V] or None."""
+    hidden: Tensor
+    weight: Tensor
+    labels: Tensor
+    bias: Optional[Tensor]
 
 
+class HeadOptions(NamedTuple):
+    temperature: float
+    ignore_index: int
+    chunk_size: int
+    chunks: str  # the chunks' backend: "triton" (the kernels) or "torch"
+
+
+def _head(x: HeadInputs, o) -> _Head:
+    return _Head(x.hidden, x.weight, x.labels, x.bias, o.temperature, o.ignore_index,
+                 o.chunk_size, o.chunks)
+
+
+def _lp_forward(x: HeadInputs, o: HeadOptions, plan=None):
+    """([log_probs, entropy], [lse, entropy]): one pass of the chunks; the backward reads the
+    log-sum-exp and the entropy (a copy: a custom op's outputs alias nothing; [N] floats)."""
+    lp, ent, lse = _token_stats(_head(x, o))
+    return [lp, ent], [lse, ent.clone()]
+
+
+def _lp_backward(x: HeadInputs, o: HeadOptions, saved, grads, needs, plan=None):
+    """d hidden, d weight, d bias from the outputs' gradients: each chunk's logits again (never
+    [N, V]), then `grad_logits` and the matmuls of `backprop`."""
+    lse, ent = saved
+    g_lp, g_ent = grads
+    needs = [needs[0], needs[1], needs[3] and x.bias is not None]
+    if (g_lp is None and g_ent is None) or not any(needs):
+        return [None] * 4
+    head = _head(x, o)
+    g_lp = torch.zeros_like(lse) if g_lp is None else g_lp
+    grads = head.grad_buffers(needs)
+    for s, e in head.chunks():
+        z = head.logits(s, e)
+        d = head.grad_logits(z, s, e, lse[s:e], ent[s:e], g_lp[s:e].contiguous(),
+                             None if g_ent is None else g_ent[s:e].contiguous())
+        head.backprop(d, s, e, grads, needs)
+    head.release()
+    d_h, d_w, d_b = _finish(grads, x.weight, x.bias)
+    return [d_h, d_w, None, d_b]
+
+
+def _lp_fake(x: HeadInputs, o: HeadOptions):
+    N = x.labels.shape[0]
+    f64 = x.hidden.dtype is torch.float64 and o.chunks != "triton"
+    dt = torch.float64 if f64 else torch.float32
+    return ([x.hidden.new_empty(N, dtype=dt) for _ in range(2)],
+            [x.hidden.new_empty(N, dtype=dt) for _ in range(2)])
+
+
+def _lp_run(x: HeadInputs, plan: Plan):
+    """The route: the loop backend is the reference (autograd through `FirstOrder`); the chunks
+    (either backend) run through the framework's Triton route (`Op.triton`: the custom op
+    inside torch.compile, `Eager` where an input needs gradients, else `forward`)."""
+    if plan.backend == "loop":
+        o = plan.o
+        outs = list(reference.token_log_probs(x.hidden, x.weight, x.labels, bias=x.bias,
+                                              temperature=o.temperature,
+                                              ignore_index=o.ignore_index, dtype=plan.dtype))
+        if plan.needs_grad:
+            first_order(outs)
+        return tuple(outs)
+    return tuple(TOKEN_LOG_PROBS.triton(x, plan.o, plan, plan.needs_grad))
+
+
+# declared as an op (docs/dev/op-framework.md): its custom op and backward the framework's; its
+# own route (`_lp_run`) as the loop backend is the reference, and its public function checks
+# the call and runs `OP.run` (no hot path yet, as policy_loss)
+TOKEN_LOG_PROBS = Op("token_log_probs", "head", HeadInputs, HeadOptions, outputs=2, saved=2,
+                     forward=_lp_forward, backward=_lp_backward, fake=_lp_fake, run=_lp_run)
 def _token_stats(head):
     N, dev = head.N, head.h.device
     dt = torch.float64 if head.acc_dtype is torch.float64 and not head.triton else torch.float32
@@ -458,22 +512,9 @@ def token_log_probs(hidden, weight, labels, *, bias=None, temperature=1.0, retur
     a = _head_args(hidden, weight, labels, bias, temperature, ignore_index, chunk_size, backend,
                    check_labels)
     check_bool("return_entropy", return_entropy)
-    if a.backend == "loop":
-        lp, ent = reference.token_log_probs(
-            a.hidden, a.weight, a.labels, bias=a.bias, temperature=temperature,
-            ignore_index=ignore_index,
-            dtype=torch.float64 if a.call.float64 else torch.float32)
-        outs = [lp, ent] if return_entropy else [lp]
-        if a.call.needs_grad:
-            outs = list(FirstOrder.apply(*outs))
-    else:
-        head = _Head(a.hidden, a.weight, a.labels, a.bias, float(temperature), ignore_index,
-                     a.chunk_size, a.backend)
-        if a.call.needs_grad:
-            outs = list(_TokenLogProbs.apply(head, return_entropy, a.hidden, a.weight, a.bias))
-        else:
-            lp, ent, _ = _token_stats(head)
-            outs = [lp, ent] if return_entropy else [lp]
+    outs = TOKEN_LOG_PROBS.run(HeadInputs(a.hidden, a.weight, a.labels, a.bias),
+                               _head_plan(a, temperature, ignore_index))
+    outs = outs if return_entropy else outs[:1]
     outs = [o.reshape(a.shape) for o in outs]
     return tuple(outs) if return_entropy else outs[0]
 
@@ -589,27 +630,39 @@ def _policy_chunks(plan: _Plan, old, adv, ref, needs):
         # a token that does not count enters no arithmetic (its NaN would reach a gradient)
         leaves = [lp.to(dt), ent.to(dt)] + L.kept(keep, dt, *(None if t is None else t[s:e]
                                                                for t in (old, adv, ref)))
-        with torch.enable_grad():
-            for i, need in enumerate([needs[0] or needs[1] or needs[2]] * 2 + list(needs[3:])):
-                if need and leaves[i] is not None:
-                    leaves[i] = leaves[i].detach().requires_grad_()
-            lp_, ent_, old_, adv_, ref_ = leaves
+        # d contribution / d leaves through torch.func (autograd records nothing inside a
+        # custom op's implementation, where this runs under torch.compile)
+        wanted = [i for i, need in enumerate([needs[0] or needs[1] or needs[2]] * 2
+                                             + list(needs[3:])) if need and leaves[i] is not None]
+
+        def contribution_of(*xs, wanted=wanted, leaves=leaves, keep=keep, w=w):
+            lv = list(leaves)
+            for i, xi in zip(wanted, xs):
+                lv[i] = xi
+            lp_, ent_, old_, adv_, ref_ = lv
             terms = plan.per_token(lp_, old_, adv_, plan.options)
             total = terms.loss
-            parts = {"pg_loss": terms.loss}
+            metrics = {k: v.detach() for k, v in terms.metrics.items()}
             if ref_ is not None:
                 kl = _kl(lp_, ref_, plan.kl_kind, plan.kl_clamp)
                 total = total + plan.kl_coef * kl
-                terms.metrics["kl"] = kl.detach()
+                metrics["kl"] = kl.detach()
             if plan.entropy_coef != 0.0:
                 total = total - plan.entropy_coef * ent_
             contribution = torch.where(keep, w * total, 0.0).sum()
-            wanted = [t for t in leaves if t is not None and t.requires_grad]
-            got = iter(torch.autograd.grad(contribution, wanted, allow_unused=True)
-                       if wanted else ())
-            g = [next(got) if t is not None and t.requires_grad else None for t in leaves]
-        g = [None if gi is None and t is None else torch.zeros_like(t) if gi is None else gi
-             for gi, t in zip(g, leaves)]
+            return contribution, (contribution.detach(), terms.loss.detach(), metrics)
+
+        if wanted:
+            _, vjp, (contribution, pg, metrics) = torch.func.vjp(
+                contribution_of, *[leaves[i] for i in wanted], has_aux=True)
+            got = dict(zip(wanted, vjp(torch.ones((), dtype=dt, device=keep.device))))
+        else:
+            _, (contribution, pg, metrics) = contribution_of()
+            got = {}
+        g = [got.get(i, None if t is None else torch.zeros_like(t))
+             for i, t in enumerate(leaves)]
+        terms = Terms(pg, metrics)
+        parts = {"pg_loss": pg}
         loss += contribution.detach()
         for k, v in {**terms.metrics, "entropy": ent.to(dt)}.items():
             sums[k] = sums.get(k, 0.0) + torch.where(keep, v.detach(), 0.0).sum()
@@ -630,45 +683,166 @@ def _policy_chunks(plan: _Plan, old, adv, ref, needs):
     return loss, sums, grads, small
 
 
-class _LinearPolicyLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, plan, sums_out, hidden, weight, bias, old, adv, ref):
-        needs = list(ctx.needs_input_grad[2:8])
-        loss, sums, grads, small = _policy_chunks(plan, old, adv, ref, needs)
-        sums_out.update(sums)
-        d_h, d_w, d_b = _finish(grads, weight, bias)
-        d_old, d_adv, d_ref = (None if a is None else a.to(t.dtype)
-                               for a, t in zip(small, (old, adv, ref)))
-        saved = [d_h, d_w, d_b, d_old, d_adv, d_ref]
-        ctx.present = [t is not None for t in saved]
-        ctx.save_for_backward(*[t for t in saved if t is not None])
-        return loss
-
-    @staticmethod
-    def backward(ctx, g):
-        if torch.is_grad_enabled():
-            raise RuntimeError(SECOND_ORDER)
-        saved = iter(ctx.saved_tensors)
-        out = [next(saved) if p else None for p in ctx.present]
-        return (None, None, *[None if t is None else t * g.to(t.dtype) for t in out])
+class PolicyInputs(NamedTuple):
+    """The fused `linear_policy_loss`'s tensors, checked and flat: [N, H], [V, H], labels [N]
+    (ignore_index where a token does not count), bias [V] or None, the per-token inputs [N],
+    `keep` [N] bool (the tokens that count) and `weights` [N] (the aggregation's w_i)."""
+    hidden: Tensor
+    weight: Tensor
+    labels: Tensor
+    bias: Optional[Tensor]
+    old_log_probs: Tensor
+    advantages: Tensor
+    ref_log_probs: Optional[Tensor]
+    keep: Tensor
+    weights: Tensor
 
 
-def _two_pass(a, head, keep, mask, cu, old, adv, ref, aggregation, w, pl_args, kl, dt):
+class PolicyOptions(NamedTuple):
+    temperature: float
+    ignore_index: int
+    chunk_size: int
+    chunks: str  # "triton" or "torch"
+    loss_type: str  # policy_loss's
+    full: bool  # policy_loss's metrics (policy_terms)
+    clip_low: float
+    clip_high: float
+    dual_clip: Optional[float]
+    delta: Optional[float]
+    log_ratio_clamp: Optional[float]
+    tau_pos: float
+    tau_neg: float
+    truncation: float
+    dro_beta: Optional[float]
+    kl_coef: float
+    kl_kind: str
+    kl_clamp: Optional[float]
+    entropy_coef: float
+    # which gradients the forward forms (it forms them: the custom op's forward cannot ask
+    # autograd): hidden, weight, bias, old_log_probs, advantages, ref_log_probs
+    need_hidden: bool
+    need_weight: bool
+    need_bias: bool
+    need_old: bool
+    need_adv: bool
+    need_ref: bool
+
+
+_GRADS = (0, 1, 3, 4, 5, 6)  # the tensors (PolicyInputs' positions) with a gradient
+
+
+def _needs(o: PolicyOptions) -> list:
+    return list(o[-6:])
+
+
+def _policy_dtype(x, o) -> torch.dtype:
+    return torch.float64 if x.hidden.dtype is torch.float64 and o.chunks != "triton" \
+        else torch.float32
+
+
+def metric_names(o: PolicyOptions, has_ref: bool) -> list:
+    """The metrics' names, in the order of the op's metrics output."""
+    none = torch.zeros(0)
+    names = list(policy_terms(none, none, none, _terms_options(o)).metrics)
+    return names + (["kl"] if has_ref else []) + ["entropy", "pg_loss"]
+
+
+def _terms_options(o: PolicyOptions):
+    return (PL.Options(o.loss_type, "token", o.clip_low, o.clip_high, o.dual_clip, o.delta,
+                       o.log_ratio_clamp, o.tau_pos, o.tau_neg, o.truncation, o.dro_beta, 1.0,
+                       "sum", torch.float32), o.full)
+
+
+def _lpl_forward(x: PolicyInputs, o: PolicyOptions, plan=None):
+    """([loss, metrics [K]], the six gradients (empty where not formed)): the chunk loop,
+    `_policy_chunks`, forming the gradients during the forward."""
+    dt = _policy_dtype(x, o)
+    head = _Head(x.hidden, x.weight, x.labels, x.bias, o.temperature, o.ignore_index,
+                 o.chunk_size, o.chunks)
+    p = _Plan(head, policy_terms, _terms_options(o), x.keep, x.weights.to(dt), o.kl_coef,
+              o.kl_kind, o.kl_clamp, o.entropy_coef, dt)
+    needs = _needs(o)
+    needs[2] = needs[2] and x.bias is not None
+    needs[5] = needs[5] and x.ref_log_probs is not None
+    loss, sums, grads, small = _policy_chunks(p, x.old_log_probs, x.advantages,
+                                              x.ref_log_probs, needs)
+    names = metric_names(o, x.ref_log_probs is not None)
+    count = x.keep.sum().clamp_min(1)
+    zero = torch.zeros((), dtype=dt, device=x.keep.device)
+    metrics = torch.stack([torch.as_tensor(sums.get(k, zero), dtype=dt, device=zero.device)
+                           / (count if k != "pg_loss" else 1) for k in names]).to(dt)
+    d_h, d_w, d_b = _finish(grads, x.weight, x.bias)
+    d_old, d_adv, d_ref = (None if g is None else g.to(t.dtype) for g, t in
+                           zip(small, (x.old_log_probs, x.advantages, x.ref_log_probs)))
+    saved = [g if g is not None else loss.new_empty(0)
+             for g in (d_h, d_w, d_b, d_old, d_adv, d_ref)]
+    return [loss, metrics], saved
+
+
+def _lpl_backward(x: PolicyInputs, o: PolicyOptions, saved, grads, needs, plan=None):
+    """The stored gradients scaled by the loss's."""
+    g = grads[0]
+    out = [None] * len(PolicyInputs._fields)
+    if g is None:
+        return out
+    for i, formed, t in zip(_GRADS, _needs(o), saved):
+        if needs[i] and formed and x[i] is not None:  # (an empty tensor where not formed)
+            out[i] = t * g.to(t.dtype)
+    return out
+
+
+def _lpl_fake(x: PolicyInputs, o: PolicyOptions):
+    dt = _policy_dtype(x, o)
+    K = len(metric_names(o, x.ref_log_probs is not None))
+    outs = [x.hidden.new_empty((), dtype=dt), x.hidden.new_empty(K, dtype=dt)]
+    saved = [t.new_empty(t.shape) if need and t is not None else x.hidden.new_empty(0, dtype=dt)
+             for t, need in zip((x.hidden, x.weight, x.bias, x.old_log_probs, x.advantages,
+                                 x.ref_log_probs), _needs(o))]
+    return outs, saved
+
+
+def _lpl_run(x: PolicyInputs, plan: Plan):
+    """The route: the loop backend is the reference (autograd through `FirstOrder`); the chunk
+    loop (either backend) through the framework's Triton route (`Op.triton`)."""
+    o = plan.o
+    if plan.backend != "loop":
+        return tuple(LINEAR_POLICY_LOSS.triton(x, o, plan, plan.needs_grad))
+    loss, metrics = reference.linear_policy_loss(
+        x.hidden, x.weight, x.labels, x.old_log_probs, x.advantages, x.keep,
+        ref_log_probs=x.ref_log_probs, kl_coef=o.kl_coef, kl_kind=o.kl_kind,
+        kl_clamp=o.kl_clamp, entropy_coef=o.entropy_coef, temperature=o.temperature,
+        bias=x.bias, ignore_index=o.ignore_index, loss_type=plan.memo["loss_type"],
+        aggregation=plan.memo["aggregation"], cu_seqlens=plan.memo["cu"],
+        shape=plan.memo["shape"], dtype=plan.dtype, ratio_level="token",
+        clip_low=o.clip_low, clip_high=o.clip_high, dual_clip=o.dual_clip, delta=o.delta,
+        log_ratio_clamp=o.log_ratio_clamp, tau_pos=o.tau_pos, tau_neg=o.tau_neg,
+        truncation=o.truncation, dro_beta=o.dro_beta)
+    outs = [loss, torch.stack([metrics[k].to(plan.dtype).reshape(())
+                               for k in metric_names(o, x.ref_log_probs is not None)])]
+    if plan.needs_grad:
+        first_order(outs, (1,))
+    return tuple(outs)
+
+
+# declared as an op (docs/dev/op-framework.md), the per-token loss types' fused chunk loop: its
+# custom op and `Eager` route the framework's; its public function checks the call, forms the
+# mask's and the aggregation's per-token tensors and runs `OP.run` (no hot path yet); the
+# two-pass loss types are a composition of ops (token_log_probs, policy_loss)
+LINEAR_POLICY_LOSS = Op("linear_policy_loss", "head", PolicyInputs, PolicyOptions, outputs=2,
+                        saved=6, nondiff=(1,), forward=_lpl_forward, backward=_lpl_backward,
+                        fake=_lpl_fake, run=_lpl_run)
+
+
+def _two_pass(a, labels, temperature, ignore_index, keep, cu, old, adv, ref, w, pl_args, kl,
+              dt):
     """A loss type whose token's loss depends on other tokens (a sequence's ratio, a loss per
-    sequence, a batch-wide pick: semantics §11) in two passes: `token_log_probs`'s chunks
-    (log-probabilities and entropies; on the loop backend, the reference's), `policy_loss` on
-    them, and the gradient back through the head chunk by chunk in `token_log_probs`'s backward
-    (one more matmul than the fused loop: each chunk's logits again). Returns (loss, metrics,
-    lp, keep) with the metrics' sums."""
+    sequence, a batch-wide pick: semantics §11) in two passes: `token_log_probs` (its chunks;
+    the reference on the loop backend), `policy_loss` on its output, and the gradient back
+    through the head chunk by chunk in `token_log_probs`'s backward (each chunk's logits again:
+    one matmul more than the fused loop). Returns (loss, metrics)."""
     kl_coef, kl_kind, kl_clamp, entropy_coef = kl
-    if a.backend == "loop":
-        lp, ent = reference.token_log_probs(a.hidden, a.weight, head.labels, bias=a.bias,
-                                            temperature=head.temperature,
-                                            ignore_index=head.ignore_index, dtype=dt)
-    elif a.call.needs_grad:
-        lp, ent = _TokenLogProbs.apply(head, True, a.hidden, a.weight, a.bias)
-    else:
-        lp, ent, _ = _token_stats(head)
+    lp, ent = TOKEN_LOG_PROBS.run(HeadInputs(a.hidden, a.weight, labels, a.bias),
+                                  _head_plan(a, temperature, ignore_index))
     lp, ent = lp.to(dt), ent.to(dt)
     m = keep.reshape(a.shape)
     pg, pm = PL.policy_loss(lp.reshape(a.shape), old.reshape(a.shape), adv.reshape(a.shape), m,
@@ -794,26 +968,10 @@ def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, mask=N
         keep = keep & (L.counted(mask).reshape(N))
     dt = torch.float64 if call.float64 and a.backend != "triton" else torch.float32
     flat = [None if t is None else t.reshape(N) for t in (old, adv, ref)]
-    o = PL.Options(kind.name, ratio_level, clip_low, clip_high, dual_clip, delta,
-                   log_ratio_clamp, tau_pos, tau_neg, truncation, dro_beta, kl_cov_coef,
-                   aggregation, torch.float32)
-    options = (o, loss_type not in ("vanilla", "grpo"))
-    if a.backend == "loop" and per_token:
-        loss, metrics = reference.linear_policy_loss(
-            a.hidden, a.weight, a.labels, *flat[:2], keep, ref_log_probs=flat[2],
-            kl_coef=kl_coef, kl_kind=kl_kind, kl_clamp=kl_clamp, entropy_coef=entropy_coef,
-            temperature=temperature, bias=a.bias, ignore_index=ignore_index,
-            loss_type=loss_type, aggregation=aggregation, cu_seqlens=cu, shape=a.shape,
-            dtype=dt, **{k: getattr(o, k) for k in PL.Options._fields[1:12]})
-        if call.needs_grad:
-            (loss,) = FirstOrder.apply(loss)
-        return loss, {k: v.detach().float() for k, v in metrics.items()}
     # a token that does not count is read as an ignored one: 0 log-probability, entropy and
     # logit gradient, whatever its logits hold (semantics §9: a masked position's NaN reaches
     # no gradient through the loss)
     labels = a.labels if mask is None else torch.where(keep, a.labels, ignore_index)
-    head = _Head(a.hidden, a.weight, labels, a.bias, float(temperature), ignore_index,
-                 a.chunk_size, a.backend)
     w = _token_weights(keep, aggregation, cu, a.shape, dt)
     if not per_token:
         pl_args = dict(loss_type=kind.name, ratio_level=ratio_level,
@@ -822,24 +980,20 @@ def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, mask=N
                        log_ratio_clamp=log_ratio_clamp, tau_pos=tau_pos, tau_neg=tau_neg,
                        truncation=truncation, dro_beta=dro_beta, cov_ratio=cov_ratio,
                        cov_bounds=cov_bounds, kl_cov_coef=kl_cov_coef, generator=generator)
-        loss, metrics = _two_pass(a, head, keep, mask, cu, *flat, aggregation, w, pl_args,
-                                  (kl_coef, kl_kind, kl_clamp, entropy_coef), dt)
-        if a.backend == "loop" and call.needs_grad:
-            (loss,) = FirstOrder.apply(loss)
+        loss, metrics = _two_pass(a, labels, temperature, ignore_index, keep, cu, *flat, w,
+                                  pl_args, (kl_coef, kl_kind, kl_clamp, entropy_coef), dt)
         return loss, {k: v.detach().float() for k, v in metrics.items()}
-    plan = _Plan(head, policy_terms, options, keep, w, kl_coef, kl_kind, kl_clamp,
-                 entropy_coef, dt)
-    if call.needs_grad:
-        sums: dict = {}
-        loss = _LinearPolicyLoss.apply(plan, sums, a.hidden, a.weight, a.bias, *flat)
-    else:
-        loss, sums, _, _ = _policy_chunks(plan, *flat, [False] * 6)
-    if not sums:  # no token at all: every metric 0
-        none = torch.zeros(0, dtype=dt, device=keep.device)
-        names = list(policy_terms(none, none, none, options).metrics)
-        names += (["kl"] if ref is not None else []) + ["entropy", "pg_loss"]
-        sums = {k: torch.zeros((), dtype=dt, device=keep.device) for k in names}
-    count = keep.sum().clamp_min(1)
-    metrics = {k: (v / count if k != "pg_loss" else v).detach().float()
-               for k, v in sums.items()}
+    full = loss_type not in ("vanilla", "grpo")
+    floating = [t is not None and call.grad and t.requires_grad for t in
+                (a.hidden, a.weight, a.bias, *flat)]
+    po = PolicyOptions(float(temperature), ignore_index, a.chunk_size,
+                       "triton" if a.backend == "triton" else "torch", kind.name, full,
+                       clip_low, clip_high, dual_clip, delta, log_ratio_clamp, tau_pos, tau_neg,
+                       truncation, dro_beta, kl_coef, kl_kind, kl_clamp, entropy_coef,
+                       *floating)
+    plan = Plan(po, a.backend, call.needs_grad, dt)
+    plan.memo.update(loss_type=loss_type, aggregation=aggregation, cu=cu, shape=a.shape)
+    x = PolicyInputs(a.hidden, a.weight, labels, a.bias, *flat, keep, w)
+    loss, vec = LINEAR_POLICY_LOSS.run(x, plan)
+    metrics = dict(zip(metric_names(po, ref is not None), vec.detach().float()))
     return loss, metrics
