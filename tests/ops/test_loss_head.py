@@ -442,6 +442,28 @@ def test_inside_torch_compile():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss_type", ["sapo", "gspo"])
+def test_loss_types_inside_torch_compile(backend, loss_type):
+    """The ops' custom ops inside torch.compile (the fused loop, and the two passes' head):
+    the eager call's values and gradients."""
+    hidden, weight, labels, old, adv, ref, mask = policy_inputs(2, 5, 8, 37, torch.float32)
+    h1, w1, h2, w2 = leaves(hidden, weight, hidden, weight)
+
+    def f(h, w):
+        loss, metrics = rl_triton.linear_policy_loss(
+            h, w, labels, old, adv, mask, ref_log_probs=ref, kl_coef=0.1, entropy_coef=0.01,
+            loss_type=loss_type, chunk_size=3, backend=backend)
+        return loss, metrics["entropy"]
+
+    got = torch.compile(f, backend="eager")(h1, w1)
+    want = f(h2, w2)
+    got[0].backward()
+    want[0].backward()
+    assert rel(got[0], want[0]) < 1e-6 and rel(got[1], want[1]) < 1e-6
+    assert rel(h1.grad, h2.grad) < 1e-6 and rel(w1.grad, w2.grad) < 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_strided_labels_and_bias(backend):
     """Views with strides (every other element) are read as their values."""
     hidden, weight, labels, b = make(11, 8, 37, bias=True)
