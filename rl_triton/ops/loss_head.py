@@ -15,8 +15,14 @@ ops on the torch backend, on the same chunks.
 `linear_policy_loss` computes its gradients during the forward, chunk by chunk (three matmuls):
 its loss is sum_i w_i l_i with per-token weights w_i the mask, the offsets and the aggregation
 fix up front, and l_i a function of token i's log-probability and entropy alone, so each chunk's
-d loss / d lp and d loss / d entropy are known as soon as the chunk's statistics are. The
-backward scales the stored gradients by the loss's gradient.
+d loss / d lp and d loss / d entropy are known as soon as the chunk's statistics are (the
+per-token formula is `policy_loss.token_terms`, differentiated with torch.func: it also runs
+inside the custom op). The backward scales the stored gradients by the loss's gradient. A loss
+type whose token depends on its sequence or the batch (gspo, sequence ratios, geo_mean,
+clip_cov, kl_cov) runs in two passes instead: `token_log_probs`, `policy_loss` on its output,
+and `token_log_probs`'s backward.
+
+Both are ops of kind "head" (`TOKEN_LOG_PROBS`, `LINEAR_POLICY_LOSS`, docs/dev/op-framework.md).
 """
 from __future__ import annotations
 
