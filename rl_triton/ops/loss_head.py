@@ -33,8 +33,7 @@ import torch
 from .. import reference
 from .._args import (INDEX, VALUE, Call, check_backend, check_bool, check_choice, check_clips,
                      check_scalar)
-from .._core.custom_ops import SECOND_ORDER
-from .._core.op import FirstOrder, Op, Plan, first_order
+from .._core.op import Op, Plan, first_order
 from .._core.plans import backend_for
 from ..scan.jit import next_power_of_2, tl, triton
 from . import _losses as L

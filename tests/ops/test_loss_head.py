@@ -312,15 +312,18 @@ def test_grpo_is_the_per_sequence_mean():
     assert abs(grpo.item() - sum(per_row).item() / 2) < 1e-12
 
 
-def test_gradcheck_linear_policy_loss():
+@pytest.mark.parametrize("kw", [dict(loss_type="grpo", clip_low=0.3),
+                                dict(loss_type="sapo"),  # fused, another formula
+                                dict(loss_type="geo_mean", clip_low=0.3, clip_high=0.3)])
+def test_gradcheck_linear_policy_loss(kw):
     hidden, weight, labels, old, adv, ref, mask = policy_inputs(2, 3, 3, 7, torch.float64)
     b = torch.randn(7, dtype=torch.float64, device=DEVICE)
     xs = leaves(hidden, weight, b, old, adv, ref)
 
     def f(h, w, bb, o, a, r):
         return rl_triton.linear_policy_loss(h, w, labels, o, a, mask, bias=bb, ref_log_probs=r,
-                                            kl_coef=0.3, entropy_coef=0.1, loss_type="grpo",
-                                            clip_low=0.3, chunk_size=4, backend="torch")[0]
+                                            kl_coef=0.3, entropy_coef=0.1, chunk_size=4,
+                                            backend="torch", **kw)[0]
 
     assert torch.autograd.gradcheck(f, tuple(xs))
 
