@@ -339,6 +339,9 @@ def train(args: Args):
         # credit assignment, timed between device synchronizations
         update_start = time.perf_counter()
         synchronize(device)
+        if device.type == "cuda":  # the update's peak memory above what it starts with
+            torch.cuda.reset_peak_memory_stats(device)
+            update_base = torch.cuda.memory_allocated(device)
         credit_start = time.perf_counter()
         with torch.no_grad():
             if args.estimator == "ppo":
@@ -392,6 +395,9 @@ def train(args: Args):
                 optimizer.step()
         synchronize(device)
         update_ms = (time.perf_counter() - update_start) * 1e3
+        peak_mib = None
+        if device.type == "cuda":
+            peak_mib = (torch.cuda.max_memory_allocated(device) - update_base) / 2**20
 
         writer.add_scalar("charts/success_rate", solved.float().mean().item(), global_step)
         writer.add_scalar("charts/episodic_return", scores.mean().item(), global_step)
@@ -412,11 +418,14 @@ def train(args: Args):
         writer.add_scalar("perf/credit_share", credit_ms / update_ms, global_step)
         writer.add_scalar("perf/iteration_ms", rollout_ms + update_ms, global_step)
         writer.add_scalar("perf/decision_fraction", mask.float().mean().item(), global_step)
+        if peak_mib is not None:
+            writer.add_scalar("perf/update_peak_mib", peak_mib, global_step)
         if iteration == 1 or time.time() - last_report > 10 or iteration == args.num_iterations:
             last_report = time.time()
             print(f"iteration={iteration} episodes={global_step} success_rate={solved.float().mean():.3f} "
                   f"mean_turns={turns.float().mean():.2f} rollout_ms={rollout_ms:.1f} "
-                  f"credit_ms={credit_ms:.2f} update_ms={update_ms:.1f}", flush=True)
+                  f"credit_ms={credit_ms:.2f} update_ms={update_ms:.1f}"
+                  + ("" if peak_mib is None else f" update_peak_mib={peak_mib:.1f}"), flush=True)
 
     writer.close()
     return model, f"{args.log_dir}/{run_name}"
