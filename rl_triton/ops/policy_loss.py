@@ -198,6 +198,17 @@ def geo_mean(o: Options, x, old, a, w, m, cu, aggregation):
 
 
 class Inputs(NamedTuple):
+    """The public function's tensor arguments."""
+    log_probs: Tensor
+    old_log_probs: Tensor
+    advantages: Tensor
+    mask: Optional[Tensor]
+    weights: Optional[Tensor]
+    cu_seqlens: Optional[Tensor]
+
+
+class Tensors(NamedTuple):
+    """The custom op's tensors: the public ones with what the call forms from values."""
     log_probs: Tensor
     old_log_probs: Tensor
     advantages: Tensor
@@ -210,7 +221,7 @@ class Inputs(NamedTuple):
 
 # ---- torch and loop backends ---------------------------------------------------------------------
 
-def torch_impl(x: Inputs, o: Options, dtype):
+def torch_impl(x: Tensors, o: Options, dtype):
     """(loss, *metrics) with the aggregation `o.aggregation` of _losses (or "seq-mean" / "none"
     for geo_mean); the global factors come after."""
     aggregation = o.aggregation
@@ -235,7 +246,7 @@ def torch_impl(x: Inputs, o: Options, dtype):
     return (loss, *(L.masked_mean(f.to(dtype).detach(), m) for f in flags))
 
 
-def loop_impl(x: Inputs, o: Options, dtype):
+def loop_impl(x: Tensors, o: Options, dtype):
     return reference.policy_loss(*x[:4], weights=x.weights, selected=x.selected,
                                  cu_seqlens=x.cu_seqlens, dtype=dtype,
                                  **{k: getattr(o, k) for k in Options._fields[:-2]})
@@ -491,7 +502,7 @@ def _scalars(o: Options) -> tuple:
             o.truncation, none if o.dro_beta is None else o.dro_beta, o.kl_cov_coef)
 
 
-def _meta(x: Inputs, o: Options) -> dict:
+def _meta(x: Tensors, o: Options) -> dict:
     return dict(LOSS=CODES[o.loss_type], HAS_MASK=x.mask is not None,
                 HAS_W=x.weights is not None, HAS_LD=x.log_ratio is not None,
                 HAS_SEL=x.selected is not None, CLAMP=o.log_ratio_clamp is not None,
@@ -500,11 +511,11 @@ def _meta(x: Inputs, o: Options) -> dict:
                 PER_POSITION=o.aggregation == "none")
 
 
-def _seq(x: Inputs, o: Options):
+def _seq(x: Tensors, o: Options):
     return L.seq_weights(o.aggregation, x.mask, x.cu_seqlens, x.log_probs)
 
 
-def forward(x: Inputs, o: Options, plan=None):
+def forward(x: Tensors, o: Options, plan=None):
     lp = x.log_probs
     N, dev, per_position = lp.numel(), lp.device, o.aggregation == "none"
     seq, scale, cu, S, steps = _seq(x, o)
@@ -528,7 +539,7 @@ def forward(x: Inputs, o: Options, plan=None):
     return [loss, *metrics[:5]], [inv, scale if seq else lp.new_empty(0, dtype=torch.float32)]
 
 
-def backward(x: Inputs, o: Options, saved, grads, needs, plan=None):
+def backward(x: Tensors, o: Options, saved, grads, needs, plan=None):
     lp = x.log_probs
     inv, scale = saved
     g_loss = grads[0]
@@ -556,7 +567,7 @@ def backward(x: Inputs, o: Options, saved, grads, needs, plan=None):
     return [d_lp, d_old, d_adv, None, d_w, d_ld, None, None]
 
 
-def fake(x: Inputs, o: Options):
+def fake(x: Tensors, o: Options):
     lp = x.log_probs
     shape = lp.shape if o.aggregation == "none" else ()
     outs = [lp.new_empty(shape, dtype=o.out_dtype)] + [lp.new_empty((), dtype=o.out_dtype)
@@ -564,14 +575,6 @@ def fake(x: Inputs, o: Options):
     seq = L.seq_kind(o.aggregation, x.cu_seqlens)
     S = 0 if seq == L.NO_SEQ else lp.shape[0] if seq == L.ROWS else x.cu_seqlens.shape[0] - 1
     return outs, [lp.new_empty((), dtype=torch.float32), lp.new_empty(S, dtype=torch.float32)]
-
-
-# declared as an op (its custom ops and autograd the framework's, docs/dev/op-framework.md); its
-# public function forms inputs from values (the covariance picks, the sequence ratios) before
-# the op runs, so it calls `OP.run` on its checked call rather than `OP(...)`: no hot path yet
-OP = Op("policy_loss", "loss", Inputs, Options, outputs=6, saved=2, nondiff=(1, 2, 3, 4, 5),
-        forward=forward, backward=backward, fake=fake, runtime_check=L.runtime_check,
-        torch=torch_impl, loop=loop_impl)
 
 
 # ---- arguments and the public function -----------------------------------------------------------
@@ -634,52 +637,28 @@ def _plan(aggregation, m, cu, shape, dp_size, batch_num_tokens, global_batch_siz
     return base, factor
 
 
-def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, loss_type="vanilla",
-                aggregation="token-mean", cu_seqlens=None, weights=None, ratio_level="token",
-                clip_low=0.2, clip_high=None, dual_clip=None, delta=None, log_ratio_clamp=20.0,
-                tau_pos=1.0, tau_neg=1.05, truncation=20.0, dro_beta=None, cov_ratio=2e-4,
-                cov_bounds=(1.0, 5.0), kl_cov_coef=1.0, generator=None, dp_size=1,
-                batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None,
-                check_offsets=True, backend="auto", out_dtype=torch.float32):
-    """A policy loss of the LLM frameworks' zoo (docs/llm.md). Returns `(loss, metrics)`.
+class Prep(NamedTuple):
+    """What a call forms from values before the kernels run (module docstring), fixed by its
+    checked arguments: kept in the plan (`plan.prep`), run on every call by `_run`."""
+    aggregation: str  # the call's (verl's agg_loss mode)
+    seq_ratio: bool  # a log-ratio per sequence (seq_log_ratio)
+    pick: bool  # clip_cov's / kl_cov's positions (cov_pick)
+    cov_ratio: float
+    cov_bounds: tuple
+    generator: Optional[torch.Generator]
+    counts: Optional[tuple]  # (dp_size, batch_num_tokens, global_batch_size,
+    #                           loss_scale_factor) where a global factor applies, else None
 
-    Per position, with d the log-ratio (`clamp(log_probs - old_log_probs, +-log_ratio_clamp)`,
-    no clamp with None; or a sequence's, below), r = exp(d), A the advantages and x the new
-    log-probability, the loss l is (`loss_type`, verl's names):
 
-    - "vanilla": `max(-A r', -A clamp(r, 1 - clip_low, 1 + clip_high))`, r' = min(r, delta)
-      (TRL's two-sided clip; r without `delta`); with `dual_clip = c > 1`, `min(l, -A c)` where
-      A < 0 (verl's dual clip; OpenRLHF's ppo; TRL's grpo / bnpo / dr_grpo / dapo);
-    - "gspo": vanilla's without dual clip on verl's sequence ratio: d = min(the mean of the
-      sequence's log-ratios, log_ratio_clamp) as a stopped gradient, plus x - sg(x);
-    - "sapo": `-A sigmoid(tau (r - 1)) 4 / tau`, tau = tau_pos where A > 0, else tau_neg;
-    - "gpg": `-A x` (REINFORCE; verl's bypass_mode "reinforce");
-    - "clip_cov": vanilla's (no dual clip), 0 at the positions `cov_pick` draws;
-    - "kl_cov": `-A r`, plus `kl_cov_coef |d|` at the top-k positions of `cov_pick`;
-    - "geo_mean": per sequence (GMPO, `geo_mean`); aggregation "seq-mean" or "none";
-    - "cispo": `-sg(clamp(r, 1 - clip_low, 1 + clip_high)) A x` (clip_low = inf: no lower bound);
-    - "dppo_tv" / "dppo_kl": `-A sg(min(r, truncation)) x` where the probability's change (total
-      variation, or binary KL) is within clip_high (A > 0) or clip_low (A <= 0), else 0;
-    - "dro": `-(x A - dro_beta (x - old)^2 / 2)`.
-
-    `ratio_level="sequence"` (vanilla, sapo, cispo: OpenRLHF's gspo, TRL's
-    importance_sampling_level="sequence") forms d from the mean of the sequence's log-ratios,
-    differentiable. `weights` (e.g. rollout-correction importance weights) multiply l.
-    `aggregation` is verl's agg_loss: "token-mean", "token-sum" (or "sum"),
-    "seq-mean-token-sum", "seq-mean-token-sum-norm" (divided by `loss_scale_factor`, default the
-    row length T), "seq-mean-token-mean", or "none" (l per position, 0 where the mask is not
-    set); `batch_num_tokens` / `global_batch_size` replace the local counts and `dp_size`
-    multiplies, as verl's (a count the mode does not use is ignored, as verl's agg_loss does).
-    Sequences are rows of [B, T] inputs or segments of `cu_seqlens`. An empty selection gives 0
-    (verl's token-mean gives NaN there).
-
-    `metrics`: a dict of 0-d tensors without gradient, means over the positions that count:
-    "clip_fraction" (verl's pg_clipfrac: the positions the loss clipped, by loss type),
-    "clip_fraction_lower" (verl's pg_clipfrac_lower: the dual clip binds; dppo: the truncation
-    binds; geo_mean: clipped with A < 0), "clip_fraction_negative" / "clip_fraction_positive"
-    (TRL's clip_ratio/low_mean and high_mean: r < 1 - clip_low with A < 0, r > 1 + clip_high
-    with A > 0), "kl" (verl's ppo_kl: the mean of -d at token level; kl_cov: of |d|).
-    """
+def _check(t: tuple, a: tuple):
+    """The public call's arguments checked (`policy_loss`'s order): (inputs, plan), every
+    error raised here; a function of the call's signature but where a count is a tensor or a
+    generator is given (objects of the call: that plan is not cached, `Plan.cache`)."""
+    log_probs, old_log_probs, advantages, mask, weights, cu_seqlens = t
+    (loss_type, aggregation, ratio_level, clip_low, clip_high, dual_clip, delta, log_ratio_clamp,
+     tau_pos, tau_neg, truncation, dro_beta, cov_ratio, cov_bounds, kl_cov_coef, generator,
+     dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, check_offsets, backend,
+     out_dtype) = a
     backend = check_backend(backend)
     out_dtype = check_out_dtype(out_dtype)
     loss_type = check_choice("loss_type", loss_type, LOSS_TYPES)
@@ -742,28 +721,104 @@ def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, loss_type="v
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     seq_ratio = ratio_level == "sequence" or loss_type == "gspo"
-    torch_reads = seq_ratio or loss_type in ("clip_cov", "kl_cov")
-    # the mask as bool where torch reads it (the picks, the sequence ratios, a global sequence
-    # count), all set without one; the kernels read the mask as it is
-    m = L.counted(mask) if torch_reads or global_batch_size is not None else None
-    mb = m if m is not None or not torch_reads else \
-        torch.ones(lp.shape, dtype=torch.bool, device=lp.device)
+    # the mask as bool where the global sequence count reads it (semantics §10)
+    m = L.counted(mask) if global_batch_size is not None else None
     base, factor = _plan(agg, m, cu, tuple(lp.shape), dp_size, batch_num_tokens,
                          global_batch_size, loss_scale_factor)
     o = Options(loss_type, ratio_level, clip_low, clip_high, dual_clip, delta, log_ratio_clamp,
                 tau_pos, tau_neg, truncation, dro_beta, kl_cov_coef, base, out_dtype,
                 check_offsets)
-    sel = cov_pick(o, cov_ratio, cov_bounds, generator, lp, old, adv, mb) \
-        if loss_type in ("clip_cov", "kl_cov") else None
-    backend = L.backend_for(backend, call.device)
-    if backend == "triton" and loss_type == "geo_mean":
-        backend = "torch"  # a loss per sequence: segment sums, no kernel (module docstring)
-    dtype = torch.float64 if call.float64 else torch.float32
-    ld = None
-    if seq_ratio and backend != "loop":
-        ld = seq_log_ratio(o, *L.kept(mb, dtype, lp, old), mb, cu)
-    outs = OP.run(Inputs(lp, old, adv, mask, w, ld, sel, cu), L.plan(call, backend, o))
-    loss = outs[0]
-    if factor is not None:
-        loss = (loss * factor).to(out_dtype)
-    return loss, dict(zip(METRICS, outs[1:]))
+    plan = L.plan(call, backend, o)
+    if plan.backend == "triton" and loss_type == "geo_mean":
+        plan.backend = "torch"  # a loss per sequence: segment sums, no kernel (module docstring)
+    counts = (dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+    plan.prep = Prep(agg, seq_ratio, loss_type in ("clip_cov", "kl_cov"), cov_ratio, cov_bounds,
+                     generator, None if factor is None else counts)
+    plan.cache = generator is None and not any(isinstance(c, Tensor) for c in counts)
+    return Inputs(lp, old, adv, mask, w, cu), plan
+
+
+def _run(x: Inputs, plan) -> tuple:
+    """A checked call: what it forms from values (the covariance picks, the sequence ratios,
+    the global factor: on every call, `Prep`), then the op on its backend; (loss, metrics)."""
+    o, p = plan.o, plan.prep
+    lp, old, adv, mask, cu = x.log_probs, x.old_log_probs, x.advantages, x.mask, x.cu_seqlens
+    ld = sel = None
+    if p.seq_ratio or p.pick:
+        # the mask as bool where torch reads it, all set without one; the kernels read the
+        # mask as it is
+        m = L.counted(mask)
+        if m is None:
+            m = torch.ones(lp.shape, dtype=torch.bool, device=lp.device)
+        if p.pick:
+            sel = cov_pick(o, p.cov_ratio, p.cov_bounds, p.generator, lp, old, adv, m)
+        if p.seq_ratio and plan.backend != "loop":
+            ld = seq_log_ratio(o, *L.kept(m, plan.dtype, lp, old), m, cu)
+    loss, *metrics = Op.run(OP, Tensors(lp, old, adv, mask, x.weights, ld, sel, cu), plan)
+    if p.counts is not None:
+        dp_size, batch_num_tokens, global_batch_size, loss_scale_factor = p.counts
+        m = L.counted(mask) if global_batch_size is not None else None
+        _, factor = _plan(p.aggregation, m, cu, tuple(lp.shape), dp_size, batch_num_tokens,
+                          global_batch_size, loss_scale_factor)
+        loss = (loss * factor).to(o.out_dtype)
+    return loss, dict(zip(METRICS, metrics))
+
+
+# declared as an op (docs/dev/op-framework.md): its checks, custom ops, autograd and hot path
+# the framework's; `_run` forms what the call reads of values before the kernels run
+OP = Op("policy_loss", "loss", Inputs, Options, tensors=Tensors, outputs=6, saved=2,
+        nondiff=(1, 2, 3, 4, 5), forward=forward, backward=backward, fake=fake, check=_check,
+        runtime_check=L.runtime_check, torch=torch_impl, loop=loop_impl, run=_run)
+
+
+def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, loss_type="vanilla",
+                aggregation="token-mean", cu_seqlens=None, weights=None, ratio_level="token",
+                clip_low=0.2, clip_high=None, dual_clip=None, delta=None, log_ratio_clamp=20.0,
+                tau_pos=1.0, tau_neg=1.05, truncation=20.0, dro_beta=None, cov_ratio=2e-4,
+                cov_bounds=(1.0, 5.0), kl_cov_coef=1.0, generator=None, dp_size=1,
+                batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None,
+                check_offsets=True, backend="auto", out_dtype=torch.float32):
+    """A policy loss of the LLM frameworks' zoo (docs/llm.md). Returns `(loss, metrics)`.
+
+    Per position, with d the log-ratio (`clamp(log_probs - old_log_probs, +-log_ratio_clamp)`,
+    no clamp with None; or a sequence's, below), r = exp(d), A the advantages and x the new
+    log-probability, the loss l is (`loss_type`, verl's names):
+
+    - "vanilla": `max(-A r', -A clamp(r, 1 - clip_low, 1 + clip_high))`, r' = min(r, delta)
+      (TRL's two-sided clip; r without `delta`); with `dual_clip = c > 1`, `min(l, -A c)` where
+      A < 0 (verl's dual clip; OpenRLHF's ppo; TRL's grpo / bnpo / dr_grpo / dapo);
+    - "gspo": vanilla's without dual clip on verl's sequence ratio: d = min(the mean of the
+      sequence's log-ratios, log_ratio_clamp) as a stopped gradient, plus x - sg(x);
+    - "sapo": `-A sigmoid(tau (r - 1)) 4 / tau`, tau = tau_pos where A > 0, else tau_neg;
+    - "gpg": `-A x` (REINFORCE; verl's bypass_mode "reinforce");
+    - "clip_cov": vanilla's (no dual clip), 0 at the positions `cov_pick` draws;
+    - "kl_cov": `-A r`, plus `kl_cov_coef |d|` at the top-k positions of `cov_pick`;
+    - "geo_mean": per sequence (GMPO, `geo_mean`); aggregation "seq-mean" or "none";
+    - "cispo": `-sg(clamp(r, 1 - clip_low, 1 + clip_high)) A x` (clip_low = inf: no lower bound);
+    - "dppo_tv" / "dppo_kl": `-A sg(min(r, truncation)) x` where the probability's change (total
+      variation, or binary KL) is within clip_high (A > 0) or clip_low (A <= 0), else 0;
+    - "dro": `-(x A - dro_beta (x - old)^2 / 2)`.
+
+    `ratio_level="sequence"` (vanilla, sapo, cispo: OpenRLHF's gspo, TRL's
+    importance_sampling_level="sequence") forms d from the mean of the sequence's log-ratios,
+    differentiable. `weights` (e.g. rollout-correction importance weights) multiply l.
+    `aggregation` is verl's agg_loss: "token-mean", "token-sum" (or "sum"),
+    "seq-mean-token-sum", "seq-mean-token-sum-norm" (divided by `loss_scale_factor`, default the
+    row length T), "seq-mean-token-mean", or "none" (l per position, 0 where the mask is not
+    set); `batch_num_tokens` / `global_batch_size` replace the local counts and `dp_size`
+    multiplies, as verl's (a count the mode does not use is ignored, as verl's agg_loss does).
+    Sequences are rows of [B, T] inputs or segments of `cu_seqlens`. An empty selection gives 0
+    (verl's token-mean gives NaN there).
+
+    `metrics`: a dict of 0-d tensors without gradient, means over the positions that count:
+    "clip_fraction" (verl's pg_clipfrac: the positions the loss clipped, by loss type),
+    "clip_fraction_lower" (verl's pg_clipfrac_lower: the dual clip binds; dppo: the truncation
+    binds; geo_mean: clipped with A < 0), "clip_fraction_negative" / "clip_fraction_positive"
+    (TRL's clip_ratio/low_mean and high_mean: r < 1 - clip_low with A < 0, r > 1 + clip_high
+    with A > 0), "kl" (verl's ppo_kl: the mean of -d at token level; kl_cov: of |d|).
+    """
+    return OP((log_probs, old_log_probs, advantages, mask, weights, cu_seqlens),
+              (loss_type, aggregation, ratio_level, clip_low, clip_high, dual_clip, delta,
+               log_ratio_clamp, tau_pos, tau_neg, truncation, dro_beta, cov_ratio, cov_bounds,
+               kl_cov_coef, generator, dp_size, batch_num_tokens, global_batch_size,
+               loss_scale_factor, check_offsets, backend, out_dtype))
