@@ -515,28 +515,50 @@ def _seq(x: Tensors, o: Options):
     return L.seq_weights(o.aggregation, x.mask, x.cu_seqlens, x.log_probs)
 
 
+def _fixed(x: Tensors, o: Options):
+    """The forward's sizes, grid, scalars and flags (fixed by the call's signature)."""
+    N, per_position = x.log_probs.numel(), o.aggregation == "none"
+    bl = L.block(N)
+    return (N, cdiv(N, bl), tuple(x.log_probs.shape) if per_position else (), _scalars(o),
+            dict(**_meta(x, o), KL_ABS=o.loss_type == "kl_cov", BLOCK=bl,
+                 num_warps=L.NUM_WARPS), o.aggregation == "token-mean")
+
+
+class _Finish:
+    """The second and third `finish` launches' memo (their specialization, WRITE_LOSS off,
+    can differ from the first's: `scan.launch.launch` keeps one compiled kernel per memo)."""
+
+    def __init__(self):
+        self.memo = {}
+
+
 def forward(x: Tensors, o: Options, plan=None):
     lp = x.log_probs
-    N, dev, per_position = lp.numel(), lp.device, o.aggregation == "none"
+    dev = lp.device
+    N, programs, loss_shape, scalars, meta, mean = L.fixed(plan, _fixed, x, o)
     seq, scale, cu, S, steps = _seq(x, o)
-    loss = torch.empty(lp.shape if per_position else (), dtype=o.out_dtype, device=dev)
-    metrics = [torch.empty((), dtype=o.out_dtype, device=dev) for _ in range(6)]
-    inv = torch.empty((), dtype=torch.float32, device=dev)
-    scratch = torch.empty(2, dtype=torch.float32, device=dev)
+    loss = L.new(plan, loss_shape, o.out_dtype, dev)
+    metrics = [L.new(plan, (), o.out_dtype, dev) for _ in range(6)]
+    inv = L.new(plan, (), torch.float32, dev)
     lay = L.layout(tuple(lp.shape), lp, x.old_log_probs, x.advantages, x.mask, x.weights,
-                   x.log_ratio, x.selected)
-    bl = L.block(N)
-    programs = cdiv(N, bl)
-    parts = torch.zeros((3, max(programs, 1), 4), dtype=torch.float32, device=dev)
+                   x.log_ratio, x.selected, plan=plan)
+    # every program writes its three rows; without one, finish reads zeros
+    parts = L.new(plan, (3, programs, 4), torch.float32, dev) if programs else \
+        torch.zeros((3, 1, 4), dtype=torch.float32, device=dev)
     L.launch(forward_kernel, programs, *lay.tensors, scale, cu, loss, parts, N, lay.C, S, steps,
-             *lay.strides, *_scalars(o), **_meta(x, o), KL_ABS=o.loss_type == "kl_cov",
-             FLAT=lay.FLAT, INT64=lay.INT64, BLOCK=bl, num_warps=L.NUM_WARPS)
-    mean = o.aggregation == "token-mean"
+             *lay.strides, *scalars, FLAT=lay.FLAT, INT64=lay.INT64, **meta, plan=plan)
     L.finish(parts[0], loss, inv, (metrics[0], metrics[1]), mean=mean,
-             write_loss=not per_position)
-    L.finish(parts[1], loss, scratch[0], (metrics[2], metrics[3]), mean=mean, write_loss=False)
-    L.finish(parts[2], loss, scratch[1], (metrics[4], metrics[5]), mean=mean, write_loss=False)
-    return [loss, *metrics[:5]], [inv, scale if seq else lp.new_empty(0, dtype=torch.float32)]
+             write_loss=not loss_shape, plan=plan)
+    rest = None if plan is None else plan.memo.get(_Finish)
+    if rest is None and plan is not None:
+        rest = plan.memo[_Finish] = _Finish()
+    # (each block's count is the first's: `inv` written again, with the same value)
+    L.finish(parts[1], loss, inv, (metrics[2], metrics[3]), mean=mean, write_loss=False,
+             plan=rest)
+    L.finish(parts[2], loss, inv, (metrics[4], metrics[5]), mean=mean, write_loss=False,
+             plan=rest)
+    # (no sequence weights: a placeholder, the backward reads none; eagerly `inv` itself)
+    return [loss, *metrics[:5]], [inv, scale if seq else inv if plan else inv.new_empty(0)]
 
 
 def backward(x: Tensors, o: Options, saved, grads, needs, plan=None):
