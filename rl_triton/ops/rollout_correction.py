@@ -229,29 +229,38 @@ def rollout_kernel(lp_ptr, rp_ptr, mask_ptr, w_ptr, keep_ptr, cu_ptr, T, low, hi
         tl.store(keep_ptr + i, keep.to(tl.uint8), mask=inb)
 
 
-def _triton(lp, rp, mask, *, out_dtype, level, mode, low, high, statistic, weight_level,
-            log_ratio_clamp, cu_seqlens, plan=None):
-    shape = lp.shape
-    lp, rp = lp.contiguous().reshape(-1), rp.contiguous().reshape(-1)
+def _fixed(x, o):
+    """The launch's grid, scalars and constexprs (fixed by the call's signature): one program
+    per row of the `[..., T]` inputs, or per segment."""
+    lp, cu = x.log_probs, x.cu_seqlens
+    T = lp.shape[-1] if cu is None else 0
+    programs = (lp.numel() // T if T else 0) if cu is None else cu.numel() - 1
+    scalars = tuple(0.0 if v is None else v for v in (o.low, o.high, o.log_ratio_clamp))
+    return programs, T, scalars, dict(
+        LEVEL=LEVELS.index(o.level),
+        WLEVEL=-1 if o.weight_level is None else LEVELS.index(o.weight_level),
+        STAT=STATISTICS.index(o.statistic), TRUNCATE=o.mode == "truncate",
+        HAS_MASK=x.mask is not None, HAS_LOW=o.low is not None, HAS_HIGH=o.high is not None,
+        HAS_CLAMP=o.log_ratio_clamp is not None, PACKED=cu is not None,
+        BLOCK=L.block(min(T or lp.numel(), 1024)), num_warps=4)
+
+
+def _triton(x, o, plan=None):
+    """(weights, kept mask) by `rollout_kernel`, which reads its inputs as flat arrays (the
+    contiguous tensors as they are: it reads their addresses)."""
+    lp, rp, mask, cu = x
+    programs, T, scalars, meta = L.fixed(plan, _fixed, x, o)
+    lp = lp if lp.is_contiguous() else lp.contiguous()
+    rp = rp if rp.is_contiguous() else rp.contiguous()
     if mask is not None:
-        mask = mask.contiguous().reshape(-1)
+        mask = mask if mask.is_contiguous() else mask.contiguous()
         mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
-    w = torch.empty(lp.shape, dtype=out_dtype, device=lp.device)
+    w = torch.empty(lp.shape, dtype=o.out_dtype, device=lp.device)
     keep = torch.empty(lp.shape, dtype=torch.uint8, device=lp.device)
-    T = shape[-1] if cu_seqlens is None else 0
-    programs = (lp.numel() // T if T else 0) if cu_seqlens is None else cu_seqlens.numel() - 1
-    if lp.numel():
+    if programs:
         L.launch(rollout_kernel, programs, lp, rp, lp if mask is None else mask, w, keep,
-                 lp if cu_seqlens is None else cu_seqlens, T,
-                 0.0 if low is None else low, 0.0 if high is None else high,
-                 0.0 if log_ratio_clamp is None else log_ratio_clamp,
-                 LEVEL=LEVELS.index(level),
-                 WLEVEL=-1 if weight_level is None else LEVELS.index(weight_level),
-                 STAT=STATISTICS.index(statistic), TRUNCATE=mode == "truncate",
-                 HAS_MASK=mask is not None, HAS_LOW=low is not None, HAS_HIGH=high is not None,
-                 HAS_CLAMP=log_ratio_clamp is not None, PACKED=cu_seqlens is not None,
-                 BLOCK=L.block(min(T or lp.numel(), 1024)), num_warps=4, plan=plan)
-    return w.reshape(shape), keep.view(torch.bool).reshape(shape)
+                 lp if cu is None else cu, T, *scalars, **meta, plan=plan)
+    return w, keep.view(torch.bool)
 
 
 # ---- the op ------------------------------------------------------------------------------------
@@ -322,8 +331,7 @@ def loop_impl(x: Inputs, o: Options, dtype=None):
 
 
 def forward(x: Inputs, o: Options, plan=None):
-    return list(_triton(x.log_probs, x.rollout_log_probs, x.mask, out_dtype=o.out_dtype,
-                        plan=plan, **_options(x, o))), []
+    return list(_triton(x, o, plan)), []
 
 
 def fake(x: Inputs, o: Options):
@@ -336,6 +344,8 @@ def _run(x: Inputs, plan: Plan) -> tuple:
     """The checked call on its backend: (weights, kept mask), constants of the loss (no
     gradient, docstring)."""
     o = plan.o
+    if plan.backend == "triton" and not torch.compiler.is_compiling():
+        return tuple(OP.forward(x, o, plan)[0])  # (the kernel: no autograd)
     with torch.no_grad():
         if plan.backend == "triton":
             w, keep = OP.triton(x, o, plan, False)
