@@ -548,7 +548,7 @@ def forward(x: Tensors, o: Options, plan=None):
     L.launch(forward_kernel, programs, *lay.tensors, scale, cu, loss, parts, N, lay.C, S, steps,
              *lay.strides, *scalars, FLAT=lay.FLAT, INT64=lay.INT64, **meta, plan=plan)
     L.finish(parts[0], loss, inv, (metrics[0], metrics[1]), mean=mean,
-             write_loss=not loss_shape, plan=plan)
+             write_loss=o.aggregation != "none", plan=plan)
     rest = None if plan is None else plan.memo.get(_Finish)
     if rest is None and plan is not None:
         rest = plan.memo[_Finish] = _Finish()
