@@ -8,9 +8,9 @@ flags: host time and full-call time of rl_triton's public call, beside
 - the anchor: rl-triton 0.1.3, the paper's library (`--anchor-path`, `bench.anchor`), once per
   estimator and shape in the only layout and dtype it takes (batch-major float32, float32 flags);
 then Retrace, group_advantages, masked_whiten, every loss, policy_loss and rollout_correction
-(`registry.HOST_ZOO`) at 4096x128, against GAE's host time. The launch floor (`x.add_(1)`, host and full call) is in the run's environment. Every
-result is checked before it is timed: rl_triton's against float64, the bound's and the
-anchor's against rl_triton's.
+(`registry.HOST_ZOO`) at 4096x128, against GAE's host time. The launch floor (`x.add_(1)`, host
+and full call) is in the run's environment. Every result is checked before it is timed:
+rl_triton's against float64, the bound's and the anchor's against rl_triton's.
 """
 from __future__ import annotations
 
