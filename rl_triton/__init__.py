@@ -67,4 +67,4 @@ __version__ = "0.1.0"
 __all__ = ["linear_scan", "gae", "lambda_returns", "discounted_returns", "vtrace", "retrace",
            "eligibility_traces", "episodic_cumsum", "group_advantages", "masked_whiten",
            "ppo_policy_loss", "policy_loss", "value_loss", "kl_penalty", "sac_targets",
-           "crr_weights", "rollout_correction", "token_log_probs", "linear_policy_loss"]
+           "crr_weights", "token_log_probs", "linear_policy_loss", "rollout_correction"]

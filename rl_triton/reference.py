@@ -473,46 +473,57 @@ def token_log_probs(hidden, weight, labels, *, bias=None, temperature=1.0, ignor
 def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, keep, *,
                        ref_log_probs=None, kl_coef=0.0, kl_kind="k3", kl_clamp=None,
                        entropy_coef=0.0, temperature=1.0, bias=None, ignore_index=-100,
-                       clip_low=0.2, clip_high=None, dual_clip=None, log_ratio_clamp=20.0,
-                       aggregation="token-mean", cu_seqlens=None, shape=None,
-                       dtype=torch.float64):
-    """(loss, metrics) of the clipped surrogate (the "vanilla" and "grpo" loss types) plus
-    kl_coef * KL against ref_log_probs minus entropy_coef * entropy, per token, aggregated over
-    the tokens `keep` (bool [N]: mask set and label not ignore_index); sequences are the rows
-    of `shape` ([B, T]) or the segments of cu_seqlens. Flat [N] per-token inputs."""
+                       loss_type="vanilla", aggregation="token-mean", cu_seqlens=None,
+                       shape=None, selected=None, dtype=torch.float64, **options):
+    """(loss, metrics) of `policy_loss`'s `loss_type` (its options in `options`, clip_high
+    given; "grpo" is "vanilla") on these log-probabilities, plus kl_coef * KL against
+    ref_log_probs minus entropy_coef * entropy per token, aggregated over the tokens `keep`
+    (bool [N]: mask set and label not ignore_index) by `aggregation` (geo_mean's policy term:
+    its own mean over sequences); sequences are the rows of `shape` ([B, T]) or the segments of
+    cu_seqlens. Flat [N] per-token inputs; `selected`: clip_cov's / kl_cov's pick, given."""
     lp, ent = token_log_probs(hidden, weight, labels, bias=bias, temperature=temperature,
                               ignore_index=ignore_index, dtype=dtype)
-    pg = ppo_policy_loss(lp, old_log_probs, advantages, keep, clip_low=clip_low,
-                         clip_high=clip_high, dual_clip=dual_clip,
-                         log_ratio_clamp=log_ratio_clamp, aggregation="none", dtype=dtype)[0]
-    _, clip_fraction, approx_kl = ppo_policy_loss(
-        lp, old_log_probs, advantages, keep, clip_low=clip_low, clip_high=clip_high,
-        dual_clip=dual_clip, log_ratio_clamp=log_ratio_clamp, dtype=dtype)
-    total = pg - entropy_coef * ent
+    rows = shape is not None and len(shape) == 2 and cu_seqlens is None
+
+    def shaped(x):
+        return None if x is None else x.reshape(shape) if rows else x
+
+    pl_type = "vanilla" if loss_type == "grpo" else loss_type
+    pg, *flags = policy_loss(
+        shaped(lp), shaped(old_log_probs), shaped(advantages), shaped(keep),
+        selected=shaped(selected), cu_seqlens=cu_seqlens, loss_type=pl_type,
+        aggregation="seq-mean" if pl_type == "geo_mean" else aggregation, dtype=dtype,
+        **options)
     n = max(int(keep.sum()), 1)
-    metrics = {"clip_fraction": clip_fraction, "approx_kl": approx_kl,
+    old, = _decided(keep, old_log_probs.to(dtype))
+    d = lp - old
+    if options.get("log_ratio_clamp") is not None:
+        d = d.clamp(-options["log_ratio_clamp"], options["log_ratio_clamp"])
+    metrics = {"approx_kl": torch.where(keep, d.exp() - 1 - d, 0.0).sum() / n,
                "entropy": torch.where(keep, ent, 0.0).sum() / n}
+    if loss_type in ("vanilla", "grpo"):
+        metrics["clip_fraction"] = flags[0]
+        if options.get("dual_clip") is not None:
+            metrics["dual_clip_fraction"] = flags[1]
+    else:
+        metrics.update(zip(("clip_fraction", "clip_fraction_lower", "clip_fraction_negative",
+                            "clip_fraction_positive", "ppo_kl"), flags))
+    total = -entropy_coef * ent
     if ref_log_probs is not None:
         (ref,) = _decided(keep, ref_log_probs.to(dtype))
         kl = kl_penalty(torch.where(keep, lp, 0.0), ref, kl_kind, kl_clamp, dtype=dtype)
         total = total + kl_coef * kl
         metrics["kl"] = torch.where(keep, kl, 0.0).sum() / n
-    if dual_clip is not None:
-        (a,) = _decided(keep, advantages.to(dtype))
-        (old,) = _decided(keep, old_log_probs.to(dtype))
-        ratio = torch.exp(torch.clamp(lp - old, -log_ratio_clamp, log_ratio_clamp))
-        high = clip_low if clip_high is None else clip_high
-        l = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - clip_low, 1 + high))
-        metrics["dual_clip_fraction"] = torch.where(
-            keep & (a < 0) & (-a * dual_clip < l), 1.0, 0.0).to(dtype).sum() / n
 
     def agg(x):
-        if shape is not None and len(shape) == 2 and cu_seqlens is None:
+        if rows:
             return _aggregate(x.reshape(shape), keep.reshape(shape), aggregation)
         return _aggregate(x, keep, aggregation, cu_seqlens)
 
-    metrics["pg_loss"] = agg(pg)
-    return agg(total), metrics
+    metrics["pg_loss"] = pg
+    return pg + agg(total), metrics
+
+
 def rollout_divergence(statistic, d, log_probs, rollout_log_probs, log_ratio_clamp):
     """The per-token divergence estimates that `rollout_correction` gates on (semantics §10):
     KL(pi_rollout || pi_trainer) from d = log_probs - rollout_log_probs (clamped), or the

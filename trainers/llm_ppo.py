@@ -364,30 +364,24 @@ def train(args: Args):
                     pg_loss, entropy_loss = metrics["pg_loss"], metrics["entropy"]
                     approx_kl = metrics["approx_kl"]
                     clipfracs += [metrics["clip_fraction"].item()]
-                    if args.estimator == "ppo":
-                        v_loss = 0.5 * torch.where(mb_mask, (new_values - returns[mb]) ** 2, 0.0).sum() / n_tokens
-                        loss = loss + args.vf_coef * v_loss
-                    optimizer.zero_grad()
-                    loss.backward()
-                    nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    continue
-                new_logits, new_values = model(tokens[mb])
-                log_p = torch.log_softmax(new_logits, -1)
-                newlogprob = log_p.gather(-1, actions[mb][..., None]).squeeze(-1)
-                logratio = torch.where(mb_mask, newlogprob - logprobs[mb], 0.0)
-                ratio = logratio.exp()
-                with torch.no_grad():
-                    approx_kl = torch.where(mb_mask, (ratio - 1) - logratio, 0.0).sum() / n_tokens
-                    clipfracs += [(((ratio - 1.0).abs() > args.clip_coef) & mb_mask).sum().item() / n_tokens.item()]
+                else:
+                    new_logits, new_values = model(tokens[mb])
+                    log_p = torch.log_softmax(new_logits, -1)
+                    newlogprob = log_p.gather(-1, actions[mb][..., None]).squeeze(-1)
+                    logratio = torch.where(mb_mask, newlogprob - logprobs[mb], 0.0)
+                    ratio = logratio.exp()
+                    with torch.no_grad():
+                        approx_kl = torch.where(mb_mask, (ratio - 1) - logratio, 0.0).sum() / n_tokens
+                        clipfracs += [(((ratio - 1.0).abs() > args.clip_coef) & mb_mask).sum().item() / n_tokens.item()]
 
-                mb_advantages = advantages[mb]
-                pg_loss1 = -mb_advantages * ratio
-                pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
-                pg_loss = torch.where(mb_mask, torch.max(pg_loss1, pg_loss2), 0.0).sum() / n_tokens
-                entropy = -(log_p.exp() * log_p).sum(-1)
-                entropy_loss = torch.where(mb_mask, entropy, 0.0).sum() / n_tokens
-                loss = pg_loss - args.ent_coef * entropy_loss
+                    mb_advantages = advantages[mb]
+                    pg_loss1 = -mb_advantages * ratio
+                    pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+                    pg_loss = torch.where(mb_mask, torch.max(pg_loss1, pg_loss2), 0.0).sum() / n_tokens
+                    entropy = -(log_p.exp() * log_p).sum(-1)
+                    entropy_loss = torch.where(mb_mask, entropy, 0.0).sum() / n_tokens
+                    loss = pg_loss - args.ent_coef * entropy_loss
+                # the value loss and the step: one place for both paths
                 if args.estimator == "ppo":
                     v_loss = 0.5 * torch.where(mb_mask, (new_values - returns[mb]) ** 2, 0.0).sum() / n_tokens
                     loss = loss + args.vf_coef * v_loss

@@ -32,16 +32,15 @@ from .plans import _PLANS, store
 
 Tensor = torch.Tensor
 OPS: dict = {}  # every public op, by name, in declaration order
-KINDS = ("scan", "loss", "outcome")
-# public functions not declared as ops yet (docs/dev/op-framework.md): the fused loss head
-# (semantics §11), chunked over tokens with autograd Functions of its own
-UNDECLARED = ("token_log_probs", "linear_policy_loss")
+KINDS = ("scan", "loss", "outcome", "head")
+# public functions not declared as ops yet (docs/dev/op-framework.md): none
+UNDECLARED = ()
 
 
 def ops(kind: Optional[str] = None) -> list:
     """The public ops' names in the API's order (`rl_triton.__all__`), all or those of one kind
-    ("scan", "loss", "outcome"): what tests, the benchmark, the sm_90 compile check and the
-    docs' reference page derive their lists from."""
+    ("scan", "loss", "outcome", "head"): what tests, the benchmark, the sm_90 compile check and
+    the docs' reference page derive their lists from."""
     import rl_triton  # (the public functions: every op's module is imported by then)
 
     if kind is not None and kind not in KINDS:
@@ -68,7 +67,8 @@ class Op:
     """One public op's declaration.
 
     name: the public function's (and the reference's, `rl_triton.reference.<name>`);
-    kind: "scan", "loss" or "outcome";
+    kind: "scan", "loss", "outcome" or "head" (the fused loss head, semantics §11: chunks of
+        logits, its kernels launched by its own loop);
     inputs: NamedTuple of the public function's tensor arguments, in its order; `tensors` the
         custom op's tensor arguments (default `inputs`), `options` its other arguments
         (a NamedTuple with type hints);

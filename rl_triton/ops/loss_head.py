@@ -15,8 +15,14 @@ ops on the torch backend, on the same chunks.
 `linear_policy_loss` computes its gradients during the forward, chunk by chunk (three matmuls):
 its loss is sum_i w_i l_i with per-token weights w_i the mask, the offsets and the aggregation
 fix up front, and l_i a function of token i's log-probability and entropy alone, so each chunk's
-d loss / d lp and d loss / d entropy are known as soon as the chunk's statistics are. The
-backward scales the stored gradients by the loss's gradient.
+d loss / d lp and d loss / d entropy are known as soon as the chunk's statistics are (the
+per-token formula is `policy_loss.token_terms`, differentiated with torch.func: it also runs
+inside the custom op). The backward scales the stored gradients by the loss's gradient. A loss
+type whose token depends on its sequence or the batch (gspo, sequence ratios, geo_mean,
+clip_cov, kl_cov) runs in two passes instead: `token_log_probs`, `policy_loss` on its output,
+and `token_log_probs`'s backward.
+
+Both are ops of kind "head" (`TOKEN_LOG_PROBS`, `LINEAR_POLICY_LOSS`, docs/dev/op-framework.md).
 """
 from __future__ import annotations
 
@@ -27,11 +33,11 @@ import torch
 from .. import reference
 from .._args import (INDEX, VALUE, Call, check_backend, check_bool, check_choice, check_clips,
                      check_scalar)
-from .._core.custom_ops import SECOND_ORDER
-from .._core.op import FirstOrder
+from .._core.op import Op, Plan, first_order
 from .._core.plans import backend_for
 from ..scan.jit import next_power_of_2, tl, triton
 from . import _losses as L
+from . import policy_loss as PL
 from .kl_penalty import KINDS as KL_KINDS
 
 Tensor = torch.Tensor
@@ -384,37 +390,91 @@ def _head_args(hidden, weight, labels, bias, temperature, ignore_index, chunk_si
                  chunk_size)
 
 
+def _head_plan(a: _Args, temperature, ignore_index) -> Plan:
+    chunks = "triton" if a.backend == "triton" else "torch"
+    dt = torch.float64 if a.call.float64 else torch.float32
+    return Plan(HeadOptions(float(temperature), ignore_index, a.chunk_size, chunks), a.backend,
+                a.call.needs_grad, dt)
+
+
 # ---- token_log_probs -----------------------------------------------------------------------------
 
-class _TokenLogProbs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, head, return_entropy, hidden, weight, bias):
-        lp, ent, lse = _token_stats(head)
-        ctx.head = head
-        ctx.save_for_backward(hidden, weight, bias, head.labels, lse, ent)
-        ctx.set_materialize_grads(False)
-        return (lp, ent) if return_entropy else (lp,)
-
-    @staticmethod
-    def backward(ctx, g_lp, g_ent=None):
-        if torch.is_grad_enabled():
-            raise RuntimeError(SECOND_ORDER)
-        head = ctx.head
-        hidden, weight, bias, labels, lse, ent = ctx.saved_tensors
-        needs = list(ctx.needs_input_grad[2:5])
-        if (g_lp is None and g_ent is None) or not any(needs):
-            return (None, None, None, None, None)
-        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp
-        grads = head.grad_buffers(needs)
-        for s, e in head.chunks():  # the logits again, chunk by chunk: never [N, V]
-            z = head.logits(s, e)
-            d = head.grad_logits(z, s, e, lse[s:e], ent[s:e], g_lp[s:e],
-                                 None if g_ent is None else g_ent[s:e])
-            head.backprop(d, s, e, grads, needs)
-        head.release()
-        return (None, None, *_finish(grads, weight, bias))
+class HeadInputs(NamedTuple):
+    """`token_log_probs`'s tensors, checked: [N, H], [V, H], [N] (contiguous), [V] or None."""
+    hidden: Tensor
+    weight: Tensor
+    labels: Tensor
+    bias: Optional[Tensor]
 
 
+class HeadOptions(NamedTuple):
+    temperature: float
+    ignore_index: int
+    chunk_size: int
+    chunks: str  # the chunks' backend: "triton" (the kernels) or "torch"
+
+
+def _head(x: HeadInputs, o) -> _Head:
+    return _Head(x.hidden, x.weight, x.labels, x.bias, o.temperature, o.ignore_index,
+                 o.chunk_size, o.chunks)
+
+
+def _lp_forward(x: HeadInputs, o: HeadOptions, plan=None):
+    """([log_probs, entropy], [lse, entropy]): one pass of the chunks; the backward reads the
+    log-sum-exp and the entropy (a copy: a custom op's outputs alias nothing; [N] floats)."""
+    lp, ent, lse = _token_stats(_head(x, o))
+    return [lp, ent], [lse, ent.clone()]
+
+
+def _lp_backward(x: HeadInputs, o: HeadOptions, saved, grads, needs, plan=None):
+    """d hidden, d weight, d bias from the outputs' gradients: each chunk's logits again (never
+    [N, V]), then `grad_logits` and the matmuls of `backprop`."""
+    lse, ent = saved
+    g_lp, g_ent = grads
+    needs = [needs[0], needs[1], needs[3] and x.bias is not None]
+    if (g_lp is None and g_ent is None) or not any(needs):
+        return [None] * 4
+    head = _head(x, o)
+    g_lp = torch.zeros_like(lse) if g_lp is None else g_lp
+    grads = head.grad_buffers(needs)
+    for s, e in head.chunks():
+        z = head.logits(s, e)
+        d = head.grad_logits(z, s, e, lse[s:e], ent[s:e], g_lp[s:e].contiguous(),
+                             None if g_ent is None else g_ent[s:e].contiguous())
+        head.backprop(d, s, e, grads, needs)
+    head.release()
+    d_h, d_w, d_b = _finish(grads, x.weight, x.bias)
+    return [d_h, d_w, None, d_b]
+
+
+def _lp_fake(x: HeadInputs, o: HeadOptions):
+    N = x.labels.shape[0]
+    f64 = x.hidden.dtype is torch.float64 and o.chunks != "triton"
+    dt = torch.float64 if f64 else torch.float32
+    return ([x.hidden.new_empty(N, dtype=dt) for _ in range(2)],
+            [x.hidden.new_empty(N, dtype=dt) for _ in range(2)])
+
+
+def _lp_run(x: HeadInputs, plan: Plan):
+    """The route: the loop backend is the reference (autograd through `FirstOrder`); the chunks
+    (either backend) run through the framework's Triton route (`Op.triton`: the custom op
+    inside torch.compile, `Eager` where an input needs gradients, else `forward`)."""
+    if plan.backend == "loop":
+        o = plan.o
+        outs = list(reference.token_log_probs(x.hidden, x.weight, x.labels, bias=x.bias,
+                                              temperature=o.temperature,
+                                              ignore_index=o.ignore_index, dtype=plan.dtype))
+        if plan.needs_grad:
+            first_order(outs)
+        return tuple(outs)
+    return tuple(TOKEN_LOG_PROBS.triton(x, plan.o, plan, plan.needs_grad))
+
+
+# declared as an op (docs/dev/op-framework.md): its custom op and backward the framework's; its
+# own route (`_lp_run`) as the loop backend is the reference, and its public function checks
+# the call and runs `OP.run` (no hot path yet, as policy_loss)
+TOKEN_LOG_PROBS = Op("token_log_probs", "head", HeadInputs, HeadOptions, outputs=2, saved=2,
+                     forward=_lp_forward, backward=_lp_backward, fake=_lp_fake, run=_lp_run)
 def _token_stats(head):
     N, dev = head.N, head.h.device
     dt = torch.float64 if head.acc_dtype is torch.float64 and not head.triton else torch.float32
@@ -457,22 +517,9 @@ def token_log_probs(hidden, weight, labels, *, bias=None, temperature=1.0, retur
     a = _head_args(hidden, weight, labels, bias, temperature, ignore_index, chunk_size, backend,
                    check_labels)
     check_bool("return_entropy", return_entropy)
-    if a.backend == "loop":
-        lp, ent = reference.token_log_probs(
-            a.hidden, a.weight, a.labels, bias=a.bias, temperature=temperature,
-            ignore_index=ignore_index,
-            dtype=torch.float64 if a.call.float64 else torch.float32)
-        outs = [lp, ent] if return_entropy else [lp]
-        if a.call.needs_grad:
-            outs = list(FirstOrder.apply(*outs))
-    else:
-        head = _Head(a.hidden, a.weight, a.labels, a.bias, float(temperature), ignore_index,
-                     a.chunk_size, a.backend)
-        if a.call.needs_grad:
-            outs = list(_TokenLogProbs.apply(head, return_entropy, a.hidden, a.weight, a.bias))
-        else:
-            lp, ent, _ = _token_stats(head)
-            outs = [lp, ent] if return_entropy else [lp]
+    outs = TOKEN_LOG_PROBS.run(HeadInputs(a.hidden, a.weight, a.labels, a.bias),
+                               _head_plan(a, temperature, ignore_index))
+    outs = outs if return_entropy else outs[:1]
     outs = [o.reshape(a.shape) for o in outs]
     return tuple(outs) if return_entropy else outs[0]
 
@@ -486,35 +533,51 @@ class Terms(NamedTuple):
     metrics: dict
 
 
-def clipped_surrogate(lp, old, adv, o) -> Terms:
-    """PPO's clipped surrogate with dual clip (semantics §9, as `ppo_policy_loss`)."""
-    d = (lp - old).clamp(-o["log_ratio_clamp"], o["log_ratio_clamp"])
-    ratio = d.exp()
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1 - o["clip_low"], 1 + o["clip_high"])
-    l = torch.maximum(unclipped, clipped)
-    metrics = {"clip_fraction": (clipped > unclipped).to(lp.dtype),
-               "approx_kl": (ratio - 1 - d).detach()}
-    if o["dual_clip"] is not None:
-        dual = (adv < 0) & (-adv * o["dual_clip"] < l)
-        l = torch.where(dual, -adv * o["dual_clip"], l)
-        metrics["dual_clip_fraction"] = dual.to(lp.dtype)
+def policy_terms(lp, old, adv, options) -> Terms:
+    """A per-token loss type's loss and metrics: `policy_loss`'s per-position formula
+    (`policy_loss.token_terms`, semantics §10) on the token's clamped log-ratio. options:
+    (policy_loss.Options, whether to report policy_loss's metrics; vanilla and grpo report
+    clip_fraction and dual_clip_fraction, as `ppo_policy_loss`)."""
+    o, full = options
+    d = PL.clamped(lp - old, o.log_ratio_clamp)
+    l, clip, lower, negative, positive = PL.token_terms(o, lp, old, adv, d, None)
+    dt = lp.dtype
+    metrics = {"clip_fraction": clip.to(dt), "approx_kl": (d.exp() - 1 - d).detach()}
+    if full:
+        metrics.update(clip_fraction_lower=lower.to(dt), clip_fraction_negative=negative.to(dt),
+                       clip_fraction_positive=positive.to(dt), ppo_kl=-d.detach())
+    elif o.dual_clip is not None:
+        metrics["dual_clip_fraction"] = lower.to(dt)
     return Terms(l, metrics)
 
 
 class LossType(NamedTuple):
-    """A `loss_type` of `linear_policy_loss`: its per-token formula `per_token(lp, old, adv,
-    options) -> Terms` and its default aggregation. Any loss whose token i depends on token i's
-    log-probability alone fits (semantics §11); another section-10 loss plugs in here."""
-    per_token: object
+    """A `loss_type` of `linear_policy_loss`: `policy_loss`'s loss type it runs, its default
+    aggregation, and whether token i's loss depends on token i's log-probability alone (the
+    chunk loop computes its gradient during the forward; the others run in two passes,
+    semantics §11)."""
+    name: str
     aggregation: str
+    per_token: bool
 
 
 LOSS_TYPES = {
-    "vanilla": LossType(clipped_surrogate, "token-mean"),
+    "vanilla": LossType("vanilla", "token-mean", True),
     # DeepSeekMath's GRPO: the same clipped surrogate (KL and entropy inside the token's loss),
     # each response's token mean, then the mean over responses (TRL's loss_type="grpo")
-    "grpo": LossType(clipped_surrogate, "seq-mean-token-mean"),
+    "grpo": LossType("vanilla", "seq-mean-token-mean", True),
+    # a sequence's ratio (gspo), a per-sequence loss (geo_mean, whose aggregation is then the
+    # KL and entropy terms') or a batch-wide pick (clip_cov, kl_cov): two passes
+    "gspo": LossType("gspo", "token-mean", False),
+    "sapo": LossType("sapo", "token-mean", True),
+    "gpg": LossType("gpg", "token-mean", True),
+    "clip_cov": LossType("clip_cov", "token-mean", False),
+    "kl_cov": LossType("kl_cov", "token-mean", False),
+    "geo_mean": LossType("geo_mean", "seq-mean-token-mean", False),
+    "cispo": LossType("cispo", "token-mean", True),
+    "dppo_tv": LossType("dppo_tv", "token-mean", True),
+    "dppo_kl": LossType("dppo_kl", "token-mean", True),
+    "dro": LossType("dro", "token-mean", True),
 }
 
 
@@ -572,27 +635,39 @@ def _policy_chunks(plan: _Plan, old, adv, ref, needs):
         # a token that does not count enters no arithmetic (its NaN would reach a gradient)
         leaves = [lp.to(dt), ent.to(dt)] + L.kept(keep, dt, *(None if t is None else t[s:e]
                                                                for t in (old, adv, ref)))
-        with torch.enable_grad():
-            for i, need in enumerate([needs[0] or needs[1] or needs[2]] * 2 + list(needs[3:])):
-                if need and leaves[i] is not None:
-                    leaves[i] = leaves[i].detach().requires_grad_()
-            lp_, ent_, old_, adv_, ref_ = leaves
+        # d contribution / d leaves through torch.func (autograd records nothing inside a
+        # custom op's implementation, where this runs under torch.compile)
+        wanted = [i for i, need in enumerate([needs[0] or needs[1] or needs[2]] * 2
+                                             + list(needs[3:])) if need and leaves[i] is not None]
+
+        def contribution_of(*xs, wanted=wanted, leaves=leaves, keep=keep, w=w):
+            lv = list(leaves)
+            for i, xi in zip(wanted, xs):
+                lv[i] = xi
+            lp_, ent_, old_, adv_, ref_ = lv
             terms = plan.per_token(lp_, old_, adv_, plan.options)
             total = terms.loss
-            parts = {"pg_loss": terms.loss}
+            metrics = {k: v.detach() for k, v in terms.metrics.items()}
             if ref_ is not None:
                 kl = _kl(lp_, ref_, plan.kl_kind, plan.kl_clamp)
                 total = total + plan.kl_coef * kl
-                terms.metrics["kl"] = kl.detach()
+                metrics["kl"] = kl.detach()
             if plan.entropy_coef != 0.0:
                 total = total - plan.entropy_coef * ent_
             contribution = torch.where(keep, w * total, 0.0).sum()
-            wanted = [t for t in leaves if t is not None and t.requires_grad]
-            got = iter(torch.autograd.grad(contribution, wanted, allow_unused=True)
-                       if wanted else ())
-            g = [next(got) if t is not None and t.requires_grad else None for t in leaves]
-        g = [None if gi is None and t is None else torch.zeros_like(t) if gi is None else gi
-             for gi, t in zip(g, leaves)]
+            return contribution, (contribution.detach(), terms.loss.detach(), metrics)
+
+        if wanted:
+            _, vjp, (contribution, pg, metrics) = torch.func.vjp(
+                contribution_of, *[leaves[i] for i in wanted], has_aux=True)
+            got = dict(zip(wanted, vjp(torch.ones((), dtype=dt, device=keep.device))))
+        else:
+            _, (contribution, pg, metrics) = contribution_of()
+            got = {}
+        g = [got.get(i, None if t is None else torch.zeros_like(t))
+             for i, t in enumerate(leaves)]
+        terms = Terms(pg, metrics)
+        parts = {"pg_loss": pg}
         loss += contribution.detach()
         for k, v in {**terms.metrics, "entropy": ent.to(dt)}.items():
             sums[k] = sums.get(k, 0.0) + torch.where(keep, v.detach(), 0.0).sum()
@@ -613,27 +688,187 @@ def _policy_chunks(plan: _Plan, old, adv, ref, needs):
     return loss, sums, grads, small
 
 
-class _LinearPolicyLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, plan, sums_out, hidden, weight, bias, old, adv, ref):
-        needs = list(ctx.needs_input_grad[2:8])
-        loss, sums, grads, small = _policy_chunks(plan, old, adv, ref, needs)
-        sums_out.update(sums)
-        d_h, d_w, d_b = _finish(grads, weight, bias)
-        d_old, d_adv, d_ref = (None if a is None else a.to(t.dtype)
-                               for a, t in zip(small, (old, adv, ref)))
-        saved = [d_h, d_w, d_b, d_old, d_adv, d_ref]
-        ctx.present = [t is not None for t in saved]
-        ctx.save_for_backward(*[t for t in saved if t is not None])
-        return loss
+class PolicyInputs(NamedTuple):
+    """The fused `linear_policy_loss`'s tensors, checked and flat: [N, H], [V, H], labels [N]
+    (ignore_index where a token does not count), bias [V] or None, the per-token inputs [N],
+    `keep` [N] bool (the tokens that count) and `weights` [N] (the aggregation's w_i)."""
+    hidden: Tensor
+    weight: Tensor
+    labels: Tensor
+    bias: Optional[Tensor]
+    old_log_probs: Tensor
+    advantages: Tensor
+    ref_log_probs: Optional[Tensor]
+    keep: Tensor
+    weights: Tensor
 
-    @staticmethod
-    def backward(ctx, g):
-        if torch.is_grad_enabled():
-            raise RuntimeError(SECOND_ORDER)
-        saved = iter(ctx.saved_tensors)
-        out = [next(saved) if p else None for p in ctx.present]
-        return (None, None, *[None if t is None else t * g.to(t.dtype) for t in out])
+
+class PolicyOptions(NamedTuple):
+    temperature: float
+    ignore_index: int
+    chunk_size: int
+    chunks: str  # "triton" or "torch"
+    loss_type: str  # policy_loss's
+    full: bool  # policy_loss's metrics (policy_terms)
+    clip_low: float
+    clip_high: float
+    dual_clip: Optional[float]
+    delta: Optional[float]
+    log_ratio_clamp: Optional[float]
+    tau_pos: float
+    tau_neg: float
+    truncation: float
+    dro_beta: Optional[float]
+    kl_coef: float
+    kl_kind: str
+    kl_clamp: Optional[float]
+    entropy_coef: float
+    # which gradients the forward forms (it forms them: the custom op's forward cannot ask
+    # autograd): hidden, weight, bias, old_log_probs, advantages, ref_log_probs
+    need_hidden: bool
+    need_weight: bool
+    need_bias: bool
+    need_old: bool
+    need_adv: bool
+    need_ref: bool
+
+
+_GRADS = (0, 1, 3, 4, 5, 6)  # the tensors (PolicyInputs' positions) with a gradient
+
+
+def _needs(o: PolicyOptions) -> list:
+    return list(o[-6:])
+
+
+def _policy_dtype(x, o) -> torch.dtype:
+    return torch.float64 if x.hidden.dtype is torch.float64 and o.chunks != "triton" \
+        else torch.float32
+
+
+def metric_names(o: PolicyOptions, has_ref: bool) -> list:
+    """The metrics' names, in the order of the op's metrics output."""
+    none = torch.zeros(0)
+    names = list(policy_terms(none, none, none, _terms_options(o)).metrics)
+    return names + (["kl"] if has_ref else []) + ["entropy", "pg_loss"]
+
+
+def _terms_options(o: PolicyOptions):
+    return (PL.Options(o.loss_type, "token", o.clip_low, o.clip_high, o.dual_clip, o.delta,
+                       o.log_ratio_clamp, o.tau_pos, o.tau_neg, o.truncation, o.dro_beta, 1.0,
+                       "sum", torch.float32), o.full)
+
+
+def _lpl_forward(x: PolicyInputs, o: PolicyOptions, plan=None):
+    """([loss, metrics [K]], the six gradients (empty where not formed)): the chunk loop,
+    `_policy_chunks`, forming the gradients during the forward."""
+    dt = _policy_dtype(x, o)
+    head = _Head(x.hidden, x.weight, x.labels, x.bias, o.temperature, o.ignore_index,
+                 o.chunk_size, o.chunks)
+    p = _Plan(head, policy_terms, _terms_options(o), x.keep, x.weights.to(dt), o.kl_coef,
+              o.kl_kind, o.kl_clamp, o.entropy_coef, dt)
+    needs = _needs(o)
+    needs[2] = needs[2] and x.bias is not None
+    needs[5] = needs[5] and x.ref_log_probs is not None
+    loss, sums, grads, small = _policy_chunks(p, x.old_log_probs, x.advantages,
+                                              x.ref_log_probs, needs)
+    names = metric_names(o, x.ref_log_probs is not None)
+    count = x.keep.sum().clamp_min(1)
+    zero = torch.zeros((), dtype=dt, device=x.keep.device)
+    metrics = torch.stack([torch.as_tensor(sums.get(k, zero), dtype=dt, device=zero.device)
+                           / (count if k != "pg_loss" else 1) for k in names]).to(dt)
+    d_h, d_w, d_b = _finish(grads, x.weight, x.bias)
+    d_old, d_adv, d_ref = (None if g is None else g.to(t.dtype) for g, t in
+                           zip(small, (x.old_log_probs, x.advantages, x.ref_log_probs)))
+    saved = [g if g is not None else loss.new_empty(0)
+             for g in (d_h, d_w, d_b, d_old, d_adv, d_ref)]
+    return [loss, metrics], saved
+
+
+def _lpl_backward(x: PolicyInputs, o: PolicyOptions, saved, grads, needs, plan=None):
+    """The stored gradients scaled by the loss's."""
+    g = grads[0]
+    out = [None] * len(PolicyInputs._fields)
+    if g is None:
+        return out
+    for i, formed, t in zip(_GRADS, _needs(o), saved):
+        if needs[i] and formed and x[i] is not None:  # (an empty tensor where not formed)
+            out[i] = t * g.to(t.dtype)
+    return out
+
+
+def _lpl_fake(x: PolicyInputs, o: PolicyOptions):
+    dt = _policy_dtype(x, o)
+    K = len(metric_names(o, x.ref_log_probs is not None))
+    outs = [x.hidden.new_empty((), dtype=dt), x.hidden.new_empty(K, dtype=dt)]
+    saved = [t.new_empty(t.shape) if need and t is not None else x.hidden.new_empty(0, dtype=dt)
+             for t, need in zip((x.hidden, x.weight, x.bias, x.old_log_probs, x.advantages,
+                                 x.ref_log_probs), _needs(o))]
+    return outs, saved
+
+
+def _lpl_run(x: PolicyInputs, plan: Plan):
+    """The route: the loop backend is the reference (autograd through `FirstOrder`); the chunk
+    loop (either backend) through the framework's Triton route (`Op.triton`)."""
+    o = plan.o
+    if plan.backend != "loop":
+        return tuple(LINEAR_POLICY_LOSS.triton(x, o, plan, plan.needs_grad))
+    loss, metrics = reference.linear_policy_loss(
+        x.hidden, x.weight, x.labels, x.old_log_probs, x.advantages, x.keep,
+        ref_log_probs=x.ref_log_probs, kl_coef=o.kl_coef, kl_kind=o.kl_kind,
+        kl_clamp=o.kl_clamp, entropy_coef=o.entropy_coef, temperature=o.temperature,
+        bias=x.bias, ignore_index=o.ignore_index, loss_type=plan.memo["loss_type"],
+        aggregation=plan.memo["aggregation"], cu_seqlens=plan.memo["cu"],
+        shape=plan.memo["shape"], dtype=plan.dtype, ratio_level="token",
+        clip_low=o.clip_low, clip_high=o.clip_high, dual_clip=o.dual_clip, delta=o.delta,
+        log_ratio_clamp=o.log_ratio_clamp, tau_pos=o.tau_pos, tau_neg=o.tau_neg,
+        truncation=o.truncation, dro_beta=o.dro_beta)
+    outs = [loss, torch.stack([metrics[k].to(plan.dtype).reshape(())
+                               for k in metric_names(o, x.ref_log_probs is not None)])]
+    if plan.needs_grad:
+        first_order(outs, (1,))
+    return tuple(outs)
+
+
+# declared as an op (docs/dev/op-framework.md), the per-token loss types' fused chunk loop: its
+# custom op and `Eager` route the framework's; its public function checks the call, forms the
+# mask's and the aggregation's per-token tensors and runs `OP.run` (no hot path yet); the
+# two-pass loss types are a composition of ops (token_log_probs, policy_loss)
+LINEAR_POLICY_LOSS = Op("linear_policy_loss", "head", PolicyInputs, PolicyOptions, outputs=2,
+                        saved=6, nondiff=(1,), forward=_lpl_forward, backward=_lpl_backward,
+                        fake=_lpl_fake, run=_lpl_run)
+
+
+def _two_pass(a, labels, temperature, ignore_index, keep, cu, old, adv, ref, w, pl_args, kl,
+              dt):
+    """A loss type whose token's loss depends on other tokens (a sequence's ratio, a loss per
+    sequence, a batch-wide pick: semantics §11) in two passes: `token_log_probs` (its chunks;
+    the reference on the loop backend), `policy_loss` on its output, and the gradient back
+    through the head chunk by chunk in `token_log_probs`'s backward (each chunk's logits again:
+    one matmul more than the fused loop). Returns (loss, metrics)."""
+    kl_coef, kl_kind, kl_clamp, entropy_coef = kl
+    lp, ent = TOKEN_LOG_PROBS.run(HeadInputs(a.hidden, a.weight, labels, a.bias),
+                                  _head_plan(a, temperature, ignore_index))
+    lp, ent = lp.to(dt), ent.to(dt)
+    m = keep.reshape(a.shape)
+    pg, pm = PL.policy_loss(lp.reshape(a.shape), old.reshape(a.shape), adv.reshape(a.shape), m,
+                            cu_seqlens=cu, check_offsets=False, backend=a.backend,
+                            out_dtype=dt, **pl_args)
+    x, old_, ref_ = L.kept(keep, dt, lp, old, ref)
+    extra = -entropy_coef * ent
+    sums = {}
+    if ref_ is not None:
+        k = _kl(x, ref_, kl_kind, kl_clamp)
+        extra = extra + kl_coef * k
+        sums["kl"] = torch.where(keep, k.detach(), 0.0).sum()
+    loss = pg + torch.where(keep, w * extra, 0.0).sum()
+    d = PL.clamped(x - old_, pl_args["log_ratio_clamp"]).detach()
+    count = keep.sum().clamp_min(1)
+    sums.update(approx_kl=torch.where(keep, d.exp() - 1 - d, 0.0).sum(),
+                entropy=torch.where(keep, ent.detach(), 0.0).sum())
+    metrics = {k: v / count for k, v in sums.items()}
+    metrics.update((k if k != "kl" else "ppo_kl", v) for k, v in pm.items())
+    metrics["pg_loss"] = pg.detach()
+    return loss, metrics
 
 
 def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, mask=None, *,
@@ -641,10 +876,12 @@ def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, mask=N
                        entropy_coef=0.0, loss_type="vanilla", temperature=1.0, bias=None,
                        ignore_index=-100, clip_low=0.2, clip_high=None, dual_clip=None,
                        log_ratio_clamp=20.0, aggregation=None, cu_seqlens=None,
-                       chunk_size=None, check_labels=True, check_offsets=True, backend="auto"):
-    """A policy loss on the log-probabilities of `hidden @ weight.T`, its gradient computed
-    chunk by chunk during the forward: forward plus backward never hold `[N, V]` logits
-    (semantics §11). Returns `(loss, metrics)`.
+                       ratio_level="token", delta=None, tau_pos=1.0, tau_neg=1.05,
+                       truncation=20.0, dro_beta=None, cov_ratio=2e-4, cov_bounds=(1.0, 5.0),
+                       kl_cov_coef=1.0, generator=None, chunk_size=None, check_labels=True,
+                       check_offsets=True, backend="auto"):
+    """A policy loss on the log-probabilities of `hidden @ weight.T`, without ever holding the
+    `[N, V]` logits (semantics §11). Returns `(loss, metrics)`.
 
     `hidden`, `weight`, `labels`, `bias`, `temperature`, `ignore_index`, `chunk_size` as
     `token_log_probs`; `old_log_probs`, `advantages`, `mask` and `ref_log_probs` have `labels`'
@@ -657,21 +894,31 @@ def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, mask=N
     aggregated over the tokens that count (mask set and label not `ignore_index`) as
     `aggregation` says (semantics §9; "none" is refused: the loss must be a scalar). The KL term
     is `kl_penalty(lp, ref_log_probs, kl_kind, kl_clamp)`, present when `ref_log_probs` is given.
-    `loss_type`:
+    `loss_type` is a loss of `policy_loss` (semantics §10), with its options (`clip_low`,
+    `clip_high`, `dual_clip`, `delta`, `log_ratio_clamp`, `ratio_level`, `tau_pos`, `tau_neg`,
+    `truncation`, `dro_beta`, `cov_ratio`, `cov_bounds`, `kl_cov_coef`, `generator`), or
+    "grpo": "vanilla" with default aggregation "seq-mean-token-mean" (each response's mean over
+    its tokens, then the mean over responses with a token that counts: DeepSeekMath's GRPO,
+    TRL's `loss_type="grpo"`). The default aggregation is "token-mean" otherwise; geo_mean's
+    policy term is its own mean over sequences, and `aggregation` (default
+    "seq-mean-token-mean") aggregates its KL and entropy terms.
 
-    - "vanilla": PPO's clipped surrogate with dual clip, `ppo_policy_loss`'s formula and options
-      (`clip_low`, `clip_high`, `dual_clip`, `log_ratio_clamp`); default aggregation
-      "token-mean".
-    - "grpo": the same per-token loss, default aggregation "seq-mean-token-mean" (each
-      response's mean over its tokens, then the mean over responses with a token that counts):
-      DeepSeekMath's GRPO objective, TRL's `loss_type="grpo"`.
+    The per-token losses (vanilla, grpo, sapo, gpg, cispo, dppo_tv, dppo_kl, dro, at
+    `ratio_level="token"`) compute their gradient chunk by chunk during the forward (three
+    matmuls). A loss whose token depends on its sequence or the batch (gspo,
+    `ratio_level="sequence"`, geo_mean, clip_cov, kl_cov) runs in two passes:
+    `token_log_probs`, `policy_loss` on its output, and the gradient back through the head in
+    chunks (four matmuls); neither holds `[N, V]`.
 
     `loss` is a 0-d float32 tensor (float64 for float64 inputs on the torch and loop backends);
     `metrics` (0-d float32 tensors, no gradient): "pg_loss" (the aggregated policy term alone),
-    "clip_fraction", "approx_kl" (k3 of old against new), "dual_clip_fraction" (with
-    `dual_clip`), "kl" (with `ref_log_probs`) and "entropy": means over the tokens that count.
-    Gradients reach `hidden`, `weight`, `bias`, and the floating per-token inputs that require
-    grad, each in its own dtype.
+    "approx_kl" (k3 of old against new, per token), "entropy", "kl" (with `ref_log_probs`),
+    means over the tokens that count, and the loss type's: "clip_fraction" and, with
+    `dual_clip`, "dual_clip_fraction" for vanilla and grpo (as `ppo_policy_loss`);
+    `policy_loss`'s "clip_fraction", "clip_fraction_lower", "clip_fraction_negative",
+    "clip_fraction_positive" and its "kl" as "ppo_kl" for the others. Gradients reach `hidden`,
+    `weight`, `bias`, and the floating per-token inputs that require grad, each in its own
+    dtype.
 
     Example::
 
@@ -704,45 +951,54 @@ def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, mask=N
         raise ValueError("kl_coef is nonzero but ref_log_probs is None; pass the reference "
                          "policy's log-probabilities")
     entropy_coef = check_scalar("entropy_coef", entropy_coef, low=-float("inf"), high=None)
-    clip_low, clip_high, dual_clip, log_ratio_clamp = check_clips(clip_low, clip_high, dual_clip,
-                                                                  log_ratio_clamp)
-    options = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-                   log_ratio_clamp=log_ratio_clamp)
+    ratio_level = check_choice("ratio_level", ratio_level, ("token", "sequence"))
+    if kind.name == "vanilla":  # PPO's clips (semantics §9), as ppo_policy_loss
+        check_clips(clip_low, clip_high, dual_clip, log_ratio_clamp)
+    elif dual_clip is not None or delta is not None:
+        raise ValueError(f"dual_clip and delta apply to loss_type 'vanilla' and 'grpo'; got "
+                         f"loss_type={loss_type!r}")
+    if ratio_level == "sequence" and kind.name not in PL.RATIO_TYPES:
+        raise ValueError(f"ratio_level='sequence' applies to loss_type 'vanilla', 'grpo', "
+                         f"'sapo' and 'cispo'; {loss_type!r} has its own")
+    (clip_low, clip_high, dual_clip, delta, log_ratio_clamp, tau_pos, tau_neg, truncation,
+     dro_beta, cov_ratio, cov_bounds, kl_cov_coef) = PL.check_options(
+        kind.name, clip_low, clip_high, dual_clip, delta, log_ratio_clamp, tau_pos, tau_neg,
+        truncation, dro_beta, cov_ratio, cov_bounds, kl_cov_coef)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    per_token = kind.per_token and ratio_level == "token"
     N = a.labels.shape[0]
     keep = a.labels != ignore_index
     if mask is not None:
         keep = keep & (L.counted(mask).reshape(N))
     dt = torch.float64 if call.float64 and a.backend != "triton" else torch.float32
     flat = [None if t is None else t.reshape(N) for t in (old, adv, ref)]
-    if a.backend == "loop":
-        loss, metrics = reference.linear_policy_loss(
-            a.hidden, a.weight, a.labels, *flat[:2], keep, ref_log_probs=flat[2],
-            kl_coef=kl_coef, kl_kind=kl_kind, kl_clamp=kl_clamp, entropy_coef=entropy_coef,
-            temperature=temperature, bias=a.bias, ignore_index=ignore_index,
-            aggregation=aggregation, cu_seqlens=cu, shape=a.shape, dtype=dt, **options)
-        if call.needs_grad:
-            (loss,) = FirstOrder.apply(loss)
-        return loss, {k: v.detach().float() for k, v in metrics.items()}
     # a token that does not count is read as an ignored one: 0 log-probability, entropy and
     # logit gradient, whatever its logits hold (semantics §9: a masked position's NaN reaches
     # no gradient through the loss)
     labels = a.labels if mask is None else torch.where(keep, a.labels, ignore_index)
-    head = _Head(a.hidden, a.weight, labels, a.bias, float(temperature), ignore_index,
-                 a.chunk_size, a.backend)
     w = _token_weights(keep, aggregation, cu, a.shape, dt)
-    plan = _Plan(head, kind.per_token, options, keep, w, kl_coef, kl_kind, kl_clamp,
-                 entropy_coef, dt)
-    if call.needs_grad:
-        sums: dict = {}
-        loss = _LinearPolicyLoss.apply(plan, sums, a.hidden, a.weight, a.bias, *flat)
-    else:
-        loss, sums, _, _ = _policy_chunks(plan, *flat, [False] * 6)
-    if not sums:  # no token at all: every metric 0
-        none = torch.zeros(0, dtype=dt, device=keep.device)
-        names = list(kind.per_token(none, none, none, options).metrics)
-        names += (["kl"] if ref is not None else []) + ["entropy", "pg_loss"]
-        sums = {k: torch.zeros((), dtype=dt, device=keep.device) for k in names}
-    count = keep.sum().clamp_min(1)
-    metrics = {k: (v / count if k != "pg_loss" else v).detach().float()
-               for k, v in sums.items()}
+    if not per_token:
+        pl_args = dict(loss_type=kind.name, ratio_level=ratio_level,
+                       aggregation="seq-mean" if kind.name == "geo_mean" else aggregation,
+                       clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, delta=delta,
+                       log_ratio_clamp=log_ratio_clamp, tau_pos=tau_pos, tau_neg=tau_neg,
+                       truncation=truncation, dro_beta=dro_beta, cov_ratio=cov_ratio,
+                       cov_bounds=cov_bounds, kl_cov_coef=kl_cov_coef, generator=generator)
+        loss, metrics = _two_pass(a, labels, temperature, ignore_index, keep, cu, *flat, w,
+                                  pl_args, (kl_coef, kl_kind, kl_clamp, entropy_coef), dt)
+        return loss, {k: v.detach().float() for k, v in metrics.items()}
+    full = loss_type not in ("vanilla", "grpo")
+    floating = [t is not None and call.grad and t.requires_grad for t in
+                (a.hidden, a.weight, a.bias, *flat)]
+    po = PolicyOptions(float(temperature), ignore_index, a.chunk_size,
+                       "triton" if a.backend == "triton" else "torch", kind.name, full,
+                       clip_low, clip_high, dual_clip, delta, log_ratio_clamp, tau_pos, tau_neg,
+                       truncation, dro_beta, kl_coef, kl_kind, kl_clamp, entropy_coef,
+                       *floating)
+    plan = Plan(po, a.backend, call.needs_grad, dt)
+    plan.memo.update(loss_type=loss_type, aggregation=aggregation, cu=cu, shape=a.shape)
+    x = PolicyInputs(a.hidden, a.weight, labels, a.bias, *flat, keep, w)
+    loss, vec = LINEAR_POLICY_LOSS.run(x, plan)
+    metrics = dict(zip(metric_names(po, ref is not None), vec.detach().float()))
     return loss, metrics

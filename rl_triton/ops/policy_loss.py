@@ -659,6 +659,37 @@ def _plan(aggregation, m, cu, shape, dp_size, batch_num_tokens, global_batch_siz
     return base, factor
 
 
+def check_options(loss_type, clip_low, clip_high, dual_clip, delta, log_ratio_clamp, tau_pos,
+                  tau_neg, truncation, dro_beta, cov_ratio, cov_bounds, kl_cov_coef) -> tuple:
+    """The loss types' scalar options checked (one place: `policy_loss` and the fused head's
+    `linear_policy_loss`), returned as floats in this order."""
+    clip_low = check_scalar("clip_low", clip_low, high=None)
+    clip_high = clip_low if clip_high is None else check_scalar("clip_high", clip_high,
+                                                                high=None)
+    if dual_clip is not None:
+        dual_clip = check_scalar("dual_clip", dual_clip, low=1.0, high=None, low_open=True)
+    if delta is not None:
+        delta = check_scalar("delta", delta, low=1.0, high=None, low_open=True)
+    if log_ratio_clamp is not None:
+        log_ratio_clamp = check_scalar("log_ratio_clamp", log_ratio_clamp, high=None,
+                                       low_open=True)
+    tau_pos = check_scalar("tau_pos", tau_pos, high=None, low_open=True)
+    tau_neg = check_scalar("tau_neg", tau_neg, high=None, low_open=True)
+    truncation = check_scalar("truncation", truncation, high=None, low_open=True)
+    if loss_type == "dro":
+        if dro_beta is None:
+            raise ValueError("loss_type='dro' needs dro_beta (> 0)")
+        dro_beta = check_scalar("dro_beta", dro_beta, high=None, low_open=True)
+    cov_ratio = check_scalar("cov_ratio", cov_ratio, low_open=True)
+    if not (isinstance(cov_bounds, (tuple, list)) and len(cov_bounds) == 2):
+        raise ValueError(f"cov_bounds must be a pair (lb, ub), got {cov_bounds!r}")
+    cov_bounds = tuple(check_scalar("cov_bounds", b, low=-math.inf, high=None)
+                       for b in cov_bounds)
+    kl_cov_coef = check_scalar("kl_cov_coef", kl_cov_coef, high=None)
+    return (clip_low, clip_high, dual_clip, delta, log_ratio_clamp, tau_pos, tau_neg, truncation,
+            dro_beta, cov_ratio, cov_bounds, kl_cov_coef)
+
+
 class Prep(NamedTuple):
     """What a call forms from values before the kernels run (module docstring), fixed by its
     checked arguments: kept in the plan (`plan.prep`), run on every call by `_run`."""
@@ -712,29 +743,10 @@ def _check(t: tuple, a: tuple):
         raise ValueError(f"loss_type={loss_type!r} with ratio_level={ratio_level!r} forms a "
                          "ratio per sequence, the rows of [B, T] inputs or the segments of "
                          f"cu_seqlens; log_probs has shape {tuple(lp.shape)}")
-    clip_low = check_scalar("clip_low", clip_low, high=None)
-    clip_high = clip_low if clip_high is None else check_scalar("clip_high", clip_high,
-                                                                high=None)
-    if dual_clip is not None:
-        dual_clip = check_scalar("dual_clip", dual_clip, low=1.0, high=None, low_open=True)
-    if delta is not None:
-        delta = check_scalar("delta", delta, low=1.0, high=None, low_open=True)
-    if log_ratio_clamp is not None:
-        log_ratio_clamp = check_scalar("log_ratio_clamp", log_ratio_clamp, high=None,
-                                       low_open=True)
-    tau_pos = check_scalar("tau_pos", tau_pos, high=None, low_open=True)
-    tau_neg = check_scalar("tau_neg", tau_neg, high=None, low_open=True)
-    truncation = check_scalar("truncation", truncation, high=None, low_open=True)
-    if loss_type == "dro":
-        if dro_beta is None:
-            raise ValueError("loss_type='dro' needs dro_beta (> 0)")
-        dro_beta = check_scalar("dro_beta", dro_beta, high=None, low_open=True)
-    cov_ratio = check_scalar("cov_ratio", cov_ratio, low_open=True)
-    if not (isinstance(cov_bounds, (tuple, list)) and len(cov_bounds) == 2):
-        raise ValueError(f"cov_bounds must be a pair (lb, ub), got {cov_bounds!r}")
-    cov_bounds = tuple(check_scalar("cov_bounds", b, low=-math.inf, high=None)
-                       for b in cov_bounds)
-    kl_cov_coef = check_scalar("kl_cov_coef", kl_cov_coef, high=None)
+    (clip_low, clip_high, dual_clip, delta, log_ratio_clamp, tau_pos, tau_neg, truncation,
+     dro_beta, cov_ratio, cov_bounds, kl_cov_coef) = check_options(
+        loss_type, clip_low, clip_high, dual_clip, delta, log_ratio_clamp, tau_pos, tau_neg,
+        truncation, dro_beta, cov_ratio, cov_bounds, kl_cov_coef)
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
         raise ValueError(f"dp_size must be a positive int, got {dp_size!r}")
     batch_num_tokens = _count("batch_num_tokens", batch_num_tokens)

@@ -211,6 +211,89 @@ def test_linear_policy_loss_matches_reference(backend, case, packed):
         assert abs(metrics[k].item() - wmetrics[k].item()) < 1e-5, k
 
 
+# every loss type of policy_loss (semantics §10) through loss_type, with its options
+TYPE_CASES = [
+    dict(loss_type="vanilla", delta=2.0, clip_high=0.28),
+    dict(loss_type="grpo", ratio_level="sequence"),
+    dict(loss_type="gspo", clip_low=3e-4, clip_high=4e-4),
+    dict(loss_type="sapo", tau_pos=1.0, tau_neg=1.05),
+    dict(loss_type="sapo", ratio_level="sequence", aggregation="seq-mean-token-sum"),
+    dict(loss_type="gpg", aggregation="sum"),
+    dict(loss_type="clip_cov", cov_ratio=0.2, cov_bounds=(-10.0, 10.0)),
+    dict(loss_type="kl_cov", cov_ratio=0.2, kl_cov_coef=0.7),
+    dict(loss_type="geo_mean", clip_low=0.3, clip_high=0.4),
+    dict(loss_type="cispo", clip_low=10.0, clip_high=0.28),
+    dict(loss_type="cispo", ratio_level="sequence", aggregation="seq-mean-token-mean"),
+    dict(loss_type="dppo_tv", clip_low=0.1, clip_high=0.1),
+    dict(loss_type="dppo_kl", clip_low=0.05, clip_high=0.05, truncation=1.5),
+    dict(loss_type="dro", dro_beta=0.5, log_ratio_clamp=None),
+]
+EXTRAS = dict(kl_coef=0.1, kl_kind="k3", entropy_coef=0.01)
+
+
+def composed(hidden, weight, bias, labels, old, adv, ref, mask, cu, kw):
+    """The unfused composition: the reference's log-probabilities, `policy_loss` on them (loop
+    backend), the KL and entropy terms aggregated by hand, all in float64."""
+    kw = dict(kw)
+    kl_coef, kl_kind, ent_coef = (kw.pop(k) for k in ("kl_coef", "kl_kind", "entropy_coef"))
+    name = kw.pop("loss_type")
+    default = "seq-mean-token-mean" if name in ("grpo", "geo_mean") else "token-mean"
+    agg = kw.pop("aggregation", default)
+    lp, ent = rl_triton.token_log_probs(hidden, weight, labels, bias=bias,
+                                        return_entropy=True, backend="loop")
+    keep = mask & (labels != -100)
+    pg, _ = rl_triton.policy_loss(
+        lp, old, adv, keep, loss_type="vanilla" if name == "grpo" else name,
+        aggregation="seq-mean" if name == "geo_mean" else agg, cu_seqlens=cu,
+        generator=torch.Generator().manual_seed(5), backend="loop", out_dtype=torch.float64,
+        **kw)
+    extra = kl_coef * reference.kl_penalty(lp, ref, kl_kind) - ent_coef * ent
+    return pg + reference._aggregate(extra, keep, agg, cu)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", range(len(TYPE_CASES)))
+@pytest.mark.parametrize("packed", [False, True])
+def test_every_loss_type_matches_the_composition(backend, case, packed):
+    """Every loss type against token_log_probs -> policy_loss in float64 (and the loop backend):
+    values and gradients to hidden, weight, bias and the per-token inputs, with a mask, ignored
+    labels, the KL and entropy terms, rows and packed sequences."""
+    kw = {**TYPE_CASES[case], **EXTRAS}
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    hidden, weight, labels, old, adv, ref, mask = policy_inputs(3, 7, 8, 37, dtype,
+                                                                packed=packed)
+    bias = (0.1 * torch.arange(37, dtype=torch.float64, device=DEVICE)).to(dtype)
+    cu = torch.tensor([0, 5, 5, 12, 21], device=DEVICE) if packed else None
+    h, w, b, o, a = leaves(hidden, weight, bias, old, adv)
+    rh, rw, rb, ro, ra = leaves(*(x.double() for x in (hidden, weight, bias, old, adv)))
+    ch, cw, cb, co, ca = leaves(*(x.double() for x in (hidden, weight, bias, old, adv)))
+    loss, metrics = rl_triton.linear_policy_loss(
+        h, w, labels, o, a, mask, ref_log_probs=ref, bias=b, cu_seqlens=cu, chunk_size=4,
+        generator=torch.Generator().manual_seed(5), backend=backend, **kw)
+    want = composed(ch, cw, cb, labels, co, ca, ref.double(), mask, cu, kw)
+    loss.backward()
+    want.backward()
+    tol = 1e-10 if dtype is torch.float64 else 3e-5
+    assert abs(loss.item() - want.item()) <= tol * max(1.0, abs(want.item()))
+    for got, exp in [(h.grad, ch.grad), (w.grad, cw.grad), (b.grad, cb.grad),
+                     (o.grad, co.grad), (a.grad, ca.grad)]:
+        if exp is None:  # (gspo's ratio: the old log-probabilities' mean as a constant)
+            assert got is None or not got.any()
+            continue
+        assert got.dtype == dtype
+        assert rel(got, exp) < tol * 10
+    # the loop backend (the unfused reference) and its metrics
+    loop, lmetrics = rl_triton.linear_policy_loss(
+        rh, rw, labels, ro, ra, mask, ref_log_probs=ref.double(), bias=rb, cu_seqlens=cu,
+        generator=torch.Generator().manual_seed(5), backend="loop", **kw)
+    assert abs(loop.item() - want.item()) <= 1e-10 * max(1.0, abs(want.item()))
+    assert set(metrics) == set(lmetrics) >= {"pg_loss", "approx_kl", "entropy", "kl",
+                                            "clip_fraction"}
+    for k in metrics:
+        assert metrics[k].dtype == torch.float32 and not metrics[k].requires_grad
+        assert abs(metrics[k].item() - lmetrics[k].item()) < 1e-5, k
+
+
 def test_grpo_is_the_per_sequence_mean():
     """loss_type="grpo": each row's token mean, then the mean over rows with a token that
     counts, of the same per-token loss as "vanilla"."""
@@ -229,15 +312,18 @@ def test_grpo_is_the_per_sequence_mean():
     assert abs(grpo.item() - sum(per_row).item() / 2) < 1e-12
 
 
-def test_gradcheck_linear_policy_loss():
+@pytest.mark.parametrize("kw", [dict(loss_type="grpo", clip_low=0.3),
+                                dict(loss_type="sapo"),  # fused, another formula
+                                dict(loss_type="geo_mean", clip_low=0.3, clip_high=0.3)])
+def test_gradcheck_linear_policy_loss(kw):
     hidden, weight, labels, old, adv, ref, mask = policy_inputs(2, 3, 3, 7, torch.float64)
     b = torch.randn(7, dtype=torch.float64, device=DEVICE)
     xs = leaves(hidden, weight, b, old, adv, ref)
 
     def f(h, w, bb, o, a, r):
         return rl_triton.linear_policy_loss(h, w, labels, o, a, mask, bias=bb, ref_log_probs=r,
-                                            kl_coef=0.3, entropy_coef=0.1, loss_type="grpo",
-                                            clip_low=0.3, chunk_size=4, backend="torch")[0]
+                                            kl_coef=0.3, entropy_coef=0.1, chunk_size=4,
+                                            backend="torch", **kw)[0]
 
     assert torch.autograd.gradcheck(f, tuple(xs))
 
@@ -306,6 +392,18 @@ def test_bad_input_names_the_argument():
     lpl = rl_triton.linear_policy_loss
     with pytest.raises(ValueError, match="loss_type must be one of"):
         lpl(hidden, weight, labels, old, adv, loss_type="ppo2")
+    with pytest.raises(ValueError, match="dual_clip and delta apply"):
+        lpl(hidden, weight, labels, old, adv, loss_type="sapo", dual_clip=3.0)
+    with pytest.raises(ValueError, match="ratio_level='sequence' applies"):
+        lpl(hidden, weight, labels, old, adv, loss_type="gpg", ratio_level="sequence")
+    with pytest.raises(ValueError, match="ratio_level must be one of"):
+        lpl(hidden, weight, labels, old, adv, ratio_level="batch")
+    with pytest.raises(ValueError, match="dro_beta"):
+        lpl(hidden, weight, labels, old, adv, loss_type="dro")
+    with pytest.raises(ValueError, match="tau_pos"):
+        lpl(hidden, weight, labels, old, adv, loss_type="sapo", tau_pos=0.0)
+    with pytest.raises(TypeError, match="generator must be"):
+        lpl(hidden, weight, labels, old, adv, loss_type="clip_cov", generator=5)
     with pytest.raises(ValueError, match="advantages has shape"):
         lpl(hidden, weight, labels, old, adv[:1])
     with pytest.raises(ValueError, match="aggregation='none'"):
@@ -343,6 +441,28 @@ def test_inside_torch_compile():
 
     torch.compile(f, backend="eager")(h1, w1).backward()
     f(h2, w2).backward()
+    assert rel(h1.grad, h2.grad) < 1e-6 and rel(w1.grad, w2.grad) < 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss_type", ["sapo", "gspo"])
+def test_loss_types_inside_torch_compile(backend, loss_type):
+    """The ops' custom ops inside torch.compile (the fused loop, and the two passes' head):
+    the eager call's values and gradients."""
+    hidden, weight, labels, old, adv, ref, mask = policy_inputs(2, 5, 8, 37, torch.float32)
+    h1, w1, h2, w2 = leaves(hidden, weight, hidden, weight)
+
+    def f(h, w):
+        loss, metrics = rl_triton.linear_policy_loss(
+            h, w, labels, old, adv, mask, ref_log_probs=ref, kl_coef=0.1, entropy_coef=0.01,
+            loss_type=loss_type, chunk_size=3, backend=backend)
+        return loss, metrics["entropy"]
+
+    got = torch.compile(f, backend="eager")(h1, w1)
+    want = f(h2, w2)
+    got[0].backward()
+    want[0].backward()
+    assert rel(got[0], want[0]) < 1e-6 and rel(got[1], want[1]) < 1e-6
     assert rel(h1.grad, h2.grad) < 1e-6 and rel(w1.grad, w2.grad) < 1e-6
 
 
