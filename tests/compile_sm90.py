@@ -553,6 +553,21 @@ def loss_variants():
                                            aggregation="none"), False
     yield "policy vanilla token-mean, 64-bit", policy("vanilla", dual_clip=3.0), True
 
+    def rollout(shape=(B, T), dtype=torch.float32, mask_dtype=torch.bool, **kw):
+        lp = torch.randn(shape, generator=g).to(dtype)
+        rp = (lp.float() + 0.1 * torch.randn(shape, generator=g)).to(dtype)
+        m = mask.reshape(shape).to(mask_dtype)
+        return lambda: rl_triton.rollout_correction(lp, rp, m, backend="triton", **kw)
+
+    yield "rollout token truncate", rollout(), False
+    yield "rollout sequence mask, weight_level token, bf16", rollout(
+        dtype=torch.bfloat16, level="sequence", mode="mask", low=0.5, weight_level="token"), False
+    yield "rollout geometric k3 mask packed, int mask", rollout(
+        shape=(B * T,), mask_dtype=torch.int32, cu_seqlens=cu, level="geometric", mode="mask",
+        statistic="k3", high=0.1), False
+    yield "rollout max tv mask, no clamp", rollout(level="max", mode="mask", statistic="tv",
+                                                   high=0.1, log_ratio_clamp=None), False
+
 
 def compile_losses() -> int:
     """Compile every loss variant's kernels; the number that failed (a loss of the registry

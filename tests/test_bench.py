@@ -927,10 +927,12 @@ def test_host_suite_runs(tmp_path, monkeypatch):
             for impl in ("rl_triton", "bound")}
     want |= {("gae", shape, "batch-major", "float32", "float", "anchor")
              for shape in ("3x40", "8x64")}
-    assert grid == want and len(rows) - len(grid) == 4 + 7  # Retrace twice, group, whiten
+    # Retrace twice, group, whiten, the losses, the zoo's
+    assert len(rows) - len(grid) == 4 + len(registry.LOSS_CASES) + len(registry.HOST_ZOO)
+    assert grid == want
     others = [r["call"] for r in rows if r["part"] == "others"]
     assert others == ["retrace", "retrace", "group_advantages", "masked_whiten"] + [
-        case[0] for case in registry.LOSS_CASES]
+        case[0] for case in registry.LOSS_CASES] + [call for call, _, _ in registry.HOST_ZOO]
     assert all(r["rel_err"] < 1e-4 and r["host_us"] == 20.0 for r in rows)
     md = (tmp_path / "bench.md").read_text()
     assert "Host path (`--suite host`)" in md and "| gae | 8x64 | batch-major | float32 | float " \

@@ -268,6 +268,37 @@ def test_rollout_correction_errors():
                                      cu_seqlens=torch.tensor([0, 5]))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rollout_correction_hot_path(backend, device):
+    """A repeated call finds its plan (one per signature) and still checks the offsets' values
+    and new options; under torch.compile(fullgraph=True) the kernel is its custom op
+    (docs/dev/op-framework.md)."""
+    from rl_triton._core import plans
+    old, roll, m = _rollout(device, B=3, T=37)
+    kw = dict(level="geometric", mode="mask", low=0.5, high=2.0, backend=backend)
+    plans.clear_plans()
+    first = rl_triton.rollout_correction(old, roll, m, **kw)
+    again = rl_triton.rollout_correction(old.flip(0), roll.flip(0), m.flip(0), **kw)
+    assert len(plans._PLANS) == 1
+    assert all(torch.equal(a.flip(0), b) for a, b in zip(first, again))
+    with pytest.raises(ValueError, match="low"):
+        rl_triton.rollout_correction(old, roll, m, **dict(kw, low=3.0))
+    cu = torch.tensor([0, 37, 74, 111], device=device)
+    flat = [x.reshape(-1) for x in (old, roll, m)]
+    rl_triton.rollout_correction(*flat, cu_seqlens=cu, **kw)
+    cu[1] = 80  # in place: the same signature
+    with pytest.raises(ValueError, match="never decrease"):
+        rl_triton.rollout_correction(*flat, cu_seqlens=cu, **kw)
+    if backend == "triton":
+        def step(a, b):
+            w, keep = rl_triton.rollout_correction(a, b, m, **kw)
+            return w * 2.0, keep
+
+        torch._dynamo.reset()
+        got = torch.compile(step, fullgraph=True, backend="aot_eager")(old, roll)
+        assert torch.equal(got[0], first[0] * 2.0) and torch.equal(got[1], first[1])
+
+
 def _verl_helper():
     return importlib.import_module("verl.trainer.ppo.rollout_corr_helper")
 

@@ -33,9 +33,8 @@ from .plans import _PLANS, store
 Tensor = torch.Tensor
 OPS: dict = {}  # every public op, by name, in declaration order
 KINDS = ("scan", "loss", "outcome", "head")
-# public functions not declared as ops yet (docs/dev/op-framework.md): rollout_correction
-# (torch ops and one kernel without gradients)
-UNDECLARED = ("rollout_correction",)
+# public functions not declared as ops yet (docs/dev/op-framework.md): none
+UNDECLARED = ()
 
 
 def ops(kind: Optional[str] = None) -> list:
@@ -59,6 +58,9 @@ class Plan:
         self.o, self.backend, self.needs_grad, self.dtype = o, backend, needs_grad, dtype
         self.memo = {}
         self.drop = None  # the tensors the checks set aside (None), by position
+        # False where the checked call holds objects of its own (a tensor option, a generator:
+        # a key per call), run once, uncached
+        self.cache = True
 
 
 class Op:
@@ -154,7 +156,8 @@ class Op:
             # cached where the checks ran on the caller's own tensors (no negated view
             # resolved, no offsets converted; some set aside as unread): the hot path runs on
             # those
-            if key is not None and all([c is g or c is None for c, g in zip(x, t)]):
+            if key is not None and plan.cache and all([c is g or c is None
+                                                        for c, g in zip(x, t)]):
                 drop = tuple(i for i, (c, g) in enumerate(zip(x, t)) if c is not g)
                 plan.drop = drop or None
                 store(key, plan)

@@ -163,3 +163,8 @@ LOSS_OUTPUT_TOL, LOSS_GRAD_TOL = 1e-4, 1e-2
 HOST_SHAPES = ["16384x16", "4096x128", "128x128", "1024x1024"]
 FLAG_DTYPES = {"bool": torch.bool, "float": torch.float32}
 HOST_OTHERS_SHAPE = "4096x128"  # Retrace, group advantages, whitening and the losses
+# the LLM zoo's ops (semantics §10) in the host suite after the losses, on the PPO case's rows:
+# (op, variant, options)
+HOST_ZOO = [("policy_loss", "vanilla, mask, dual_clip=3", dict(dual_clip=3.0)),
+            ("rollout_correction", "geometric mask", dict(level="geometric", mode="mask",
+                                                          low=0.5, high=2.0))]

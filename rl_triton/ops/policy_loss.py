@@ -198,6 +198,17 @@ def geo_mean(o: Options, x, old, a, w, m, cu, aggregation):
 
 
 class Inputs(NamedTuple):
+    """The public function's tensor arguments."""
+    log_probs: Tensor
+    old_log_probs: Tensor
+    advantages: Tensor
+    mask: Optional[Tensor]
+    weights: Optional[Tensor]
+    cu_seqlens: Optional[Tensor]
+
+
+class Tensors(NamedTuple):
+    """The custom op's tensors: the public ones with what the call forms from values."""
     log_probs: Tensor
     old_log_probs: Tensor
     advantages: Tensor
@@ -210,7 +221,7 @@ class Inputs(NamedTuple):
 
 # ---- torch and loop backends ---------------------------------------------------------------------
 
-def torch_impl(x: Inputs, o: Options, dtype):
+def torch_impl(x: Tensors, o: Options, dtype):
     """(loss, *metrics) with the aggregation `o.aggregation` of _losses (or "seq-mean" / "none"
     for geo_mean); the global factors come after."""
     aggregation = o.aggregation
@@ -235,7 +246,7 @@ def torch_impl(x: Inputs, o: Options, dtype):
     return (loss, *(L.masked_mean(f.to(dtype).detach(), m) for f in flags))
 
 
-def loop_impl(x: Inputs, o: Options, dtype):
+def loop_impl(x: Tensors, o: Options, dtype):
     return reference.policy_loss(*x[:4], weights=x.weights, selected=x.selected,
                                  cu_seqlens=x.cu_seqlens, dtype=dtype,
                                  **{k: getattr(o, k) for k in Options._fields[:-2]})
@@ -491,7 +502,7 @@ def _scalars(o: Options) -> tuple:
             o.truncation, none if o.dro_beta is None else o.dro_beta, o.kl_cov_coef)
 
 
-def _meta(x: Inputs, o: Options) -> dict:
+def _meta(x: Tensors, o: Options) -> dict:
     return dict(LOSS=CODES[o.loss_type], HAS_MASK=x.mask is not None,
                 HAS_W=x.weights is not None, HAS_LD=x.log_ratio is not None,
                 HAS_SEL=x.selected is not None, CLAMP=o.log_ratio_clamp is not None,
@@ -500,35 +511,57 @@ def _meta(x: Inputs, o: Options) -> dict:
                 PER_POSITION=o.aggregation == "none")
 
 
-def _seq(x: Inputs, o: Options):
+def _seq(x: Tensors, o: Options):
     return L.seq_weights(o.aggregation, x.mask, x.cu_seqlens, x.log_probs)
 
 
-def forward(x: Inputs, o: Options, plan=None):
-    lp = x.log_probs
-    N, dev, per_position = lp.numel(), lp.device, o.aggregation == "none"
-    seq, scale, cu, S, steps = _seq(x, o)
-    loss = torch.empty(lp.shape if per_position else (), dtype=o.out_dtype, device=dev)
-    metrics = [torch.empty((), dtype=o.out_dtype, device=dev) for _ in range(6)]
-    inv = torch.empty((), dtype=torch.float32, device=dev)
-    scratch = torch.empty(2, dtype=torch.float32, device=dev)
-    lay = L.layout(tuple(lp.shape), lp, x.old_log_probs, x.advantages, x.mask, x.weights,
-                   x.log_ratio, x.selected)
+def _fixed(x: Tensors, o: Options):
+    """The forward's sizes, grid, scalars and flags (fixed by the call's signature)."""
+    N, per_position = x.log_probs.numel(), o.aggregation == "none"
     bl = L.block(N)
-    programs = cdiv(N, bl)
-    parts = torch.zeros((3, max(programs, 1), 4), dtype=torch.float32, device=dev)
+    return (N, cdiv(N, bl), tuple(x.log_probs.shape) if per_position else (), _scalars(o),
+            dict(**_meta(x, o), KL_ABS=o.loss_type == "kl_cov", BLOCK=bl,
+                 num_warps=L.NUM_WARPS), o.aggregation == "token-mean")
+
+
+class _Finish:
+    """The second and third `finish` launches' memo (their specialization, WRITE_LOSS off,
+    can differ from the first's: `scan.launch.launch` keeps one compiled kernel per memo)."""
+
+    def __init__(self):
+        self.memo = {}
+
+
+def forward(x: Tensors, o: Options, plan=None):
+    lp = x.log_probs
+    dev = lp.device
+    N, programs, loss_shape, scalars, meta, mean = L.fixed(plan, _fixed, x, o)
+    seq, scale, cu, S, steps = _seq(x, o)
+    loss = L.new(plan, loss_shape, o.out_dtype, dev)
+    metrics = [L.new(plan, (), o.out_dtype, dev) for _ in range(6)]
+    inv = L.new(plan, (), torch.float32, dev)
+    lay = L.layout(tuple(lp.shape), lp, x.old_log_probs, x.advantages, x.mask, x.weights,
+                   x.log_ratio, x.selected, plan=plan)
+    # every program writes its three rows; without one, finish reads zeros
+    parts = L.new(plan, (3, programs, 4), torch.float32, dev) if programs else \
+        torch.zeros((3, 1, 4), dtype=torch.float32, device=dev)
     L.launch(forward_kernel, programs, *lay.tensors, scale, cu, loss, parts, N, lay.C, S, steps,
-             *lay.strides, *_scalars(o), **_meta(x, o), KL_ABS=o.loss_type == "kl_cov",
-             FLAT=lay.FLAT, INT64=lay.INT64, BLOCK=bl, num_warps=L.NUM_WARPS)
-    mean = o.aggregation == "token-mean"
+             *lay.strides, *scalars, FLAT=lay.FLAT, INT64=lay.INT64, **meta, plan=plan)
     L.finish(parts[0], loss, inv, (metrics[0], metrics[1]), mean=mean,
-             write_loss=not per_position)
-    L.finish(parts[1], loss, scratch[0], (metrics[2], metrics[3]), mean=mean, write_loss=False)
-    L.finish(parts[2], loss, scratch[1], (metrics[4], metrics[5]), mean=mean, write_loss=False)
-    return [loss, *metrics[:5]], [inv, scale if seq else lp.new_empty(0, dtype=torch.float32)]
+             write_loss=o.aggregation != "none", plan=plan)
+    rest = None if plan is None else plan.memo.get(_Finish)
+    if rest is None and plan is not None:
+        rest = plan.memo[_Finish] = _Finish()
+    # (each block's count is the first's: `inv` written again, with the same value)
+    L.finish(parts[1], loss, inv, (metrics[2], metrics[3]), mean=mean, write_loss=False,
+             plan=rest)
+    L.finish(parts[2], loss, inv, (metrics[4], metrics[5]), mean=mean, write_loss=False,
+             plan=rest)
+    # (no sequence weights: a placeholder, the backward reads none; eagerly `inv` itself)
+    return [loss, *metrics[:5]], [inv, scale if seq else inv if plan else inv.new_empty(0)]
 
 
-def backward(x: Inputs, o: Options, saved, grads, needs, plan=None):
+def backward(x: Tensors, o: Options, saved, grads, needs, plan=None):
     lp = x.log_probs
     inv, scale = saved
     g_loss = grads[0]
@@ -556,7 +589,7 @@ def backward(x: Inputs, o: Options, saved, grads, needs, plan=None):
     return [d_lp, d_old, d_adv, None, d_w, d_ld, None, None]
 
 
-def fake(x: Inputs, o: Options):
+def fake(x: Tensors, o: Options):
     lp = x.log_probs
     shape = lp.shape if o.aggregation == "none" else ()
     outs = [lp.new_empty(shape, dtype=o.out_dtype)] + [lp.new_empty((), dtype=o.out_dtype)
@@ -564,14 +597,6 @@ def fake(x: Inputs, o: Options):
     seq = L.seq_kind(o.aggregation, x.cu_seqlens)
     S = 0 if seq == L.NO_SEQ else lp.shape[0] if seq == L.ROWS else x.cu_seqlens.shape[0] - 1
     return outs, [lp.new_empty((), dtype=torch.float32), lp.new_empty(S, dtype=torch.float32)]
-
-
-# declared as an op (its custom ops and autograd the framework's, docs/dev/op-framework.md); its
-# public function forms inputs from values (the covariance picks, the sequence ratios) before
-# the op runs, so it calls `OP.run` on its checked call rather than `OP(...)`: no hot path yet
-OP = Op("policy_loss", "loss", Inputs, Options, outputs=6, saved=2, nondiff=(1, 2, 3, 4, 5),
-        forward=forward, backward=backward, fake=fake, runtime_check=L.runtime_check,
-        torch=torch_impl, loop=loop_impl)
 
 
 # ---- arguments and the public function -----------------------------------------------------------
@@ -665,6 +690,121 @@ def check_options(loss_type, clip_low, clip_high, dual_clip, delta, log_ratio_cl
             dro_beta, cov_ratio, cov_bounds, kl_cov_coef)
 
 
+class Prep(NamedTuple):
+    """What a call forms from values before the kernels run (module docstring), fixed by its
+    checked arguments: kept in the plan (`plan.prep`), run on every call by `_run`."""
+    aggregation: str  # the call's (verl's agg_loss mode)
+    seq_ratio: bool  # a log-ratio per sequence (seq_log_ratio)
+    pick: bool  # clip_cov's / kl_cov's positions (cov_pick)
+    cov_ratio: float
+    cov_bounds: tuple
+    generator: Optional[torch.Generator]
+    counts: Optional[tuple]  # (dp_size, batch_num_tokens, global_batch_size,
+    #                           loss_scale_factor) where a global factor applies, else None
+
+
+def _check(t: tuple, a: tuple):
+    """The public call's arguments checked (`policy_loss`'s order): (inputs, plan), every
+    error raised here; a function of the call's signature but where a count is a tensor or a
+    generator is given (objects of the call: that plan is not cached, `Plan.cache`)."""
+    log_probs, old_log_probs, advantages, mask, weights, cu_seqlens = t
+    (loss_type, aggregation, ratio_level, clip_low, clip_high, dual_clip, delta, log_ratio_clamp,
+     tau_pos, tau_neg, truncation, dro_beta, cov_ratio, cov_bounds, kl_cov_coef, generator,
+     dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, check_offsets, backend,
+     out_dtype) = a
+    backend = check_backend(backend)
+    out_dtype = check_out_dtype(out_dtype)
+    loss_type = check_choice("loss_type", loss_type, LOSS_TYPES)
+    ratio_level = check_choice("ratio_level", ratio_level, ("token", "sequence"))
+    if (dual_clip is not None or delta is not None) and loss_type != "vanilla":
+        raise ValueError(f"dual_clip and delta apply to loss_type='vanilla'; got "
+                         f"loss_type={loss_type!r}")
+    if ratio_level == "sequence" and loss_type not in RATIO_TYPES:
+        raise ValueError(f"ratio_level='sequence' applies to loss_type {RATIO_TYPES}; "
+                         f"{loss_type!r} has its own (use ratio_level='token')")
+    agg = check_choice("aggregation", aggregation, AGGREGATIONS)
+    if (loss_type == "geo_mean") != (agg in ("seq-mean", "none")) and agg != "none":
+        raise ValueError(f"aggregation={agg!r} with loss_type={loss_type!r}: geo_mean's loss is "
+                         "per sequence, aggregated by 'seq-mean' or 'none', and 'seq-mean' "
+                         "belongs to geo_mean alone")
+    call = Call("log_probs", log_probs, None)
+    lp = call.step("log_probs", log_probs)
+    old = call.step("old_log_probs", old_log_probs)
+    adv = call.step("advantages", advantages)
+    w = call.step("weights", weights, optional=True)
+    check_offsets = check_bool("check_offsets", check_offsets)
+    per_seq = loss_type in ("geo_mean", "gspo") or ratio_level == "sequence"
+    base_check = {"token-sum": "sum", "seq-mean-token-sum-norm": "seq-mean-token-sum"}.get(
+        agg, agg)
+    if agg == "seq-mean" or (agg == "none" and per_seq):
+        base_check = "seq-mean-token-sum"  # sequences: rows of [B, T] or segments
+    _, mask, cu = L.aggregation_args(call, base_check, mask, cu_seqlens, check_offsets)
+    if per_seq and cu is None and lp.ndim != 2:
+        raise ValueError(f"loss_type={loss_type!r} with ratio_level={ratio_level!r} forms a "
+                         "ratio per sequence, the rows of [B, T] inputs or the segments of "
+                         f"cu_seqlens; log_probs has shape {tuple(lp.shape)}")
+    (clip_low, clip_high, dual_clip, delta, log_ratio_clamp, tau_pos, tau_neg, truncation,
+     dro_beta, cov_ratio, cov_bounds, kl_cov_coef) = check_options(
+        loss_type, clip_low, clip_high, dual_clip, delta, log_ratio_clamp, tau_pos, tau_neg,
+        truncation, dro_beta, cov_ratio, cov_bounds, kl_cov_coef)
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise ValueError(f"dp_size must be a positive int, got {dp_size!r}")
+    batch_num_tokens = _count("batch_num_tokens", batch_num_tokens)
+    global_batch_size = _count("global_batch_size", global_batch_size)
+    loss_scale_factor = _count("loss_scale_factor", loss_scale_factor)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    seq_ratio = ratio_level == "sequence" or loss_type == "gspo"
+    # the mask as bool where the global sequence count reads it (semantics §10)
+    m = L.counted(mask) if global_batch_size is not None else None
+    base, factor = _plan(agg, m, cu, tuple(lp.shape), dp_size, batch_num_tokens,
+                         global_batch_size, loss_scale_factor)
+    o = Options(loss_type, ratio_level, clip_low, clip_high, dual_clip, delta, log_ratio_clamp,
+                tau_pos, tau_neg, truncation, dro_beta, kl_cov_coef, base, out_dtype,
+                check_offsets)
+    plan = L.plan(call, backend, o)
+    if plan.backend == "triton" and loss_type == "geo_mean":
+        plan.backend = "torch"  # a loss per sequence: segment sums, no kernel (module docstring)
+    counts = (dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+    plan.prep = Prep(agg, seq_ratio, loss_type in ("clip_cov", "kl_cov"), cov_ratio, cov_bounds,
+                     generator, None if factor is None else counts)
+    plan.cache = generator is None and not any(isinstance(c, Tensor) for c in counts)
+    return Inputs(lp, old, adv, mask, w, cu), plan
+
+
+def _run(x: Inputs, plan) -> tuple:
+    """A checked call: what it forms from values (the covariance picks, the sequence ratios,
+    the global factor: on every call, `Prep`), then the op on its backend; (loss, metrics)."""
+    o, p = plan.o, plan.prep
+    lp, old, adv, mask, cu = x.log_probs, x.old_log_probs, x.advantages, x.mask, x.cu_seqlens
+    ld = sel = None
+    if p.seq_ratio or p.pick:
+        # the mask as bool where torch reads it, all set without one; the kernels read the
+        # mask as it is
+        m = L.counted(mask)
+        if m is None:
+            m = torch.ones(lp.shape, dtype=torch.bool, device=lp.device)
+        if p.pick:
+            sel = cov_pick(o, p.cov_ratio, p.cov_bounds, p.generator, lp, old, adv, m)
+        if p.seq_ratio and plan.backend != "loop":
+            ld = seq_log_ratio(o, *L.kept(m, plan.dtype, lp, old), m, cu)
+    loss, *metrics = Op.run(OP, Tensors(lp, old, adv, mask, x.weights, ld, sel, cu), plan)
+    if p.counts is not None:
+        dp_size, batch_num_tokens, global_batch_size, loss_scale_factor = p.counts
+        m = L.counted(mask) if global_batch_size is not None else None
+        _, factor = _plan(p.aggregation, m, cu, tuple(lp.shape), dp_size, batch_num_tokens,
+                          global_batch_size, loss_scale_factor)
+        loss = (loss * factor).to(o.out_dtype)
+    return loss, dict(zip(METRICS, metrics))
+
+
+# declared as an op (docs/dev/op-framework.md): its checks, custom ops, autograd and hot path
+# the framework's; `_run` forms what the call reads of values before the kernels run
+OP = Op("policy_loss", "loss", Inputs, Options, tensors=Tensors, outputs=6, saved=2,
+        nondiff=(1, 2, 3, 4, 5), forward=forward, backward=backward, fake=fake, check=_check,
+        runtime_check=L.runtime_check, torch=torch_impl, loop=loop_impl, run=_run)
+
+
 def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, loss_type="vanilla",
                 aggregation="token-mean", cu_seqlens=None, weights=None, ratio_level="token",
                 clip_low=0.2, clip_high=None, dual_clip=None, delta=None, log_ratio_clamp=20.0,
@@ -711,71 +851,8 @@ def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, loss_type="v
     (TRL's clip_ratio/low_mean and high_mean: r < 1 - clip_low with A < 0, r > 1 + clip_high
     with A > 0), "kl" (verl's ppo_kl: the mean of -d at token level; kl_cov: of |d|).
     """
-    backend = check_backend(backend)
-    out_dtype = check_out_dtype(out_dtype)
-    loss_type = check_choice("loss_type", loss_type, LOSS_TYPES)
-    ratio_level = check_choice("ratio_level", ratio_level, ("token", "sequence"))
-    if (dual_clip is not None or delta is not None) and loss_type != "vanilla":
-        raise ValueError(f"dual_clip and delta apply to loss_type='vanilla'; got "
-                         f"loss_type={loss_type!r}")
-    if ratio_level == "sequence" and loss_type not in RATIO_TYPES:
-        raise ValueError(f"ratio_level='sequence' applies to loss_type {RATIO_TYPES}; "
-                         f"{loss_type!r} has its own (use ratio_level='token')")
-    agg = check_choice("aggregation", aggregation, AGGREGATIONS)
-    if (loss_type == "geo_mean") != (agg in ("seq-mean", "none")) and agg != "none":
-        raise ValueError(f"aggregation={agg!r} with loss_type={loss_type!r}: geo_mean's loss is "
-                         "per sequence, aggregated by 'seq-mean' or 'none', and 'seq-mean' "
-                         "belongs to geo_mean alone")
-    call = Call("log_probs", log_probs, None)
-    lp = call.step("log_probs", log_probs)
-    old = call.step("old_log_probs", old_log_probs)
-    adv = call.step("advantages", advantages)
-    w = call.step("weights", weights, optional=True)
-    check_offsets = check_bool("check_offsets", check_offsets)
-    per_seq = loss_type in ("geo_mean", "gspo") or ratio_level == "sequence"
-    base_check = {"token-sum": "sum", "seq-mean-token-sum-norm": "seq-mean-token-sum"}.get(
-        agg, agg)
-    if agg == "seq-mean" or (agg == "none" and per_seq):
-        base_check = "seq-mean-token-sum"  # sequences: rows of [B, T] or segments
-    _, mask, cu = L.aggregation_args(call, base_check, mask, cu_seqlens, check_offsets)
-    if per_seq and cu is None and lp.ndim != 2:
-        raise ValueError(f"loss_type={loss_type!r} with ratio_level={ratio_level!r} forms a "
-                         "ratio per sequence, the rows of [B, T] inputs or the segments of "
-                         f"cu_seqlens; log_probs has shape {tuple(lp.shape)}")
-    (clip_low, clip_high, dual_clip, delta, log_ratio_clamp, tau_pos, tau_neg, truncation,
-     dro_beta, cov_ratio, cov_bounds, kl_cov_coef) = check_options(
-        loss_type, clip_low, clip_high, dual_clip, delta, log_ratio_clamp, tau_pos, tau_neg,
-        truncation, dro_beta, cov_ratio, cov_bounds, kl_cov_coef)
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise ValueError(f"dp_size must be a positive int, got {dp_size!r}")
-    batch_num_tokens = _count("batch_num_tokens", batch_num_tokens)
-    global_batch_size = _count("global_batch_size", global_batch_size)
-    loss_scale_factor = _count("loss_scale_factor", loss_scale_factor)
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-    seq_ratio = ratio_level == "sequence" or loss_type == "gspo"
-    torch_reads = seq_ratio or loss_type in ("clip_cov", "kl_cov")
-    # the mask as bool where torch reads it (the picks, the sequence ratios, a global sequence
-    # count), all set without one; the kernels read the mask as it is
-    m = L.counted(mask) if torch_reads or global_batch_size is not None else None
-    mb = m if m is not None or not torch_reads else \
-        torch.ones(lp.shape, dtype=torch.bool, device=lp.device)
-    base, factor = _plan(agg, m, cu, tuple(lp.shape), dp_size, batch_num_tokens,
-                         global_batch_size, loss_scale_factor)
-    o = Options(loss_type, ratio_level, clip_low, clip_high, dual_clip, delta, log_ratio_clamp,
-                tau_pos, tau_neg, truncation, dro_beta, kl_cov_coef, base, out_dtype,
-                check_offsets)
-    sel = cov_pick(o, cov_ratio, cov_bounds, generator, lp, old, adv, mb) \
-        if loss_type in ("clip_cov", "kl_cov") else None
-    backend = L.backend_for(backend, call.device)
-    if backend == "triton" and loss_type == "geo_mean":
-        backend = "torch"  # a loss per sequence: segment sums, no kernel (module docstring)
-    dtype = torch.float64 if call.float64 else torch.float32
-    ld = None
-    if seq_ratio and backend != "loop":
-        ld = seq_log_ratio(o, *L.kept(mb, dtype, lp, old), mb, cu)
-    outs = OP.run(Inputs(lp, old, adv, mask, w, ld, sel, cu), L.plan(call, backend, o))
-    loss = outs[0]
-    if factor is not None:
-        loss = (loss * factor).to(out_dtype)
-    return loss, dict(zip(METRICS, outs[1:]))
+    return OP((log_probs, old_log_probs, advantages, mask, weights, cu_seqlens),
+              (loss_type, aggregation, ratio_level, clip_low, clip_high, dual_clip, delta,
+               log_ratio_clamp, tau_pos, tau_neg, truncation, dro_beta, cov_ratio, cov_bounds,
+               kl_cov_coef, generator, dp_size, batch_num_tokens, global_batch_size,
+               loss_scale_factor, check_offsets, backend, out_dtype))

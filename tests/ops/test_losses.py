@@ -302,10 +302,11 @@ def test_the_hot_path_still_checks(backend, device):
 def test_custom_ops_are_registered():
     from rl_triton._core.op import OPS, ops
     assert ops("loss") == ["ppo_policy_loss", "policy_loss", "value_loss", "kl_penalty",
-                           "sac_targets", "crr_weights"]
+                           "sac_targets", "crr_weights", "rollout_correction"]
     for name in ops("loss"):
         assert hasattr(torch.ops.rl_triton, name)
-        assert hasattr(torch.ops.rl_triton, name + "_backward") == (name != "crr_weights")
+        assert hasattr(torch.ops.rl_triton, name + "_backward") == (
+            name not in ("crr_weights", "rollout_correction"))
         assert OPS[name].function is getattr(rl_triton, name)
 
 

@@ -661,6 +661,53 @@ def test_global_factors():
               loss("seq-mean-token-mean") * s / 20, 1e-6)
 
 
+def same(got, want):
+    """Two (loss, metrics) results equal bit for bit."""
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(got[1][k], want[1][k]) for k in METRICS)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_hot_path_still_checks(backend):
+    """A repeated call finds its plan (one per signature) and forms what it reads of values
+    (the covariance pick, the sequence ratio, the global sequence count) again; bad input on a
+    known signature still raises; a call holding a tensor count or a generator is not cached
+    (docs/dev/op-framework.md)."""
+    from rl_triton._core import plans
+    *xs, mask = batch(seed=21, device=device_of(backend))
+    kw = dict(backend=backend)
+    plans.clear_plans()
+    first = rl_triton.policy_loss(*xs[:3], mask, dual_clip=3.0, **kw)
+    again = rl_triton.policy_loss(*xs[:3], mask, dual_clip=3.0, **kw)
+    assert len(plans._PLANS) == 1
+    same(again, first)
+    # the same signature, other values: the picks and sequence ratios follow them
+    other = [x.flip(0) for x in xs]
+    for opts in (dict(loss_type="kl_cov", cov_ratio=0.1), dict(loss_type="gspo"),
+                 dict(ratio_level="sequence", aggregation="seq-mean-token-mean"),
+                 dict(aggregation="seq-mean-token-mean", global_batch_size=20)):
+        for ins, m in ((xs, mask), (other, mask.flip(0)), (xs, mask)):
+            got = rl_triton.policy_loss(*ins[:3], m, **opts, **kw)
+            plans.clear_plans()
+            want = rl_triton.policy_loss(*ins[:3], m, **opts, **kw)  # checked afresh
+            same(got, want)
+    n = len(plans._PLANS)
+    with pytest.raises(ValueError, match="clip_low"):
+        rl_triton.policy_loss(*xs[:3], mask, clip_low=-1.0, **kw)
+    with pytest.raises(ValueError, match="dual_clip and delta apply"):
+        rl_triton.policy_loss(*xs[:3], mask, dual_clip=3.0, loss_type="cispo", **kw)
+    with pytest.raises(ValueError, match="mask has shape"):
+        rl_triton.policy_loss(*xs[:3], mask[:, 1:], **kw)
+    twenty = torch.tensor(20.0, device=mask.device)
+    g = torch.Generator(device=mask.device).manual_seed(0)
+    plans.clear_plans()
+    for _ in range(2):
+        rl_triton.policy_loss(*xs[:3], mask, aggregation="seq-mean-token-mean",
+                              global_batch_size=twenty, **kw)
+        rl_triton.policy_loss(*xs[:3], mask, loss_type="clip_cov", generator=g, **kw)
+    assert len(plans._PLANS) == 0 and n > 0
+
+
 # ---- bad input -----------------------------------------------------------------------------------
 
 def test_errors():

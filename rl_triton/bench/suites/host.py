@@ -7,10 +7,10 @@ flags: host time and full-call time of rl_triton's public call, beside
   no Python host path can beat;
 - the anchor: rl-triton 0.1.3, the paper's library (`--anchor-path`, `bench.anchor`), once per
   estimator and shape in the only layout and dtype it takes (batch-major float32, float32 flags);
-then Retrace, group_advantages, masked_whiten and every loss at 4096x128, against GAE's host
-time. The launch floor (`x.add_(1)`, host and full call) is in the run's environment. Every
-result is checked before it is timed: rl_triton's against float64, the bound's and the
-anchor's against rl_triton's.
+then Retrace, group_advantages, masked_whiten, every loss, policy_loss and rollout_correction
+(`registry.HOST_ZOO`) at 4096x128, against GAE's host time. The launch floor (`x.add_(1)`, host
+and full call) is in the run's environment. Every result is checked before it is timed:
+rl_triton's against float64, the bound's and the anchor's against rl_triton's.
 """
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ def other_cells(device, seed=0):
     (call, variant, layout, flags, fn, relative error). Retrace in each layout;
     group_advantages on N x T scores in groups of T; masked_whiten on N x T multi-turn rows;
     every loss case on [N, T] rows (PPO, value, KL) or N x T samples (SAC, CRR), against its
-    eager formula."""
+    eager formula; then `registry.HOST_ZOO` on the PPO case's rows."""
     shape = registry.HOST_OTHERS_SHAPE
     N, T = registry.parse_shape(shape)
 
@@ -166,6 +166,20 @@ def other_cells(device, seed=0):
         kw = loss_kwargs(case, N * T, torch.float32, device, seed, row=T)
         want = tuple(o.double() for o in as_tuple(LOSS_FORMULAS[case[0]](**kw)))
         yield checked(case[0], case[1], "", "", call_of(getattr(rl_triton, case[0]), kw), want,
+                      tol=LOSS_OUTPUT_TOL)
+    # the zoo's ops on the PPO case's rows: policy_loss's loss against PPO's formula (vanilla
+    # with a dual clip is PPO's surrogate), rollout_correction's weights against float64
+    ppo = next(case for case in registry.LOSS_CASES if case[0] == "ppo_policy_loss")
+    rows = loss_kwargs(ppo, N * T, torch.float32, device, seed, row=T)
+    for call, variant, options in registry.HOST_ZOO:
+        if call == "policy_loss":
+            kw = dict(rows, **options)
+            want = (LOSS_FORMULAS["ppo_policy_loss"](**kw)[0].double(),)
+        else:
+            kw = dict(log_probs=rows["log_probs"], rollout_log_probs=rows["old_log_probs"],
+                      mask=rows["mask"], **options)
+            want = (reference.rollout_correction(**kw)[0],)
+        yield checked(call, variant, "", "", call_of(getattr(rl_triton, call), kw), want,
                       tol=LOSS_OUTPUT_TOL)
 
 
