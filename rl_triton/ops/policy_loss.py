@@ -173,7 +173,9 @@ def cov_pick(o: Options, cov_ratio: float, cov_bounds: tuple, generator, x, old,
         lb, ub = cov_bounds
         candidates = ((cov < ub) & (cov > lb) & m & ~clipped).reshape(-1).nonzero().squeeze(1)
         if candidates.numel():
-            perm = torch.randperm(candidates.numel(), generator=generator).to(m.device)
+            # drawn where the generator lives (the CPU without one, as verl draws)
+            on = "cpu" if generator is None else generator.device
+            perm = torch.randperm(candidates.numel(), generator=generator, device=on).to(m.device)
             sel[candidates[perm[:min(max(int(cov_ratio * n), 1), candidates.numel())]]] = True
         return sel.view(m.shape)
 
@@ -239,7 +241,8 @@ def torch_impl(x: Tensors, o: Options, dtype):
         l, *flags = token_terms(o, lp, old, adv, d, sel)
         # the token's log-ratio, clamped where the ratio is formed from it
         kl = clamped(lp - old, None if ld is not None else o.log_ratio_clamp)
-        flags.append(kl.abs() if o.loss_type == "kl_cov" else -kl)
+        # (a new list: torch 2.11's dynamo makes the starred target above a tuple)
+        flags = [*flags, kl.abs() if o.loss_type == "kl_cov" else -kl]
         if w is not None:
             l = l * w
         loss = L.aggregate(l, m, aggregation, x.cu_seqlens)
