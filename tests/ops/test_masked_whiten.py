@@ -401,6 +401,9 @@ def _whiten_rank(rank, world, path, out, backend):
                 "y_alone": y_alone.detach(), "grad_alone": alone.grad, "far": far,
                 "y_far": y_far},
                os.path.join(out, f"rank{rank}.pt"))
+    # both ranks done before either tears down (a rank whose peer left first aborted once on
+    # the H200 machine: "terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
