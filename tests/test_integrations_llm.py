@@ -137,8 +137,32 @@ def _index(B, seed=0, lone=True):
     return np.array([f"uid-{i}" for i in ids], dtype=object)
 
 
+def _blocks_index(B):
+    """Indexes as verl's rollout lays them out (a prompt's responses side by side: blocks of 1
+    and of a divisor of B, the group_size path), and blocks whose labels repeat apart (the
+    general path)."""
+    k = next(k for k in (3, 5, 1) if B % k == 0)
+    out = [np.array([f"uid-{i // k}" for i in range(B)], dtype=object),
+           np.array([f"uid-{i}" for i in range(B)], dtype=object)]
+    if B > 2:
+        out.append(np.array([f"uid-{(i // 2) % 2}" for i in range(B)], dtype=object))
+    return out
+
+
+def test_verl_blocks():
+    """Which indexes take group_advantages' group_size path: consecutive blocks of one size, each
+    block's label its own."""
+    blocks = our_verl._blocks
+    assert blocks(np.array(["a", "a", "b", "b", "c", "c"], dtype=object)) == 2
+    assert blocks(np.array(["a", "b", "c"], dtype=object)) == 1
+    assert blocks(np.array(["a"] * 4, dtype=object)) == 4
+    assert blocks(np.array(["a", "a", "b", "b", "a", "a"], dtype=object)) == 0  # a repeats
+    assert blocks(np.array(["a", "a", "b", "b", "b", "c"], dtype=object)) == 0  # sizes differ
+    assert blocks(np.array([7, 7, 9, 9])) == 2 and blocks([]) == 0
+
+
 GROUPED = ["compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage",
-           "compute_reinforce_plus_plus_baseline_outcome_advantage"]
+           "compute_gpg_outcome_advantage", "compute_reinforce_plus_plus_baseline_outcome_advantage"]
 
 
 @pytest.mark.parametrize("name", GROUPED)
@@ -149,7 +173,8 @@ def test_verl_group_estimators(name, B, backend, device):
     theirs, ours = getattr(FW.verl, name), getattr(our_verl, name)
     kwargs = [{}] + ([{"norm_adv_by_std_in_grpo": False}, {"epsilon": 1e-3}]
                      if "grpo" in name else [])
-    for index in (_index(B), torch.as_tensor(np.unique(_index(B), return_inverse=True)[1])):
+    for index in (_index(B), torch.as_tensor(np.unique(_index(B), return_inverse=True)[1]),
+                  *_blocks_index(B)):
         for kw in kwargs:
             for dtype in dtypes(backend, MASKS):
                 want = theirs(r, m.to(dtype), index if isinstance(index, np.ndarray)

@@ -100,15 +100,42 @@ def compute_gae_advantage_return(token_level_rewards: Tensor, values: Tensor,
     return _whiten(adv, m).to(dtype), returns
 
 
+def _blocks(index) -> int:
+    """n where verl's `index` (not a tensor) is consecutive blocks of n equal labels, each block's
+    label its own (the layout verl's rollout makes: a prompt's n responses side by side), else
+    0. A host pass over the labels, cheaper than sorting them (np.unique) and with no copy to
+    the device: such groups go to `group_advantages(group_size=n)`, one kernel."""
+    arr = np.asarray(index, dtype=object).reshape(-1)
+    B = arr.shape[0]
+    if B == 0:
+        return 0
+    starts = np.flatnonzero(arr[1:] != arr[:-1]) + 1
+    n = int(starts[0]) if starts.size else B
+    if B % n or not np.array_equal(starts, np.arange(n, B, n)):
+        return 0
+    try:
+        return n if len(set(arr[::n].tolist())) == B // n else 0
+    except TypeError:  # unhashable labels: the general path
+        return 0
+
+
 def _groups(index, device):
-    """verl's `index` (an array of prompt ids, often uuid strings) as integer ids, and whether
-    each response is its group's only one."""
+    """verl's `index` (an array of prompt ids, often uuid strings) as `group_advantages`'
+    grouping (`group_size=n` for consecutive blocks of n, else `group_index`, ids 0..G-1), and
+    whether each response is its group's only one (None where none is)."""
+    if not isinstance(index, Tensor):
+        n = _blocks(index)
+        if n:
+            lone = torch.ones(len(index), dtype=torch.bool, device=device) if n == 1 else None
+            return dict(group_size=n), lone
     if isinstance(index, Tensor):
         _, ids, counts = torch.unique(index, return_inverse=True, return_counts=True)
-        return ids.to(device), (counts[ids] == 1).to(device)
-    _, ids, counts = np.unique(np.asarray(index), return_inverse=True, return_counts=True)
-    ids = torch.as_tensor(ids.reshape(-1), device=device)
-    return ids, torch.as_tensor(counts, device=device)[ids] == 1
+        ids, lone = ids.to(device), (counts[ids] == 1).to(device)
+    else:
+        _, ids, counts = np.unique(np.asarray(index), return_inverse=True, return_counts=True)
+        ids = torch.as_tensor(ids.reshape(-1), device=device)
+        lone = torch.as_tensor(counts, device=device)[ids] == 1
+    return dict(group_index=ids), lone
 
 
 def _per_token(a: Tensor, token_level_rewards: Tensor, response_mask: Tensor) -> Tensor:
@@ -124,10 +151,10 @@ def compute_grpo_outcome_advantage(token_level_rewards: Tensor, response_mask: T
     """verl's `compute_grpo_outcome_advantage` (GRPO; Dr. GRPO with
     `norm_adv_by_std_in_grpo=False`): `(advantages, advantages)`."""
     scores = token_level_rewards.sum(dim=-1)
-    ids, lone = _groups(index, scores.device)
+    groups, lone = _groups(index, scores.device)
     scale = "std" if norm_adv_by_std_in_grpo else "none"
-    a = rl_triton.group_advantages(scores, ids, scale=scale, eps=epsilon, backend=backend)
-    if norm_adv_by_std_in_grpo:
+    a = rl_triton.group_advantages(scores, **groups, scale=scale, eps=epsilon, backend=backend)
+    if norm_adv_by_std_in_grpo and lone is not None:
         a = torch.where(lone, a / (1.0 + epsilon), a)
     out = _per_token(a, token_level_rewards, response_mask)
     return out, out
@@ -139,8 +166,8 @@ def compute_rloo_outcome_advantage(token_level_rewards: Tensor, response_mask: T
     """verl's `compute_rloo_outcome_advantage` (leave-one-out baseline): `(advantages,
     advantages)`; `epsilon` is unused, as in verl."""
     scores = token_level_rewards.sum(dim=-1)
-    ids, _ = _groups(index, scores.device)
-    a = rl_triton.group_advantages(scores, ids, baseline="leave_one_out", scale="none",
+    groups, _ = _groups(index, scores.device)
+    a = rl_triton.group_advantages(scores, **groups, baseline="leave_one_out", scale="none",
                                    backend=backend)
     out = _per_token(a, token_level_rewards, response_mask)
     return out, out
@@ -154,8 +181,8 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards: 
     """verl's `compute_reinforce_plus_plus_baseline_outcome_advantage`: the group mean as
     baseline, then whitened over the batch's tokens: `(advantages, advantages)`."""
     scores = token_level_rewards.sum(dim=-1)
-    ids, _ = _groups(index, scores.device)
-    a = rl_triton.group_advantages(scores, ids, scale="none", backend=backend)
+    groups, _ = _groups(index, scores.device)
+    a = rl_triton.group_advantages(scores, **groups, scale="none", backend=backend)
     tok = _per_token(a, token_level_rewards, response_mask)
     m = response_mask != 0
     out = (_whiten(tok.float(), m) * m).to(tok.dtype)
@@ -181,7 +208,12 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: Tensor,
 def _index(index, device):
     """verl's `index` as integer ids 0..G-1, the number of groups G and each response's group
     size."""
-    ids, _ = _groups(index, device)
+    if isinstance(index, Tensor):
+        _, ids = torch.unique(index, return_inverse=True)
+        ids = ids.to(device)
+    else:
+        ids = torch.as_tensor(np.unique(np.asarray(index), return_inverse=True)[1].reshape(-1),
+                              device=device)
     counts = torch.bincount(ids)
     return ids, counts.numel(), counts[ids]
 
@@ -296,8 +328,8 @@ def compute_gpg_outcome_advantage(token_level_rewards: Tensor, response_mask: Te
     with alpha = B / (number of nonzero scores) (the argument is ignored, as in verl); a lone
     response's mean is 0: `(advantages, advantages)`."""
     scores = token_level_rewards.sum(dim=-1)
-    ids, _ = _groups(index, scores.device)
-    a = rl_triton.group_advantages(scores, ids, scale="none", backend=backend)
+    groups, _ = _groups(index, scores.device)
+    a = rl_triton.group_advantages(scores, **groups, scale="none", backend=backend)
     alpha = scores.numel() / torch.count_nonzero(scores).clamp(min=1)
     out = _per_token((alpha * a.to(scores.dtype) / f_norm).to(scores.dtype),
                      token_level_rewards, response_mask)
