@@ -476,7 +476,7 @@ def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, keep, 
                        loss_type="vanilla", aggregation="token-mean", cu_seqlens=None,
                        shape=None, selected=None, dtype=torch.float64, **options):
     """(loss, metrics) of `policy_loss`'s `loss_type` (its options in `options`, clip_high
-    given; "grpo" is "vanilla") on these log-probabilities, plus kl_coef * KL against
+    given; "grpo", "bnpo", "dapo" and "ppo" are "vanilla") on these log-probabilities, plus kl_coef * KL against
     ref_log_probs minus entropy_coef * entropy per token, aggregated over the tokens `keep`
     (bool [N]: mask set and label not ignore_index) by `aggregation` (geo_mean's policy term:
     its own mean over sequences); sequences are the rows of `shape` ([B, T]) or the segments of
@@ -488,7 +488,8 @@ def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, keep, 
     def shaped(x):
         return None if x is None else x.reshape(shape) if rows else x
 
-    pl_type = "vanilla" if loss_type == "grpo" else loss_type
+    # the clipped surrogate under the frameworks' other names (semantics §11)
+    pl_type = "vanilla" if loss_type in ("grpo", "bnpo", "dapo", "ppo") else loss_type
     pg, *flags = policy_loss(
         shaped(lp), shaped(old_log_probs), shaped(advantages), shaped(keep),
         selected=shaped(selected), cu_seqlens=cu_seqlens, loss_type=pl_type,
@@ -501,7 +502,7 @@ def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, keep, 
         d = d.clamp(-options["log_ratio_clamp"], options["log_ratio_clamp"])
     metrics = {"approx_kl": torch.where(keep, d.exp() - 1 - d, 0.0).sum() / n,
                "entropy": torch.where(keep, ent, 0.0).sum() / n}
-    if loss_type in ("vanilla", "grpo"):
+    if pl_type == "vanilla":
         metrics["clip_fraction"] = flags[0]
         if options.get("dual_clip") is not None:
             metrics["dual_clip_fraction"] = flags[1]

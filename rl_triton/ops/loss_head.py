@@ -566,6 +566,11 @@ LOSS_TYPES = {
     # DeepSeekMath's GRPO: the same clipped surrogate (KL and entropy inside the token's loss),
     # each response's token mean, then the mean over responses (TRL's loss_type="grpo")
     "grpo": LossType("vanilla", "seq-mean-token-mean", True),
+    # the other frameworks' names of the same clipped surrogate, by their reduction on one
+    # process (semantics §11): TRL's "bnpo" and "dapo", OpenRLHF's "ppo"
+    "bnpo": LossType("vanilla", "token-mean", True),
+    "dapo": LossType("vanilla", "token-mean", True),
+    "ppo": LossType("vanilla", "token-mean", True),
     # a sequence's ratio (gspo), a per-sequence loss (geo_mean, whose aggregation is then the
     # KL and entropy terms') or a batch-wide pick (clip_cov, kl_cov): two passes
     "gspo": LossType("gspo", "token-mean", False),
@@ -899,7 +904,8 @@ def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, mask=N
     `truncation`, `dro_beta`, `cov_ratio`, `cov_bounds`, `kl_cov_coef`, `generator`), or
     "grpo": "vanilla" with default aggregation "seq-mean-token-mean" (each response's mean over
     its tokens, then the mean over responses with a token that counts: DeepSeekMath's GRPO,
-    TRL's `loss_type="grpo"`). The default aggregation is "token-mean" otherwise; geo_mean's
+    TRL's `loss_type="grpo"`); "bnpo", "dapo" (TRL) and "ppo" (OpenRLHF): "vanilla", their
+    token mean on one process. The default aggregation is "token-mean" otherwise; geo_mean's
     policy term is its own mean over sequences, and `aggregation` (default
     "seq-mean-token-mean") aggregates its KL and entropy terms.
 
@@ -988,7 +994,7 @@ def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, mask=N
         loss, metrics = _two_pass(a, labels, temperature, ignore_index, keep, cu, *flat, w,
                                   pl_args, (kl_coef, kl_kind, kl_clamp, entropy_coef), dt)
         return loss, {k: v.detach().float() for k, v in metrics.items()}
-    full = loss_type not in ("vanilla", "grpo")
+    full = kind.name != "vanilla"
     floating = [t is not None and call.grad and t.requires_grad for t in
                 (a.hidden, a.weight, a.bias, *flat)]
     po = PolicyOptions(float(temperature), ignore_index, a.chunk_size,

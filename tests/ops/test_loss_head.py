@@ -215,6 +215,9 @@ def test_linear_policy_loss_matches_reference(backend, case, packed):
 TYPE_CASES = [
     dict(loss_type="vanilla", delta=2.0, clip_high=0.28),
     dict(loss_type="grpo", ratio_level="sequence"),
+    dict(loss_type="dapo", clip_high=0.28),
+    dict(loss_type="bnpo"),
+    dict(loss_type="ppo", dual_clip=3.0),
     dict(loss_type="gspo", clip_low=3e-4, clip_high=4e-4),
     dict(loss_type="sapo", tau_pos=1.0, tau_neg=1.05),
     dict(loss_type="sapo", ratio_level="sequence", aggregation="seq-mean-token-sum"),
@@ -243,7 +246,8 @@ def composed(hidden, weight, bias, labels, old, adv, ref, mask, cu, kw):
                                         return_entropy=True, backend="loop")
     keep = mask & (labels != -100)
     pg, _ = rl_triton.policy_loss(
-        lp, old, adv, keep, loss_type="vanilla" if name == "grpo" else name,
+        lp, old, adv, keep,
+        loss_type="vanilla" if name in ("grpo", "bnpo", "dapo", "ppo") else name,
         aggregation="seq-mean" if name == "geo_mean" else agg, cu_seqlens=cu,
         generator=torch.Generator().manual_seed(5), backend="loop", out_dtype=torch.float64,
         **kw)
