@@ -119,23 +119,26 @@ def _blocks(index) -> int:
         return 0
 
 
-def _groups(index, device):
-    """verl's `index` (an array of prompt ids, often uuid strings) as `group_advantages`'
-    grouping (`group_size=n` for consecutive blocks of n, else `group_index`, ids 0..G-1), and
-    whether each response is its group's only one (None where none is)."""
-    if not isinstance(index, Tensor):
-        n = _blocks(index)
-        if n:
-            lone = torch.ones(len(index), dtype=torch.bool, device=device) if n == 1 else None
-            return dict(group_size=n), lone
+def _ids(index, device):
+    """verl's `index` (an array of prompt ids, often uuid strings, or a tensor) as integer ids
+    0..G-1 and each group's size, on `device`."""
     if isinstance(index, Tensor):
         _, ids, counts = torch.unique(index, return_inverse=True, return_counts=True)
-        ids, lone = ids.to(device), (counts[ids] == 1).to(device)
-    else:
-        _, ids, counts = np.unique(np.asarray(index), return_inverse=True, return_counts=True)
-        ids = torch.as_tensor(ids.reshape(-1), device=device)
-        lone = torch.as_tensor(counts, device=device)[ids] == 1
-    return dict(group_index=ids), lone
+        return ids.reshape(-1).to(device), counts.to(device)
+    _, ids, counts = np.unique(np.asarray(index), return_inverse=True, return_counts=True)
+    return torch.as_tensor(ids.reshape(-1), device=device), torch.as_tensor(counts, device=device)
+
+
+def _groups(index, device):
+    """verl's `index` as `group_advantages`' grouping (`group_size=n` for consecutive blocks of
+    n, else `group_index`, ids 0..G-1), and whether each response is its group's only one (None
+    where none is)."""
+    n = 0 if isinstance(index, Tensor) else _blocks(index)
+    if n:
+        lone = torch.ones(len(index), dtype=torch.bool, device=device) if n == 1 else None
+        return dict(group_size=n), lone
+    ids, counts = _ids(index, device)
+    return dict(group_index=ids), counts[ids] == 1
 
 
 def _per_token(a: Tensor, token_level_rewards: Tensor, response_mask: Tensor) -> Tensor:
@@ -208,13 +211,7 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: Tensor,
 def _index(index, device):
     """verl's `index` as integer ids 0..G-1, the number of groups G and each response's group
     size."""
-    if isinstance(index, Tensor):
-        _, ids = torch.unique(index, return_inverse=True)
-        ids = ids.to(device)
-    else:
-        ids = torch.as_tensor(np.unique(np.asarray(index), return_inverse=True)[1].reshape(-1),
-                              device=device)
-    counts = torch.bincount(ids)
+    ids, counts = _ids(index, device)
     return ids, counts.numel(), counts[ids]
 
 
