@@ -23,7 +23,7 @@ try:
 except ImportError as e:  # .ci/run installs them; elsewhere say how
     pytest.skip(f"{e}", allow_module_level=True)
 
-from test_integrations_llm import _index, assert_same, rows  # noqa: E402
+from test_integrations_llm import _blocks_index, _index, assert_same, rows  # noqa: E402
 
 
 @pytest.fixture(params=["torch", "triton"])
@@ -51,16 +51,21 @@ CASES = {  # name -> (args after (rewards, mask)) built from (B, T, mask, index)
     "compute_gpg_outcome_advantage": lambda B, T, m, ix: ((ix,), {"f_norm": 2.0}),
     "compute_gdpo_outcome_advantage": lambda B, T, m, ix: ((ix,), {}),
     "compute_grpo_passk_outcome_advantage": lambda B, T, m, ix: (
-        (_passk_index(B),), {"config": Config(norm_adv_by_std_in_grpo=True)}),
+        (ix,), {"config": Config(norm_adv_by_std_in_grpo=True)}),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("kind", ["multi-turn", "padded"])
-def test_verl_group_estimators(name, kind, device):
-    B, T = 13, 17
+@pytest.mark.parametrize("layout", ["any order", "blocks"])
+def test_verl_group_estimators(name, kind, layout, device):
+    """Each against verl; `blocks`: verl's rollout layout, a prompt's 3 responses side by side
+    (the drop-ins' path without a sort)."""
+    B, T = 15, 17
     r, _, m = rows(B, T, device, kind=kind)
-    args, kw = CASES[name](B, T, m, _index(B))
+    passk = "passk" in name
+    ix = _blocks_index(B)[0] if layout == "blocks" else _passk_index(B) if passk else _index(B)
+    args, kw = CASES[name](B, T, m, ix)
     for dtype in (torch.float32, torch.int64, torch.bool):
         want = getattr(FW.verl, name)(r, m.to(dtype), *args, **kw)
         got = getattr(our_verl, name)(r, m.to(dtype), *args, **kw)
@@ -115,7 +120,7 @@ OTB = ["compute_optimal_token_baseline_advantage",
 @pytest.mark.parametrize("name", OTB)
 @pytest.mark.parametrize("kind", ["multi-turn", "padded"])
 def test_verl_optimal_token_baseline(name, kind, backend, device):
-    B, T = 13, 17
+    B, T = 15, 17
     r, _, m = rows(B, T, device, kind=kind)
     g = torch.Generator().manual_seed(3)
     old = (-3 * torch.rand(B, T, generator=g)).to(device)
@@ -123,7 +128,7 @@ def test_verl_optimal_token_baseline(name, kind, backend, device):
     isw = (0.5 + torch.rand(B, T, generator=g)).to(device)
     full = backend == "torch" or torch.cuda.is_available()  # one case through the interpreter
     dtypes = (torch.float32, torch.bool) if full else (torch.float32,)
-    for ix in (_index(B), _passk_index(B)) if full else (_index(B),):
+    for ix in (_index(B), _passk_index(B), _blocks_index(B)[0]) if full else (_index(B),):
         for w in (None, isw) if full else (isw,):
             for tail in (True, False) if full else (True,):
                 for dtype in dtypes:

@@ -119,12 +119,18 @@ def _blocks(index) -> int:
         return 0
 
 
-def _ids(index, device):
+def _ids(index, device, n=None):
     """verl's `index` (an array of prompt ids, often uuid strings, or a tensor) as integer ids
-    0..G-1 and each group's size, on `device`."""
+    0..G-1 and each group's size, on `device`; `n`: `_blocks(index)` where known. Consecutive
+    blocks need no sort and no copy to the device."""
     if isinstance(index, Tensor):
         _, ids, counts = torch.unique(index, return_inverse=True, return_counts=True)
         return ids.reshape(-1).to(device), counts.to(device)
+    n = _blocks(index) if n is None else n
+    if n:
+        B = len(index)
+        return (torch.arange(B, device=device) // n,
+                torch.full((B // n,), n, dtype=torch.int64, device=device))
     _, ids, counts = np.unique(np.asarray(index), return_inverse=True, return_counts=True)
     return torch.as_tensor(ids.reshape(-1), device=device), torch.as_tensor(counts, device=device)
 
@@ -137,7 +143,7 @@ def _groups(index, device):
     if n:
         lone = torch.ones(len(index), dtype=torch.bool, device=device) if n == 1 else None
         return dict(group_size=n), lone
-    ids, counts = _ids(index, device)
+    ids, counts = _ids(index, device, 0)
     return dict(group_index=ids), counts[ids] == 1
 
 
@@ -261,10 +267,11 @@ def compute_rloo_vectorized_outcome_advantage(token_level_rewards: Tensor, respo
     """verl's `compute_rloo_vectorized_outcome_advantage`: RLOO, but a lone response gets 0
     (`compute_rloo_outcome_advantage` keeps its score): `(advantages, advantages)`."""
     scores = token_level_rewards.sum(dim=-1)
-    ids, _, counts = _index(index, scores.device)
-    a = rl_triton.group_advantages(scores, ids, baseline="leave_one_out", scale="none",
+    groups, lone = _groups(index, scores.device)
+    a = rl_triton.group_advantages(scores, **groups, baseline="leave_one_out", scale="none",
                                    backend=backend)
-    a = torch.where(counts > 1, a, 0.0)
+    if lone is not None:
+        a = torch.where(lone, 0.0, a)
     out = _per_token(a.to(scores.dtype), token_level_rewards, response_mask)
     return out, out
 
