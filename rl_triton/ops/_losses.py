@@ -116,6 +116,16 @@ def seq_weights(aggregation: str, mask: Optional[Tensor], cu: Optional[Tensor], 
     return seq, scale, ref if cu is None else cu, S, max(S - 1, 0).bit_length()
 
 
+def saved_seq_weights(aggregation: str, cu: Optional[Tensor], ref: Tensor, scale: Tensor):
+    """`seq_weights` in a backward, from the weights its forward saved (`scale`), not formed
+    again."""
+    seq = seq_kind(aggregation, cu)
+    if seq == NO_SEQ:
+        return seq, ref, ref, 0, 0
+    S = scale.shape[0]
+    return seq, scale, ref if cu is None else cu, S, max(S - 1, 0).bit_length()
+
+
 def aggregate(l: Tensor, m: Optional[Tensor], aggregation: str, cu: Optional[Tensor]) -> Tensor:
     """The torch backend's aggregation of per-position losses `l` over `m` (bool or None)."""
     lm = l if m is None else torch.where(m, l, 0.0)
@@ -164,9 +174,9 @@ class Layout(NamedTuple):
     INT64: bool
 
 
-def layout(shape: tuple, *xs: Optional[Tensor], plan: Optional[Plan] = None) -> Layout:
+def layout(shape: tuple, *xs: Optional[Tensor], plan=None) -> Layout:
     """Where the per-position tensors `xs` (all of `shape`; None: unused, given `xs[0]`'s
-    place) are read. With `plan` (a forward's: its signature fixes every stride) the strides
+    place) are read. With `plan` (a forward's or a `Site`: its key fixes every stride) the strides
     and flags are computed once and the tensors passed as they are (a kernel reads only their
     address) or, where no two strides describe them, copied."""
     memo = None if plan is None else plan.memo.get("layout")
@@ -212,6 +222,36 @@ def fixed(plan: Optional[Plan], build, *args):
     return f
 
 
+class Site:
+    """A launch site's own memo in a forward's plan (`site`): `launch` keeps its compiled kernel
+    there and `layout` its strides, where the site's specialization is not the forward's."""
+    __slots__ = ("memo",)
+
+    def __init__(self):
+        self.memo = {}
+
+
+def site(plan: Optional[Plan], *key) -> Optional[Site]:
+    """The plan's `Site` under `key`; None without a plan (the custom op's calls)."""
+    if plan is None:
+        return None
+    s = plan.memo.get(key)
+    if s is None:
+        s = plan.memo[key] = Site()
+    return s
+
+
+def backward_site(plan: Optional[Plan], needs, *grads: Optional[Tensor]) -> Optional[Site]:
+    """The `site` of a backward's launch. The forward's signature fixes its specialization but
+    for the gradients asked for and the incoming gradients' dtype, alignment and strides: with
+    those in the key, the backward's launch skips Triton's per-argument key as the forward's
+    does."""
+    if plan is None:
+        return None
+    return site(plan, "backward", *needs, *[
+        None if g is None else (g.dtype, g.data_ptr() % 16 == 0, g.stride()) for g in grads])
+
+
 SMALL = 256  # elements of the largest template a plan keeps
 
 
@@ -232,10 +272,11 @@ def block(n: int) -> int:
     return max(16, min(MAX_BLOCK, next_power_of_2(max(n, 1))))
 
 
-def launch(kernel, programs: int, *args, plan: Optional[Plan] = None, **meta) -> None:
+def launch(kernel, programs: int, *args, plan=None, **meta) -> None:
     """`kernel` on `programs` programs, on the device of the tensors (`meta`: constexprs), by
     `scan.launch.launch` (the compiled kernel after the first call); `plan`: a forward's, whose
-    signature fixes the launch's specialization (the compiled kernel kept in its memo)."""
+    signature fixes the launch's specialization, or a `Site` (the compiled kernel kept in its
+    memo)."""
     if programs == 0:
         return
     device = next(a.device for a in args if isinstance(a, Tensor))

@@ -104,12 +104,14 @@ def backward(x: Inputs, o: Options, saved, grads, needs, plan=None):
     lp, ref = x
     outs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) if need else None
             for t, need in zip(x, needs)]
-    lay = L.layout(tuple(lp.shape), lp, ref, grads[0])
+    at = L.backward_site(plan, needs, *grads)
+    lay = L.layout(tuple(lp.shape), lp, ref, grads[0], plan=at)
     N = lp.numel()
     meta = _meta(o, lay, N)
     L.launch(backward_kernel, cdiv(N, meta["BLOCK"]), *lay.tensors,
              *(lay.tensors[0] if t is None else t for t in outs), N, lay.C, *lay.strides,
-             0.0 if o.clamp is None else o.clamp, D_LP=needs[0], D_REF=needs[1], **meta)
+             0.0 if o.clamp is None else o.clamp, D_LP=needs[0], D_REF=needs[1], **meta,
+             plan=at)
     return outs
 
 

@@ -527,14 +527,6 @@ def _fixed(x: Tensors, o: Options):
                  num_warps=L.NUM_WARPS), o.aggregation == "token-mean")
 
 
-class _Finish:
-    """The second and third `finish` launches' memo (their specialization, WRITE_LOSS off,
-    can differ from the first's: `scan.launch.launch` keeps one compiled kernel per memo)."""
-
-    def __init__(self):
-        self.memo = {}
-
-
 def forward(x: Tensors, o: Options, plan=None):
     lp = x.log_probs
     dev = lp.device
@@ -552,10 +544,9 @@ def forward(x: Tensors, o: Options, plan=None):
              *lay.strides, *scalars, FLAT=lay.FLAT, INT64=lay.INT64, **meta, plan=plan)
     L.finish(parts[0], loss, inv, (metrics[0], metrics[1]), mean=mean,
              write_loss=o.aggregation != "none", plan=plan)
-    rest = None if plan is None else plan.memo.get(_Finish)
-    if rest is None and plan is not None:
-        rest = plan.memo[_Finish] = _Finish()
-    # (each block's count is the first's: `inv` written again, with the same value)
+    # (their specialization, WRITE_LOSS off, is not the first's; each block's count is the
+    # first's: `inv` written again, with the same value)
+    rest = L.site(plan, "finish")
     L.finish(parts[1], loss, inv, (metrics[2], metrics[3]), mean=mean, write_loss=False,
              plan=rest)
     L.finish(parts[2], loss, inv, (metrics[4], metrics[5]), mean=mean, write_loss=False,
@@ -569,15 +560,14 @@ def backward(x: Tensors, o: Options, saved, grads, needs, plan=None):
     inv, scale = saved
     g_loss = grads[0]
     n_lp, n_old, n_adv, _, n_w, n_ld = needs[:6]
-    seq, _, cu, S, steps = _seq(x, o)
-    if seq == L.NO_SEQ:
-        scale = lp
+    seq, scale, cu, S, steps = L.saved_seq_weights(o.aggregation, x.cu_seqlens, lp, scale)
     ins = (lp, x.old_log_probs, x.advantages, x.weights, x.log_ratio)
     outs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) if need and t is not None
             else None for t, need in zip(ins, (n_lp, n_old, n_adv, n_w, n_ld))]
     per_position = o.aggregation == "none"
+    at = L.backward_site(plan, needs, g_loss)
     lay = L.layout(tuple(lp.shape), lp, x.old_log_probs, x.advantages, x.mask, x.weights,
-                   x.log_ratio, x.selected, g_loss if per_position else None)
+                   x.log_ratio, x.selected, g_loss if per_position else None, plan=at)
     N = lp.numel()
     bl = L.block(N)
     dummy = lay.tensors[0]
@@ -588,7 +578,7 @@ def backward(x: Tensors, o: Options, saved, grads, needs, plan=None):
              *_scalars(o), **_meta(x, o), MEAN=o.aggregation == "token-mean",
              HAS_G=g_loss is not None, D_LP=d_lp is not None, D_OLD=d_old is not None,
              D_ADV=d_adv is not None, D_W=d_w is not None, D_LD=d_ld is not None,
-             FLAT=lay.FLAT, INT64=lay.INT64, BLOCK=bl, num_warps=L.NUM_WARPS)
+             FLAT=lay.FLAT, INT64=lay.INT64, BLOCK=bl, num_warps=L.NUM_WARPS, plan=at)
     return [d_lp, d_old, d_adv, None, d_w, d_ld, None, None]
 
 

@@ -169,14 +169,13 @@ def backward(x: Inputs, o: Options, saved, grads, needs, plan=None):
     inv, scale = saved
     g_loss, _, g_kl = grads
     n_lp, n_old, n_adv = needs[:3]
-    seq, _, cu, S, steps = _seq(x, o)
-    if seq == L.NO_SEQ:
-        scale = lp
+    seq, scale, cu, S, steps = L.saved_seq_weights(o.aggregation, x.cu_seqlens, lp, scale)
     outs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) if need else None
             for t, need in zip((lp, x.old_log_probs, x.advantages), (n_lp, n_old, n_adv))]
     per_position = o.aggregation == "none"
+    at = L.backward_site(plan, needs, *grads)
     lay = L.layout(tuple(lp.shape), lp, x.old_log_probs, x.advantages, x.mask,
-                   g_loss if per_position else None)
+                   g_loss if per_position else None, plan=at)
     N = lp.numel()
     bl = L.block(N)
     dummy = lay.tensors[0]
@@ -187,7 +186,7 @@ def backward(x: Inputs, o: Options, saved, grads, needs, plan=None):
              SEQ=seq, DUAL=o.dual_clip is not None, PER_POSITION=per_position,
              MEAN=o.aggregation == "token-mean", HAS_G=g_loss is not None,
              HAS_GKL=g_kl is not None, D_LP=n_lp, D_OLD=n_old, D_ADV=n_adv, FLAT=lay.FLAT,
-             INT64=lay.INT64, BLOCK=bl, num_warps=L.NUM_WARPS)
+             INT64=lay.INT64, BLOCK=bl, num_warps=L.NUM_WARPS, plan=at)
     return outs + [None, None]
 
 

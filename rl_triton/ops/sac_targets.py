@@ -228,12 +228,13 @@ def backward(x: Inputs, o: Options, saved, grads, needs, plan=None):
     dlp_s = (vw.A, 1) if discrete else (1, 0)
     dummy = vw.tensors[0]
     alpha_t, alpha = _alpha(x, o, dummy)
+    at = L.backward_site(plan, needs, g)
     g = _samples(g, vw.N, ())
     L.launch(backward_kernel, programs, *vw.tensors[1:], alpha_t, g,
              *(dummy if t is None else t for t in (d_r, d_q, d_lp, d_p)), parts, vw.N, vw.A,
              vw.K, *vw.strides[1:], g.stride(0), *dq_s, *dlp_s, vw.A, 1,
              o.gamma, alpha, HAS_PROBS=discrete, ALPHA_TENSOR=x.alpha is not None, D_R=n_r,
-             D_Q=n_q, D_LP=n_lp, D_P=n_p, D_ALPHA=n_alpha, INT64=vw.INT64, **meta)
+             D_Q=n_q, D_LP=n_lp, D_P=n_p, D_ALPHA=n_alpha, INT64=vw.INT64, **meta, plan=at)
     d_alpha = parts.sum().reshape(x.alpha.shape).to(x.alpha.dtype) if n_alpha else None
     return [d_r, None, d_q, d_lp, d_p, d_alpha]
 

@@ -173,12 +173,11 @@ def backward(x: Inputs, o: Options, saved, grads, needs, plan=None):
     n_v, n_ret, n_old = needs[:3]
     outs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) if need else None
             for t, need in zip((v, x.returns, x.old_values), (n_v, n_ret, n_old))]
-    _, cu, S, steps = _seq(x, o)  # (the scale is the forward's)
-    if L.seq_kind(o.aggregation, x.cu_seqlens) == L.NO_SEQ:
-        scale = v
+    _, scale, cu, S, steps = L.saved_seq_weights(o.aggregation, x.cu_seqlens, v, scale)
     per_position = o.aggregation == "none"
+    at = L.backward_site(plan, needs, *grads)
     lay = L.layout(tuple(v.shape), v, x.returns, x.old_values, x.mask,
-                   g_loss if per_position else None)
+                   g_loss if per_position else None, plan=at)
     N = v.numel()
     bl = L.block(N)
     dummy = lay.tensors[0]
@@ -187,7 +186,7 @@ def backward(x: Inputs, o: Options, saved, grads, needs, plan=None):
              *(dummy if t is None else t for t in outs), N, lay.C, S, steps, *lay.strides,
              *_scalars(o), **_flags(x, o), MEAN=o.aggregation == "token-mean", D_V=n_v,
              D_RET=n_ret, D_OLD=n_old, FLAT=lay.FLAT, INT64=lay.INT64, BLOCK=bl,
-             num_warps=L.NUM_WARPS)
+             num_warps=L.NUM_WARPS, plan=at)
     return outs + [None, None]
 
 
