@@ -26,6 +26,19 @@ import math
 import torch
 
 
+def _exp(v: float) -> float:
+    """math.exp with torch's value past the double's range (inf), not OverflowError."""
+    try:
+        return math.exp(v)
+    except OverflowError:
+        return math.inf
+
+
+def _log(v: float) -> float:
+    """math.log with torch's values at 0 (-inf) and below it or at NaN (NaN), not ValueError."""
+    return math.log(v) if v > 0 else -math.inf if v == 0 else math.nan
+
+
 def _prep(dtype, *xs):
     """Cast values to `dtype` (None stays None)."""
     return [None if x is None else x.to(dtype) for x in xs]
@@ -562,7 +575,7 @@ def rollout_correction(log_probs, rollout_log_probs, mask=None, *, level="token"
     def ratio(s):
         if log_ratio_clamp is not None:
             s = min(max(s, -log_ratio_clamp), log_ratio_clamp)
-        return math.exp(s)
+        return _exp(s)
 
     def token(t):
         d = lpf[t] - rpf[t]
@@ -656,12 +669,12 @@ def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, weights=None
         elif loss_type == "dro":
             l = -(x * a - 0.5 * dro_beta * raw * raw)
         elif loss_type in ("dppo_tv", "dppo_kl"):
-            p, q = math.exp(float(x.detach())), math.exp(float(o.detach()))
+            p, q = _exp(float(x.detach())), _exp(float(o.detach()))
             if loss_type == "dppo_tv":
                 ok = p - q <= clip_high if av > 0 else p - q >= -clip_low
             else:
                 xf, of = float(x.detach()), float(o.detach())
-                bkl = q * (of - xf) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8))
+                bkl = q * (of - xf) + (1 - q) * _log((1 - q + 1e-8) / (1 - p + 1e-8))
                 ok = (bkl <= clip_high or p <= q) if av > 0 else (bkl <= clip_low or p >= q)
             l = -a * min(rv, truncation) * x if ok else zero
             clip, lower = not ok, ok and rv > truncation

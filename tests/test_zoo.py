@@ -231,6 +231,19 @@ def test_rollout_correction_reference_and_packed(options, device):
     assert torch.equal(kp.reshape(B, T), keep) and torch.allclose(wp.reshape(B, T), w)
 
 
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric", "max"])
+def test_rollout_correction_loop_past_exp_range(level):
+    """Log-ratios whose sum is past exp's range in float64, without a clamp: the loop backend
+    gives the torch backend's weights (inf truncated to `high`, or rejected), not OverflowError."""
+    old = torch.tensor([[400.0, 400.0, -1.0], [-1.0, -2.0, -3.0]], dtype=torch.float64)
+    roll = torch.zeros_like(old)
+    for mode in ("truncate", "mask"):
+        kw = dict(level=level, mode=mode, high=2.0, log_ratio_clamp=None)
+        w, keep = rl_triton.rollout_correction(old, roll, None, backend="loop", **kw)
+        w_t, keep_t = rl_triton.rollout_correction(old, roll, None, backend="torch", **kw)
+        assert torch.equal(keep, keep_t) and torch.allclose(w, w_t, rtol=1e-12, atol=0)
+
+
 @pytest.mark.parametrize("options", OPTIONS[::5], ids=str)
 def test_rollout_correction_kernel(options, device):
     """The kernel (the interpreter on CPU) against the torch backend, rows and packed."""

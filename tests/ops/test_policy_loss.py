@@ -600,7 +600,7 @@ def test_smallest_and_empty(backend):
                         assert g is None or g.abs().max() == 0
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
 def test_masked_nonfinite(backend):
     """NaN / inf at masked positions reach neither the loss nor any gradient."""
     *xs, mask = batch(B=3, T=11, seed=2)
@@ -615,6 +615,22 @@ def test_masked_nonfinite(backend):
             b = call(backend, [x.clone().requires_grad_(True) for x in bad], mask, t, level,
                      agg, torch.float32)
             compare(b, a, 1e-6)
+
+
+def test_backends_agree_on_log_probabilities_above_zero():
+    """A log-probability above 0 (no probability: dppo_kl's binary KL takes the log of a
+    negative number) or past exp's range in float64, at a position that counts: the loop backend
+    gives the torch backend's values, not Python's math errors."""
+    *xs, mask = batch(B=3, T=11, seed=4, dtype=torch.float64)
+    xs = [x.detach().clone() for x in xs]
+    xs[1][mask] = xs[1][mask].abs() * 0.5  # old log-probabilities above 0
+    xs[0][1, mask[1].nonzero()[0, 0]] = 800.0  # exp overflows a double
+    for t, level in CASES:
+        for agg in aggs_for(t)[:1]:
+            compare(call("loop", [x.clone().requires_grad_(True) for x in xs], mask, t, level,
+                         agg, torch.float64),
+                    call("torch", [x.clone().requires_grad_(True) for x in xs], mask, t, level,
+                         agg, torch.float64), 1e-10)
 
 
 # gspo, cispo and the dppo losses stop gradients by design (their gradient is not the value's
