@@ -356,11 +356,15 @@ def minimum(x, y):
 
 
 @triton.jit
-def finish_kernel(parts, n, loss, inv, metric_a, metric_b, K: tl.constexpr,
+def finish_kernel(parts, n, loss, inv, m0, m1, m2, m3, m4, m5, K: tl.constexpr,
                   MEAN: tl.constexpr, WRITE_LOSS: tl.constexpr, BLOCK: tl.constexpr):
-    """The partial sums `parts` [n, K] (columns: positions counted, weighted loss, then the
-    metrics to average) added in a fixed order: inv = 1 / max(count, 1), the loss (times inv
-    for a token mean), and the metrics' means."""
+    """The partial sums `parts` [R, n, K] of a forward kernel's R blocks (columns: positions
+    counted, weighted loss, then two metrics to average), one program a block, each added in a
+    fixed order: inv = 1 / max(count, 1) (every block counts the same positions: each program
+    writes the same value), the loss (block 0's; times inv for a token mean), and block b's two
+    metrics' means into m(2b) and m(2b + 1)."""
+    b = tl.program_id(0)
+    parts += b * n * K
     cols = tl.arange(0, K)
     acc = tl.zeros([BLOCK, K], tl.float32)
     for start in range(0, n, BLOCK):
@@ -371,23 +375,36 @@ def finish_kernel(parts, n, loss, inv, metric_a, metric_b, K: tl.constexpr,
     scale = 1.0 / tl.maximum(tl.sum(tl.where(cols == 0, total, 0.0), axis=0), 1.0)
     tl.store(inv, scale)
     if WRITE_LOSS:
-        value = tl.sum(tl.where(cols == 1, total, 0.0), axis=0)
-        if MEAN:
-            value = value * scale
-        tl.store(loss, value.to(loss.dtype.element_ty))
+        if b == 0:
+            value = tl.sum(tl.where(cols == 1, total, 0.0), axis=0)
+            if MEAN:
+                value = value * scale
+            tl.store(loss, value.to(loss.dtype.element_ty))
     if K > 2:
-        tl.store(metric_a, (tl.sum(tl.where(cols == 2, total, 0.0), axis=0) * scale).to(
-            metric_a.dtype.element_ty))
-        tl.store(metric_b, (tl.sum(tl.where(cols == 3, total, 0.0), axis=0) * scale).to(
-            metric_b.dtype.element_ty))
+        first = tl.sum(tl.where(cols == 2, total, 0.0), axis=0) * scale
+        second = tl.sum(tl.where(cols == 3, total, 0.0), axis=0) * scale
+        if b == 0:
+            tl.store(m0, first.to(m0.dtype.element_ty))
+            tl.store(m1, second.to(m1.dtype.element_ty))
+        elif b == 1:
+            tl.store(m2, first.to(m2.dtype.element_ty))
+            tl.store(m3, second.to(m3.dtype.element_ty))
+        else:
+            tl.store(m4, first.to(m4.dtype.element_ty))
+            tl.store(m5, second.to(m5.dtype.element_ty))
+
+
+MAX_FINISH_BLOCKS = 3  # finish_kernel's metric pointers: two per block
 
 
 def finish(parts: Tensor, loss: Tensor, inv: Tensor, metrics: tuple = (), *,
            mean: bool, write_loss: bool = True, plan: Optional[Plan] = None) -> None:
-    """`finish_kernel` over the partial sums of a forward kernel (metrics: none or two)."""
-    a, b = metrics or (inv, inv)
+    """`finish_kernel` over the partial sums of a forward kernel, in one launch: `parts` [n, K]
+    or [R, n, K] (R blocks, R <= MAX_FINISH_BLOCKS), `metrics` none or two per block."""
+    blocks = parts.shape[0] if parts.ndim == 3 else 1
+    ms = list(metrics) + [inv] * (2 * MAX_FINISH_BLOCKS - len(metrics))
     # 1024 partial sums a pass: 8 passes at 2^24 positions, 1 at 2^21
-    launch(finish_kernel, 1, parts, parts.shape[0], loss, inv, a, b, K=parts.shape[1],
+    launch(finish_kernel, blocks, parts, parts.shape[-2], loss, inv, *ms, K=parts.shape[-1],
            MEAN=mean, WRITE_LOSS=write_loss, BLOCK=1024, num_warps=8, plan=plan)
 
 

@@ -542,15 +542,9 @@ def forward(x: Tensors, o: Options, plan=None):
         torch.zeros((3, 1, 4), dtype=torch.float32, device=dev)
     L.launch(forward_kernel, programs, *lay.tensors, scale, cu, loss, parts, N, lay.C, S, steps,
              *lay.strides, *scalars, FLAT=lay.FLAT, INT64=lay.INT64, **meta, plan=plan)
-    L.finish(parts[0], loss, inv, (metrics[0], metrics[1]), mean=mean,
-             write_loss=o.aggregation != "none", plan=plan)
-    # (their specialization, WRITE_LOSS off, is not the first's; each block's count is the
-    # first's: `inv` written again, with the same value)
-    rest = L.site(plan, "finish")
-    L.finish(parts[1], loss, inv, (metrics[2], metrics[3]), mean=mean, write_loss=False,
-             plan=rest)
-    L.finish(parts[2], loss, inv, (metrics[4], metrics[5]), mean=mean, write_loss=False,
-             plan=rest)
+    # the three blocks in one launch (each block's count is the first's)
+    L.finish(parts, loss, inv, tuple(metrics), mean=mean, write_loss=o.aggregation != "none",
+             plan=plan)
     # (no sequence weights: a placeholder, the backward reads none; eagerly `inv` itself)
     return [loss, *metrics[:5]], [inv, scale if seq else inv if plan else inv.new_empty(0)]
 
