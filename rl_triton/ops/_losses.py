@@ -357,12 +357,13 @@ def minimum(x, y):
 
 @triton.jit
 def finish_kernel(parts, n, loss, inv, m0, m1, m2, m3, m4, m5, K: tl.constexpr,
-                  MEAN: tl.constexpr, WRITE_LOSS: tl.constexpr, BLOCK: tl.constexpr):
+                  METRICS: tl.constexpr, MEAN: tl.constexpr, WRITE_LOSS: tl.constexpr,
+                  BLOCK: tl.constexpr):
     """The partial sums `parts` [R, n, K] of a forward kernel's R blocks (columns: positions
     counted, weighted loss, then two metrics to average), one program a block, each added in a
     fixed order: inv = 1 / max(count, 1) (every block counts the same positions: each program
     writes the same value), the loss (block 0's; times inv for a token mean), and block b's two
-    metrics' means into m(2b) and m(2b + 1)."""
+    metrics' means into m(2b) and m(2b + 1), the first METRICS of them."""
     b = tl.program_id(0)
     parts += b * n * K
     cols = tl.arange(0, K)
@@ -391,7 +392,8 @@ def finish_kernel(parts, n, loss, inv, m0, m1, m2, m3, m4, m5, K: tl.constexpr,
             tl.store(m3, second.to(m3.dtype.element_ty))
         else:
             tl.store(m4, first.to(m4.dtype.element_ty))
-            tl.store(m5, second.to(m5.dtype.element_ty))
+            if METRICS > 5:
+                tl.store(m5, second.to(m5.dtype.element_ty))
 
 
 MAX_FINISH_BLOCKS = 3  # finish_kernel's metric pointers: two per block
@@ -400,12 +402,14 @@ MAX_FINISH_BLOCKS = 3  # finish_kernel's metric pointers: two per block
 def finish(parts: Tensor, loss: Tensor, inv: Tensor, metrics: tuple = (), *,
            mean: bool, write_loss: bool = True, plan: Optional[Plan] = None) -> None:
     """`finish_kernel` over the partial sums of a forward kernel, in one launch: `parts` [n, K]
-    or [R, n, K] (R blocks, R <= MAX_FINISH_BLOCKS), `metrics` none or two per block."""
+    or [R, n, K] (R blocks, R <= MAX_FINISH_BLOCKS), `metrics` none or two per block (the
+    last block's second may be left out)."""
     blocks = parts.shape[0] if parts.ndim == 3 else 1
     ms = list(metrics) + [inv] * (2 * MAX_FINISH_BLOCKS - len(metrics))
     # 1024 partial sums a pass: 8 passes at 2^24 positions, 1 at 2^21
     launch(finish_kernel, blocks, parts, parts.shape[-2], loss, inv, *ms, K=parts.shape[-1],
-           MEAN=mean, WRITE_LOSS=write_loss, BLOCK=1024, num_warps=8, plan=plan)
+           METRICS=len(metrics), MEAN=mean, WRITE_LOSS=write_loss, BLOCK=1024, num_warps=8,
+           plan=plan)
 
 
 # ---- the op's plan and value checks -------------------------------------------------------------

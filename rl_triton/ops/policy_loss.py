@@ -533,7 +533,7 @@ def forward(x: Tensors, o: Options, plan=None):
     N, programs, loss_shape, scalars, meta, mean = L.fixed(plan, _fixed, x, o)
     seq, scale, cu, S, steps = _seq(x, o)
     loss = L.new(plan, loss_shape, o.out_dtype, dev)
-    metrics = [L.new(plan, (), o.out_dtype, dev) for _ in range(6)]
+    metrics = [L.new(plan, (), o.out_dtype, dev) for _ in range(5)]
     inv = L.new(plan, (), torch.float32, dev)
     lay = L.layout(tuple(lp.shape), lp, x.old_log_probs, x.advantages, x.mask, x.weights,
                    x.log_ratio, x.selected, plan=plan)
@@ -542,11 +542,12 @@ def forward(x: Tensors, o: Options, plan=None):
         torch.zeros((3, 1, 4), dtype=torch.float32, device=dev)
     L.launch(forward_kernel, programs, *lay.tensors, scale, cu, loss, parts, N, lay.C, S, steps,
              *lay.strides, *scalars, FLAT=lay.FLAT, INT64=lay.INT64, **meta, plan=plan)
-    # the three blocks in one launch (each block's count is the first's)
+    # the three blocks in one launch (each block's count is the first's; the third block's
+    # second column is no metric)
     L.finish(parts, loss, inv, tuple(metrics), mean=mean, write_loss=o.aggregation != "none",
              plan=plan)
     # (no sequence weights: a placeholder, the backward reads none; eagerly `inv` itself)
-    return [loss, *metrics[:5]], [inv, scale if seq else inv if plan else inv.new_empty(0)]
+    return [loss, *metrics], [inv, scale if seq else inv if plan else inv.new_empty(0)]
 
 
 def backward(x: Tensors, o: Options, saved, grads, needs, plan=None):
