@@ -21,7 +21,8 @@ strides describe (a permuted 3-d view) is copied. Where every tensor of a call i
 kernels index them by the flat position alone.
 
 Reductions. Each program of a forward kernel writes its partial sums into one row of a small
-`[programs, K]` buffer, and one program of `finish_kernel` adds them in a fixed order: results
+`[programs, K]` buffer (one per block of sums), and one program of `finish_kernel` a block,
+all in one launch, adds them in a fixed order: results
 are deterministic bit for bit (no atomics), and nothing is read back to the host, so a call
 captures in a CUDA graph. The scalars the backward needs (1 / count) stay on the device.
 
