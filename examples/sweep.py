@@ -35,6 +35,7 @@ def main(argv=None):
     import tyro
 
     trainer = importlib.import_module(args.trainer)
+    started = None  # the second the last run started in: a trainer names its run's folder by it
     for seed in args.seeds.split(","):  # seeds outermost: a sweep cut short still covers every group
         for env_id in args.env_ids.split(","):
             for num_envs in args.num_envs.split(","):
@@ -42,6 +43,9 @@ def main(argv=None):
                     run = tyro.cli(trainer.Args, args=rest + [
                         "--env-id", env_id, "--num-envs", num_envs, "--seed", seed,
                         "--credit-backend", backend])
+                    while started == int(time.time()):  # two runs in one second: one folder
+                        time.sleep(0.05)
+                    started = int(time.time())
                     start = time.time()
                     print(f"# {args.trainer} {env_id} num_envs={num_envs} seed={seed} "
                           f"credit_backend={backend}", flush=True)
