@@ -108,18 +108,14 @@ def seq_scale(aggregation: str, m: Optional[Tensor], cu: Optional[Tensor], shape
 def seq_weights(aggregation: str, mask: Optional[Tensor], cu: Optional[Tensor], ref: Tensor):
     """(SEQ, scale, cu, S, STEPS): how the kernels weight a position's sequence (`seq_weight`);
     `ref` the per-position tensor whose shape the call has (also what unused slots point at)."""
-    seq = seq_kind(aggregation, cu)
-    if seq == NO_SEQ:
-        return seq, ref, ref, 0, 0
-    scale = seq_scale(aggregation, counted(mask), cu, tuple(ref.shape), torch.float32,
-                      ref.device)
-    S = scale.shape[0]
-    return seq, scale, ref if cu is None else cu, S, max(S - 1, 0).bit_length()
+    scale = ref if seq_kind(aggregation, cu) == NO_SEQ else seq_scale(
+        aggregation, counted(mask), cu, tuple(ref.shape), torch.float32, ref.device)
+    return saved_seq_weights(aggregation, cu, ref, scale)
 
 
 def saved_seq_weights(aggregation: str, cu: Optional[Tensor], ref: Tensor, scale: Tensor):
-    """`seq_weights` in a backward, from the weights its forward saved (`scale`), not formed
-    again."""
+    """`seq_weights` with the weights `scale` formed already (a backward's: its forward's,
+    saved)."""
     seq = seq_kind(aggregation, cu)
     if seq == NO_SEQ:
         return seq, ref, ref, 0, 0
@@ -224,33 +220,28 @@ def fixed(plan: Optional[Plan], build, *args):
 
 
 class Site:
-    """A launch site's own memo in a forward's plan (`site`): `launch` keeps its compiled kernel
-    there and `layout` its strides, where the site's specialization is not the forward's."""
+    """A launch site's own memo in a forward's plan (`backward_site`): `launch` keeps its
+    compiled kernel there and `layout` its strides, where the site's specialization is not the
+    forward's."""
     __slots__ = ("memo",)
 
     def __init__(self):
         self.memo = {}
 
 
-def site(plan: Optional[Plan], *key) -> Optional[Site]:
-    """The plan's `Site` under `key`; None without a plan (the custom op's calls)."""
+def backward_site(plan: Optional[Plan], needs, *grads: Optional[Tensor]) -> Optional[Site]:
+    """The `Site` of a backward's launch in its forward's plan; None without a plan (the custom
+    op's calls). The forward's signature fixes its specialization but for the gradients asked
+    for and the incoming gradients' dtype, alignment and strides: with those in the key, the
+    backward's launch skips Triton's per-argument key as the forward's does."""
     if plan is None:
         return None
+    key = ("backward", *needs, *[
+        None if g is None else (g.dtype, g.data_ptr() % 16 == 0, g.stride()) for g in grads])
     s = plan.memo.get(key)
     if s is None:
         s = plan.memo[key] = Site()
     return s
-
-
-def backward_site(plan: Optional[Plan], needs, *grads: Optional[Tensor]) -> Optional[Site]:
-    """The `site` of a backward's launch. The forward's signature fixes its specialization but
-    for the gradients asked for and the incoming gradients' dtype, alignment and strides: with
-    those in the key, the backward's launch skips Triton's per-argument key as the forward's
-    does."""
-    if plan is None:
-        return None
-    return site(plan, "backward", *needs, *[
-        None if g is None else (g.dtype, g.data_ptr() % 16 == 0, g.stride()) for g in grads])
 
 
 SMALL = 256  # elements of the largest template a plan keeps
