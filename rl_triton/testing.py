@@ -2,6 +2,9 @@
 of the vectorized torch implementations (a fast check of shapes too large for the loops)."""
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 
 from ._core.op import OPS, ops
@@ -112,6 +115,31 @@ FRAMEWORKS = {"verl": "0.9.1", "openrlhf": "0.11.2"}
 # Imported by those packages' modules but unused by the functions called (see docs/dev/frameworks.md):
 _STUBBED = ("ray", "tensordict", "tensordict.tensorclass", "transformers",
             "transformers.modeling_outputs", "orjson", "deepspeed")
+
+
+def spawn_ranks(fn, make_args, nprocs: int = 2) -> None:
+    """`torch.multiprocessing.spawn(fn, make_args(), nprocs)` for a test's gloo ranks, and once
+    more, with fresh arguments (a new port or store), if a rank died of a signal rather than
+    an exception: gloo's teardown aborted a rank once in CI ("terminate called without an active
+    exception") after the training's last collective. A rank that raises, or that dies twice,
+    fails the test."""
+    import warnings
+
+    from torch.multiprocessing import ProcessExitedException, spawn
+
+    try:
+        spawn(fn, args=make_args(), nprocs=nprocs)
+    except ProcessExitedException as died:
+        warnings.warn(f"{died}; spawning the ranks once more")
+        spawn(fn, args=make_args(), nprocs=nprocs)
+
+
+def leave_rank() -> None:
+    """End a spawned test rank whose results are saved without the interpreter's teardown, the
+    part of a rank's exit where gloo's threads can meet a finalizing interpreter."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def framework_modules(path, stubbed=_STUBBED):

@@ -6,6 +6,7 @@ the specification defines at a truncation, and train identically whatever the ba
 import importlib.util
 import os
 import pathlib
+import shutil
 import socket
 import sys
 
@@ -14,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from rl_triton.testing import leave_rank, spawn_ranks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "trainers"))  # as `python trainers/ppo.py` has it: they import gymnax_envs, data_parallel
@@ -682,15 +685,39 @@ def distributed_rank(rank, world_size, port, name, kw, out_dir, greedy):
     tiny = tiny_ppo_args if name == "ppo" else tiny_impala_args
     agent, _ = trainer.train(tiny(trainer, out_dir, "loop", **kw))
     torch.save(torch.nn.utils.parameters_to_vector(agent.parameters()).detach(), f"{out_dir}/rank{rank}.pt")
+    leave_rank()
 
 
 def train_distributed(name, tmp_path, kw, greedy=False, world_size=2):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(distributed_rank, args=(world_size, port, name, kw, str(tmp_path), greedy),
-                                nprocs=world_size)
+    def args():  # a free port, an empty folder
+        shutil.rmtree(tmp_path, ignore_errors=True)
+        tmp_path.mkdir(parents=True)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        return world_size, port, name, kw, str(tmp_path), greedy
+
+    spawn_ranks(distributed_rank, args, world_size)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
+
+
+def dying_rank(rank, marker, how):
+    """Rank 1 dies of SIGABRT on the first spawn (no marker file yet), or raises on every one."""
+    if rank == 1 and how == "raise":
+        raise RuntimeError("a rank's own error")
+    if rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.abort()
+
+
+def test_spawn_ranks_spawns_once_more_after_a_signal_only(tmp_path):
+    marker = tmp_path / "died"
+    calls = []
+    with pytest.warns(UserWarning, match="SIGABRT"):
+        spawn_ranks(dying_rank, lambda: calls.append(1) or (str(marker), "abort"))
+    assert len(calls) == 2 and marker.exists()
+    with pytest.raises(torch.multiprocessing.ProcessRaisedException, match="own error"):
+        spawn_ranks(dying_rank, lambda: (str(marker), "raise"))
 
 
 @pytest.mark.parametrize("name", ["ppo", "impala"])

@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import rl_triton
 from rl_triton._core import plans
 from rl_triton.ops import _whiten
+from rl_triton.testing import leave_rank, spawn_ranks
 import op_checks
 
 OPS = ["masked_whiten"]
@@ -405,6 +405,7 @@ def _whiten_rank(rank, world, path, out, backend):
     # the H200 machine: "terminate called without an active exception")
     dist.barrier()
     dist.destroy_process_group()
+    leave_rank()
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -412,8 +413,9 @@ def test_masked_whiten_is_global_over_a_process_group(tmp_path, backend):
     """Two gloo processes: each rank's result (and gradient) equals that of whitening the
     concatenation of both ranks' data in one process (the Triton path: in the interpreter)."""
     world = 2
-    mp.spawn(_whiten_rank, args=(world, str(tmp_path / "store"), str(tmp_path), backend),
-             nprocs=world)
+    stores = iter(range(2))  # a new file store for a second spawn (testing.spawn_ranks)
+    spawn_ranks(_whiten_rank, lambda: (world, str(tmp_path / f"store{next(stores)}"),
+                                       str(tmp_path), backend), world)
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     x = torch.cat([p["x"] for p in parts]).requires_grad_()
     mask = torch.cat([p["mask"] for p in parts])
