@@ -21,10 +21,11 @@ strides describe (a permuted 3-d view) is copied. Where every tensor of a call i
 kernels index them by the flat position alone.
 
 Reductions. Each program of a forward kernel writes its partial sums into one row of a small
-`[programs, K]` buffer (one per block of sums), and one program of `finish_kernel` a block,
-all in one launch, adds them in a fixed order: results
-are deterministic bit for bit (no atomics), and nothing is read back to the host, so a call
-captures in a CUDA graph. The scalars the backward needs (1 / count) stay on the device.
+`[programs, K]` scratch buffer (one per block of sums) and takes a ticket; the program with the
+last ticket adds the rows in a fixed order (`finish_last`), in the same launch: results are
+deterministic bit for bit (the ticket decides who adds, not the order), and nothing is read back
+to the host, so a call captures in a CUDA graph. The scalars the backward needs (1 / count) stay
+on the device.
 
 Declaration. Each loss is an `_core.op.Op` of kind "loss" (docs/dev/op-framework.md): its
 autograd (`Eager`, `FirstOrder`), custom ops (`torch.ops.rl_triton.<name>` and `<name>_backward`)
@@ -42,6 +43,7 @@ from .._args import FLAG, check_choice, check_offsets
 from .._core.op import Plan
 from .._core.plans import backend_for, unreadable
 from ..scan.jit import next_power_of_2, tl, triton
+from ..scan.launch import _stream
 from ..scan.launch import launch as compiled_launch
 from ..scan.torch_scan import segment_ids
 
@@ -348,60 +350,92 @@ def minimum(x, y):
 
 
 @triton.jit
-def finish_kernel(parts, n, loss, inv, m0, m1, m2, m3, m4, m5, K: tl.constexpr,
-                  METRICS: tl.constexpr, MEAN: tl.constexpr, WRITE_LOSS: tl.constexpr,
-                  BLOCK: tl.constexpr):
-    """The partial sums `parts` [R, n, K] of a forward kernel's R blocks (columns: positions
-    counted, weighted loss, then two metrics to average), one program a block, each added in a
-    fixed order: inv = 1 / max(count, 1) (every block counts the same positions: each program
-    writes the same value), the loss (block 0's; times inv for a token mean), and block b's two
-    metrics' means into m(2b) and m(2b + 1), the first METRICS of them."""
-    b = tl.program_id(0)
-    parts += b * n * K
-    cols = tl.arange(0, K)
-    acc = tl.zeros([BLOCK, K], tl.float32)
-    for start in range(0, n, BLOCK):
-        rows = start + tl.arange(0, BLOCK)
-        acc += tl.load(parts + rows[:, None] * K + cols[None, :], mask=rows[:, None] < n,
-                       other=0.0)
-    total = tl.sum(acc, axis=0)
-    scale = 1.0 / tl.maximum(tl.sum(tl.where(cols == 0, total, 0.0), axis=0), 1.0)
-    tl.store(inv, scale)
-    if WRITE_LOSS:
-        if b == 0:
-            value = tl.sum(tl.where(cols == 1, total, 0.0), axis=0)
-            if MEAN:
-                value = value * scale
-            tl.store(loss, value.to(loss.dtype.element_ty))
-    if K > 2:
-        first = tl.sum(tl.where(cols == 2, total, 0.0), axis=0) * scale
-        second = tl.sum(tl.where(cols == 3, total, 0.0), axis=0) * scale
-        if b == 0:
-            tl.store(m0, first.to(m0.dtype.element_ty))
-            tl.store(m1, second.to(m1.dtype.element_ty))
-        elif b == 1:
-            tl.store(m2, first.to(m2.dtype.element_ty))
-            tl.store(m3, second.to(m3.dtype.element_ty))
+def finish_last(parts, ticket, loss, inv, m0, m1, m2, m3, m4, m5, K: tl.constexpr,
+                R: tl.constexpr, METRICS: tl.constexpr, MEAN: tl.constexpr,
+                WRITE_LOSS: tl.constexpr, ROWS: tl.constexpr):
+    """The end of a forward kernel whose every program wrote its partial sums into `parts`: R
+    blocks [programs, K] (columns: positions counted, weighted loss, then two metrics to
+    average). The program that takes the last ticket adds each block in a fixed order, ROWS
+    rows a pass: inv = 1 / max(count, 1) (every block counts the same positions), the loss
+    (block 0's; times inv for a token mean), block b's two metrics' means into m(2b) and
+    m(2b + 1), the first METRICS of them; then it puts the ticket back to 0 for the next
+    launch on its stream."""
+    n = tl.num_programs(0)
+    # every thread's stores of this program's sums before its ticket (the release); the last
+    # ticket's program sees every program's sums (the acquire; loads from L2, not L1)
+    tl.debug_barrier()
+    if tl.atomic_add(ticket, 1, sem="acq_rel") == n - 1:
+        cols = tl.arange(0, K)
+        for b in tl.static_range(R):
+            acc = tl.zeros([ROWS, K], tl.float32)
+            for start in range(0, n, ROWS):
+                rows = start + tl.arange(0, ROWS)
+                acc += tl.load(parts + (b * n + rows[:, None]) * K + cols[None, :],
+                               mask=rows[:, None] < n, other=0.0, cache_modifier=".cg")
+            total = tl.sum(acc, axis=0)
+            scale = 1.0 / tl.maximum(tl.sum(tl.where(cols == 0, total, 0.0), axis=0), 1.0)
+            if b == 0:
+                tl.store(inv, scale)
+                if WRITE_LOSS:
+                    value = tl.sum(tl.where(cols == 1, total, 0.0), axis=0)
+                    if MEAN:
+                        value = value * scale
+                    tl.store(loss, value.to(loss.dtype.element_ty))
+            if K > 2:
+                first = tl.sum(tl.where(cols == 2, total, 0.0), axis=0) * scale
+                second = tl.sum(tl.where(cols == 3, total, 0.0), axis=0) * scale
+                if b == 0:
+                    tl.store(m0, first.to(m0.dtype.element_ty))
+                    tl.store(m1, second.to(m1.dtype.element_ty))
+                elif b == 1:
+                    tl.store(m2, first.to(m2.dtype.element_ty))
+                    tl.store(m3, second.to(m3.dtype.element_ty))
+                else:
+                    tl.store(m4, first.to(m4.dtype.element_ty))
+                    if METRICS > 5:
+                        tl.store(m5, second.to(m5.dtype.element_ty))
+        tl.store(ticket, 0)
+
+
+MAX_FINISH_BLOCKS = 3  # finish_last's metric pointers: two per block
+FINISH_ROWS = 1024  # partial sums a pass: 8 passes at 2^24 positions, 1 at 2^21
+
+
+def finish_meta(blocks: int, metrics: int, *, mean: bool, write_loss: bool = True) -> dict:
+    """`finish_last`'s constexprs (K, the partial sums' columns, is the kernel's own)."""
+    return dict(R=blocks, METRICS=metrics, MEAN=mean, WRITE_LOSS=write_loss, ROWS=FINISH_ROWS)
+
+
+def finish_args(loss: Tensor, inv: Tensor, metrics: tuple, programs: int, K: int,
+                blocks: int = 1) -> tuple:
+    """The forward kernels' arguments `loss, parts, ticket, inv, m0, ..., m5` for a launch of
+    `programs` programs on `loss`'s device and the current stream: `parts` the partial sums'
+    scratch (`blocks` x programs x K float32, at least), the metrics' unused slots `inv`."""
+    parts, ticket = scratch(loss.device, blocks * programs * K)
+    return (loss, parts, ticket, inv, *metrics, *(inv,) * (2 * MAX_FINISH_BLOCKS - len(metrics)))
+
+
+_SCRATCH: dict = {}  # (device, stream, size) -> (partial sums, ticket)
+_CAPTURED: list = []  # those made during a CUDA graph's capture
+
+
+def scratch(device: torch.device, floats: int):
+    """The partial sums' buffer (a power of two of float32, at least `floats`) and the ticket
+    (int32, 0 between launches) of the current stream: launches on one stream never overlap,
+    and every launch leaves its ticket at 0. Both live as long as the process (a CUDA graph
+    keeps their addresses). A pair made during a graph's capture serves that call alone: its
+    ticket's zeroing is a node of the graph, not done until a replay."""
+    cuda = device.type == "cuda"
+    key = (device, _stream(device.index) if cuda else None, max(64, next_power_of_2(floats)))
+    hit = _SCRATCH.get(key)
+    if hit is None:
+        hit = (torch.empty(key[2], dtype=torch.float32, device=device),
+               torch.zeros(1, dtype=torch.int32, device=device))
+        if cuda and torch.cuda.is_current_stream_capturing():
+            _CAPTURED.append(hit)
         else:
-            tl.store(m4, first.to(m4.dtype.element_ty))
-            if METRICS > 5:
-                tl.store(m5, second.to(m5.dtype.element_ty))
-
-
-MAX_FINISH_BLOCKS = 3  # finish_kernel's metric pointers: two per block
-
-
-def finish(parts: Tensor, loss: Tensor, inv: Tensor, metrics: tuple = (), *,
-           mean: bool, write_loss: bool = True, plan: Optional[Plan] = None) -> None:
-    """`finish_kernel` over the partial sums of a forward kernel, in one launch: `parts` [n, K]
-    or [R, n, K] (R blocks, R <= MAX_FINISH_BLOCKS), `metrics` none or two per block (the
-    last block's second may be left out)."""
-    blocks = parts.shape[0] if parts.ndim == 3 else 1
-    ms = list(metrics) + [inv] * (2 * MAX_FINISH_BLOCKS - len(metrics))
-    # 1024 partial sums a pass: 8 passes at 2^24 positions, 1 at 2^21
-    launch(finish_kernel, blocks, parts, parts.shape[-2], loss, inv, *ms, K=parts.shape[-1],
-           METRICS=len(metrics), MEAN=mean, WRITE_LOSS=write_loss, BLOCK=1024, num_warps=8,
-           plan=plan)
+            _SCRATCH[key] = hit
+    return hit
 
 
 # ---- the op's plan and value checks -------------------------------------------------------------

@@ -6,8 +6,8 @@ Structure. A loss is per position given its log-ratio d; where d is a sequence's
 the per-position formula reads it as an input. clip_cov and kl_cov pick their positions with a
 batch-wide statistic (a covariance, a random draw or a top-k): torch picks them first, on every
 backend, and the formula reads the pick. geo_mean is a loss per sequence (a geometric mean of the
-ratios): torch on every backend. The rest is one fused kernel forward (plus `finish_kernel`) and
-one backward, as ppo_policy_loss.py, with the aggregation's global factors (verl's `dp_size`,
+ratios): torch on every backend. The rest is one fused kernel forward (its last program adds the
+partial sums) and one backward, as ppo_policy_loss.py, with the aggregation's global factors (verl's `dp_size`,
 `batch_num_tokens`, `global_batch_size`, `loss_scale_factor`) applied to the scalar after it.
 """
 from __future__ import annotations
@@ -391,18 +391,22 @@ def position_terms(lp, old, adv, mask, ld, sel, N, C, lp_r, lp_c, old_r, old_c, 
 
 
 @triton.jit
-def forward_kernel(lp, old, adv, mask, wt, ld, sel, scale, cu, loss, parts, N, C, S, STEPS,
-                   lp_r, lp_c, old_r, old_c, adv_r, adv_c, m_r, m_c, w_r, w_c, ld_r, ld_c,
-                   s_r, s_c, clip_low, clip_high, dual_clip, delta, ratio_clamp, tau_pos,
-                   tau_neg, truncation, dro_beta, kl_cov_coef, LOSS: tl.constexpr,
-                   HAS_MASK: tl.constexpr, HAS_W: tl.constexpr, HAS_LD: tl.constexpr,
-                   HAS_SEL: tl.constexpr, CLAMP: tl.constexpr, DUAL: tl.constexpr,
-                   DELTA: tl.constexpr, KL_ABS: tl.constexpr, SEQ: tl.constexpr,
-                   PER_POSITION: tl.constexpr, FLAT: tl.constexpr, INT64: tl.constexpr,
-                   BLOCK: tl.constexpr):
+def forward_kernel(lp, old, adv, mask, wt, ld, sel, scale, cu, loss, parts, ticket, inv, m0, m1,
+                   m2, m3, m4, m5, N, C, S, STEPS, lp_r, lp_c, old_r, old_c, adv_r, adv_c, m_r,
+                   m_c, w_r, w_c, ld_r, ld_c, s_r, s_c, clip_low, clip_high, dual_clip, delta,
+                   ratio_clamp, tau_pos, tau_neg, truncation, dro_beta, kl_cov_coef,
+                   LOSS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_W: tl.constexpr,
+                   HAS_LD: tl.constexpr, HAS_SEL: tl.constexpr, CLAMP: tl.constexpr,
+                   DUAL: tl.constexpr, DELTA: tl.constexpr, KL_ABS: tl.constexpr,
+                   SEQ: tl.constexpr, PER_POSITION: tl.constexpr, FLAT: tl.constexpr,
+                   INT64: tl.constexpr, BLOCK: tl.constexpr, R: tl.constexpr,
+                   METRICS: tl.constexpr, MEAN: tl.constexpr, WRITE_LOSS: tl.constexpr,
+                   ROWS: tl.constexpr):
     """Partial sums of this program's positions, in three [programs, 4] blocks of `parts`:
-    [count, weighted loss, clip, lower], [count, 0, negative, positive], [count, 0, kl, 0];
-    with PER_POSITION (aggregation "none") the masked losses too."""
+    [count, weighted loss, clip, lower], [count, 0, negative, positive], [count, 0, kl, 0],
+    added by the last program (`finish_last`: each block's count is the first's, the third
+    block's second column is no metric); with PER_POSITION (aggregation "none") the masked
+    losses too."""
     i, inb, keep, l, dl_dd, dl_dx, dl_do, dl_da, clip, lower, negative, positive, raw, ok = \
         position_terms(lp, old, adv, mask, ld, sel, N, C, lp_r, lp_c, old_r, old_c, adv_r, adv_c,
                        m_r, m_c, ld_r, ld_c, s_r, s_c, clip_low, clip_high, dual_clip, delta,
@@ -440,6 +444,8 @@ def forward_kernel(lp, old, adv, mask, wt, ld, sel, scale, cu, loss, parts, N, C
     tl.store(c_out + 1, 0.0)
     tl.store(c_out + 2, tl.sum(tl.where(keep, kl, 0.0), axis=0))
     tl.store(c_out + 3, 0.0)
+    L.finish_last(parts, ticket, loss, inv, m0, m1, m2, m3, m4, m5, 4, R, METRICS, MEAN,
+                  WRITE_LOSS, ROWS)
 
 
 @triton.jit
@@ -522,30 +528,28 @@ def _fixed(x: Tensors, o: Options):
     """The forward's sizes, grid, scalars and flags (fixed by the call's signature)."""
     N, per_position = x.log_probs.numel(), o.aggregation == "none"
     bl = L.block(N)
-    return (N, cdiv(N, bl), tuple(x.log_probs.shape) if per_position else (), _scalars(o),
+    # (a program at least: without positions it writes zeros, and the finish runs)
+    return (N, max(cdiv(N, bl), 1), tuple(x.log_probs.shape) if per_position else (),
+            _scalars(o),
             dict(**_meta(x, o), KL_ABS=o.loss_type == "kl_cov", BLOCK=bl,
-                 num_warps=L.NUM_WARPS), o.aggregation == "token-mean")
+                 num_warps=L.NUM_WARPS,
+                 **L.finish_meta(3, 5, mean=o.aggregation == "token-mean",
+                                 write_loss=not per_position)))
 
 
 def forward(x: Tensors, o: Options, plan=None):
     lp = x.log_probs
     dev = lp.device
-    N, programs, loss_shape, scalars, meta, mean = L.fixed(plan, _fixed, x, o)
+    N, programs, loss_shape, scalars, meta = L.fixed(plan, _fixed, x, o)
     seq, scale, cu, S, steps = _seq(x, o)
     loss = L.new(plan, loss_shape, o.out_dtype, dev)
     metrics = [L.new(plan, (), o.out_dtype, dev) for _ in range(5)]
     inv = L.new(plan, (), torch.float32, dev)
     lay = L.layout(tuple(lp.shape), lp, x.old_log_probs, x.advantages, x.mask, x.weights,
                    x.log_ratio, x.selected, plan=plan)
-    # every program writes its three rows; without one, finish reads zeros
-    parts = L.new(plan, (3, programs, 4), torch.float32, dev) if programs else \
-        torch.zeros((3, 1, 4), dtype=torch.float32, device=dev)
-    L.launch(forward_kernel, programs, *lay.tensors, scale, cu, loss, parts, N, lay.C, S, steps,
+    L.launch(forward_kernel, programs, *lay.tensors, scale, cu,
+             *L.finish_args(loss, inv, tuple(metrics), programs, 4, 3), N, lay.C, S, steps,
              *lay.strides, *scalars, FLAT=lay.FLAT, INT64=lay.INT64, **meta, plan=plan)
-    # the three blocks in one launch (each block's count is the first's; the third block's
-    # second column is no metric)
-    L.finish(parts, loss, inv, tuple(metrics), mean=mean, write_loss=o.aggregation != "none",
-             plan=plan)
     # (no sequence weights: a placeholder, the backward reads none; eagerly `inv` itself)
     return [loss, *metrics], [inv, scale if seq else inv if plan else inv.new_empty(0)]
 

@@ -1,5 +1,5 @@
 """PPO's clipped surrogate (semantics §9), with its clip fraction and KL estimate: one kernel
-forward (plus the tiny `finish_kernel` that adds the programs' partial sums), one backward."""
+forward (its last program adds the programs' partial sums), one backward."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -52,14 +52,16 @@ def surrogate(x, o, a, clip_low, clip_high, dual_clip, ratio_clamp, DUAL: tl.con
 
 
 @triton.jit
-def forward_kernel(lp, old, adv, mask, scale, cu, loss, parts, N, C, S, STEPS,
-                   lp_r, lp_c, old_r, old_c, adv_r, adv_c, m_r, m_c,
+def forward_kernel(lp, old, adv, mask, scale, cu, loss, parts, ticket, inv, m0, m1, m2, m3, m4,
+                   m5, N, C, S, STEPS, lp_r, lp_c, old_r, old_c, adv_r, adv_c, m_r, m_c,
                    clip_low, clip_high, dual_clip, ratio_clamp,
                    HAS_MASK: tl.constexpr, SEQ: tl.constexpr, DUAL: tl.constexpr,
                    PER_POSITION: tl.constexpr, FLAT: tl.constexpr, INT64: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    """Partial sums of this program's positions: [count, weighted loss, clipped, k3]; with
-    PER_POSITION (aggregation "none") the masked losses too."""
+                   BLOCK: tl.constexpr, R: tl.constexpr, METRICS: tl.constexpr,
+                   MEAN: tl.constexpr, WRITE_LOSS: tl.constexpr, ROWS: tl.constexpr):
+    """Partial sums of this program's positions: [count, weighted loss, clipped, k3], added by
+    the last program (`finish_last`); with PER_POSITION (aggregation "none") the masked losses
+    too."""
     i, inb = L.positions(N, INT64, BLOCK)
     x = L.load(lp, i, C, lp_r, lp_c, inb, FLAT)
     o = L.load(old, i, C, old_r, old_c, inb, FLAT)
@@ -77,6 +79,8 @@ def forward_kernel(lp, old, adv, mask, scale, cu, loss, parts, N, C, S, STEPS,
     tl.store(out + 1, tl.sum(tl.where(keep, w, 0.0), axis=0))
     tl.store(out + 2, tl.sum((keep & (-a * rc > -a * r)).to(tl.float32), axis=0))
     tl.store(out + 3, tl.sum(tl.where(keep, r - 1.0 - d, 0.0), axis=0))
+    L.finish_last(parts, ticket, loss, inv, m0, m1, m2, m3, m4, m5, 4, R, METRICS, MEAN,
+                  WRITE_LOSS, ROWS)
 
 
 @triton.jit
@@ -139,27 +143,28 @@ def _fixed(x: Inputs, o: Options):
     """The forward's sizes, grid, scalars and flags (fixed by the call's signature)."""
     N, per_position = x.log_probs.numel(), o.aggregation == "none"
     bl = L.block(N)
-    return (N, cdiv(N, bl), tuple(x.log_probs.shape) if per_position else (), _scalars(o),
+    # (a program at least: without positions it writes zeros, and the finish runs)
+    return (N, max(cdiv(N, bl), 1), tuple(x.log_probs.shape) if per_position else (),
+            _scalars(o),
             dict(HAS_MASK=x.mask is not None, SEQ=L.seq_kind(o.aggregation, x.cu_seqlens),
                  DUAL=o.dual_clip is not None, PER_POSITION=per_position, BLOCK=bl,
-                 num_warps=L.NUM_WARPS),
-            dict(mean=o.aggregation == "token-mean", write_loss=not per_position))
+                 num_warps=L.NUM_WARPS,
+                 **L.finish_meta(1, 2, mean=o.aggregation == "token-mean",
+                                 write_loss=not per_position)))
 
 
 def forward(x: Inputs, o: Options, plan=None):
     lp = x.log_probs
     dev = lp.device
-    N, programs, loss_shape, scalars, meta, fin = L.fixed(plan, _fixed, x, o)
+    N, programs, loss_shape, scalars, meta = L.fixed(plan, _fixed, x, o)
     seq, scale, cu, S, steps = _seq(x, o)
     loss = L.new(plan, loss_shape, o.out_dtype, dev)
     clip, kl = L.new(plan, (), o.out_dtype, dev), L.new(plan, (), o.out_dtype, dev)
     inv = L.new(plan, (), torch.float32, dev)
     lay = L.layout(tuple(lp.shape), lp, x.old_log_probs, x.advantages, x.mask, plan=plan)
-    parts = L.new(plan, (programs, 4), torch.float32, dev)
-    L.launch(forward_kernel, programs, *lay.tensors, scale, cu, loss, parts,
-             N, lay.C, S, steps, *lay.strides, *scalars, FLAT=lay.FLAT, INT64=lay.INT64,
-             **meta, plan=plan)
-    L.finish(parts, loss, inv, (clip, kl), **fin, plan=plan)
+    L.launch(forward_kernel, programs, *lay.tensors, scale, cu,
+             *L.finish_args(loss, inv, (clip, kl), programs, 4), N, lay.C, S, steps,
+             *lay.strides, *scalars, FLAT=lay.FLAT, INT64=lay.INT64, **meta, plan=plan)
     # (no sequence weights: a placeholder, the backward reads none; eagerly `inv` itself)
     return [loss, clip, kl], [inv, scale if seq else inv if plan else inv.new_empty(0)]
 

@@ -1,5 +1,5 @@
 """The value loss (semantics §9): squared or Huber error, optionally clipped around the old values;
-one kernel forward (plus `finish_kernel`), one backward."""
+one kernel forward (its last program adds the programs' partial sums), one backward."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -62,13 +62,15 @@ def terms(v, ret, old, clip, delta, CLIPPED: tl.constexpr, HUBER: tl.constexpr):
 
 
 @triton.jit
-def forward_kernel(values, returns, old, mask, scale, cu, loss, parts, N, C, S, STEPS,
-                   v_r, v_c, ret_r, ret_c, old_r, old_c, m_r, m_c, clip, delta,
-                   CLIPPED: tl.constexpr, HUBER: tl.constexpr, HAS_MASK: tl.constexpr,
-                   SEQ: tl.constexpr, PER_POSITION: tl.constexpr, FLAT: tl.constexpr,
-                   INT64: tl.constexpr, BLOCK: tl.constexpr):
-    """Partial sums of this program's positions: [count, weighted loss]; with PER_POSITION
-    (aggregation "none") the masked losses too."""
+def forward_kernel(values, returns, old, mask, scale, cu, loss, parts, ticket, inv, m0, m1, m2,
+                   m3, m4, m5, N, C, S, STEPS, v_r, v_c, ret_r, ret_c, old_r, old_c, m_r, m_c,
+                   clip, delta, CLIPPED: tl.constexpr, HUBER: tl.constexpr,
+                   HAS_MASK: tl.constexpr, SEQ: tl.constexpr, PER_POSITION: tl.constexpr,
+                   FLAT: tl.constexpr, INT64: tl.constexpr, BLOCK: tl.constexpr,
+                   R: tl.constexpr, METRICS: tl.constexpr, MEAN: tl.constexpr,
+                   WRITE_LOSS: tl.constexpr, ROWS: tl.constexpr):
+    """Partial sums of this program's positions: [count, weighted loss], added by the last
+    program (`finish_last`); with PER_POSITION (aggregation "none") the masked losses too."""
     i, inb = L.positions(N, INT64, BLOCK)
     v = L.load(values, i, C, v_r, v_c, inb, FLAT)
     ret = L.load(returns, i, C, ret_r, ret_c, inb, FLAT)
@@ -84,6 +86,8 @@ def forward_kernel(values, returns, old, mask, scale, cu, loss, parts, N, C, S, 
     out = parts + tl.program_id(0) * 2
     tl.store(out, tl.sum(keep.to(tl.float32), axis=0))
     tl.store(out + 1, tl.sum(tl.where(keep, l, 0.0), axis=0))
+    L.finish_last(parts, ticket, loss, inv, m0, m1, m2, m3, m4, m5, 2, R, METRICS, MEAN,
+                  WRITE_LOSS, ROWS)
 
 
 @triton.jit
@@ -144,24 +148,26 @@ def _fixed(x: Inputs, o: Options):
     N, per_position = x.values.numel(), o.aggregation == "none"
     bl = L.block(N)
     flags = _flags(x, o)
-    return (N, cdiv(N, bl), tuple(x.values.shape) if per_position else (), _scalars(o),
-            dict(flags, BLOCK=bl, num_warps=L.NUM_WARPS),
-            dict(mean=o.aggregation == "token-mean", write_loss=not per_position),
+    # (a program at least: without positions it writes zeros, and the finish runs)
+    return (N, max(cdiv(N, bl), 1), tuple(x.values.shape) if per_position else (),
+            _scalars(o),
+            dict(flags, BLOCK=bl, num_warps=L.NUM_WARPS,
+                 **L.finish_meta(1, 0, mean=o.aggregation == "token-mean",
+                                 write_loss=not per_position)),
             flags["SEQ"] != L.NO_SEQ)
 
 
 def forward(x: Inputs, o: Options, plan=None):
     v = x.values
     dev = v.device
-    N, programs, loss_shape, scalars, meta, fin, seq = L.fixed(plan, _fixed, x, o)
+    N, programs, loss_shape, scalars, meta, seq = L.fixed(plan, _fixed, x, o)
     scale, cu, S, steps = _seq(x, o)
     loss = L.new(plan, loss_shape, o.out_dtype, dev)
     inv = L.new(plan, (), torch.float32, dev)
     lay = L.layout(tuple(v.shape), v, x.returns, x.old_values, x.mask, plan=plan)
-    parts = L.new(plan, (programs, 2), torch.float32, dev)
-    L.launch(forward_kernel, programs, *lay.tensors, scale, cu, loss, parts, N, lay.C, S, steps,
-             *lay.strides, *scalars, FLAT=lay.FLAT, INT64=lay.INT64, **meta, plan=plan)
-    L.finish(parts, loss, inv, **fin, plan=plan)
+    L.launch(forward_kernel, programs, *lay.tensors, scale, cu,
+             *L.finish_args(loss, inv, (), programs, 2), N, lay.C, S, steps, *lay.strides,
+             *scalars, FLAT=lay.FLAT, INT64=lay.INT64, **meta, plan=plan)
     # (no sequence weights: a placeholder, the backward reads none; eagerly `inv` itself)
     return [loss], [inv, scale if seq else inv if plan else inv.new_empty(0)]
 

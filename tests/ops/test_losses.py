@@ -188,6 +188,33 @@ def test_empty_inputs(backend, device):
                                  backend=backend).shape == (0,)
 
 
+def test_last_program_finish(device):
+    """The forward kernels add their programs' partial sums in their last program, which puts
+    its stream's ticket back to 0: one program, several (more than a pass of the finish's rows
+    on a GPU), none; results as the torch backend's, and the same bits on a second call."""
+    from rl_triton.ops import _losses
+
+    sizes = [(1, 5), (7, 333), (0, 4)] + ([(1100, 2048)] if device == "cuda" else [(3, 2048)])
+    for B, T in sizes:
+        lp, old, adv = (torch.randn(B, T, generator=torch.Generator().manual_seed(i)).to(device)
+                        for i in range(3))
+        mask = torch.rand(B, T, generator=torch.Generator().manual_seed(3)).to(device) < 0.7
+
+        def run(backend):
+            return (*rl_triton.ppo_policy_loss(lp, old, adv, mask, backend=backend),
+                    rl_triton.value_loss(lp, old, adv, mask, backend=backend),
+                    *rl_triton.policy_loss(lp, old, adv, mask, loss_type="sapo",
+                                           backend=backend, out_dtype=torch.float32)[1].values(),
+                    rl_triton.policy_loss(lp, old, adv, mask, backend=backend)[0])
+
+        first, again, want = run("triton"), run("triton"), run("torch")
+        for a, b, w in zip(first, again, want):
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a, w.to(a.dtype), rtol=1e-5, atol=1e-6)
+    tickets = [t for key, (_, t) in _losses._SCRATCH.items() if key[0].type == device]
+    assert tickets and all(t.item() == 0 for t in tickets)
+
+
 def test_64_bit_indexing(monkeypatch, device):
     """The kernels' 64-bit indexing (tensors past 2^31 elements), taken here at small shapes."""
     from rl_triton.ops import _losses
@@ -564,6 +591,33 @@ def test_cuda_graph_forward_and_backward(aggregation):
         want = step()
         for c, w in zip(captured, want):
             torch.testing.assert_close(c, w, rtol=1e-6, atol=0)
+
+
+@pytest.mark.gpu_large
+def test_last_program_finish_on_two_streams():
+    """Two streams calling the losses at once, each with its own partial sums and ticket: every
+    result the same bits as one call alone (2048 programs a forward, two passes of the finish's
+    rows in the last one)."""
+    xs, mask = inputs(1024, 4096)
+
+    def run():
+        return calls(xs, mask, "token-mean", "triton")[:3] + [
+            rl_triton.policy_loss(*xs, mask, loss_type="sapo", out_dtype=torch.float32)[0]]
+
+    want = run()
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    got = [[] for _ in streams]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    for _ in range(20):
+        for s, out in zip(streams, got):
+            with torch.cuda.stream(s):
+                out.append(run())
+    torch.cuda.synchronize()
+    for out in got:
+        for results in out:
+            for g, w in zip(results, want):
+                assert torch.equal(g, w)
 
 
 @pytest.mark.gpu_large
