@@ -430,7 +430,7 @@ def compile_whiten():
     for label, launches in [*whiten_variants(), *group_variants()]:
         t0 = time.time()
         try:
-            assert len(launches) == (1 if label.startswith("group") else 5), \
+            assert len(launches) == (1 if label.startswith("group") else 4), \
                 f"{len(launches)} launches"
             for fn, args, kwargs in launches:
                 compile_kernel(fn, args, kwargs)

@@ -43,9 +43,9 @@ from .._args import FLAG, check_choice, check_offsets
 from .._core.op import Plan
 from .._core.plans import backend_for, unreadable
 from ..scan.jit import next_power_of_2, tl, triton
-from ..scan.launch import _stream
 from ..scan.launch import launch as compiled_launch
 from ..scan.torch_scan import segment_ids
+from ._last_program import last_program, reset, scratch
 
 Tensor = torch.Tensor
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "sum", "none")
@@ -358,13 +358,9 @@ def finish_last(parts, ticket, loss, inv, m0, m1, m2, m3, m4, m5, K: tl.constexp
     average). The program that takes the last ticket adds each block in a fixed order, ROWS
     rows a pass: inv = 1 / max(count, 1) (every block counts the same positions), the loss
     (block 0's; times inv for a token mean), block b's two metrics' means into m(2b) and
-    m(2b + 1), the first METRICS of them; then it puts the ticket back to 0 for the next
-    launch on its stream."""
+    m(2b + 1), the first METRICS of them (`_last_program`)."""
     n = tl.num_programs(0)
-    # every thread's stores of this program's sums before its ticket (the release); the last
-    # ticket's program sees every program's sums (the acquire; loads from L2, not L1)
-    tl.debug_barrier()
-    if tl.atomic_add(ticket, 1, sem="acq_rel") == n - 1:
+    if last_program(ticket):
         cols = tl.arange(0, K)
         for b in tl.static_range(R):
             acc = tl.zeros([ROWS, K], tl.float32)
@@ -394,7 +390,7 @@ def finish_last(parts, ticket, loss, inv, m0, m1, m2, m3, m4, m5, K: tl.constexp
                     tl.store(m4, first.to(m4.dtype.element_ty))
                     if METRICS > 5:
                         tl.store(m5, second.to(m5.dtype.element_ty))
-        tl.store(ticket, 0)
+        reset(ticket)
 
 
 MAX_FINISH_BLOCKS = 3  # finish_last's metric pointers: two per block
@@ -413,29 +409,6 @@ def finish_args(loss: Tensor, inv: Tensor, metrics: tuple, programs: int, K: int
     scratch (`blocks` x programs x K float32, at least), the metrics' unused slots `inv`."""
     parts, ticket = scratch(loss.device, blocks * programs * K)
     return (loss, parts, ticket, inv, *metrics, *(inv,) * (2 * MAX_FINISH_BLOCKS - len(metrics)))
-
-
-_SCRATCH: dict = {}  # (device, stream, size) -> (partial sums, ticket)
-_CAPTURED: list = []  # those made during a CUDA graph's capture
-
-
-def scratch(device: torch.device, floats: int):
-    """The partial sums' buffer (a power of two of float32, at least `floats`) and the ticket
-    (int32, 0 between launches) of the current stream: launches on one stream never overlap,
-    and every launch leaves its ticket at 0. Both live as long as the process (a CUDA graph
-    keeps their addresses). A pair made during a graph's capture serves that call alone: its
-    ticket's zeroing is a node of the graph, not done until a replay."""
-    cuda = device.type == "cuda"
-    key = (device, _stream(device.index) if cuda else None, max(64, next_power_of_2(floats)))
-    hit = _SCRATCH.get(key)
-    if hit is None:
-        hit = (torch.empty(key[2], dtype=torch.float32, device=device),
-               torch.zeros(1, dtype=torch.int32, device=device))
-        if cuda and torch.cuda.is_current_stream_capturing():
-            _CAPTURED.append(hit)
-        else:
-            _SCRATCH[key] = hit
-    return hit
 
 
 # ---- the op's plan and value checks -------------------------------------------------------------

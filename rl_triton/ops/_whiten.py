@@ -1,10 +1,11 @@
-"""`masked_whiten`'s Triton path (semantics §8), forward and backward, three launches each: the
+"""`masked_whiten`'s Triton path (semantics §8), two launches forward, three backward: the
 kernels of the op `outcome.WHITEN` (its autograd and custom op are the framework's, `_core.op`).
 
 Forward: a reduction pass (each program its block's count, mean and centered sum of squares),
-one program combining the blocks in float64 (Chan's parallel formula), the all-reduce over a
-process group where there is one, then an elementwise pass. Backward, with xhat = (x - mean) r
-and r = rsqrt(var + eps), var = M2 / (n - c), over the masked-in positions:
+whose last program combines the blocks in float64 (Chan's parallel formula, `_last_program`),
+the all-reduce over a process group where there is one, then an elementwise pass. Backward,
+with xhat = (x - mean) r and r = rsqrt(var + eps), var = M2 / (n - c), over the masked-in
+positions:
 
     dx = r (g - A / n - xhat B / (n - c)) + [not shift_mean] A / n,   A = sum g, B = sum g xhat
 
@@ -25,15 +26,18 @@ import torch
 
 from ..scan.jit import cdiv, tl, triton
 from ..scan.launch import _current_device, launch
+from ._last_program import last_program, reset, scratch
 
 Tensor = torch.Tensor
 # memory-bound passes on the H200: 8192 elements per program of the reductions keeps the
-# partials few (1024 at 32 MB of float32) for the one combining program; 4096 elementwise
+# partials few (1024 at 32 MB of float32) for the last program to combine; 4096 elementwise
 BLOCK = 8192
 WARPS = 8
 APPLY_BLOCK = 4096
 APPLY_WARPS = 4
-COMBINE_BLOCK = 4096  # partials per step of the combining program
+# partials per step of the statistics' last program (in float64: more would cost the reduction
+# pass registers, and programs per SM)
+COMBINE_BLOCK = 256
 
 
 @triton.jit
@@ -125,10 +129,12 @@ def _stats_block(x_ptr, m_ptr, part_ptr, start, pid, N, P, HAS_MASK: tl.constexp
 
 
 @triton.jit
-def _stats_kernel(x_ptr, m_ptr, part_ptr, N, P, HAS_MASK: tl.constexpr, F64: tl.constexpr,
-                  BLOCK: tl.constexpr, VEC: tl.constexpr):
+def _stats_kernel(x_ptr, m_ptr, part_ptr, ticket, stats_ptr, N, P, HAS_MASK: tl.constexpr,
+                  F64: tl.constexpr, SUMS: tl.constexpr, BLOCK: tl.constexpr,
+                  VEC: tl.constexpr, COMBINE: tl.constexpr):
     """partials[:, pid] = (count, shift, sum of x - shift, sum of (x - shift)^2) of the block,
-    shift its mean as rounded: the shifted sums give the mean and M2 without cancellation."""
+    shift its mean as rounded: the shifted sums give the mean and M2 without cancellation; the
+    last program (`_last_program`) combines the P = programs partials into the statistics."""
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * BLOCK
     if start + BLOCK <= N:
@@ -136,23 +142,29 @@ def _stats_kernel(x_ptr, m_ptr, part_ptr, N, P, HAS_MASK: tl.constexpr, F64: tl.
     else:
         _stats_block(x_ptr, m_ptr, part_ptr, start, pid, N, P, HAS_MASK, F64, BLOCK, VEC,
                      False)
+    if last_program(ticket):
+        _combine(part_ptr, stats_ptr, P, SUMS, COMBINE)
+        reset(ticket)
 
 
 @triton.jit
-def _combine_kernel(part_ptr, stats_ptr, P, SUMS: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: the P partials' (n, mean, M2) in float64, BLOCK at a time (exactly within
-    a step, Chan's formula between steps); written as (n, mean, M2), or with SUMS as the
-    summable (n, sum, sum of squares) that a process group all-reduces."""
+def _combine(part_ptr, stats_ptr, P, SUMS: tl.constexpr, BLOCK: tl.constexpr):
+    """The P partials' (n, mean, M2) in float64, BLOCK at a time (exactly within a step, Chan's
+    formula between steps); written as (n, mean, M2), or with SUMS as the summable (n, sum, sum
+    of squares) that a process group all-reduces."""
     n = tl.zeros((), tl.float64)
     mean = tl.zeros((), tl.float64)
     m2 = tl.zeros((), tl.float64)
     for start in range(0, P, BLOCK):
         i = start + tl.arange(0, BLOCK)
         inside = i < P
-        nb = tl.load(part_ptr + i, mask=inside, other=0.0).to(tl.float64)
-        shift = tl.load(part_ptr + P + i, mask=inside, other=0.0).to(tl.float64)
-        s1 = tl.load(part_ptr + 2 * P + i, mask=inside, other=0.0).to(tl.float64)
-        s2 = tl.load(part_ptr + 3 * P + i, mask=inside, other=0.0).to(tl.float64)
+        nb = tl.load(part_ptr + i, mask=inside, other=0.0, cache_modifier=".cg").to(tl.float64)
+        shift = tl.load(part_ptr + P + i, mask=inside, other=0.0,
+                        cache_modifier=".cg").to(tl.float64)
+        s1 = tl.load(part_ptr + 2 * P + i, mask=inside, other=0.0,
+                     cache_modifier=".cg").to(tl.float64)
+        s2 = tl.load(part_ptr + 3 * P + i, mask=inside, other=0.0,
+                     cache_modifier=".cg").to(tl.float64)
         nb1 = tl.maximum(nb, 1.0)  # a block with nothing masked in has sums 0
         mb = shift + s1 / nb1
         nc = tl.sum(nb)
@@ -321,16 +333,11 @@ def _forward(x: Tensor, mask, opts, plain: bool = False, memo=None) -> tuple:
     else:
         order, (xf, mf), meta = _operands(x, mask)
     N = xf.numel()
-    P = cdiv(N, BLOCK)
-    # one partial at least: the combining program takes its pointer even when P is 0
-    part = torch.empty(4 * max(P, 1), dtype=torch.float64 if meta["F64"] else torch.float32,
-                       device=x.device)
+    P = max(cdiv(N, BLOCK), 1)  # without data one program writes zeros, and combines them
+    part, ticket = scratch(x.device, 4 * P, torch.float64 if meta["F64"] else torch.float32)
     stats = torch.empty(3, dtype=torch.float64, device=x.device)
-    if N:
-        launch(_stats_kernel, P, (xf, mf, part, N, P), x.device, memo, **meta, BLOCK=BLOCK,
-               num_warps=WARPS)
-    launch(_combine_kernel, 1, (part, stats, P), x.device, memo, SUMS=group is not None,
-           BLOCK=COMBINE_BLOCK, num_warps=WARPS)
+    launch(_stats_kernel, P, (xf, mf, part, ticket, stats, N, P), x.device, memo, **meta,
+           SUMS=group is not None, BLOCK=BLOCK, COMBINE=COMBINE_BLOCK, num_warps=WARPS)
     _all_reduce(stats, group)  # on every rank, even one without data
     y = torch.empty(x.shape if plain else N, dtype=out_dtype, device=x.device)
     if N:

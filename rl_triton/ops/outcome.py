@@ -6,7 +6,7 @@ scans. `group_advantages` runs as vectorized torch ops ("loop": the float64-capa
 references of `rl_triton.reference`), differentiable by autograd, and on the Triton backend by
 `group_size` as the one kernel of `_group` where no gradient is needed; `masked_whiten` runs as
 torch ops on the torch and loop backends, and on the Triton backend the kernels of `_whiten`
-(three launches forward, three backward). Both are `_core.op.Op`s of kind "outcome"
+(two launches forward, three backward). Both are `_core.op.Op`s of kind "outcome"
 (docs/dev/op-framework.md): their custom ops (`torch.ops.rl_triton.<name>`; whitening over a
 process group is traced as torch ops instead), autograd and hot path are the framework's.
 """

@@ -192,7 +192,7 @@ def test_last_program_finish(device):
     """The forward kernels add their programs' partial sums in their last program, which puts
     its stream's ticket back to 0: one program, several (more than a pass of the finish's rows
     on a GPU), none; results as the torch backend's, and the same bits on a second call."""
-    from rl_triton.ops import _losses
+    from rl_triton.ops import _last_program
 
     sizes = [(1, 5), (7, 333), (0, 4)] + ([(1100, 2048)] if device == "cuda" else [(3, 2048)])
     for B, T in sizes:
@@ -211,7 +211,7 @@ def test_last_program_finish(device):
         for a, b, w in zip(first, again, want):
             assert torch.equal(a, b)
             torch.testing.assert_close(a, w.to(a.dtype), rtol=1e-5, atol=1e-6)
-    tickets = [t for key, (_, t) in _losses._SCRATCH.items() if key[0].type == device]
+    tickets = [t for key, (_, t) in _last_program._SCRATCH.items() if key[0].type == device]
     assert tickets and all(t.item() == 0 for t in tickets)
 
 

@@ -114,7 +114,7 @@ MASKS = [None, torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, to
 @pytest.fixture(params=["one block", "many blocks"])
 def blocks(request, monkeypatch):
     """The kernels' block sizes, or small ones: several programs per pass (a partial last
-    one), and a combining program that takes its partials in several steps."""
+    one), and a last program that combines the partials in several steps."""
     if request.param == "many blocks":
         monkeypatch.setattr(_whiten, "BLOCK", 16)
         monkeypatch.setattr(_whiten, "APPLY_BLOCK", 8)
@@ -480,7 +480,7 @@ def test_masked_whiten_gradients(shape, shift_mean):
 @pytest.mark.gpu_large
 def test_masked_whiten_64bit_indexing():
     """More than 2^31 elements (bfloat16 +-1, alternating): offsets in 64 bits, and 2^18
-    partials for the combining program."""
+    partials for the last program to combine."""
     n = 2**31 + 5
     x = torch.ones(n, dtype=torch.bfloat16, device=DEV)
     x[1::2] = -1
