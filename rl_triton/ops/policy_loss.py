@@ -7,8 +7,9 @@ the per-position formula reads it as an input. clip_cov and kl_cov pick their po
 batch-wide statistic (a covariance, a random draw or a top-k): torch picks them first, on every
 backend, and the formula reads the pick. geo_mean is a loss per sequence (a geometric mean of the
 ratios): torch on every backend. The rest is one fused kernel forward (its last program adds the
-partial sums) and one backward, as ppo_policy_loss.py, with the aggregation's global factors (verl's `dp_size`,
-`batch_num_tokens`, `global_batch_size`, `loss_scale_factor`) applied to the scalar after it.
+partial sums) and one backward, as ppo_policy_loss.py, with the aggregation's global factors
+(verl's `dp_size`, `batch_num_tokens`, `global_batch_size`, `loss_scale_factor`) applied to the
+scalar after it.
 """
 from __future__ import annotations
 

@@ -210,7 +210,8 @@ def test_last_program_finish(device):
         first, again, want = run("triton"), run("triton"), run("torch")
         for a, b, w in zip(first, again, want):
             assert torch.equal(a, b)
-            torch.testing.assert_close(a, w.to(a.dtype), rtol=1e-5, atol=1e-6)
+            # (float32 sums in another order: up to 2.25M positions on a GPU)
+            torch.testing.assert_close(a, w.to(a.dtype), rtol=1e-4, atol=1e-6)
     tickets = [t for key, (_, t) in _last_program._SCRATCH.items() if key[0].type == device]
     assert tickets and all(t.item() == 0 for t in tickets)
 
