@@ -1,9 +1,11 @@
-"""`masked_whiten`'s Triton path (semantics §8), two launches forward, three backward: the
-kernels of the op `outcome.WHITEN` (its autograd and custom op are the framework's, `_core.op`).
+"""`masked_whiten`'s Triton path (semantics §8), two launches forward (three past 8M elements),
+three backward: the kernels of the op `outcome.WHITEN` (its autograd and custom op are the
+framework's, `_core.op`).
 
 Forward: a reduction pass (each program its block's count, mean and centered sum of squares),
-whose last program combines the blocks in float64 (Chan's parallel formula, `_last_program`),
-the all-reduce over a process group where there is one, then an elementwise pass. Backward,
+whose last program combines the blocks in float64 (Chan's parallel formula, `_last_program`;
+past LAST_MAX blocks a one-program kernel after it), the all-reduce over a process group where
+there is one, then an elementwise pass. Backward,
 with xhat = (x - mean) r and r = rsqrt(var + eps), var = M2 / (n - c), over the masked-in
 positions:
 
@@ -35,9 +37,12 @@ BLOCK = 8192
 WARPS = 8
 APPLY_BLOCK = 4096
 APPLY_WARPS = 4
-# partials per step of the statistics' last program (in float64: more would cost the reduction
-# pass registers, and programs per SM)
-COMBINE_BLOCK = 256
+COMBINE_BLOCK = 4096  # partials per step of the combining kernel
+# The reduction pass's last program combines up to LAST_MAX partials (at most 4 steps of
+# LAST_BLOCK: its float64 tile costs the pass registers, each step a round trip to L2); more
+# partials (past 8M elements) go to the combining kernel, where one more launch costs nothing
+LAST_BLOCK = 256
+LAST_MAX = 4 * LAST_BLOCK
 
 
 @triton.jit
@@ -131,10 +136,11 @@ def _stats_block(x_ptr, m_ptr, part_ptr, start, pid, N, P, HAS_MASK: tl.constexp
 @triton.jit
 def _stats_kernel(x_ptr, m_ptr, part_ptr, ticket, stats_ptr, N, P, HAS_MASK: tl.constexpr,
                   F64: tl.constexpr, SUMS: tl.constexpr, BLOCK: tl.constexpr,
-                  VEC: tl.constexpr, COMBINE: tl.constexpr):
+                  VEC: tl.constexpr, LAST: tl.constexpr, COMBINE: tl.constexpr):
     """partials[:, pid] = (count, shift, sum of x - shift, sum of (x - shift)^2) of the block,
-    shift its mean as rounded: the shifted sums give the mean and M2 without cancellation; the
-    last program (`_last_program`) combines the P = programs partials into the statistics."""
+    shift its mean as rounded: the shifted sums give the mean and M2 without cancellation; with
+    LAST the last program (`_last_program`) combines the P = programs partials into the
+    statistics, COMBINE at a time."""
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * BLOCK
     if start + BLOCK <= N:
@@ -142,9 +148,16 @@ def _stats_kernel(x_ptr, m_ptr, part_ptr, ticket, stats_ptr, N, P, HAS_MASK: tl.
     else:
         _stats_block(x_ptr, m_ptr, part_ptr, start, pid, N, P, HAS_MASK, F64, BLOCK, VEC,
                      False)
-    if last_program(ticket):
-        _combine(part_ptr, stats_ptr, P, SUMS, COMBINE)
-        reset(ticket)
+    if LAST:
+        if last_program(ticket):
+            _combine(part_ptr, stats_ptr, P, SUMS, COMBINE)
+            reset(ticket)
+
+
+@triton.jit
+def _combine_kernel(part_ptr, stats_ptr, P, SUMS: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: `_combine`, for more partials than the reduction's last program takes."""
+    _combine(part_ptr, stats_ptr, P, SUMS, BLOCK)
 
 
 @triton.jit
@@ -336,8 +349,13 @@ def _forward(x: Tensor, mask, opts, plain: bool = False, memo=None) -> tuple:
     P = max(cdiv(N, BLOCK), 1)  # without data one program writes zeros, and combines them
     part, ticket = scratch(x.device, 4 * P, torch.float64 if meta["F64"] else torch.float32)
     stats = torch.empty(3, dtype=torch.float64, device=x.device)
+    last = P <= LAST_MAX
     launch(_stats_kernel, P, (xf, mf, part, ticket, stats, N, P), x.device, memo, **meta,
-           SUMS=group is not None, BLOCK=BLOCK, COMBINE=COMBINE_BLOCK, num_warps=WARPS)
+           SUMS=group is not None, BLOCK=BLOCK, LAST=last, COMBINE=LAST_BLOCK,
+           num_warps=WARPS)
+    if not last:
+        launch(_combine_kernel, 1, (part, stats, P), x.device, memo, SUMS=group is not None,
+               BLOCK=COMBINE_BLOCK, num_warps=WARPS)
     _all_reduce(stats, group)  # on every rank, even one without data
     y = torch.empty(x.shape if plain else N, dtype=out_dtype, device=x.device)
     if N:

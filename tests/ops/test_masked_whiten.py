@@ -111,14 +111,17 @@ MASKS = [None, torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, to
          torch.bfloat16]
 
 
-@pytest.fixture(params=["one block", "many blocks"])
+@pytest.fixture(params=["one block", "many blocks", "many blocks, combining kernel"])
 def blocks(request, monkeypatch):
     """The kernels' block sizes, or small ones: several programs per pass (a partial last
-    one), and a last program that combines the partials in several steps."""
-    if request.param == "many blocks":
+    one), and partials combined in several steps by the reduction's last program or (past
+    LAST_MAX partials) by the combining kernel."""
+    if request.param != "one block":
         monkeypatch.setattr(_whiten, "BLOCK", 16)
         monkeypatch.setattr(_whiten, "APPLY_BLOCK", 8)
         monkeypatch.setattr(_whiten, "COMBINE_BLOCK", 4)
+        monkeypatch.setattr(_whiten, "LAST_BLOCK", 4)
+        monkeypatch.setattr(_whiten, "LAST_MAX", 0 if "kernel" in request.param else 2**30)
     # a plan keeps the compiled kernels of its block sizes (scan.launch.launch's memo): fresh
     # plans for these sizes, and none of them left for the next test
     plans.clear_plans()
