@@ -31,7 +31,7 @@ def compiler_env(*first):
 # the scan family's variants in parallel test workers (minutes in one): more on a GPU machine's
 # many cores, fewer where each shard's start-up counts (2 cores)
 SCAN_SHARDS = 12 if torch.cuda.is_available() else 6
-PARTS = [(f"scan {k}/{SCAN_SHARDS}", 69) for k in range(SCAN_SHARDS)] + [("whiten", 7),
+PARTS = [(f"scan {k}/{SCAN_SHARDS}", 69) for k in range(SCAN_SHARDS)] + [("whiten", 8),
                                                                          ("losses", 43)]
 
 
