@@ -57,22 +57,42 @@ def forward_kernel(q, sampled, out, N, J, q_n, s_n, s_j, beta, max_weight,
     tl.store(out + n, w.to(out.dtype.element_ty), mask=inb)
 
 
-def forward(x: Inputs, o: Options, plan=None):
+def _views(q: Tensor, sampled: Tensor):
+    """q as [N] and sampled as [N, J]: views where one stride describes the batch axes, else
+    copies."""
+    N, J = q.numel(), sampled.shape[-1]
+    try:
+        return q.view(N), sampled.view(N, J)
+    except RuntimeError:  # batch axes no one stride describes
+        return q.reshape(N), sampled.reshape(N, J)
+
+
+def _fixed(x: Inputs, o: Options):
+    """(whether the views copy, grid, the sizes and strides, flags): fixed by the call's
+    signature; views that do not copy share their tensor's address, which is all a kernel
+    reads of them."""
     q, sampled = x
     N, J = q.numel(), sampled.shape[-1]
-    out = torch.empty(q.shape, dtype=o.out_dtype, device=q.device)
-    try:
-        qv, sv = q.view(N), sampled.view(N, J)
-    except RuntimeError:  # batch axes no one stride describes
-        qv, sv = q.reshape(N), sampled.reshape(N, J)
+    qv, sv = _views(q, sampled)
     extent = max((N - 1) * abs(qv.stride(0)), (N - 1) * abs(sv.stride(0))
                  + (J - 1) * abs(sv.stride(1))) + 1
     block_j = min(next_power_of_2(J), 64)
     block_n = max(16, min(1024 // block_j, next_power_of_2(max(N, 1))))
-    L.launch(forward_kernel, cdiv(N, block_n), qv, sv, out, N, J, qv.stride(0),
-             *sv.stride(), o.beta, o.max_weight, EXP=o.kind == "exp", MEAN=o.baseline == "mean",
-             INT64=max(extent, N * J) > L.INT32_MAX, BLOCK_N=block_n, BLOCK_J=block_j,
-             num_warps=4, plan=plan)
+    copies = qv.data_ptr() != q.data_ptr() or sv.data_ptr() != sampled.data_ptr()
+    return (copies, cdiv(N, block_n), (N, J, qv.stride(0), *sv.stride()),
+            dict(EXP=o.kind == "exp", MEAN=o.baseline == "mean",
+                 INT64=max(extent, N * J) > L.INT32_MAX, BLOCK_N=block_n, BLOCK_J=block_j,
+                 num_warps=4))
+
+
+def forward(x: Inputs, o: Options, plan=None):
+    q, sampled = x
+    copies, programs, sizes, meta = L.fixed(plan, _fixed, x, o)
+    out = torch.empty(q.shape, dtype=o.out_dtype, device=q.device)
+    if copies:
+        q, sampled = _views(q, sampled)
+    L.launch(forward_kernel, programs, q, sampled, out, *sizes, o.beta, o.max_weight, **meta,
+             plan=plan)
     return [out], []
 
 

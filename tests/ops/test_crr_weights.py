@@ -26,5 +26,18 @@ def test_crr_weights(kind, baseline, backend, device):
         assert_close(w, spec_crr(q.double(), sampled.double(), **kw), 1e-6)
 
 
+def test_crr_weights_strided(device):
+    """Batch axes a view reads in place (a transpose, a step) or that the kernel reads as a
+    copy (a permutation no one stride describes), each called three times: the plan's later
+    calls take its memo of the views' strides and whether they copy."""
+    q, sampled = randn((6, 5, 4), 1, device=device), randn((6, 5, 4, 3), 2, device=device)
+    cases = [(q.permute(2, 0, 1), sampled.permute(2, 0, 1, 3)), (q[:, ::2], sampled[:, ::2]),
+             (q[..., 0], sampled[..., 0, :]), (q.transpose(0, 1), sampled.transpose(0, 1))]
+    for a, b in cases:
+        for _ in range(3):
+            assert_close(rl_triton.crr_weights(a, b, backend="triton"),
+                         spec_crr(a.double(), b.double()), 1e-6)
+
+
 # the checks shared with other ops (tests/ops/op_checks), for this module's OPS
 op_checks.install(globals(), OPS)
