@@ -5,9 +5,8 @@ framework's, `_core.op`).
 Forward: a reduction pass (each program its block's count, mean and centered sum of squares),
 whose last program combines the blocks in float64 (Chan's parallel formula, `_last_program`;
 past LAST_MAX blocks a one-program kernel after it), the all-reduce over a process group where
-there is one, then an elementwise pass. Backward,
-with xhat = (x - mean) r and r = rsqrt(var + eps), var = M2 / (n - c), over the masked-in
-positions:
+there is one, then an elementwise pass. Backward, with xhat = (x - mean) r and
+r = rsqrt(var + eps), var = M2 / (n - c), over the masked-in positions:
 
     dx = r (g - A / n - xhat B / (n - c)) + [not shift_mean] A / n,   A = sum g, B = sum g xhat
 
