@@ -21,7 +21,7 @@ _FLUSH_BYTES = 256 * 2**20  # what triton.testing.do_bench writes to flush the L
 _HOLD_CYCLES = 200_000  # about 100 µs of GPU clock: longer than the host's part of any call
 # ... of any forward call; a backward pass through torch's autograd engine takes 150-300 µs
 # of host time on the H200 machine (the engine's device thread, its checks); and the token
-# suite's calls: masked_whiten's three Triton launches from Python, the drop-ins' dozen ops,
+# suite's calls: masked_whiten's Triton launches from Python, the drop-ins' dozen ops,
 # took 120-230 µs of full call on 2026-12-03 (under the short hold, their device times jumped
 # 5x between neighbouring cells)
 _HOLD_CYCLES_GRAD = 2_000_000
