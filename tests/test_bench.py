@@ -794,6 +794,30 @@ def test_call_times_split_host_from_full(monkeypatch):
     assert 1000 <= host and full >= host + 1900
 
 
+def test_interleaved_call_times(monkeypatch):
+    """Every fn timed in every round, the order rotated a round, each fn's medians its own: a
+    slow fn shows in its times alone."""
+    import time
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    order = []
+
+    def fn(name, seconds=0.0):
+        def f():
+            order.append(name)
+            if seconds:
+                time.sleep(seconds)
+        return f
+
+    times = timing.interleaved_call_times_us([fn("a"), fn("slow", 2e-3), fn("c")], rounds=3,
+                                             calls=4, warmup=2)
+    assert order[:6] == ["a", "a", "slow", "slow", "c", "c"]
+    timed = order[6:][::4]  # the first call of each fn's batch
+    assert timed == ["a", "slow", "c", "slow", "c", "a", "c", "a", "slow"]
+    assert all(order[6:][i:i + 4] == [timed[i // 4]] * 4 for i in range(0, 36, 4))
+    (full_a, host_a), (full_s, host_s), (full_c, host_c) = times
+    assert host_s >= 2000 and max(host_a, host_c) < 1000 and full_s >= host_s
+
+
 def test_bare_launch(device):
     """The bound: the plan a call caches, its compiled kernel launched bare, gives the call's
     outputs; refused where no kernel is compiled (Triton's interpreter) and where the call is
@@ -899,7 +923,8 @@ def test_anchor_load(tmp_path):
 
 def _stub_host_timing(monkeypatch):
     """Timing stubbed, and the bound a plain call (no compiled kernel on the CPU)."""
-    monkeypatch.setattr(timing, "call_times_us", lambda f, calls=200, warmup=20: (30.0, 20.0))
+    monkeypatch.setattr(timing, "interleaved_call_times_us",
+                        lambda fns, rounds=7, calls=30, warmup=20: [(30.0, 20.0)] * len(fns))
     monkeypatch.setattr(host_suite, "bare_launch", lambda fn, kw, what="": (
         lambda: calls.as_tuple(fn(**kw)), calls.as_tuple(fn(**kw))))
     monkeypatch.setattr(registry, "HOST_OTHERS_SHAPE", "8x64")
@@ -927,11 +952,11 @@ def test_host_suite_runs(tmp_path, monkeypatch):
             for impl in ("rl_triton", "bound")}
     want |= {("gae", shape, "batch-major", "float32", "float", "anchor")
              for shape in ("3x40", "8x64")}
-    # Retrace twice, group, whiten, the losses, the zoo's
-    assert len(rows) - len(grid) == 4 + len(registry.LOSS_CASES) + len(registry.HOST_ZOO)
+    # GAE and Retrace twice, group, whiten, the losses, the zoo's
+    assert len(rows) - len(grid) == 6 + len(registry.LOSS_CASES) + len(registry.HOST_ZOO)
     assert grid == want
     others = [r["call"] for r in rows if r["part"] == "others"]
-    assert others == ["retrace", "retrace", "group_advantages", "masked_whiten"] + [
+    assert others == ["gae", "gae", "retrace", "retrace", "group_advantages", "masked_whiten"] + [
         case[0] for case in registry.LOSS_CASES] + [call for call, _, _ in registry.HOST_ZOO]
     assert all(r["rel_err"] < 1e-4 and r["host_us"] == 20.0 for r in rows)
     md = (tmp_path / "bench.md").read_text()
@@ -959,7 +984,9 @@ def _host_rows():
                        20.0, 0.0)]
     rows.append(R("grid", "gae", "", "4096x128", "batch-major", "float32", "float", "anchor",
                   40.0, 50.0, 1e-7))
-    rows += [R("others", "retrace", "", "4096x128", "time-major", "float32", "bool", "rl_triton",
+    rows += [R("others", "gae", "", "4096x128", "time-major", "float32", "bool", "rl_triton",
+               25.0, 35.0, 1e-7),
+             R("others", "retrace", "", "4096x128", "time-major", "float32", "bool", "rl_triton",
                50.0, 60.0, 1e-7),
              R("others", "masked_whiten", "multi-turn mask", "4096x128", "", "float32", "",
                "rl_triton", 46.0, 70.0, 1e-7)]
@@ -981,15 +1008,17 @@ def test_host_reports(tmp_path):
             "0.66 | 1.15 | 10.0 / 20.0 |") in md
     assert ("| gae | 4096x128 | time-major | float32 | float | 20.0 | 40.0 | 0.50 | 30.0 | 50.0 | "
             "0.60 | 1.15 | 10.0 / 20.0 |") in md
-    # against GAE's host in the same layout, batch-major where the op has none
-    assert "| retrace |  | time-major | float32 | bool | 50.0 | 60.0 | 2.50 |" in md
+    # against GAE's host in the same layout, batch-major where the op has none; GAE as timed
+    # among the other ops where it was (time-major), else the grid's
+    assert "| gae |  | time-major | float32 | bool | 25.0 | 35.0 | 1.00 |" in md
+    assert "| retrace |  | time-major | float32 | bool | 50.0 | 60.0 | 2.00 |" in md
     assert "| masked_whiten | multi-turn mask |  | float32 |  | 46.0 | 70.0 | 2.00 |" in md
     worst = "(gae 4096x128 batch-major float32 bool flags)"
     assert f"| host <= 0.6x the anchor's | 4 of 4 | 0.57 {worst} | 0.25 |" in md
     assert f"| full call <= 0.75x the anchor's | 4 of 4 | 0.66 {worst} | 0.40 |" in md
     assert f"| host bm / tm within 10% | 0 of 2 | 1.15 {worst} | 1.00 |" in md
     assert f"| GAE at 4096x128: host <= 25 µs | 4 of 4 | 23.00 {worst} | 10.00 |" in md
-    assert "| other ops: host <= 2x GAE's | 1 of 2 | 2.50 (retrace) |  |" in md
+    assert "| other ops: host <= 2x GAE's | 2 of 2 | 2.00 (retrace) |  |" in md
     assert (tmp_path / "r" / "host.png").stat().st_size > 1000
     without = [r for r in _host_rows() if r["impl"] != "anchor"]
     md = report.host_markdown(dict(env=_token_env(), suite="host", rows=without))

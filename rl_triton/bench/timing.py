@@ -69,18 +69,31 @@ def call_times_us(fn, calls=200, warmup=20) -> tuple:
     """(full-call µs, host µs) of fn, medians over the same calls: synchronize, host timer,
     fn(), host timer (the host time ends where fn returns), synchronize, host timer (the full
     call). The synchronize before each call keeps the queue from filling."""
-    for _ in range(warmup):
-        fn()
-    full, host = [], []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        full.append(time.perf_counter() - t0)
-        host.append(t1 - t0)
-    return statistics.median(full) * 1e6, statistics.median(host) * 1e6
+    return interleaved_call_times_us([fn], rounds=1, calls=calls, warmup=warmup)[0]
+
+
+def interleaved_call_times_us(fns, rounds=7, calls=30, warmup=20) -> list:
+    """[(full-call µs, host µs)] of each of fns, timed as `call_times_us` in `rounds` rounds of
+    `calls` calls of every fn in turn (the order rotated each round), medians over each fn's
+    calls: the host's drift over a run (on the H200 machine the same call's host time moved
+    2x between neighbouring cells) falls on every fn alike, so their ratios hold."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    full, host = [[] for _ in fns], [[] for _ in fns]
+    for r in range(rounds):
+        for j in range(len(fns)):
+            i = (j + r) % len(fns)
+            fn = fns[i]
+            for _ in range(calls):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                full[i].append(time.perf_counter() - t0)
+                host[i].append(t1 - t0)
+    return [(statistics.median(f) * 1e6, statistics.median(h) * 1e6) for f, h in zip(full, host)]
 
 
 def full_call_us(fn, calls=200, warmup=20) -> float:

@@ -8,9 +8,11 @@ flags: host time and full-call time of rl_triton's public call, beside
 - the anchor: rl-triton 0.1.3, the paper's library (`--anchor-path`, `bench.anchor`), once per
   estimator and shape in the only layout and dtype it takes (batch-major float32, float32 flags);
 then Retrace, group_advantages, masked_whiten, every loss, policy_loss and rollout_correction
-(`registry.HOST_ZOO`) at 4096x128, against GAE's host time. The launch floor (`x.add_(1)`, host
-and full call) is in the run's environment. Every result is checked before it is timed:
-rl_triton's against float64, the bound's and the anchor's against rl_triton's.
+(`registry.HOST_ZOO`) at 4096x128, against GAE's host time (GAE timed again among them). The
+launch floor (`x.add_(1)`, host and full call) is in the run's environment. Every result is
+checked before it is timed: rl_triton's against float64, the bound's and the anchor's against
+rl_triton's. The calls of one estimator and shape (or the other ops) are timed together, in
+rounds (`timing.interleaved_call_times_us`), so that the host's drift falls on all alike.
 """
 from __future__ import annotations
 
@@ -136,7 +138,7 @@ def estimator_cells(name, shape, layouts, dtypes, flags, device, seed=0, anchor_
 
 def other_cells(device, seed=0):
     """The other ops at `registry.HOST_OTHERS_SHAPE` (N x T), float32, each checked first:
-    (call, variant, layout, flags, fn, relative error). Retrace in each layout;
+    (call, variant, layout, flags, fn, relative error). GAE and Retrace in each layout;
     group_advantages on N x T scores in groups of T; masked_whiten on N x T multi-turn rows;
     every loss case on [N, T] rows (PPO, value, KL) or N x T samples (SAC, CRR), against its
     eager formula; then `registry.HOST_ZOO` on the PPO case's rows."""
@@ -148,10 +150,11 @@ def other_cells(device, seed=0):
         check_result(err, tol, f"{call} {variant} {shape}")
         return call, variant, layout, flags, f, err
 
-    for layout in registry.LAYOUTS:
-        kw, _ = registry.make_inputs("retrace", N, T, layout, torch.float32, False, device, seed)
-        yield checked("retrace", "", layout, "bool", call_of(rl_triton.retrace, kw),
-                      float64_result("retrace", kw), kw["time_dim"])
+    for name in ("gae", "retrace"):  # GAE: the others' yardstick, timed among them
+        for layout in registry.LAYOUTS:
+            kw, _ = registry.make_inputs(name, N, T, layout, torch.float32, False, device, seed)
+            yield checked(name, "", layout, "bool", call_of(getattr(rl_triton, name), kw),
+                          float64_result(name, kw), kw["time_dim"])
     scores = torch.randn(N * T, generator=torch.Generator().manual_seed(seed)).to(device)
     groups = dict(group_size=T)
     yield checked("group_advantages", f"group_size={T}", "", "",
@@ -200,8 +203,11 @@ def run_host(estimators, shapes, layouts, dtypes, flags, env, device, out, max_s
             cells = (("grid", name, "", shape, layout, dt, fl, impl, f, err)
                      for layout, dt, fl, impl, f, err in estimator_cells(
                          name, shape, layouts, dtypes, flags, device, i, anchor_module))
-        for *key, f, err in cells:
-            full, host = timing.call_times_us(f)
+        # checked first, then timed together (`timing.interleaved_call_times_us`): a cell's
+        # ratio to the anchor, the bound or GAE compares calls timed in the same rounds
+        cells = list(cells)
+        for (*key, _, err), (full, host) in zip(
+                cells, timing.interleaved_call_times_us([c[-2] for c in cells])):
             row = HostRow(*key, host, full, err)
             rows.append(row)
             print(f"{tag} {row.call:18s} {row.variant:18s} {row.shape:>10s} {row.layout:11s} "
