@@ -305,6 +305,11 @@ def check_actions(actions: Tensor, n_act: int) -> None:
     if actions.numel() == 0:
         return
     lo, hi = torch.stack(torch.aminmax(actions)).tolist()  # one sync
+    check_action_range(lo, hi, n_act)
+
+
+def check_action_range(lo: int, hi: int, n_act: int) -> None:
+    """The actions' smallest and largest value in [0, n_act), else `ValueError` naming them."""
     if lo < 0 or hi >= n_act:
         bad = lo if lo < 0 else hi
         raise ValueError(f"actions holds {bad}, outside [0, {n_act}) (q_values has {n_act} "

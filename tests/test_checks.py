@@ -75,6 +75,52 @@ def test_retrace_actions_out_of_range(backend, value):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "int"])
+def test_retrace_masked_actions_are_not_checked(backend, mask_kind):
+    """An action outside [0, num_actions) at a masked step is ignored (semantics §3): no error,
+    the result of any in-range action there; at a decision step it raises."""
+    case = make_case("retrace", 11, (4,), n_act=5, device=DEVICE)
+    mask = torch.ones(11, 4, dtype=torch.bool, device=DEVICE)
+    mask[6, 2] = False
+    m = mask.to({"bool": torch.bool, "float": torch.float32, "int": torch.int32}[mask_kind])
+    actions = case.steps["actions"].clone()
+    actions[6, 2] = 1000
+    got = case.fn(**dict(case.steps, actions=actions), **case.extra, mask=m, backend=backend)
+    want = case.fn(**case.steps, **case.extra, mask=m, backend=backend)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w)
+    actions[7, 2] = -3
+    with pytest.raises(ValueError, match="actions holds -3"):
+        case.fn(**dict(case.steps, actions=actions), **case.extra, mask=m, backend=backend)
+
+
+@pytest.mark.parametrize("n", [1, 37, 1025, 333 * 50])
+def test_action_range_kernel(n):
+    """Retrace's action check on the GPU (`retrace.action_range`, one launch whose last program
+    combines; here through the interpreter): the extremes of the decision steps' actions, 0
+    counted, for every integer dtype, a mask of each kind or a broadcast one, beyond 512
+    blocks; None where the layout is not one run of memory (torch reduces then)."""
+    from rl_triton.ops.retrace import action_range
+    g = torch.Generator().manual_seed(n)
+    for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        low = 0 if dtype is torch.uint8 else -40
+        a = torch.randint(low, 90, (n,), generator=g).to(dtype)
+        keep = torch.rand(n, generator=g) < 0.6
+        masks = [(None, keep | True), (keep, keep), (keep.float(), keep),
+                 (torch.ones((), dtype=torch.bool).expand(n), keep | True)]
+        for m, kept in masks:
+            ref = torch.where(kept, a.long(), 0)
+            got = action_range(a.to(DEVICE), None if m is None else m.to(DEVICE))
+            assert got == (min(0, ref.min().item()), max(0, ref.max().item()))
+    big = torch.full((1024 * 600,), 3, dtype=torch.int64)
+    big[-1] = 7  # in the last of 600 blocks, which 512 programs share
+    assert action_range(big.to(DEVICE), None) == (0, 7)
+    two = torch.arange(12, device=DEVICE).reshape(3, 4)
+    assert action_range(two.t(), None) is None
+    assert action_range(two, torch.ones(4, 3, dtype=torch.bool, device=DEVICE).t()) is None
+
+
 def test_check_actions_must_be_bool():
     case = make_case("retrace", 5, (2,), device=DEVICE)
     with pytest.raises(TypeError, match="check_actions"):

@@ -544,8 +544,10 @@ def forward(x: Tensors, o: Options, plan=None):
     N, programs, loss_shape, scalars, meta = L.fixed(plan, _fixed, x, o)
     seq, scale, cu, S, steps = _seq(x, o)
     loss = L.new(plan, loss_shape, o.out_dtype, dev)
-    metrics = [L.new(plan, (), o.out_dtype, dev) for _ in range(5)]
-    inv = L.new(plan, (), torch.float32, dev)
+    if o.out_dtype == torch.float32:  # the metrics (no gradient) and inv in one allocation
+        *metrics, inv = L.scalars(plan, 6, torch.float32, dev)
+    else:
+        metrics, inv = L.scalars(plan, 5, o.out_dtype, dev), L.new(plan, (), torch.float32, dev)
     lay = L.layout(tuple(lp.shape), lp, x.old_log_probs, x.advantages, x.mask, x.weights,
                    x.log_ratio, x.selected, plan=plan)
     L.launch(forward_kernel, programs, *lay.tensors, scale, cu,

@@ -6,16 +6,17 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import reference
-from .._args import (FLAG, INDEX, VALUE, Call, check_actions, check_bool, check_discount,
-                     check_scalar)
+from .._args import (FLAG, INDEX, VALUE, Call, check_action_range, check_actions, check_bool,
+                     check_discount, check_scalar)
 from .._core.scan import ScanOp
 from ..reference import _decided, _flags, _prep
 from ..scan import torch_scan
-from ..scan.jit import slots, tl, triton
+from ..scan.jit import cdiv, next_power_of_2, slots, tl, triton
 from ..scan.kernel import (clip, cut_flags, finish_linear, flags_before, load_at, load_step,
                            load_value, out_offsets, slot_offsets, store_at, store_out)
-from ..scan.launch import Kernel
+from ..scan.launch import Kernel, launch
 from ._common import bits, like, run_backward, scan_plan
+from ._last_program import last_program, reset, scratch
 
 Tensor = torch.Tensor
 
@@ -501,9 +502,69 @@ def _ones(device) -> Tensor:
 
 def _check_actions(x: Inputs, extra: Extras):
     if extra.check_actions:
-        # the actions of masked steps are ignored (semantics §7), whatever they hold
+        n_act = x.q_values.shape[-1]
+        lo_hi = action_range(x.actions, x.mask) if x.actions.is_cuda else None
+        if lo_hi is not None:
+            check_action_range(*lo_hi, n_act)
+            return
+        # the actions of masked steps are ignored (semantics §3), whatever they hold
         acts = x.actions if x.mask is None else torch.where(x.mask != 0, x.actions, 0)
-        check_actions(acts, x.q_values.shape[-1])
+        check_actions(acts, n_act)
+
+
+RANGE_BLOCK = 1024
+RANGE_PROGRAMS = 512  # at most: each loops over its share beyond 512 blocks
+
+
+@triton.jit
+def action_range_kernel(actions, mask, part, ticket, n, P, HAS_MASK: tl.constexpr,
+                        MASK_STEP: tl.constexpr, PB: tl.constexpr, BLOCK: tl.constexpr):
+    """The smallest and largest action of the decision steps, 0 counted (in range whatever
+    the actions are): each of the P programs' over its blocks into `part` [2P], then the last
+    program's over those into part[0] and part[1]."""
+    pid = tl.program_id(0)
+    lo = tl.zeros([BLOCK], tl.int64)
+    hi = tl.zeros([BLOCK], tl.int64)
+    for start in range(pid * BLOCK, n, P * BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        inb = i < n
+        a = tl.load(actions + i, mask=inb, other=0).to(tl.int64)
+        if HAS_MASK:
+            a = tl.where(tl.load(mask + i * MASK_STEP, mask=inb, other=0) != 0, a, 0)
+        lo = tl.minimum(lo, a)
+        hi = tl.maximum(hi, a)
+    tl.store(part + pid, tl.min(lo, axis=0))
+    tl.store(part + P + pid, tl.max(hi, axis=0))
+    if last_program(ticket):
+        j = tl.arange(0, PB)
+        lo_all = tl.load(part + j, mask=j < P, other=0, cache_modifier=".cg")
+        hi_all = tl.load(part + P + j, mask=j < P, other=0, cache_modifier=".cg")
+        tl.store(part, tl.min(lo_all, axis=0))
+        tl.store(part + 1, tl.max(hi_all, axis=0))
+        reset(ticket)
+
+
+def action_range(actions: Tensor, mask: Optional[Tensor]) -> Optional[tuple]:
+    """(smallest, largest) action of the decision steps, 0 counted, by one launch of
+    `action_range_kernel` and one read (on CUDA, a sync), where torch takes a reduction, a
+    stack and a read (docs/dev/host-path.md, "Retrace's action check"). None where the actions
+    or the mask are not one run of memory each (the caller reduces with torch)."""
+    n = actions.numel()
+    if n == 0 or n >= 2**30 or not actions.is_contiguous():
+        return None if n else (0, 0)
+    step = 1
+    if mask is not None:
+        if not any(mask.stride()):  # one value broadcast (packed calls without a mask)
+            step = 0
+        elif not (mask.is_contiguous() and mask.shape == actions.shape):
+            return None
+    P = min(cdiv(n, RANGE_BLOCK), RANGE_PROGRAMS)
+    part, ticket = scratch(actions.device, 2 * P, torch.int64)
+    launch(action_range_kernel, P, (actions, actions if mask is None else mask, part, ticket,
+                                    n, P), actions.device, HAS_MASK=mask is not None,
+           MASK_STEP=step, PB=next_power_of_2(P), BLOCK=RANGE_BLOCK, num_warps=4)
+    lo, hi = part[:2].tolist()  # one sync on CUDA
+    return lo, hi
 
 
 OP = ScanOp("retrace", Inputs, Scalars, outputs=2, extras=Extras, check=_check,
