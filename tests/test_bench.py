@@ -157,6 +157,14 @@ def test_gradient_helpers(name):
         checks.check_gradients(lambda **k: fn(**k) if k.get("backend") else tuple(
             2 * o for o in (fn(**k) if isinstance(fn(**k), tuple) else (fn(**k),))),
             kw_g, leaves, name, "3x17")
+    # bfloat16 inputs: their gradients rounded to bfloat16 pass, wrong ones still fail
+    kw16, leaves16 = calls.grad_inputs(registry.make_inputs(name, 5, 333, "batch-major",
+                                                            torch.bfloat16, True, "cpu")[0])
+    checks.check_gradients(fn, kw16, leaves16, name, "5x333")
+    with pytest.raises(SystemExit, match="not timing a wrong gradient"):
+        checks.check_gradients(lambda **k: fn(**k) if k.get("backend") else tuple(
+            1.1 * o for o in (fn(**k) if isinstance(fn(**k), tuple) else (fn(**k),))),
+            kw16, leaves16, name, "5x333")
     assert len(calls.backward_fn(fn(**kw_g), leaves)()) == len(leaves)
     f = gradients.torchrl_fwd_bwd(name, kw_g)
     if not HAS_TORCHRL:

@@ -53,8 +53,10 @@ def check_gradients(fn, kw_g, leaves, name, shape):
     want = torch.autograd.grad(sum((o * w.double()).sum() for o, w in zip(ref, ws)), leaves64,
                                allow_unused=True)
     # V-trace and Retrace clip ratios: where a float32 ratio and its float64 twin fall on two
-    # sides of a clip, that step's gradient jumps, so their tolerance is looser
-    tol = 1e-3 if name in ("vtrace", "retrace") else 1e-4
+    # sides of a clip, that step's gradient jumps, so their tolerance is looser; the gradient
+    # of a bfloat16 input is rounded to bfloat16 (8 bits: a relative error of about 2e-3)
+    half = any(t.dtype in (torch.bfloat16, torch.float16) for t in leaves)
+    tol = 1e-2 if half else 1e-3 if name in ("vtrace", "retrace") else 1e-4
     for i, (a, b) in enumerate(zip(got, want)):
         a = torch.zeros_like(b) if a is None else a.double()
         b = torch.zeros_like(a) if b is None else b
