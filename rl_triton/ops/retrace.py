@@ -547,8 +547,9 @@ def action_range_kernel(actions, mask, part, ticket, n, P, HAS_MASK: tl.constexp
 def action_range(actions: Tensor, mask: Optional[Tensor]) -> Optional[tuple]:
     """(smallest, largest) action of the decision steps, 0 counted, by one launch of
     `action_range_kernel` and one read (on CUDA, a sync), where torch takes a reduction, a
-    stack and a read (docs/dev/host-path.md, "Retrace's action check and the losses' scalars"). None where the actions
-    or the mask are not one run of memory each (the caller reduces with torch)."""
+    stack and a read (docs/dev/host-path.md, "Retrace's action check and the losses'
+    scalars"). None where the actions or the mask are not one run of memory each (the caller
+    reduces with torch)."""
     n = actions.numel()
     if n == 0 or n >= 2**30 or not actions.is_contiguous():
         return None if n else (0, 0)
