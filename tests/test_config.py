@@ -359,3 +359,15 @@ def test_compiled_launch_keys_on_what_triton_specializes(monkeypatch):
     assert [c[0] for c in calls] == ["jit", "run", "jit", "jit", "jit", "jit", "jit", "run"]
     assert calls[1][1][:4] == (3, 1, 1, 7) and calls[1][1][-3:] == (x.data_ptr(), 7, 4)
     assert calls[-1][1][-3:] == (x[4:].data_ptr(), 9, 4)  # 16 bytes in: aligned
+    # the losses' `_losses.launch` replays the compiled kernel a plan's memo keeps (`launch`
+    # puts it there at the second call), each tensor, wherever it stands, as its address
+    from types import SimpleNamespace
+
+    from rl_triton.ops import _losses
+    assert all(hit[2] == (0,) for hit in L._COMPILED.values())  # x's position
+    monkeypatch.setattr(L, "_current_device", lambda: None)  # (the CPU tensors' index)
+    plan = SimpleNamespace(memo={fn: (Compiled(), (32,), (0, 2))})
+    calls.clear()
+    _losses.launch(fn, 2, x, 5, x[16:], plan=plan, BLOCK=32, num_warps=4)
+    assert calls == [("run", (2, 1, 1, 7, None, None, None, None, None, x.data_ptr(), 5,
+                              x[16:].data_ptr(), 32))]

@@ -43,7 +43,7 @@ from .._args import FLAG, check_choice, check_offsets
 from .._core.op import Plan
 from .._core.plans import backend_for, unreadable
 from ..scan.jit import next_power_of_2, tl, triton
-from ..scan.launch import launch as compiled_launch
+from ..scan.launch import launch as compiled_launch, replay
 from ..scan.torch_scan import segment_ids
 from ._last_program import last_program, reset, scratch
 
@@ -284,7 +284,12 @@ def launch(kernel, programs: int, *args, plan=None, **meta) -> None:
     if programs == 0:
         return
     device = next(a.device for a in args if isinstance(a, Tensor))
-    compiled_launch(kernel, programs, args, device, None if plan is None else plan.memo, **meta)
+    hit = None if plan is None else plan.memo.get(kernel)
+    if hit is not None:  # (compiled: the constexprs are in it)
+        replay(hit, programs, args, device)
+    else:
+        compiled_launch(kernel, programs, args, device, None if plan is None else plan.memo,
+                        **meta)
 
 
 # ---- the kernels' shared pieces ------------------------------------------------------------------

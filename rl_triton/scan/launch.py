@@ -350,29 +350,43 @@ def launch(fn, grid: int, args: tuple, device: torch.device, memo: Optional[dict
     if device.type != "cuda" or not HAS_TRITON:  # Triton's interpreter
         fn[(grid,)](*args, **meta)
         return
-    on = device.index != _current_device()  # Triton launches on the current device
     hit = None if memo is None else memo.get(fn)
     if hit is None:
         key = (fn, device.index, *meta.items(), *map(_spec, args))
         hit = _COMPILED.get(key)
         if hit is None:
+            on = device.index != _current_device()  # Triton launches on the current device
             with torch.cuda.device(device) if on else contextlib.nullcontext():
                 compiled = fn[(grid,)](*args, **meta)
             if len(_COMPILED) >= _MAX_COMPILED:
                 _COMPILED.clear()
-            _COMPILED[key] = (compiled, tuple(meta[n] for n in fn.arg_names[len(args):]))
+            # the tensors' positions, fixed by the key (a tensor's spec is not a number's)
+            _COMPILED[key] = (compiled, tuple(meta[n] for n in fn.arg_names[len(args):]),
+                              tuple(i for i, a in enumerate(args) if isinstance(a, Tensor)))
             return
         if memo is not None:
             memo[fn] = hit
-    kernel, tail = hit
-    args = tuple(a.data_ptr() if isinstance(a, Tensor) else a for a in args)
+    replay(hit, grid, args, device)
+
+
+def replay(hit: tuple, grid: int, args: tuple, device: torch.device) -> None:
+    """The compiled launch of `launch`'s cache entry `hit` (compiled kernel, constexpr tail,
+    the tensors' positions) with `args`' tensors as their addresses."""
+    kernel, tail, tensors = hit
+    args = list(args)
+    for i in tensors:
+        args[i] = args[i].data_ptr()
     stream = _stream(device.index)
     enter, leave = _launch_hooks()
     info = (kernel.launch_metadata((grid, 1, 1), stream, *args, *tail)
             if enter is not None else None)
-    with torch.cuda.device(device) if on else contextlib.nullcontext():
+    if device.index == _current_device():
         kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, info, enter,
                    leave, *args, *tail)
+    else:  # Triton launches on the current device
+        with torch.cuda.device(device):
+            kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, info,
+                       enter, leave, *args, *tail)
 
 
 def _spec(a):
