@@ -11,7 +11,7 @@ from .._args import (FLAG, INDEX, VALUE, Call, check_action_range, check_actions
 from .._core.scan import ScanOp
 from ..reference import _decided, _flags, _prep
 from ..scan import torch_scan
-from ..scan.jit import cdiv, next_power_of_2, slots, tl, triton
+from ..scan.jit import HAS_TRITON, INTERPRETER, cdiv, next_power_of_2, slots, tl, triton
 from ..scan.kernel import (clip, cut_flags, finish_linear, flags_before, load_at, load_step,
                            load_value, out_offsets, slot_offsets, store_at, store_out)
 from ..scan.launch import Kernel, launch
@@ -503,7 +503,9 @@ def _ones(device) -> Tensor:
 def _check_actions(x: Inputs, extra: Extras):
     if extra.check_actions:
         n_act = x.q_values.shape[-1]
-        lo_hi = action_range(x.actions, x.mask) if x.actions.is_cuda else None
+        # (the kernel where Triton compiles: a CUDA machine without it runs the torch backend)
+        on_gpu = x.actions.is_cuda and HAS_TRITON and not INTERPRETER
+        lo_hi = action_range(x.actions, x.mask) if on_gpu else None
         if lo_hi is not None:
             check_action_range(*lo_hi, n_act)
             return
