@@ -88,6 +88,9 @@ class Op:
     """
 
     kind = None
+    # whether `backward` reads the op's outputs (the scans'): `Eager` saves them only then, so
+    # that an in-place edit of a returned metric does not break the backward
+    reads_outputs = False
 
     def __init__(self, name: str, kind: str, inputs: type, options: type, *, outputs: int,
                  forward: Callable, fake: Callable, backward: Optional[Callable] = None,
@@ -204,8 +207,9 @@ class Eager(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, o, plan, *x):
         outs, saved = op.forward(op.tensors(*x), o, plan)
-        ctx.save_for_backward(*x, *outs, *saved)
-        ctx.op, ctx.o, ctx.plan, ctx.n = op, o, plan, len(outs)
+        kept = outs if op.reads_outputs else ()
+        ctx.save_for_backward(*x, *kept, *saved)
+        ctx.op, ctx.o, ctx.plan, ctx.n = op, o, plan, len(kept)
         ctx.mark_non_differentiable(*[outs[i] for i in op.nondiff])
         ctx.set_materialize_grads(False)  # an output without gradient is not read
         return tuple(outs)

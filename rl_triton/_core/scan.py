@@ -64,6 +64,8 @@ class ScanOp(Op):
         packed calls run as padded rows (`_padded`).
     """
 
+    reads_outputs = True  # its backward reads the outputs
+
     def __init__(self, name: str, inputs: type, scalars: type, *, check: Callable,
                  plan: Callable, torch: Callable, loop: Callable, outputs: int = 1,
                  extras: Optional[type] = None, n_out: Optional[Callable] = None,

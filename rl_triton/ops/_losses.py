@@ -264,9 +264,9 @@ def new(plan: Optional[Plan], shape: tuple, dtype: torch.dtype, device: torch.de
 
 def scalars(plan: Optional[Plan], n: int, dtype: torch.dtype, device: torch.device) -> tuple:
     """n new 0-d tensors: eagerly (a plan) the elements of one new [n] tensor, one allocation
-    (about 4 µs of host time each on the H200) for results without gradient and what the
-    backward saves beside them; the custom op's (no plan) apart, since its outputs may not
-    alias."""
+    (about 4 µs of host time each on the H200), for results without gradient that the backward
+    does not read (an in-place edit of one bumps their shared version counter); the custom
+    op's (no plan) apart, since its outputs may not alias."""
     if plan is None:
         return tuple([torch.empty((), dtype=dtype, device=device) for _ in range(n)])
     return new(plan, (n,), dtype, device).unbind()

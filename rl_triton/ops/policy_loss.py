@@ -544,10 +544,8 @@ def forward(x: Tensors, o: Options, plan=None):
     N, programs, loss_shape, scalars, meta = L.fixed(plan, _fixed, x, o)
     seq, scale, cu, S, steps = _seq(x, o)
     loss = L.new(plan, loss_shape, o.out_dtype, dev)
-    if o.out_dtype == torch.float32:  # the metrics (no gradient) and inv in one allocation
-        *metrics, inv = L.scalars(plan, 6, torch.float32, dev)
-    else:
-        metrics, inv = L.scalars(plan, 5, o.out_dtype, dev), L.new(plan, (), torch.float32, dev)
+    metrics = L.scalars(plan, 5, o.out_dtype, dev)  # (no gradient: one allocation)
+    inv = L.new(plan, (), torch.float32, dev)  # (saved for the backward: apart)
     lay = L.layout(tuple(lp.shape), lp, x.old_log_probs, x.advantages, x.mask, x.weights,
                    x.log_ratio, x.selected, plan=plan)
     L.launch(forward_kernel, programs, *lay.tensors, scale, cu,

@@ -159,11 +159,8 @@ def forward(x: Inputs, o: Options, plan=None):
     N, programs, loss_shape, scalars, meta = L.fixed(plan, _fixed, x, o)
     seq, scale, cu, S, steps = _seq(x, o)
     loss = L.new(plan, loss_shape, o.out_dtype, dev)
-    kl = L.new(plan, (), o.out_dtype, dev)  # (differentiable: apart)
-    if o.out_dtype == torch.float32:  # the clip fraction (no gradient) and inv in one
-        clip, inv = L.scalars(plan, 2, torch.float32, dev)
-    else:
-        clip, inv = L.new(plan, (), o.out_dtype, dev), L.new(plan, (), torch.float32, dev)
+    clip, kl = L.new(plan, (), o.out_dtype, dev), L.new(plan, (), o.out_dtype, dev)
+    inv = L.new(plan, (), torch.float32, dev)
     lay = L.layout(tuple(lp.shape), lp, x.old_log_probs, x.advantages, x.mask, plan=plan)
     L.launch(forward_kernel, programs, *lay.tensors, scale, cu,
              *L.finish_args(loss, inv, (clip, kl), programs, 4), N, lay.C, S, steps,

@@ -143,6 +143,33 @@ def test_every_input_gets_its_gradient_and_none_is_written(backend, device):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_metrics_edited_in_place_leave_the_backward(backend, device):
+    """A returned metric (no gradient) edited in place, as a trainer's all-reduce or scaling
+    does, neither breaks the backward nor changes the gradients: the backward keeps none of
+    them."""
+    lp, old, adv = ppo_case((4, 9), dtype=torch.float32, device=device)
+    mask = random_mask((4, 9), 2, device)
+    for fn in (lambda *x: rl_triton.ppo_policy_loss(*x, mask, backend=backend),
+               lambda *x: rl_triton.policy_loss(*x, mask, dual_clip=3.0, backend=backend)):
+        grads = []
+        for edit in (False, True):
+            xs = leaves(lp, old, adv)
+            loss, *rest = fn(*xs)
+            metrics = list(rest[0].values()) if isinstance(rest[0], dict) else rest
+            kept = [m.clone() for m in metrics]
+            if edit:
+                for m in metrics:
+                    if not m.requires_grad:
+                        m.mul_(2.0)
+            loss.backward()
+            grads.append([x.grad for x in xs])
+            if edit:
+                assert any(not torch.equal(m, k) for m, k in zip(metrics, kept))
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_masked_non_finite_reaches_no_gradient(backend, device):
     """An inf advantage (PPO) or a NaN return (value loss) at a masked position: the loss and
     every gradient are those of a finite value there, the masked positions' gradients 0."""
