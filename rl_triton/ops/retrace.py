@@ -553,8 +553,10 @@ def action_range(actions: Tensor, mask: Optional[Tensor]) -> Optional[tuple]:
     scalars"). None where the actions or the mask are not one run of memory each (the caller
     reduces with torch)."""
     n = actions.numel()
-    if n == 0 or n >= 2**30 or not actions.is_contiguous():
-        return None if n else (0, 0)
+    if n == 0:
+        return 0, 0
+    if n >= 2**30 or not actions.is_contiguous():
+        return None
     step = 1
     if mask is not None:
         if not any(mask.stride()):  # one value broadcast (packed calls without a mask)
