@@ -412,17 +412,24 @@ MAX_FINISH_BLOCKS = 3  # finish_last's metric pointers: two per block
 FINISH_ROWS = 1024  # partial sums a pass: 8 passes at 2^24 positions, 1 at 2^21
 
 
-def finish_meta(blocks: int, metrics: int, *, mean: bool, write_loss: bool = True) -> dict:
+def finish_blocks(metrics: int) -> int:
+    """The blocks of partial sums of a forward with `metrics` metrics: two metrics a block,
+    the count and the loss in the first."""
+    return max(1, (metrics + 1) // 2)
+
+
+def finish_meta(metrics: int, *, mean: bool, write_loss: bool = True) -> dict:
     """`finish_last`'s constexprs (K, the partial sums' columns, is the kernel's own)."""
-    return dict(R=blocks, METRICS=metrics, MEAN=mean, WRITE_LOSS=write_loss, ROWS=FINISH_ROWS)
+    return dict(R=finish_blocks(metrics), METRICS=metrics, MEAN=mean, WRITE_LOSS=write_loss,
+                ROWS=FINISH_ROWS)
 
 
-def finish_args(loss: Tensor, inv: Tensor, metrics: tuple, programs: int, K: int,
-                blocks: int = 1) -> tuple:
+def finish_args(loss: Tensor, inv: Tensor, metrics: tuple, programs: int, K: int) -> tuple:
     """The forward kernels' arguments `loss, parts, ticket, inv, m0, ..., m5` for a launch of
     `programs` programs on `loss`'s device and the current stream: `parts` the partial sums'
-    scratch (`blocks` x programs x K float32, at least), the metrics' unused slots `inv`."""
-    parts, ticket = scratch(loss.device, blocks * programs * K)
+    scratch (`finish_blocks` x programs x K float32, at least), the metrics' unused slots
+    `inv`."""
+    parts, ticket = scratch(loss.device, finish_blocks(len(metrics)) * programs * K)
     return (loss, parts, ticket, inv, *metrics, *(inv,) * (2 * MAX_FINISH_BLOCKS - len(metrics)))
 
 

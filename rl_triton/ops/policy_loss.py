@@ -534,7 +534,7 @@ def _fixed(x: Tensors, o: Options):
             _scalars(o),
             dict(**_meta(x, o), KL_ABS=o.loss_type == "kl_cov", BLOCK=bl,
                  num_warps=L.NUM_WARPS,
-                 **L.finish_meta(3, 5, mean=o.aggregation == "token-mean",
+                 **L.finish_meta(5, mean=o.aggregation == "token-mean",
                                  write_loss=not per_position)))
 
 
@@ -549,7 +549,7 @@ def forward(x: Tensors, o: Options, plan=None):
     lay = L.layout(tuple(lp.shape), lp, x.old_log_probs, x.advantages, x.mask, x.weights,
                    x.log_ratio, x.selected, plan=plan)
     L.launch(forward_kernel, programs, *lay.tensors, scale, cu,
-             *L.finish_args(loss, inv, tuple(metrics), programs, 4, 3), N, lay.C, S, steps,
+             *L.finish_args(loss, inv, tuple(metrics), programs, 4), N, lay.C, S, steps,
              *lay.strides, *scalars, FLAT=lay.FLAT, INT64=lay.INT64, **meta, plan=plan)
     # (no sequence weights: a placeholder, the backward reads none; eagerly `inv` itself)
     return [loss, *metrics], [inv, scale if seq else inv if plan else inv.new_empty(0)]

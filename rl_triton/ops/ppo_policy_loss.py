@@ -149,7 +149,7 @@ def _fixed(x: Inputs, o: Options):
             dict(HAS_MASK=x.mask is not None, SEQ=L.seq_kind(o.aggregation, x.cu_seqlens),
                  DUAL=o.dual_clip is not None, PER_POSITION=per_position, BLOCK=bl,
                  num_warps=L.NUM_WARPS,
-                 **L.finish_meta(1, 2, mean=o.aggregation == "token-mean",
+                 **L.finish_meta(2, mean=o.aggregation == "token-mean",
                                  write_loss=not per_position)))
 
 

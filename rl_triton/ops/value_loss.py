@@ -152,7 +152,7 @@ def _fixed(x: Inputs, o: Options):
     return (N, max(cdiv(N, bl), 1), tuple(x.values.shape) if per_position else (),
             _scalars(o),
             dict(flags, BLOCK=bl, num_warps=L.NUM_WARPS,
-                 **L.finish_meta(1, 0, mean=o.aggregation == "token-mean",
+                 **L.finish_meta(0, mean=o.aggregation == "token-mean",
                                  write_loss=not per_position)),
             flags["SEQ"] != L.NO_SEQ)
 

@@ -313,8 +313,7 @@ class Launch:
     def _replay(self, x, outs, scalars, rows, cu):
         """A launch of the compiled kernel with the tensors' addresses: what JITFunction.run
         does once it has found the kernel in its cache, minus re-deriving the specialization
-        key (the plan's signature fixes it, pointer alignment included). Launch hooks
-        (profilers) are honoured as JITFunction.run honours them."""
+        key (the plan's signature fixes it, pointer alignment included)."""
         stream = _stream(self.device_index)
         state = self.states.get(stream) or self._state(stream)
         i = self.init_src
@@ -323,12 +322,7 @@ class Launch:
                           0 if i is None else x[i].data_ptr(), state[1], scalars,
                           0 if rows is None else rows.data_ptr(),
                           None if cu is None else cu.data_ptr()) + self.tail
-        kernel = self.compiled
-        enter, leave = _launch_hooks()
-        meta = (kernel.launch_metadata(self.grid3, stream, *args)
-                if enter is not None else None)
-        kernel.run(*self.grid3, stream, kernel.function, kernel.packed_metadata, meta, enter,
-                   leave, *args)
+        run_compiled(self.compiled, self.grid3, stream, args)
 
     def _args(self, ptrs, outs, init, state, scalars, rows, cu=None) -> tuple:
         """`scan_kernel`'s positional arguments, in its order (`cu`: packed rows' offsets,
@@ -376,17 +370,22 @@ def replay(hit: tuple, grid: int, args: tuple, device: torch.device) -> None:
     args = list(args)
     for i in tensors:
         args[i] = args[i].data_ptr()
-    stream = _stream(device.index)
-    enter, leave = _launch_hooks()
-    info = (kernel.launch_metadata((grid, 1, 1), stream, *args, *tail)
-            if enter is not None else None)
+    args += tail
     if device.index == _current_device():
-        kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, info, enter,
-                   leave, *args, *tail)
+        run_compiled(kernel, (grid, 1, 1), _stream(device.index), args)
     else:  # Triton launches on the current device
         with torch.cuda.device(device):
-            kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, info,
-                       enter, leave, *args, *tail)
+            run_compiled(kernel, (grid, 1, 1), _stream(device.index), args)
+
+
+def run_compiled(kernel, grid3: tuple, stream: int, args) -> None:
+    """A compiled Triton kernel on `grid3` with its full argument list (tensors as addresses):
+    what JITFunction.run does once its cache has the kernel; launch hooks (profilers) are
+    honoured as it honours them."""
+    enter, leave = _launch_hooks()
+    info = kernel.launch_metadata(grid3, stream, *args) if enter is not None else None
+    kernel.run(*grid3, stream, kernel.function, kernel.packed_metadata, info, enter, leave,
+               *args)
 
 
 def _spec(a):
