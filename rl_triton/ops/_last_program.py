@@ -31,7 +31,6 @@ def reset(ticket):
 
 
 _SCRATCH: dict = {}  # (device, stream, dtype, size) -> (partial sums, ticket)
-_CAPTURED: list = []  # those made during a CUDA graph's capture
 
 
 def scratch(device: torch.device, n: int, dtype: torch.dtype = torch.float32):
@@ -39,15 +38,15 @@ def scratch(device: torch.device, n: int, dtype: torch.dtype = torch.float32):
     ticket (int32, 0 between launches) of the current stream: launches on one stream never
     overlap, and every launch leaves its ticket at 0. Both live as long as the process (a CUDA
     graph keeps their addresses). A pair made during a graph's capture serves that call alone:
-    its ticket's zeroing is a node of the graph, not done until a replay."""
+    its ticket's zeroing is a node of the graph, not done until a replay; it comes from the
+    graph's private memory pool, which keeps it for the graph's life once the call drops it, as
+    any temporary of a captured region."""
     cuda = device.type == "cuda"
     key = (device, _stream(device.index) if cuda else None, dtype, max(64, next_power_of_2(n)))
     hit = _SCRATCH.get(key)
     if hit is None:
         hit = (torch.empty(key[3], dtype=dtype, device=device),
                torch.zeros(1, dtype=torch.int32, device=device))
-        if cuda and torch.cuda.is_current_stream_capturing():
-            _CAPTURED.append(hit)
-        else:
+        if not (cuda and torch.cuda.is_current_stream_capturing()):
             _SCRATCH[key] = hit
     return hit

@@ -622,6 +622,34 @@ def test_cuda_graph_forward_and_backward(aggregation):
 
 
 @pytest.mark.gpu_large
+def test_captured_graphs_leave_no_scratch_behind():
+    """The partial sums and ticket a capture makes (`_last_program.scratch`) belong to its graph:
+    captures made and dropped one after another leave the memory allocated as they found it."""
+    xs, mask = inputs(64, 1000)
+
+    def step():
+        return calls(xs, mask, "token-mean", "triton")[:3] + [
+            rl_triton.policy_loss(*xs, mask, loss_type="sapo")[0],
+            rl_triton.masked_whiten(xs[2], mask)]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    allocated = []
+    for _ in range(3):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = step()
+        graph.replay()
+        torch.cuda.synchronize()
+        del graph, outs
+        allocated.append(torch.cuda.memory_allocated())
+    assert allocated[1] == allocated[0] and allocated[2] == allocated[0], allocated
+
+
+@pytest.mark.gpu_large
 def test_last_program_finish_on_two_streams():
     """Two streams calling the losses at once, each with its own partial sums and ticket: every
     result the same bits as one call alone (2048 programs a forward, two passes of the finish's
