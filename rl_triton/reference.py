@@ -392,29 +392,51 @@ def kl_bounds(kind, clamp):
     return -(clamp + 1), clamp + 1
 
 
+class _StraightThrough(torch.autograd.Function):
+    """`value` (no gradient of its own) with the gradient of d^2 / 2, which is d: no arithmetic
+    on d forward, so that an infinite d leaves the value as it is (the clamp's)."""
+
+    @staticmethod
+    def forward(value, d):
+        return value.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, g * ctx.saved_tensors[0]
+
+
 def straight_through(value, d):
-    """`value`'s value, with the gradient of d^2 / 2 (d): the "+" kinds of `kl_penalty`. Where d
-    is finite the added term is exactly 0."""
-    half = 0.5 * d * d
-    return value.detach() + (half - half.detach())
+    """`value`'s value, with the gradient of d^2 / 2 (d): the "+" kinds of `kl_penalty`."""
+    return _StraightThrough.apply(value.detach(), d)
+
+
+def kl_estimate(d, kind, clamp=None):
+    """The KL estimate `kind` (`kl_penalty`'s) of log-ratios d, clamped to +-clamp where given;
+    the torch backends' arithmetic, in d's dtype (k3 in the kernel's order)."""
+    base = kind.rstrip("+")
+    k = d
+    if clamp is not None:
+        # beyond these k is clamped (gradient 0) either way; bounding d keeps the derivatives
+        # that 0 multiplies finite (an infinite log-ratio's, exp(-d)'s): 0 * inf is NaN
+        k = d.clamp(*kl_bounds(base, clamp))  # a NaN stays NaN
+    if base == "abs":
+        k = k.abs()
+    elif base == "k2":
+        k = 0.5 * k * k
+    elif base == "k3":
+        k = (torch.exp(-k) - 1) + k
+    if clamp is not None:
+        k = torch.clamp(k, -clamp, clamp)
+    return straight_through(k, d) if kind.endswith("+") else k
 
 
 def kl_penalty(log_probs, ref_log_probs, kind="k3", clamp=None, dtype=torch.float64):
     lp, ref = _prep(dtype, log_probs, ref_log_probs)
-    d = lp - ref
-    if kind.endswith("+"):
-        return straight_through(kl_penalty(lp, ref, kind[:-1], clamp, dtype), d)
-    if clamp is not None:
-        d = d.clamp(*kl_bounds(kind, clamp))  # a NaN stays NaN
-    if kind == "k1":
-        k = d
-    elif kind == "abs":
-        k = d.abs()
-    elif kind == "k2":
-        k = d * d / 2
-    else:
-        k = torch.exp(-d) + d - 1
-    return k if clamp is None else torch.clamp(k, -clamp, clamp)
+    return kl_estimate(lp - ref, kind, clamp)
 
 
 def sac_targets(rewards, terminated, next_q_values, next_log_probs, *, gamma=0.99, alpha=0.2,
@@ -472,13 +494,14 @@ def token_log_probs(hidden, weight, labels, *, bias=None, temperature=1.0, ignor
     """(log_probs, entropy) of `labels` under softmax(hidden @ weight.T / temperature + bias),
     the whole [N, V] logits at once; 0 where a label is ignore_index."""
     h, w, b = _prep(dtype, hidden, weight, bias)
+    keep = labels != ignore_index
+    h = torch.where(keep[..., None], h, 0.0)  # an ignored token's state enters no arithmetic
     logits = h @ w.T / temperature
     if b is not None:
         logits = logits + b
     logp = torch.log_softmax(logits, -1)
     p = logp.exp()
-    entropy = -torch.where(p > 0, p * logp, 0.0).sum(-1)  # a -inf logit has p = 0: adds 0
-    keep = labels != ignore_index
+    entropy = -(p * torch.where(p > 0, logp, 0.0)).sum(-1)  # a -inf logit has p = 0: adds 0
     lp = logp.gather(-1, torch.where(keep, labels, 0).long().unsqueeze(-1)).squeeze(-1)
     return torch.where(keep, lp, 0.0), torch.where(keep, entropy, 0.0)
 

@@ -285,7 +285,10 @@ class _Head:
             else:
                 d_h[s:e] = torch.mm(d, self.w_mm)
         if needs[1]:
-            h = self._rows(s, e)
+            # a token that does not count adds 0, not 0 * its hidden state (NaN where that is
+            # not finite: semantics §11)
+            h = torch.where((self.labels[s:e] != self.ignore_index)[:, None], self._rows(s, e),
+                            0)
             # float32 accumulation of the bf16 / fp16 products, in place; the first chunk's
             # product overwrites the (uninitialized) accumulator: no pass to zero it
             beta = 0.0 if s == 0 else 1.0
@@ -586,15 +589,6 @@ LOSS_TYPES = {
 }
 
 
-def _kl(lp, ref, kind, clamp):
-    d = lp - ref
-    if clamp is not None:
-        d = d.clamp(*reference.kl_bounds(kind, clamp))  # see kl_penalty.torch_impl
-    k = d if kind == "k1" else d.abs() if kind == "abs" else 0.5 * d * d if kind == "k2" \
-        else (torch.exp(-d) - 1) + d
-    return k if clamp is None else k.clamp(-clamp, clamp)
-
-
 def _token_weights(keep, aggregation, cu, shape, dtype):
     """w_i: the aggregation's weight of each token (0 where it does not count, semantics §9),
     from the mask and the offsets alone."""
@@ -654,7 +648,7 @@ def _policy_chunks(plan: _Plan, old, adv, ref, needs):
             total = terms.loss
             metrics = {k: v.detach() for k, v in terms.metrics.items()}
             if ref_ is not None:
-                kl = _kl(lp_, ref_, plan.kl_kind, plan.kl_clamp)
+                kl = reference.kl_estimate(lp_ - ref_, plan.kl_kind, plan.kl_clamp)
                 total = total + plan.kl_coef * kl
                 metrics["kl"] = kl.detach()
             if plan.entropy_coef != 0.0:
@@ -862,7 +856,7 @@ def _two_pass(a, labels, temperature, ignore_index, keep, cu, old, adv, ref, w, 
     extra = -entropy_coef * ent
     sums = {}
     if ref_ is not None:
-        k = _kl(x, ref_, kl_kind, kl_clamp)
+        k = reference.kl_estimate(x - ref_, kl_kind, kl_clamp)
         extra = extra + kl_coef * k
         sums["kl"] = torch.where(keep, k.detach(), 0.0).sum()
     loss = pg + torch.where(keep, w * extra, 0.0).sum()
