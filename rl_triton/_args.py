@@ -325,11 +325,12 @@ def check_offsets(cu, L: int, device: torch.device, *, data: bool = True,
                   dtypes: tuple = (torch.int64,)) -> Tensor:
     """`cu_seqlens` (semantics §7) checked, on `device`, in its own dtype where that is one of
     `dtypes`, else as int64: an integer tensor [S + 1] with 0 = cu[0] <= ... <= cu[S] = L.
-    `data=False` checks only its type and shape (`check_offsets=False`, torch.compile tracing,
-    CUDA-graph capture: where the host must not read the device). Its values are read on every
-    call where `data` says so, never cached: an edit through `.data` or a NumPy view bumps no
-    version counter. CPU offsets are read through NumPy (no torch op, about 2 µs), CUDA ones
-    with one stacked `.tolist()` (one sync)."""
+    `data=False` checks only the type and shape of offsets on a GPU (`check_offsets=False`,
+    CUDA-graph capture: where the host must not read the device); CPU offsets cost nothing to
+    read and are read whatever `data` says, but while torch.compile traces. The values are read
+    on every call, never cached: an edit through `.data` or a NumPy view bumps no version
+    counter. CPU offsets are read through NumPy (no torch op, about 2 µs), CUDA ones with one
+    stacked `.tolist()` (one sync)."""
     if not isinstance(cu, Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype is torch.bool:
@@ -339,8 +340,9 @@ def check_offsets(cu, L: int, device: torch.device, *, data: bool = True,
     if cu.shape[0] == 1 and L != 0:  # no segment: a shape, no value, tells
         raise ValueError(f"cu_seqlens has no segment (shape (1,)) but there are L = {L} packed "
                          "steps")
-    if data:
-        if cu.device.type == "cpu":  # read where it lies, without a torch op
+    cpu = cu.device.type == "cpu"
+    if data or (cpu and not torch.compiler.is_compiling()):
+        if cpu:  # read where it lies, without a torch op
             c = cu.resolve_neg().numpy()
             first, last, rising = int(c[0]), int(c[-1]), bool((c[1:] >= c[:-1]).all())
         else:

@@ -267,8 +267,10 @@ def group_advantages(scores, ids, *, baseline="mean", scale="std", eps=1e-6, std
                      dtype=torch.float64):
     """Group-relative advantages (semantics §8), one group at a time; `ids`: each score's group."""
     s = scores.to(dtype)
+    if s.numel() == 0:
+        return s.clone()  # (a function of the scores: no input silently detached)
     out = torch.empty_like(s)
-    batch_sigma = torch.std(s, correction=std_correction)
+    batch_sigma = torch.std(s, correction=std_correction) if scale == "batch_std" else None
     for g in torch.unique(ids):
         at = ids == g
         x = s[at]
@@ -341,21 +343,21 @@ def _selected(mask, like):
 def ppo_policy_loss(log_probs, old_log_probs, advantages, mask=None, *, cu_seqlens=None,
                     clip_low=0.2, clip_high=None, dual_clip=None, log_ratio_clamp=20.0,
                     aggregation="token-mean", dtype=torch.float64):
-    """(loss, clip_fraction, approx_kl). The clipped surrogate by the sign of A: A >= 0 bounds
-    the ratio above by 1 + clip_high; A < 0 below by 1 - clip_low, and with a dual clip c the
-    loss above by -A * c."""
+    """(loss, clip_fraction, approx_kl): the clipped surrogate as written, max(-A r, -A clip(r))
+    and, with a dual clip c, its min with -A c where A < 0 (torch.maximum's and torch.minimum's
+    gradient at a tie: half to each side, as the frameworks')."""
     lp, old, adv = _prep(dtype, log_probs, old_log_probs, advantages)
     keep = _selected(mask, lp)
     lp, old, adv = _decided(keep, lp, old, adv)  # a masked position enters no arithmetic
     high = clip_low if clip_high is None else clip_high
     d = torch.clamp(lp - old, -log_ratio_clamp, log_ratio_clamp)
     ratio = torch.exp(d)
-    positive = -adv * torch.clamp(ratio, max=1 + high)
-    negative = -adv * torch.clamp(ratio, min=1 - clip_low)
+    unclipped = -adv * ratio
+    clipped_term = -adv * torch.clamp(ratio, 1 - clip_low, 1 + high)
+    l = torch.maximum(unclipped, clipped_term)
     if dual_clip is not None:
-        negative = torch.minimum(negative, -adv * dual_clip)
-    l = torch.where(adv >= 0, positive, negative)
-    clipped = -adv * torch.clamp(ratio, 1 - clip_low, 1 + high) > -adv * ratio
+        l = torch.where(adv < 0, torch.minimum(-adv * dual_clip, l), l)
+    clipped = clipped_term > unclipped
     n = max(int(keep.sum()), 1)
     return (_aggregate(l, keep, aggregation, cu_seqlens),
             torch.where(keep, clipped.to(dtype), 0.0).sum() / n,
@@ -371,8 +373,9 @@ def value_loss(values, returns, old_values=None, mask=None, *, cu_seqlens=None, 
     def error(e):  # 0.5 e^2, or Huber's: quadratic up to |e| = delta, linear beyond
         if kind == "mse":
             return 0.5 * e * e
-        return torch.where(e.abs() <= huber_delta, 0.5 * e * e,
-                           huber_delta * (e.abs() - 0.5 * huber_delta))
+        # (torch's: f' = clamp(e, +-delta), NaN at a NaN error, +-delta at an infinite one)
+        return torch.nn.functional.huber_loss(e, torch.zeros_like(e), reduction="none",
+                                              delta=huber_delta)
 
     l = error(v - ret)
     if clip is not None:
@@ -407,6 +410,30 @@ class _StraightThrough(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return None, g * ctx.saved_tensors[0]
+
+
+class _Attached(torch.autograd.Function):
+    """`x`, with `others` in its graph: each gets a zero gradient."""
+
+    @staticmethod
+    def forward(x, *others):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.likes = [(t.shape, t.dtype, t.device) for t in inputs[1:]]
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g, *[torch.zeros(s, dtype=dt, device=dev) for s, dt, dev in ctx.likes])
+
+
+def attached(x, *others):
+    """`x`, with the tensors of `others` that require grad in its graph (a zero gradient each):
+    an input whose gradient a formula stops (gspo's, cispo's old log-probabilities) is not
+    silently detached (semantics §6)."""
+    others = [t for t in others if isinstance(t, torch.Tensor) and t.requires_grad]
+    return _Attached.apply(x, *others) if others and torch.is_grad_enabled() else x
 
 
 def straight_through(value, d):
@@ -729,11 +756,12 @@ def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, weights=None
         ls.append(l if isinstance(l, torch.Tensor) else zero + l)
         flags.append([float(clip), float(lower), float(neg), float(pos),
                       float((kl.abs() if loss_type == "kl_cov" else -kl).detach())])
-    l = torch.stack(ls).view(lp.shape) if ls else lp.new_zeros(lp.shape)
+    l = torch.stack(ls).view(lp.shape) if ls else lp * 0  # (empty: still a function of lp)
     n = max(int(keep.sum()), 1)
     metrics = [sum((f[k] for f, kept in zip(flags, keep.reshape(-1).tolist()) if kept), 0.0) / n
                for k in range(5)]
-    return (_aggregate(l, keep, aggregation, cu_seqlens),
+    return (attached(_aggregate(l, keep, aggregation, cu_seqlens), *(
+                old_log_probs, advantages, weights)),
             *(torch.tensor(v, dtype=dtype, device=lp.device) for v in metrics))
 
 

@@ -143,8 +143,7 @@ class ScanOp(Op):
             rows = self._rows(s, x[0], call)
         n = self.n_out(extra)
         if call.empty():
-            return _result([torch.empty(x[0].shape, dtype=out_dtype, device=call.device)
-                            for _ in range(n)])
+            return _empty(x[0].shape, n, out_dtype, call, x, s)
         backend = backend_for(backend, call.device)
         if backend == "triton" and getattr(x, "mask", None) is not None and (
                 call.needs_grad or not self.masked_kernels(x)):
@@ -230,8 +229,7 @@ class ScanOp(Op):
         ps = self._segment_discounts(s, call)
         n = self.n_out(extra)
         if call.empty():
-            return _result([torch.empty(checked[0].shape, dtype=out_dtype, device=call.device)
-                            for _ in range(n)])
+            return _empty(checked[0].shape, n, out_dtype, call, checked, ps)
         per_row = ps is not s
         in_place = (backend == "triton" and self.packed_kernels(x) and not per_row
                     and not call.needs_grad)
@@ -424,6 +422,21 @@ class ScanOp(Op):
 
 def _result(outs: list):
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _empty(shape, n: int, out_dtype, call: Call, *groups):
+    """`n` empty outputs of `shape`; where the call needs gradients, attached to every input of
+    `groups` (tensors and scalars) that requires grad, which gets a zero gradient: never a
+    silent detach (docs/semantics.md §6)."""
+    outs = [torch.empty(shape, dtype=out_dtype, device=call.device) for _ in range(n)]
+    if call.needs_grad:
+        # (x.sum() * 0 is NaN for a non-finite x, but it is added to no element; its gradient
+        # is 0 * the empty outputs' summed gradient, 0)
+        zero = sum(t.sum() * 0 for group in groups for t in group
+                   if isinstance(t, Tensor) and t.requires_grad)
+        outs = [o + zero for o in outs]
+        first_order(outs)
+    return _result(outs)
 
 
 def _custom_outputs(op: ScanOp, outs, ref: Tensor, out_dtype):

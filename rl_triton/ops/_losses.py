@@ -365,6 +365,24 @@ def minimum(x, y):
 
 
 @triton.jit
+def max_shares(x, y):
+    """The shares of max(x, y)'s gradient that go to x and to y, torch.maximum's: half each at
+    a tie, all to both where either is NaN (the frameworks' losses are torch.maximum and
+    torch.minimum, so at a tie such as an advantage of exactly 0 their gradients are these)."""
+    tie = x == y
+    return (tl.where(tie, 0.5, tl.where(x < y, 0.0, 1.0)),
+            tl.where(tie, 0.5, tl.where(x > y, 0.0, 1.0)))
+
+
+@triton.jit
+def min_shares(x, y):
+    """`max_shares` of min(x, y), torch.minimum's."""
+    tie = x == y
+    return (tl.where(tie, 0.5, tl.where(x > y, 0.0, 1.0)),
+            tl.where(tie, 0.5, tl.where(x < y, 0.0, 1.0)))
+
+
+@triton.jit
 def finish_last(parts, ticket, loss, inv, m0, m1, m2, m3, m4, m5, K: tl.constexpr,
                 R: tl.constexpr, METRICS: tl.constexpr, MEAN: tl.constexpr,
                 WRITE_LOSS: tl.constexpr, ROWS: tl.constexpr):
@@ -443,8 +461,9 @@ def plan(call, backend: str, o: tuple) -> Plan:
 
 
 def runtime_check(x: tuple, o: tuple) -> None:
-    """The offsets' values (semantics §9, `cu_seqlens`), on every call unless `check_offsets`
-    is False or the host cannot read them now (no read, no sync)."""
+    """The offsets' values (semantics §7, `cu_seqlens`), on every call: on a GPU unless
+    `check_offsets` is False or the host cannot read them now (no read, no sync); on the CPU
+    always (a read costs nothing there), but while torch.compile traces."""
     cu = getattr(x, "cu_seqlens", None)
-    if cu is not None and o.check_offsets and not unreadable():
-        check_offsets(cu, x[0].shape[0], cu.device)
+    if cu is not None and (o.check_offsets or cu.device.type == "cpu"):
+        check_offsets(cu, x[0].shape[0], cu.device, data=o.check_offsets and not unreadable())

@@ -247,6 +247,8 @@ def torch_impl(x: Tensors, o: Options, dtype):
         if w is not None:
             l = l * w
         loss = L.aggregate(l, m, aggregation, x.cu_seqlens)
+    # (the losses that stop old's gradient still give it one, 0, as the kernels do)
+    loss = reference.attached(loss, *x[:3], x.weights)
     return (loss, *(L.masked_mean(f.to(dtype).detach(), m) for f in flags))
 
 
@@ -342,19 +344,25 @@ def terms(x, o, a, ld, sel, clip_low, clip_high, dual_clip, delta, ratio_clamp, 
                 positive = (rr > hi) & (a > 0)
             u = -a * rr
             c = -a * rc
-            plain = u >= c  # a tie counts as unclipped (equal derivatives there)
             l = L.maximum(u, c)
             clip = c > u
-            dr = tl.where(plain, -a, 0.0)
+            wu, wc = L.max_shares(u, c)
+            # the clamps pass the gradient inside their bounds, the bounds included (torch's)
+            du = -a
             if DELTA:
-                dr = tl.where(r <= delta, dr, 0.0)
-            dl_da = tl.where(plain, -rr, -rc)
+                du = tl.where(r <= delta, du, 0.0)
+            dr = wu * du + wc * tl.where((r >= lo) & (r <= hi), -a, 0.0)
+            dl_da = -(wu * rr + wc * rc)
             if DUAL:
-                dual = (a < 0) & (-a * dual_clip < l)
-                lower = dual
-                l = tl.where(dual, -a * dual_clip, l)
-                dr = tl.where(dual, 0.0, dr)
-                dl_da = tl.where(dual, -dual_clip, dl_da)
+                neg = a < 0
+                bound = -a * dual_clip
+                wb, wl = L.min_shares(bound, l)
+                wb = tl.where(neg, wb, 0.0)
+                wl = tl.where(neg, wl, 1.0)
+                lower = neg & (bound < l)
+                l = tl.where(neg, L.minimum(bound, l), l)
+                dr = wl * dr
+                dl_da = wl * dl_da - wb * dual_clip
             dl_dd = dr * r
             if LOSS == 4:  # clip_cov: 0 at the pick
                 l = tl.where(sel, 0.0, l)

@@ -36,19 +36,30 @@ class Options(NamedTuple):
 @triton.jit
 def surrogate(x, o, a, clip_low, clip_high, dual_clip, ratio_clamp, DUAL: tl.constexpr):
     """l at each position, and what its gradient needs: the raw and clamped log-ratios, the
-    ratio and its clip, whether the unclipped term is the larger (a tie counts as unclipped)
-    and whether the dual clip binds."""
+    ratio and its clip, dl/dr and dl/dA (torch.maximum's and torch.minimum's shares at a tie or
+    a NaN, `_losses.max_shares`)."""
     raw = x - o
     d = L.clamp(raw, -ratio_clamp, ratio_clamp)
     r = tl.exp(d)
-    rc = L.clamp(r, 1.0 - clip_low, 1.0 + clip_high)
-    plain = -a * r >= -a * rc
-    l = L.maximum(-a * r, -a * rc)
-    dual = tl.zeros(r.shape, tl.int1)
+    lo = 1.0 - clip_low
+    hi = 1.0 + clip_high
+    rc = L.clamp(r, lo, hi)
+    u = -a * r
+    c = -a * rc
+    l = L.maximum(u, c)
+    wu, wc = L.max_shares(u, c)
+    # the clamp passes the gradient inside its bounds, the bounds included (torch's)
+    dl_dr = -a * (wu + tl.where((r >= lo) & (r <= hi), wc, 0.0))
+    dl_da = -(wu * r + wc * rc)
     if DUAL:
-        dual = (a < 0) & (-a * dual_clip < l)
-        l = tl.where(dual, -a * dual_clip, l)
-    return l, raw, d, r, rc, plain, dual
+        neg = a < 0
+        bound = -a * dual_clip
+        wb, wl = L.min_shares(bound, l)
+        wl = tl.where(neg, wl, 1.0)
+        l = tl.where(neg, L.minimum(bound, l), l)
+        dl_dr = wl * dl_dr
+        dl_da = wl * dl_da - tl.where(neg, wb, 0.0) * dual_clip
+    return l, raw, d, r, rc, dl_dr, dl_da
 
 
 @triton.jit
@@ -67,8 +78,8 @@ def forward_kernel(lp, old, adv, mask, scale, cu, loss, parts, ticket, inv, m0, 
     o = L.load(old, i, C, old_r, old_c, inb, FLAT)
     a = L.load(adv, i, C, adv_r, adv_c, inb, FLAT)
     keep = L.selected(mask, i, C, m_r, m_c, inb, HAS_MASK, FLAT)
-    l, raw, d, r, rc, plain, dual = surrogate(x, o, a, clip_low, clip_high, dual_clip,
-                                              ratio_clamp, DUAL)
+    l, raw, d, r, rc, _, _ = surrogate(x, o, a, clip_low, clip_high, dual_clip, ratio_clamp,
+                                       DUAL)
     if PER_POSITION:
         tl.store(loss + i, tl.where(keep, l, 0.0).to(loss.dtype.element_ty), mask=inb)
     w = l
@@ -99,8 +110,8 @@ def backward_kernel(lp, old, adv, mask, scale, cu, g_loss, g_kl, inv, d_lp, d_ol
     o = L.load(old, i, C, old_r, old_c, inb, FLAT)
     a = L.load(adv, i, C, adv_r, adv_c, inb, FLAT)
     keep = L.selected(mask, i, C, m_r, m_c, inb, HAS_MASK, FLAT)
-    l, raw, d, r, rc, plain, dual = surrogate(x, o, a, clip_low, clip_high, dual_clip,
-                                              ratio_clamp, DUAL)
+    l, raw, d, r, rc, dl_dr, dl_da = surrogate(x, o, a, clip_low, clip_high, dual_clip,
+                                               ratio_clamp, DUAL)
     g = tl.zeros(x.shape, tl.float32)
     if HAS_G:
         if PER_POSITION:
@@ -111,12 +122,6 @@ def backward_kernel(lp, old, adv, mask, scale, cu, g_loss, g_kl, inv, d_lp, d_ol
             g = g * tl.load(inv)
         if SEQ != 0:
             g = g * L.seq_weight(scale, cu, i, C, S, inb, STEPS, SEQ)
-    # the clipped term's ratio has derivative 0 where that term is the larger (it is clipped)
-    dl_dr = tl.where(plain, -a, 0.0)
-    dl_da = tl.where(plain, -r, -rc)
-    if DUAL:
-        dl_dr = tl.where(dual, 0.0, dl_dr)
-        dl_da = tl.where(dual, -dual_clip, dl_da)
     dd = g * dl_dr * r
     if HAS_GKL:  # approx_kl = mean of r - 1 - d
         dd += tl.load(g_kl).to(tl.float32) * tl.load(inv) * (r - 1.0)

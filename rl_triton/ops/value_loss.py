@@ -45,20 +45,21 @@ def error(e, delta, HUBER: tl.constexpr):
 
 @triton.jit
 def terms(v, ret, old, clip, delta, CLIPPED: tl.constexpr, HUBER: tl.constexpr):
-    """l, and what its gradient needs: f' of the unclipped and the clipped error, whether the
-    unclipped error is the larger (a tie counts as unclipped), whether V - old is inside the
-    clip."""
+    """l, and what its gradient needs: f' of the unclipped and the clipped error, the shares of
+    the gradient that go to each (torch.maximum's, `_losses.max_shares`), whether V - old is
+    inside the clip."""
     f, df = error(v - ret, delta, HUBER)
     l = f
     dfc = df
-    plain = tl.full(v.shape, 1, tl.int1)
-    inside = plain
+    wu = tl.full(v.shape, 1.0, tl.float32)
+    wc = tl.zeros(v.shape, tl.float32)
+    inside = tl.full(v.shape, 1, tl.int1)
     if CLIPPED:
         fc, dfc = error(old + L.clamp(v - old, -clip, clip) - ret, delta, HUBER)
-        plain = f >= fc
+        wu, wc = L.max_shares(f, fc)
         l = L.maximum(f, fc)
         inside = tl.abs(v - old) <= clip
-    return l, df, dfc, plain, inside
+    return l, df, dfc, wu, wc, inside
 
 
 @triton.jit
@@ -78,7 +79,7 @@ def forward_kernel(values, returns, old, mask, scale, cu, loss, parts, ticket, i
     if CLIPPED:
         o = L.load(old, i, C, old_r, old_c, inb, FLAT)
     keep = L.selected(mask, i, C, m_r, m_c, inb, HAS_MASK, FLAT)
-    l, df, dfc, plain, inside = terms(v, ret, o, clip, delta, CLIPPED, HUBER)
+    l, _, _, _, _, _ = terms(v, ret, o, clip, delta, CLIPPED, HUBER)
     if PER_POSITION:
         tl.store(loss + i, tl.where(keep, l, 0.0).to(loss.dtype.element_ty), mask=inb)
     if SEQ != 0:
@@ -107,7 +108,7 @@ def backward_kernel(values, returns, old, mask, scale, cu, g_loss, inv, d_v, d_r
     if CLIPPED:
         o = L.load(old, i, C, old_r, old_c, inb, FLAT)
     keep = L.selected(mask, i, C, m_r, m_c, inb, HAS_MASK, FLAT)
-    l, df, dfc, plain, inside = terms(v, ret, o, clip, delta, CLIPPED, HUBER)
+    l, df, dfc, wu, wc, inside = terms(v, ret, o, clip, delta, CLIPPED, HUBER)
     if PER_POSITION:
         g = L.load(g_loss, i, C, g_r, g_c, inb, FLAT)
     else:
@@ -116,15 +117,17 @@ def backward_kernel(values, returns, old, mask, scale, cu, g_loss, inv, d_v, d_r
         g = g * tl.load(inv)
     if SEQ != 0:
         g = g * L.seq_weight(scale, cu, i, C, S, inb, STEPS, SEQ)
-    # selects after the products: a masked position's NaN or inf (in f') stays out (0 * NaN)
+    # selects after the products: a masked position's NaN or inf (in f') stays out (0 * NaN);
+    # a zero share multiplies a finite f' (that error is the smaller); the clamp passes V's
+    # gradient by a select, old's as 1 - that (autograd's arithmetic: NaN where f' is)
     if D_V:
-        dv = tl.where(plain, df, tl.where(inside, dfc, 0.0))
+        dv = wu * df + wc * tl.where(inside, dfc, 0.0)
         tl.store(d_v + i, tl.where(keep, g * dv, 0.0).to(d_v.dtype.element_ty), mask=inb)
     if D_RET:
-        d_r = tl.where(keep, -g * tl.where(plain, df, dfc), 0.0)
+        d_r = tl.where(keep, -g * (wu * df + wc * dfc), 0.0)
         tl.store(d_ret + i, d_r.to(d_ret.dtype.element_ty), mask=inb)
     if D_OLD:
-        d_o = tl.where(keep & ~(plain | inside), g * dfc, 0.0)
+        d_o = tl.where(keep, g * wc * dfc * tl.where(inside, 0.0, 1.0), 0.0)
         tl.store(d_old + i, d_o.to(d_old.dtype.element_ty), mask=inb)
 
 
@@ -213,9 +216,9 @@ def torch_impl(x: Inputs, o: Options, dtype):
     def error(e):
         if o.kind == "mse":
             return 0.5 * e * e
-        a = e.abs()
-        delta = o.huber_delta
-        return torch.where(a <= delta, 0.5 * e * e, delta * (a - 0.5 * delta))
+        # (torch's: f' = clamp(e, +-delta), NaN at a NaN error, +-delta at an infinite one)
+        return torch.nn.functional.huber_loss(e, torch.zeros_like(e), reduction="none",
+                                              delta=o.huber_delta)
 
     l = error(v - ret)
     if o.clip is not None:
@@ -227,8 +230,6 @@ def loop_impl(x: Inputs, o: Options, dtype):
     return (reference.value_loss(*x[:4], cu_seqlens=x.cu_seqlens, clip=o.clip, kind=o.kind,
                                  huber_delta=o.huber_delta, aggregation=o.aggregation,
                                  dtype=dtype),)
-
-
 
 
 def _check(t: tuple, a: tuple):

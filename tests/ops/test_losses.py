@@ -442,7 +442,8 @@ def test_bad_input(backend):
 @pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
 def test_loss_offsets_checked_on_every_call(backend):
     """The losses that take cu_seqlens read their offsets on every call too (edits through a
-    NumPy view included); check_offsets=False skips the read, and must be a bool."""
+    NumPy view included); check_offsets=False skips the read of offsets on a GPU (these, on the
+    CPU, are read all the same), and must be a bool."""
     g = torch.Generator().manual_seed(0)
     dev = DEVICE if backend == "triton" else "cpu"  # offsets on the CPU (a NumPy view edits them)
     lp, old, adv, v, ret = (torch.randn(7, generator=g).to(dev) for _ in range(5))
@@ -459,7 +460,12 @@ def test_loss_offsets_checked_on_every_call(backend):
         for _ in range(2):
             with pytest.raises(ValueError, match="cu_seqlens"):
                 call()
-        assert call(check_offsets=False).isfinite()  # unread: no error, inside the tensors
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            call(check_offsets=False)
+        with pytest.MonkeyPatch.context() as mp:  # unread, as a GPU's: inside the tensors
+            mp.setattr(rl_triton.ops._losses, "check_offsets",
+                       lambda cu, L, device, data=True: cu)
+            assert call(check_offsets=False).isfinite()
         cu.numpy()[1] = 3
         torch.testing.assert_close(call(check_offsets=False), want)
         with pytest.raises(TypeError, match="check_offsets must be a bool"):

@@ -833,3 +833,39 @@ def test_fullgraph_compile(level, packed):
     close(got[1], want[1], 0)
     for x, y in zip(torch.autograd.grad(got[0], a), torch.autograd.grad(want[0], b)):
         close(x, y, 2e-6)
+
+
+@pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
+def test_ties_and_nan_advantages_as_the_frameworks(backend, device):
+    """The clipped surrogate's tie (an advantage of exactly 0) and a NaN advantage: gradients
+    as torch.maximum's and torch.minimum's, the frameworks' (test_ppo_policy_loss's case)."""
+    from test_ppo_policy_loss import tie_case
+    from loss_cases import leaves
+    for delta in (None, 2.0):
+        a, b = leaves(*tie_case(device)), leaves(*tie_case(device))
+        got = rl_triton.policy_loss(*a, clip_high=0.28, dual_clip=3.0, delta=delta,
+                                    aggregation="none", backend=backend)[0]
+        lp, old, adv = b
+        r = torch.exp(lp - old)
+        unclipped = -adv * (r if delta is None else torch.clamp(r, max=delta))  # (TRL's delta)
+        want = torch.maximum(unclipped, -adv * torch.clamp(r, 0.8, 1.28))
+        want = torch.where(adv < 0, torch.minimum(want, -adv * 3.0), want)
+        for x, y in zip(torch.autograd.grad(got.sum(), a), torch.autograd.grad(want.sum(), b)):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
+def test_stopped_gradients_are_zeros_not_detached(backend):
+    """The losses whose formula stops a gradient (gspo's, gpg's, cispo's and the dppo losses'
+    old log-probabilities) still give every input that requires grad one, 0 there, on every
+    backend: never a silent detach."""
+    g = torch.Generator().manual_seed(0)
+    lp = 0.3 * torch.randn(3, 7, generator=g)
+    old, adv = lp + 0.2 * torch.randn(3, 7, generator=g), torch.randn(3, 7, generator=g)
+    for t in LOSS_TYPES:
+        xs = [x.clone().requires_grad_() for x in (lp, old, adv)]
+        kw = {"dro": dict(dro_beta=0.1), "geo_mean": dict(aggregation="seq-mean")}.get(t, {})
+        rl_triton.policy_loss(*xs, loss_type=t, backend=backend, **kw)[0].backward()
+        assert all(x.grad is not None for x in xs), t
+        if t in ("gspo", "gpg", "cispo", "dppo_tv", "dppo_kl"):
+            assert (xs[1].grad == 0).all(), t

@@ -3,6 +3,8 @@ Triton kernels against the plain PyTorch transcription of the spec (loss_cases.s
 and gradients, odd shapes, packed rows, bf16 and views; aggregations by hand, approx_kl,
 determinism; verl's and OpenRLHF's policy losses. What the losses share: tests/ops/test_losses.py;
 the checks shared with other ops (tests/ops/op_checks) run here too."""
+import math
+
 import pytest
 import torch
 
@@ -172,3 +174,30 @@ def test_openrlhf_policy_loss(frameworks, token_level, dual_clip, backend, devic
 
 # the checks shared with other ops (tests/ops/op_checks), for this module's OPS
 op_checks.install(globals(), OPS)
+
+
+def tie_case(device):
+    """Advantages of exactly 0 (the two terms tie, ratios inside and outside the clip), a NaN
+    advantage at a position that counts, and ordinary ones: (lp, old, adv) float64."""
+    lp = torch.tensor([[-0.5, -1.5, -1.05, 0.3, -0.2, -1.4, -0.6]], dtype=torch.float64)
+    adv = torch.tensor([[0.0, 0.0, 0.0, -0.0, float("nan"), -1.0, 2.0]], dtype=torch.float64)
+    return [t.to(device) for t in (lp, torch.full_like(lp, -1.0), adv)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ties_and_nan_advantages_as_the_frameworks(backend, device):
+    """Where the clipped and unclipped terms tie (an advantage of exactly 0, as a GRPO group of
+    equal scores gives) the gradient is torch.maximum's, half to each term, as the frameworks'
+    losses have it; a NaN advantage gives the same NaN pattern on every backend."""
+    for aggregation in ("token-mean", "none"):
+        a, b = leaves(*tie_case(device)), leaves(*tie_case(device))
+        got = rl_triton.ppo_policy_loss(*a, clip_high=0.28, dual_clip=3.0,
+                                        aggregation=aggregation, backend=backend)[0]
+        want = spec_ppo(*b, torch.ones_like(b[0], dtype=torch.bool), clip_high=0.28,
+                        dual_clip=3.0, aggregation=aggregation)[0]
+        grads = torch.autograd.grad(got.sum(), a)
+        for x, y in zip(grads, torch.autograd.grad(want.sum(), b)):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, equal_nan=True)
+        if aggregation == "none":  # the tie's share, by hand: -(r + clip(r)) / 2, not -r
+            r = math.exp(0.5)
+            assert abs(grads[2][0, 0].item() + (r + 1.28) / 2) < 1e-5

@@ -60,8 +60,9 @@ def test_backends_agree_with_each_other(device):
 
 @pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
 def test_check_offsets_false_reads_nothing(backend, monkeypatch):
-    """check_offsets=True reads the offsets' values on every call, check_offsets=False on none
-    (their type and shape still checked); it must be a bool. Whatever unchecked offsets hold,
+    """check_offsets=True reads the offsets' values on every call, check_offsets=False asks for
+    no read (their type and shape still checked), which skips it on a GPU: offsets on the CPU
+    are read all the same (it costs nothing). It must be a bool. Whatever unread offsets hold,
     the call stays inside its tensors and returns outputs of the packed shape."""
     reads = []
     real = rl_triton._args.check_offsets
@@ -79,13 +80,22 @@ def test_check_offsets_false_reads_nothing(backend, monkeypatch):
     assert reads == [True, True, True, False]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
-    for bad in ([0, 9, 7], [0, 5, 2, 7], [3, 1, 2], [0, -4, 7], [0, 2, 3], [0, 99, 200],
-                [0, 10**12, 7]):
-        for name in FLAGGED:
-            outs = packed_call(name, [3, 4], True, torch.tensor(bad), backend,
-                               check_offsets=False)
-            for o in outs if isinstance(outs, tuple) else (outs,):
-                assert o.shape[0] == 7
+    bads = ([0, 9, 7], [0, 5, 2, 7], [3, 1, 2], [0, -4, 7], [0, 2, 3], [0, 99, 200],
+            [0, 10**12, 7])
+    for bad in bads:
+        with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+            packed_call("gae", [3, 4], True, torch.tensor(bad), backend, check_offsets=False)
+    def unread(cu, L, device, data=True, dtypes=(torch.int64,)):  # a GPU's, unchecked
+        return cu if cu.dtype in dtypes else cu.long()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rl_triton._core.scan, "check_offsets", unread)
+        for bad in bads:
+            for name in FLAGGED:
+                outs = packed_call(name, [3, 4], True, torch.tensor(bad), backend,
+                                   check_offsets=False)
+                for o in outs if isinstance(outs, tuple) else (outs,):
+                    assert o.shape[0] == 7
     for flag in ("yes", 1, None):
         with pytest.raises(TypeError, match="check_offsets must be a bool"):
             packed_call("gae", [3, 4], True, cu, backend, check_offsets=flag)

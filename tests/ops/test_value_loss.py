@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import rl_triton
-from loss_cases import (AGGREGATIONS, CU, SEQ_MODES, both_ways, check_against_spec, leaves, randn,
-                        random_mask, spec_value)
+from loss_cases import (AGGREGATIONS, BACKENDS, CU, SEQ_MODES, both_ways, check_against_spec,
+                        leaves, randn, random_mask, spec_value)
 from loss_cases import frameworks  # noqa: F401 (a fixture)
 import op_checks
 
@@ -84,3 +84,28 @@ def test_openrlhf_value_loss(frameworks, clip, backend, device):
 
 # the checks shared with other ops (tests/ops/op_checks), for this module's OPS
 op_checks.install(globals(), OPS)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nonfinite_errors_at_counted_positions(backend, device):
+    """Huber's derivative beyond delta is +-delta, an infinite error's included (no 0 * inf from
+    the quadratic branch), and a NaN value or return gives the NaN pattern of autograd through
+    the formula (torch.maximum's shares) on every backend."""
+    inf, nan = float("inf"), float("nan")
+    v = torch.tensor([inf, 1.0, nan, 0.0, 0.5], device=device, requires_grad=True)
+    ret = torch.tensor([0.0, -inf, 0.0, nan, 0.0], device=device)
+    old = torch.tensor([0.0, 0.0, 0.0, 0.0, nan], device=device, requires_grad=True)
+    loss = rl_triton.value_loss(v[:2], ret[:2], kind="huber", aggregation="none",
+                                backend=backend)
+    (g,) = torch.autograd.grad(loss.sum(), v)
+    assert g[:2].tolist() == [1.0, 1.0]
+    for kind in ("mse", "huber"):
+        a = [v.detach().clone().requires_grad_(), old.detach().clone().requires_grad_()]
+        b = [v.detach().double().requires_grad_(), old.detach().double().requires_grad_()]
+        got = rl_triton.value_loss(a[0], ret, a[1], clip=0.2, kind=kind, aggregation="none",
+                                   backend=backend)
+        want = spec_value(b[0], ret.double(), b[1], torch.ones(5, dtype=torch.bool,
+                                                               device=device),
+                          clip=0.2, kind=kind, aggregation="none")
+        for x, y in zip(torch.autograd.grad(got.sum(), a), torch.autograd.grad(want.sum(), b)):
+            torch.testing.assert_close(x.double(), y, rtol=1e-6, atol=1e-6, equal_nan=True)

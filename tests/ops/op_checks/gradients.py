@@ -207,6 +207,21 @@ def test_never_detached(name, backend, device):
         call(case, leaves, list(leaves.values()), "time-major", backend=backend)
 
 
+@pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
+@per_op("name", ESTIMATORS)
+def test_empty_inputs_get_zero_gradients(name, backend, device):
+    """An empty time axis or batch: every input that requires grad (the bootstrap and per-row
+    discounts, which are not empty, included) gets a zero gradient of its shape."""
+    for T, batch in [(0, (3,)), (4, (0,))]:
+        case, leaves = differentiable(name, T, batch, dtype=torch.float32, per_row=True,
+                                      device=device)
+        out = call(case, leaves, list(leaves.values()), "time-major", backend=backend)
+        assert all(o.requires_grad and o.numel() == 0 for o in out)
+        grads = torch.autograd.grad(sum(o.sum() for o in out), list(leaves.values()))
+        for (k, v), g in zip(leaves.items(), grads):
+            assert g.shape == v.shape and (g == 0).all(), k
+
+
 @per_op("name", ESTIMATORS)
 def test_fullgraph_compile_backward(name, device):
     """Forward and backward traced by torch.compile(fullgraph=True): the backward is registered
