@@ -1,8 +1,8 @@
 """The LLM zoo (semantics §10): every advantage estimator of verl 0.9.1's registry, verl's
-kl_penalty names, OpenRLHF 0.11.2's compute_approx_kl and rollout correction against the
-frameworks' own functions on the same inputs (multi-turn masks, right padding, a fully masked
-row, groups of one), and the switches. Small shapes: the torch backend, and the Triton
-interpreter for the kernels these reach (scans, kl_penalty)."""
+kl_penalty names and compute_value_loss, OpenRLHF 0.11.2's compute_approx_kl and rollout
+correction against the frameworks' own functions on the same inputs (multi-turn masks, right
+padding, a fully masked row, groups of one), and the switches. Small shapes: the torch backend,
+and the Triton interpreter for the kernels these reach (scans, kl_penalty, value_loss)."""
 import importlib
 import math
 import re
@@ -83,6 +83,50 @@ def test_verl_passk_options_and_errors(device):
         assert_same(got[0], want[0], 2e-6)
     with pytest.raises(ValueError, match="at least 2"):
         our_verl.compute_grpo_passk_outcome_advantage(r, m, _index(9), config=Config())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_verl_grpo_vectorized_reward_dtypes(dtype, device):
+    """verl's vectorized GRPO takes its group statistics in float32 and subtracts the mean from
+    the scores in their own dtype: float64 scores keep their digits below float32 (two scores
+    equal in float32 but not in float64 get a nonzero advantage), bfloat16 scores are summed in
+    bfloat16."""
+    r = torch.tensor([[0.1, 0.2], [0.3, 0.0]], dtype=dtype, device=device)
+    pair = np.array(["u", "u"], dtype=object)
+    cases = [(r, torch.ones(2, 2, device=device), pair)]
+    rr, _, m = rows(15, 17, device)
+    cases += [(rr.to(dtype), m.to(mdt), ix) for mdt in (torch.float32, torch.bool)
+              for ix in (_index(15), _blocks_index(15)[0])]
+    for rewards, mask, ix in cases:
+        for kw in ({}, {"norm_adv_by_std_in_grpo": False}):
+            want = FW.verl.compute_grpo_vectorized_outcome_advantage(rewards, mask, ix, **kw)
+            got = our_verl.compute_grpo_vectorized_outcome_advantage(rewards, mask, ix, **kw)
+            for g, w in zip(got, want):
+                assert_same(g, w, 1e-12 if dtype == torch.float64 else 2e-5)
+    assert want[0].abs().max() > 0  # the pair's advantage: verl's is not 0
+
+
+def test_verl_whitening_reductions(device):
+    """verl's masked_whiten, reduction for reduction (its mean is a plain sum over
+    mask.sum() + 1e-8): on near-constant inputs, such as GDPO's sum of equal GRPO advantages,
+    another summation order flips the sign of the whitened noise."""
+    B, T = 8, 9
+    lengths = torch.tensor([9, 4, 0, 7, 1, 9, 5, 3])
+    resp = (torch.arange(T)[None] < lengths[:, None]).to(device)
+    flat = torch.full((B, T), 1.0, device=device) / (1 + 1e-6) * resp
+    r, _, m = rows(7, 23, device)
+    for x, mask in ((flat, resp), (r, m), (r.double(), m)):
+        for dtype in (torch.float32, torch.float64, torch.int64, torch.bool):
+            assert torch.equal(our_verl._whiten(x, mask.to(dtype)),
+                               FW.verl_F.masked_whiten(x, mask.to(dtype)))
+    P = 3
+    batch = {"prompts": torch.zeros(B, P, device=device),
+             "attention_mask": torch.cat([torch.ones(B, P, device=device), resp.float()], 1).long()}
+    kw = dict(token_level_rewards=torch.zeros(B, T, device=device), response_mask=resp.float(),
+              index=np.arange(B), config=Config(gdpo_reward_keys=["acc"]),
+              non_tensor_batch={"acc": np.ones(B)}, batch=batch)
+    want = FW.verl.compute_gdpo_outcome_advantage(**kw)[0]
+    assert torch.equal(our_verl.compute_gdpo_outcome_advantage(**kw)[0], want)
 
 
 def test_verl_gdpo_reward_components(device):
@@ -191,6 +235,66 @@ def test_kl_straight_through_backends(kind, clamp, backend, device):
     d = (lp - ref).detach()
     assert torch.allclose(_grads(f, lp, ref)[1], torch.linspace(
         -1, 1, d.numel(), device=device).reshape(d.shape) * d, rtol=1e-6, atol=1e-6)
+
+
+# ---- the critic's loss ----------------------------------------------------------------------
+
+VERL_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+              "seq-mean-token-mean"]
+
+
+def _value_loss_and_grads(f, inputs, mask, *args, **kw):
+    """(loss, clip fraction, gradients of vpreds, returns and the old values)."""
+    xs = [t.clone().requires_grad_() for t in inputs]
+    loss, clipfrac = f(*xs, mask, *args, **kw)
+    loss.backward()
+    return loss.detach(), clipfrac, [x.grad for x in xs]
+
+
+@pytest.mark.parametrize("mode", VERL_MODES)
+@pytest.mark.parametrize("kind", ["multi-turn", "padded"])
+def test_verl_compute_value_loss(mode, kind, backend, device):
+    """verl's compute_value_loss (the critic's): loss, gradients and clip fraction, with spans
+    masked mid-row and a fully masked row, float and bool masks (verl's critic passes bool), and
+    verl's global counts as numbers and as tensors."""
+    B, T = 7, 23
+    r, v, m = rows(B, T, device, kind=kind)
+    g = torch.Generator().manual_seed(1)
+    vpreds = v + (0.6 * torch.randn(B, T, generator=g)).to(device)
+    counts = [{}, dict(dp_size=2, batch_num_tokens=50, global_batch_size=9, loss_scale_factor=7),
+              dict(dp_size=torch.tensor(2), batch_num_tokens=torch.tensor(61.0),
+                   global_batch_size=torch.tensor(9))]
+    for dtype in (torch.float32, torch.bool):
+        for kw in counts:
+            args = ((vpreds, r, v), m.to(dtype), 0.3, mode)
+            want = _value_loss_and_grads(FW.verl.compute_value_loss, *args, **kw)
+            got = _value_loss_and_grads(our_verl.compute_value_loss, *args, **kw)
+            assert_same(got[0], want[0], 2e-6)
+            assert_same(got[1], want[1], 0.0)
+            assert 0 < want[1] < 1
+            for a, b in zip(got[2], want[2]):
+                assert_same(a, b, 2e-6)
+
+
+def test_verl_compute_value_loss_empty_and_errors(device):
+    """A batch with no token that counts: a loss of 0 (no gradient), where verl divides 0 by 0 in
+    token-mean and the seq-mean modes (its token-sum gives 0, and so does every mode given the
+    global counts); verl's errors for a bad mode and a missing global count."""
+    r, v, m = rows(5, 9, device)
+    none = torch.zeros_like(m)
+    for mode in VERL_MODES:
+        for kw in ({}, dict(batch_num_tokens=40, global_batch_size=8)):
+            args = ((v + 0.5, r, v), none, 0.3, mode)
+            want = _value_loss_and_grads(FW.verl.compute_value_loss, *args, **kw)
+            got = _value_loss_and_grads(our_verl.compute_value_loss, *args, **kw)
+            assert got[0].item() == 0 and got[1].item() == want[1].item() == 0
+            assert all(not x.any() for x in got[2])
+            assert want[0].isnan().item() == (mode != "token-sum" and not kw), mode
+    for mode, kw in (("sum", {}), ("token-mean", dict(dp_size=2)),
+                     ("seq-mean-token-mean", dict(dp_size=2))):
+        for theirs in (FW.verl.compute_value_loss, our_verl.compute_value_loss):
+            with pytest.raises(ValueError):
+                theirs(v, r, v, m, 0.3, mode, **kw)
 
 
 # ---- rollout correction ---------------------------------------------------------------------
@@ -338,6 +442,50 @@ def test_verl_rollout_correction_weights(level, threshold, normalize, device):
             assert math.isclose(got_metrics[k], v, rel_tol=1e-5, abs_tol=1e-6), k
 
 
+def _normalize_rank(rank, world, store, out):
+    """One gloo rank: verl's and our batch-normalized weights on this rank's own batch."""
+    import os
+
+    import torch.distributed as dist
+
+    from rl_triton.testing import leave_rank
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    helper = _verl_helper()
+    old, roll, m = _rollout("cpu", seed=rank)  # the ranks' batches differ
+    log_ratio = torch.where(m, (1 + rank) * (old - roll), 0.0)
+    saved = {}
+    for level in ("token", "sequence"):
+        args = (log_ratio, m.float(), level, 5.0, True)
+        saved[level] = (our_verl.compute_rollout_correction_weights(*args),
+                        helper.compute_rollout_correction_weights(*args), args)
+    torch.save(saved, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()  # both ranks done before either tears down (testing.spawn_ranks)
+    dist.destroy_process_group()
+    leave_rank()
+
+
+def test_verl_rollout_batch_normalize_distributed(tmp_path):
+    """Two gloo ranks: under torch.distributed verl divides the weights by the mean over every
+    rank's batch (its distributed_masked_mean); ours too, and that mean is not the rank's own."""
+    from rl_triton.testing import spawn_ranks
+
+    stores = iter(range(2))  # a new file store for a second spawn
+    spawn_ranks(_normalize_rank, lambda: (2, str(tmp_path / f"store{next(stores)}"),
+                                          str(tmp_path)), 2)
+    for rank in range(2):
+        saved = torch.load(tmp_path / f"rank{rank}.pt")
+        for level, ((got, got_metrics), (want, want_metrics), args) in saved.items():
+            assert_same(got, want, 2e-6)
+            assert got_metrics.keys() == want_metrics.keys()
+            for k, v in want_metrics.items():
+                assert math.isclose(got_metrics[k], v, rel_tol=1e-5, abs_tol=1e-6), k
+            # without a process group (here) the mean is the rank's own, another number
+            local = _verl_helper().compute_rollout_correction_weights(*args)[1]
+            factor = "rollout_is_batch_norm_factor"
+            assert not math.isclose(local[factor], want_metrics[factor], rel_tol=1e-3), level
+
+
 @pytest.mark.parametrize("level,mode", [("token", "mask"), ("seq", "mask"), ("token", "clip")])
 def test_openrlhf_rollout_correction(level, mode, device):
     """OpenRLHF's `PolicyLoss` correction factor (tis / icepop / seq-mask-tis), read off its
@@ -408,6 +556,65 @@ def test_verl_switch_reaches_modules_that_imported_by_name(monkeypatch):
     finally:
         our_verl.revert_rl_triton(FW.verl)
     assert importer.kl_penalty is FW.verl.kl_penalty
+
+
+def _import_line(path, module):
+    """The line of a framework's installed file that imports names from `module`."""
+    import os
+    root = os.path.dirname(os.path.dirname(sys.modules["verl"].__file__))
+    with open(os.path.join(root, path)) as f:
+        return next(line for line in f if line.startswith(f"from {module} import "))
+
+
+def test_verl_revert_reaches_modules_imported_after_the_switch(monkeypatch):
+    """A verl module imported while the switch is on takes ours by name (the trainer imports
+    verl.workers.utils.losses after `use_rl_triton()`); revert puts verl's own back there too,
+    under any name, and leaves modules outside verl alone."""
+    losses = types.ModuleType("verl.workers.utils.losses_after")
+    helper_user = types.ModuleType("verl.trainer.ppo.helper_user")
+    ours_user = types.ModuleType("my_trainer")
+    for m in (losses, helper_user, ours_user):
+        monkeypatch.setitem(sys.modules, m.__name__, m)
+    helper = _verl_helper()
+    our_verl.use_rl_triton(FW.verl)
+    try:
+        # verl's own import line (agg_loss, compute_value_loss, get_policy_loss_fn, kl_penalty)
+        exec(_import_line("verl/workers/utils/losses.py", "verl.trainer.ppo.core_algos"),
+             vars(losses))
+        exec("from verl.trainer.ppo.rollout_corr_helper import "
+             "compute_rollout_correction_weights as weights", vars(helper_user))
+        ours_user.kl_penalty = our_verl.kl_penalty
+        for name, _, fn in our_verl.FUNCTIONS:
+            assert getattr(losses, name) is fn
+        assert helper_user.weights is our_verl.compute_rollout_correction_weights
+    finally:
+        our_verl.revert_rl_triton(FW.verl)
+    for name, _, _ in our_verl.FUNCTIONS:
+        assert getattr(losses, name) is getattr(FW.verl, name) is not getattr(our_verl, name)
+    assert losses.get_policy_loss_fn is FW.verl.get_policy_loss_fn
+    assert helper_user.weights is helper.compute_rollout_correction_weights
+    assert helper.compute_rollout_correction_weights is not \
+        our_verl.compute_rollout_correction_weights
+    assert ours_user.kl_penalty is our_verl.kl_penalty  # not verl's module: not ours to undo
+
+
+def test_openrlhf_revert_reaches_modules_imported_after_the_switch(monkeypatch):
+    """OpenRLHF's actor module imports PolicyLoss and compute_approx_kl by name, usually after the
+    switch (it is loaded by the Ray workers): revert puts OpenRLHF's own back there."""
+    actor = types.ModuleType("openrlhf.trainer.ray.ppo_actor")
+    monkeypatch.setitem(sys.modules, actor.__name__, actor)
+    our_orl.use_rl_triton(FW.openrlhf)
+    try:
+        # what ppo_actor.py imports (PolicyLoss through openrlhf.models, from its loss module)
+        exec("from openrlhf.models.loss import PolicyLoss\n"
+             "from openrlhf.models.utils import compute_approx_kl", vars(actor))
+        assert actor.PolicyLoss is our_orl.PolicyLoss
+        assert actor.compute_approx_kl is our_orl.compute_approx_kl
+    finally:
+        our_orl.revert_rl_triton(FW.openrlhf)
+    assert actor.PolicyLoss is FW.openrlhf_loss.PolicyLoss is not our_orl.PolicyLoss
+    assert actor.compute_approx_kl is FW.openrlhf_utils.compute_approx_kl
+    assert actor.compute_approx_kl is not our_orl.compute_approx_kl
 
 
 def test_verl_switch_reaches_the_trainer_path(device):

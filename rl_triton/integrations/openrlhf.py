@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 import rl_triton
-from .verl import _no_flags
+from .verl import _no_flags, _put_back
 
 __all__ = ["get_advantages_and_returns", "get_cumulative_returns", "compute_approx_kl",
            "PolicyLoss", "use_rl_triton", "revert_rl_triton"]
@@ -241,12 +241,18 @@ def use_rl_triton(cls=None) -> None:
 
 
 def revert_rl_triton(cls=None) -> None:
-    """Undo `use_rl_triton`: OpenRLHF's own methods and functions back."""
+    """Undo `use_rl_triton`: OpenRLHF's own methods and functions back, in every loaded OpenRLHF
+    module that holds one of ours too (`openrlhf.trainer.ray.ppo_actor` imports `PolicyLoss` and
+    `compute_approx_kl` by name, often after the switch)."""
     cls = _maker(cls)
     for name, _ in METHODS:
         if (cls, name) in _ORIGINALS:
             setattr(cls, name, _ORIGINALS.pop((cls, name)))
+    originals = {}
     for module in _modules(cls):
-        for name, _ in FUNCTIONS:
+        for name, ours in FUNCTIONS:
             if (module, name) in _ORIGINALS:
-                setattr(module, name, _ORIGINALS.pop((module, name)))
+                original = _ORIGINALS.pop((module, name))
+                setattr(module, name, original)
+                originals.setdefault(id(ours), (ours, original))
+    _put_back(cls.__module__.split(".")[0], originals)

@@ -48,7 +48,7 @@ __all__ = ["compute_gae_advantage_return", "compute_grpo_outcome_advantage",
            "compute_policy_loss_sapo", "compute_policy_loss_gpg", "compute_policy_loss_clip_cov",
            "compute_policy_loss_kl_cov", "compute_policy_loss_geo_mean", "compute_policy_loss_dro",
            "compute_policy_loss_cispo", "compute_policy_loss_bypass_mode", "agg_loss",
-           "use_rl_triton", "revert_rl_triton"]
+           "compute_value_loss", "use_rl_triton", "revert_rl_triton"]
 
 Tensor = torch.Tensor
 # the rl_triton backend these functions call ("auto": the Triton kernels on CUDA, torch on CPU)
@@ -63,14 +63,17 @@ def _scalar(name, x):
     return float(x)
 
 
-def _whiten(x: Tensor, m: Tensor) -> Tensor:
-    """verl's `masked_whiten`: statistics over the masked-in tokens (unbiased variance), the
-    shift and scale applied to every token."""
-    mf = m.to(x.dtype).reshape(-1)
-    n = mf.sum()
-    mean = torch.dot(x.reshape(-1), mf) / n
+def _whiten(x: Tensor, mask: Tensor) -> Tensor:
+    """verl's `masked_whiten` over the 0 / 1 `mask` (any dtype): the mean and the unbiased
+    variance of the masked-in tokens, the shift and scale applied to every token. The reductions
+    are verl's own (`masked_mean`: sum over `mask.sum() + 1e-8`; the Bessel factor n / (n - 1)
+    after), in its dtypes: on near-constant inputs another summation order moves the mean by an
+    ulp, and that flips the sign of the whitened noise."""
+    keep = mask.bool()
+    n = mask.sum()
+    mean = (torch.where(keep, x, 0.0) * mask).sum() / (n + 1e-8)
     d = x - mean
-    var = torch.dot((d * d).reshape(-1), mf) / (n - 1)
+    var = (torch.where(keep, d ** 2, 0.0) * mask).sum() / (n + 1e-8) * (n / (n - 1))
     out = d * torch.rsqrt(var + 1e-8)
     # verl's masked_var raises for 0 and 1 tokens (a division by zero); checked last, so that
     # the host waits once, behind the queued kernels
@@ -97,7 +100,7 @@ def compute_gae_advantage_return(token_level_rewards: Tensor, values: Tensor,
     adv = rl_triton.linear_scan(adv, (~m).float(), reverse=True, time_dim=1, backend=backend)
     dtype = torch.result_type(r, v)
     returns = adv.to(dtype) + v
-    return _whiten(adv, m).to(dtype), returns
+    return _whiten(adv, response_mask).to(dtype), returns
 
 
 def _blocks(index) -> int:
@@ -194,7 +197,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards: 
     a = rl_triton.group_advantages(scores, **groups, scale="none", backend=backend)
     tok = _per_token(a, token_level_rewards, response_mask)
     m = response_mask != 0
-    out = (_whiten(tok.float(), m) * m).to(tok.dtype)
+    out = (_whiten(tok.float(), response_mask) * m).to(tok.dtype)
     return out, out
 
 
@@ -211,7 +214,7 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: Tensor,
     returns = rl_triton.discounted_returns(r, _no_flags(r), mask=m,
                                            gamma=_scalar("config.gamma", config.gamma),
                                            time_dim=1, backend=backend).to(r.dtype)
-    return (_whiten(returns.float(), m) * m).to(r.dtype), returns
+    return (_whiten(returns.float(), response_mask) * m).to(r.dtype), returns
 
 
 def _index(index, device):
@@ -246,17 +249,43 @@ def _cumsum(x: Tensor) -> Tensor:
                                  backend=backend, out_dtype=x.dtype)
 
 
+def _group_mean_std32(scores: Tensor, ids: Tensor, n: int):
+    """verl's `group_mean_std(eps=0)`: each group's mean and unbiased std of the scores cast to
+    float32, summed in float32 as verl sums them; a group of one has mean 0 and std 1. `[G]`."""
+    s = scores.float()
+    count = _segment_sum(torch.ones_like(s), ids, n)
+    mean = _segment_sum(s, ids, n) / count.clamp_min(1.0)
+    c = s - mean[ids]
+    std = (_segment_sum(c * c, ids, n) / (count - 1.0).clamp_min(1.0)).clamp(min=0.0).sqrt()
+    single = count <= 1.0
+    return torch.where(single, 0.0, mean), torch.where(single, 1.0, std)
+
+
 @torch.no_grad()
 def compute_grpo_vectorized_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor,
                                               index, epsilon: float = 1e-6,
                                               norm_adv_by_std_in_grpo: bool = True, config=None):
     """verl's `compute_grpo_vectorized_outcome_advantage`: GRPO's values, the group statistics
-    in float32 (verl's `group_mean_std`): `(advantages, advantages)`."""
-    a, _ = compute_grpo_outcome_advantage(token_level_rewards.float(), response_mask, index,
-                                          epsilon, norm_adv_by_std_in_grpo)
-    dtype = torch.promote_types(torch.promote_types(token_level_rewards.dtype, torch.float32),
-                                response_mask.dtype)
-    out = a.to(dtype)
+    in float32 (verl's `group_mean_std`) and subtracted from the scores in their own dtype:
+    `(advantages, advantages)`."""
+    scores = token_level_rewards.sum(dim=-1)
+    if scores.dtype == torch.float64:
+        # verl subtracts the float32 mean from the float64 scores: the scores' digits below
+        # float32 stay in the advantage, which the float32 group kernel cannot give
+        ids, n, _ = _index(index, scores.device)
+        mean, std = _group_mean_std32(scores, ids, n)
+        a = scores - mean[ids]
+        if norm_adv_by_std_in_grpo:
+            a = a / (std[ids] + epsilon)
+    else:
+        # a float32 or narrower score minus a float32 mean is the float32 score's difference
+        groups, lone = _groups(index, scores.device)
+        a = rl_triton.group_advantages(scores.float(), **groups,
+                                       scale="std" if norm_adv_by_std_in_grpo else "none",
+                                       eps=epsilon, backend=backend)
+        if norm_adv_by_std_in_grpo and lone is not None:
+            a = torch.where(lone, a / (1.0 + epsilon), a)  # verl's group of one: std 1
+    out = a.unsqueeze(-1) * response_mask
     return out, out
 
 
@@ -381,8 +410,8 @@ def compute_gdpo_outcome_advantage(token_level_rewards: Tensor, response_mask: T
                                               norm_adv_by_std_in_grpo)
         w = 1.0 if weights is None else float(weights[i])
         total = w * a if total is None else total + w * a
-    m = response_mask != 0
-    out = (_whiten(total.float(), m) * response_mask).to(torch.result_type(total, response_mask))
+    out = _whiten(total.float(), response_mask) * response_mask
+    out = out.to(torch.result_type(total, response_mask))
     return out, out
 
 
@@ -501,7 +530,8 @@ def compute_rollout_correction_weights(log_ratio: Tensor, response_mask: Tensor,
     """verl's `rollout_corr_helper.compute_rollout_correction_weights`: the weights of
     `rl_triton.rollout_correction` (level token or sequence, verl's safety clamp of the
     log-ratio at 20; a single threshold truncates, "lower_upper" zeroes the weights outside,
-    IcePop), optionally divided by their mean; the metrics are verl's own, computed from them
+    IcePop), optionally divided by their mean (over every rank's batch under torch.distributed,
+    as verl); the metrics are verl's own, computed from them
     (`compute_is_metrics`, imported on call). `(weights, metrics)`."""
     from verl.trainer.ppo import rollout_corr_helper as helper
     import verl.utils.torch_functional as verl_F
@@ -532,12 +562,17 @@ def compute_rollout_correction_weights(log_ratio: Tensor, response_mask: Tensor,
         oob = (raw < lower) | (raw > upper)
         metrics["rollout_is_oob_ratio"] = verl_F.masked_mean(oob.float(), m).item()
     if rollout_is_batch_normalize:
+        # under torch.distributed (verl's FSDP workers) the mean is over every rank's batch,
+        # verl's own all-reduce of the sum and the count
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if rollout_is == "token":
-            mean = verl_F.masked_mean(w, m)
+            mean = verl_F.distributed_masked_mean(w, m.to(w.dtype)) if distributed \
+                else verl_F.masked_mean(w, m)
         else:
             seq = verl_F.masked_mean(w, m, axis=-1)
             seq_mask = (m.sum(dim=-1) > 0).to(w.dtype)
-            mean = (seq * seq_mask).sum() / seq_mask.sum().clamp_min(1e-8)
+            mean = verl_F.distributed_masked_mean(seq, seq_mask) if distributed \
+                else (seq * seq_mask).sum() / seq_mask.sum().clamp_min(1e-8)
         if mean > 1e-8:
             w = w / mean
             metrics["rollout_is_batch_norm_factor"] = mean.item()
@@ -841,6 +876,47 @@ def agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_tokens=Non
     return loss if factor is None else loss * factor
 
 
+# verl's agg_loss modes (it raises for any other)
+_VERL_AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                      "seq-mean-token-mean")
+
+
+def compute_value_loss(vpreds: Tensor, returns: Tensor, values: Tensor, response_mask: Tensor,
+                       cliprange_value: float, loss_agg_mode: str = "token-mean",
+                       dp_size: int = 1, batch_num_tokens=None, global_batch_size=None,
+                       loss_scale_factor=None):
+    """verl's `compute_value_loss` (the critic's loss, `verl.workers.utils.losses`): `0.5 *
+    agg_loss(max((V - R)^2, (clip(V, old - c, old + c) - R)^2))`, the old values `values`, one
+    `rl_triton.value_loss` call (semantics §9: kind "mse", `clip=cliprange_value`, verl's
+    aggregation and global counts as in `agg_loss`). `(vf_loss, vf_clipfrac)`: the clip fraction
+    is verl's, a 0-d float32 tensor, the masked mean of the tokens whose clipped error is strictly
+    the larger (torch, no gradient; the kernel computes no such metric). Differences: an empty
+    selection gives a loss of 0 where verl's token-mean and seq-mean modes give NaN; masks are read
+    as 0 / 1."""
+    from ..ops.policy_loss import _count, _plan
+
+    if loss_agg_mode not in _VERL_AGGREGATIONS:
+        raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
+    m = response_mask != 0
+    base, factor = _plan(loss_agg_mode, m, None, tuple(vpreds.shape), int(dp_size),
+                         _count("batch_num_tokens", batch_num_tokens),
+                         _count("global_batch_size", global_batch_size),
+                         _count("loss_scale_factor", loss_scale_factor))
+    dtype = vpreds.dtype if vpreds.dtype in (torch.float32, torch.float64) else torch.float32
+    loss = rl_triton.value_loss(vpreds, returns, values, m, clip=float(cliprange_value),
+                                aggregation=base, backend=backend, out_dtype=dtype)
+    if factor is not None:
+        loss = loss * factor
+    with torch.no_grad():
+        # verl's clip_by_value and masked_mean, term for term: inside the range the clipped
+        # prediction is V itself, so only a strictly larger clipped error counts
+        clipped = torch.max(torch.min(vpreds, values + cliprange_value), values - cliprange_value)
+        larger = torch.gt((clipped - returns) ** 2, (vpreds - returns) ** 2).float()
+        clipfrac = (torch.where(m, larger, 0.0) * response_mask).sum() / \
+            (response_mask.sum() + 1e-8)
+    return loss, clipfrac
+
+
 # verl's POLICY_LOSS_REGISTRY names -> ours
 POLICY_LOSSES = {
     "vanilla": compute_policy_loss_vanilla, "dppo_tv": compute_policy_loss_dppo_tv,
@@ -878,8 +954,9 @@ ESTIMATORS = [
 ]
 LOSSES = [(f"compute_policy_loss_{key}", key, ours) for key, ours in POLICY_LOSSES.items()]
 # module functions the trainer calls by name, in no registry (verl.workers.utils.losses imports
-# both by name)
-FUNCTIONS = [("kl_penalty", None, kl_penalty), ("agg_loss", None, agg_loss)]
+# all three by name: the actor's KL and loss aggregation, the critic's loss)
+FUNCTIONS = [("kl_penalty", None, kl_penalty), ("agg_loss", None, agg_loss),
+             ("compute_value_loss", None, compute_value_loss)]
 TABLES = {"ADV_ESTIMATOR_REGISTRY": ESTIMATORS, "POLICY_LOSS_REGISTRY": LOSSES,
           None: FUNCTIONS}
 # functions of verl's rollout_corr_helper (its compute_rollout_correction_and_rejection_mask,
@@ -887,7 +964,6 @@ TABLES = {"ADV_ESTIMATOR_REGISTRY": ESTIMATORS, "POLICY_LOSS_REGISTRY": LOSSES,
 ROLLOUT_CORRECTION = [("compute_rollout_correction_weights", compute_rollout_correction_weights),
                       ("compute_rollout_rejection_mask", compute_rollout_rejection_mask)]
 _ORIGINALS: dict = {}
-_IMPORTED: dict = {}  # (module that imported a FUNCTIONS row by name, name) -> verl's own
 
 
 def _core_algos(module):
@@ -904,6 +980,22 @@ def _importers(module, name, original):
     return [m for n, m in list(sys.modules.items())
             if n.startswith(package) and m is not module and m is not None
             and vars(m).get(name) is original]
+
+
+def _put_back(package: str, originals: dict) -> None:
+    """In every loaded module of `package`, each attribute that is one of rl_triton's
+    replacements gets the framework's own object back. `originals`: id(ours) -> (ours,
+    original); an attribute counts only if it is that very object. This reaches the modules
+    that imported a function by name while the switch was on, wherever and under whatever name."""
+    import sys
+    for name, m in list(sys.modules.items()):
+        if m is None or not (name == package or name.startswith(package + ".")):
+            continue
+        attributes = getattr(m, "__dict__", None)
+        for attr, value in list(attributes.items()) if isinstance(attributes, dict) else ():
+            pair = originals.get(id(value))
+            if pair is not None and pair[0] is value:
+                setattr(m, attr, pair[1])
 
 
 def _helper(module):
@@ -932,28 +1024,31 @@ def use_rl_triton(module=None) -> None:
         _ORIGINALS.setdefault((helper, name), (getattr(helper, name), None))
         setattr(helper, name, ours)
     # modules that imported a function by name before (verl.workers.utils.losses: the actor's KL
-    # loss) hold verl's own object; later imports read the patched attribute
+    # loss, the critic's loss) hold verl's own object; later imports read the patched attribute
     for name, _, ours in FUNCTIONS:
         original = _ORIGINALS[module, name][0]
         for other in _importers(module, name, original):
-            _IMPORTED.setdefault((other, name), original)
             setattr(other, name, ours)
 
 
 def revert_rl_triton(module=None) -> None:
-    """Undo `use_rl_triton`: verl's own functions back on its modules and in its registries."""
+    """Undo `use_rl_triton`: verl's own functions back on its modules and in its registries, and
+    in every loaded verl module that holds one of ours (imported by name before or after the
+    switch)."""
     module = _core_algos(module)
+    originals = {}
     for registry_name, rows in TABLES.items():
-        for name, key, _ in rows:
+        for name, key, ours in rows:
             if (module, name) in _ORIGINALS:
                 fn, registered = _ORIGINALS.pop((module, name))
                 setattr(module, name, fn)
                 if registered is not None:
                     getattr(module, registry_name)[key] = registered
+                originals[id(ours)] = (ours, fn)
     helper = _helper(module)
-    for name, _ in ROLLOUT_CORRECTION:
+    for name, ours in ROLLOUT_CORRECTION:
         if (helper, name) in _ORIGINALS:
-            setattr(helper, name, _ORIGINALS.pop((helper, name))[0])
-    for (other, name), original in list(_IMPORTED.items()):
-        setattr(other, name, original)
-        del _IMPORTED[other, name]
+            fn = _ORIGINALS.pop((helper, name))[0]
+            setattr(helper, name, fn)
+            originals[id(ours)] = (ours, fn)
+    _put_back(module.__name__.split(".")[0], originals)
