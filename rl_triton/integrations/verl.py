@@ -688,11 +688,18 @@ def _option(config, name, default):
     return default if value is None else value
 
 
+# verl's agg_loss modes (it raises for any other; policy_loss's "sum" is not one)
+_VERL_AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                      "seq-mean-token-mean")
+
+
 def _verl_loss(loss_type, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
                config, weights, keys, **options):
     """policy_loss with verl's inputs; `keys`: verl's metric names -> ours."""
     if config is None:
         raise ValueError("config is required: verl's ActorConfig")
+    if loss_agg_mode not in _VERL_AGGREGATIONS:
+        raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
     dtype = log_prob.dtype if log_prob.dtype in (torch.float32, torch.float64) else torch.float32
     loss, metrics = rl_triton.policy_loss(
         log_prob, old_log_prob, advantages, response_mask, loss_type=loss_type,
@@ -863,9 +870,9 @@ def agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_tokens=Non
     """verl's `agg_loss`: per-token losses `[B, T]` to a scalar (policy_loss's aggregation, in
     torch: a reduction already); an empty selection gives 0 where verl's token-mean gives NaN."""
     from ..ops import _losses
-    from ..ops.policy_loss import AGGREGATIONS, _count, _plan
+    from ..ops.policy_loss import _count, _plan
 
-    if loss_agg_mode not in AGGREGATIONS[:6]:
+    if loss_agg_mode not in _VERL_AGGREGATIONS:
         raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
     m = loss_mask != 0
     base, factor = _plan(loss_agg_mode, m, None, tuple(loss_mat.shape), int(dp_size),
@@ -874,11 +881,6 @@ def agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_tokens=Non
                          _count("loss_scale_factor", loss_scale_factor))
     loss = _losses.aggregate(loss_mat, m, base, None)
     return loss if factor is None else loss * factor
-
-
-# verl's agg_loss modes (it raises for any other)
-_VERL_AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm",
-                      "seq-mean-token-mean")
 
 
 def compute_value_loss(vpreds: Tensor, returns: Tensor, values: Tensor, response_mask: Tensor,

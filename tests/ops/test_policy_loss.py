@@ -162,6 +162,20 @@ def test_verl_agg_loss_dp_needs_counts():
 
 
 @needs_fw
+def test_verl_modes_outside_its_list_raise():
+    """verl's agg_loss knows five modes and raises ValueError for any other, policy_loss's
+    "sum" included; its losses raise through it, and so do ours."""
+    lp, old, adv, _, mask = batch()
+    config = verl_config()
+    for fn in (FW.verl.agg_loss, our_verl.agg_loss):
+        with pytest.raises(ValueError, match="Invalid loss_agg_mode"):
+            fn(lp, mask.float(), "sum")
+    for fn in (FW.verl.get_policy_loss_fn("vanilla"), our_verl.compute_policy_loss_vanilla):
+        with pytest.raises(ValueError, match="Invalid loss_agg_mode"):
+            fn(old, lp, adv, mask.float(), "sum", config)
+
+
+@needs_fw
 @pytest.mark.parametrize("loss_type", ["reinforce", "ppo_clip"])
 def test_verl_bypass_mode(loss_type, monkeypatch, backend):
     """The dispatch of bypass_mode. verl's rollout helper returns a DataProto, which needs
