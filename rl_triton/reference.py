@@ -270,7 +270,10 @@ def group_advantages(scores, ids, *, baseline="mean", scale="std", eps=1e-6, std
     if s.numel() == 0:
         return s.clone()  # (a function of the scores: no input silently detached)
     out = torch.empty_like(s)
-    batch_sigma = torch.std(s, correction=std_correction) if scale == "batch_std" else None
+    batch_sigma = None
+    if scale == "batch_std":  # (shifted by the first score, as below)
+        batch_sigma = torch.std(s - (s[0].detach() if s[0].isfinite() else 0),
+                                correction=std_correction)
     for g in torch.unique(ids):
         at = ids == g
         x = s[at]
@@ -278,6 +281,8 @@ def group_advantages(scores, ids, *, baseline="mean", scale="std", eps=1e-6, std
         if n == 1:  # a group of one: baseline 0, scale 1
             out[at] = x
             continue
+        if x[0].isfinite():  # (a shift the baseline cancels: the digits of a large mean)
+            x = x - x[0].detach()
         base = x.mean() if baseline == "mean" else (x.sum() - x) / (n - 1)
         a = x - base
         if scale == "std":

@@ -698,7 +698,7 @@ def _verl_loss(loss_type, old_log_prob, log_prob, advantages, response_mask, los
     """policy_loss with verl's inputs; `keys`: verl's metric names -> ours."""
     if config is None:
         raise ValueError("config is required: verl's ActorConfig")
-    if loss_agg_mode not in _VERL_AGGREGATIONS:
+    if loss_agg_mode not in _VERL_AGGREGATIONS and loss_type != "geo_mean":
         raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
     dtype = log_prob.dtype if log_prob.dtype in (torch.float32, torch.float64) else torch.float32
     loss, metrics = rl_triton.policy_loss(

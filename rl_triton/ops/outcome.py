@@ -229,18 +229,25 @@ def _group_advantages_torch(s, ids, n_groups, *, baseline, scale, eps, std_corre
     # statistic, whose gradient would be 0 * NaN for a NaN or inf score, and the statistics
     # are kept finite so that no NaN reaches the gradients of the others through that select
     x = torch.where(alone, 0.0, s)
+    # shifted by the group's first score, as the kernel (no gradient: the baseline cancels
+    # it): a float32 mean of scores whose mean is far above their spread keeps their digits
+    position = torch.arange(s.shape[0], device=s.device)
+    first = torch.full((n_groups,), s.shape[0] - 1, device=s.device).scatter_reduce(
+        0, ids, position, "amin")
+    c = x.detach()[first]
+    x = x - torch.where(c.isfinite(), c, 0.0)[ids]  # (a non-finite one: no shift)
     total = per_group(x)
     mu = total / n
     dev = x - mu[ids]
     var = per_group(dev * dev) / torch.where(lone, 1.0, n - std_correction).clamp_min(0)
     if baseline == "mean":
         a = dev
-    else:  # the mean of the others: (sum - s) / (n - 1)
+    else:  # the mean of the others: (sum - s) / (n - 1), shifted alike
         a = x - (total[ids] - x) / torch.where(alone, 1.0, n[ids] - 1)
     if scale == "std":
         a = a / (torch.where(lone, 1.0, var).sqrt()[ids] + eps)
     elif scale == "batch_std":
-        a = a / (torch.std(s, correction=std_correction) + eps)
+        a = a / (_group.batch_std(s, std_correction) + eps)
     return torch.where(alone, s, a)  # a group of one: baseline 0, scale 1
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import rl_triton
+from cases import rel_err
 import op_checks
 
 OPS = ["group_advantages"]
@@ -55,6 +56,22 @@ def test_group_index_and_group_size_agree():
     by_size = rl_triton.group_advantages(s, group_size=4, out_dtype=torch.float64)
     by_index = rl_triton.group_advantages(s[perm], ids[perm] + 100, out_dtype=torch.float64)
     torch.testing.assert_close(by_index, by_size[perm])
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch", "loop"])
+def test_scores_far_above_their_spread(backend, device):
+    """float32 scores whose mean is 1e3 to 1e5 times their spread: every option within 1e-5 of
+    float64 (the statistics shifted by a group's first score), both ways of giving groups."""
+    g = torch.Generator().manual_seed(3)
+    for level in (1e3, 1e5):
+        s = (level + torch.randn(48, generator=g, dtype=torch.float64)).float()
+        ids = torch.arange(48) // 6
+        for baseline, scale, corr in OPTIONS:
+            kw = dict(baseline=baseline, scale=scale, std_correction=corr)
+            want = rl_triton.reference.group_advantages(s.double(), ids, **kw)
+            for groups in (dict(group_size=6), dict(group_index=ids.to(device))):
+                got = rl_triton.group_advantages(s.to(device), **groups, **kw, backend=backend)
+                assert rel_err(got, want) < 1e-5, (level, kw, groups)
 
 
 def test_group_advantages_nan_stays_in_its_group():
