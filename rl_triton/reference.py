@@ -71,11 +71,39 @@ def _cut(terminated, truncated, t, end):
 def _trace(cut, coef, later):
     """coef * later where the trace goes on, and 0 where it is cut (`cut` set, or coef 0),
     whatever `later` holds: a select, not a multiplication by zero (0 * inf is NaN), so that
-    nothing after a cut reaches the steps before it. `cut`, `coef`: bools / numbers or tensors."""
+    nothing after a cut reaches the steps before it. `cut`, `coef`: bools / numbers or tensors.
+    A tensor coef's gradient is the product's, `later`, also where coef is 0 (gamma = 0,
+    lam = 0: semantics §6), and none at a cut (`_Trace`)."""
+    if isinstance(coef, torch.Tensor) and coef.requires_grad and torch.is_grad_enabled():
+        return _Trace.apply(coef, later, torch.as_tensor(cut, device=later.device))
     stop = cut | (coef == 0)
     if not isinstance(stop, torch.Tensor):
         return torch.zeros_like(later) if stop else coef * later
     return torch.where(stop, 0.0, coef * later)
+
+
+class _Trace(torch.autograd.Function):
+    """`_trace` of a coefficient that needs its gradient: autograd through the select would
+    give d coef = 0 where coef = 0, where the formula's derivative is `later`."""
+
+    @staticmethod
+    def forward(ctx, coef, later, cut):
+        ctx.save_for_backward(coef, later, cut)
+        return torch.where(cut | (coef == 0), 0.0, coef * later)
+
+    @staticmethod
+    def backward(ctx, grad):
+        coef, later, cut = ctx.saved_tensors
+        d_coef = torch.where(cut, 0.0, grad * later).sum_to_size(coef.shape)
+        d_later = torch.where(cut | (coef == 0), 0.0, grad * coef).sum_to_size(later.shape)
+        return d_coef, d_later, None
+
+
+def _when(keep, coef, x):
+    """coef * x where `keep`, and 0 elsewhere: a select, whose dropped x (an inf or NaN
+    successor past a termination) reaches neither the value nor coef's gradient (a plain
+    `where(keep, coef * x, 0)` passes coef 0 * x, NaN there)."""
+    return torch.where(keep, coef * torch.where(keep, x, 0.0), 0.0)
 
 
 def _successor(next_values, last_value, t, end, v_next):
@@ -114,7 +142,7 @@ def gae(rewards, values, terminated, truncated=None, *, last_value=None, next_va
     v_next = torch.zeros_like(r[0])
     for t in reversed(range(r.shape[0])):
         v_succ = _successor(nv, lv, t, end, v_next)
-        delta = r[t] + torch.where(term[t], 0.0, gamma * v_succ) - v[t]
+        delta = r[t] + _when(~term[t], gamma, v_succ) - v[t]
         a = delta + _trace(_cut(term, trunc, t, end), gamma * lam, a_next)
         adv[t] = torch.where(m[t], a, 0.0)
         ret[t] = torch.where(m[t], a + v[t], 0.0)
@@ -135,7 +163,7 @@ def lambda_returns(rewards, values, terminated, truncated=None, *, last_value=No
         cut = _cut(term, trunc, t, end)
         # G[t] = r + g (1 - term) (1 - l (1 - cut)) v' + g l (1 - cut) G[t+1]  (cut includes term)
         keep = torch.where(cut, 0.0, lam * torch.ones_like(r[t]))  # lam: a number or per row
-        g = (r[t] + torch.where(term[t], 0.0, gamma * (1 - keep) * v_succ)
+        g = (r[t] + _when(~term[t], gamma * (1 - keep), v_succ)
              + _trace(cut, gamma * lam, g_next))
         ret[t] = torch.where(m[t], g, 0.0)
         g_next = _kept(m[t], g, g_next)
@@ -155,7 +183,7 @@ def discounted_returns(rewards, terminated, truncated=None, *, last_value=None, 
         v_succ = _successor(nv, lv, t, end, torch.zeros_like(r[0]))  # no values: 0 inside
         cut = _cut(term, trunc, t, end)
         # G[t] = r + g (1 - term) cut v' + g (1 - cut) G[t+1]  (cut includes term)
-        g = r[t] + torch.where(cut & ~term[t], gamma * v_succ, 0.0) + _trace(cut, gamma, g_next)
+        g = r[t] + _when(cut & ~term[t], gamma, v_succ) + _trace(cut, gamma, g_next)
         ret[t] = torch.where(m[t], g, 0.0)
         g_next = _kept(m[t], g, g_next)
     return ret
@@ -179,13 +207,14 @@ def vtrace(rewards, values, terminated, target_log_probs, behavior_log_probs, tr
         cut = _cut(term, trunc, t, end)
         ratio = torch.exp(tlp[t] - blp[t])
         rho = torch.clamp(ratio, max=rho_clip)  # a NaN ratio stays NaN
-        c = lam * torch.clamp(ratio, max=c_clip)
+        c = _when(~cut, lam, torch.clamp(ratio, max=c_clip))  # (not read at a cut)
         # vs'[t]: vs[t+1] inside the episode and window, v'[t] at a cut.
         vs_succ = torch.where(cut, v_succ, vs_next)
-        boot = lam * vs_succ + (1 - lam) * v_succ
+        # (both successors dropped after a termination: nothing of them reaches d lam there)
+        boot = _when(~term[t], lam, vs_succ) + _when(~term[t], 1 - lam, v_succ)
         p = torch.clamp(ratio, max=pg_rho_clip) * (
-            r[t] + torch.where(term[t], 0.0, gamma * boot) - v[t])
-        delta = rho * (r[t] + torch.where(term[t], 0.0, gamma * v_succ) - v[t])
+            r[t] + _when(~term[t], gamma, boot) - v[t])
+        delta = rho * (r[t] + _when(~term[t], gamma, v_succ) - v[t])
         d = delta + _trace(cut, gamma * c, d_next)
         vs[t] = torch.where(m[t], v[t] + d, 0.0)
         pg[t] = torch.where(m[t], p, 0.0)
@@ -214,8 +243,9 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
         expected = torch.where(end[t], (lpi * lq).sum(-1), e_next)
         cut = _cut(term, trunc, t, end)
         # G[t] = r + g (1 - term) (E - (1 - cut) c Q') + g (1 - cut) c G[t+1]  (cut includes term)
-        boot = expected - torch.where(cut, 0.0, c_next * q_next_a)
-        g = r[t] + torch.where(term[t], 0.0, gamma * boot) + _trace(cut, gamma * c_next, g_next)
+        boot = expected - _when(~cut, c_next, q_next_a)
+        g = (r[t] + _when(~term[t], gamma, boot)
+             + _trace(cut, _when(~cut, gamma, c_next), g_next))
         q_a = q[t].gather(-1, a[t]).squeeze(-1)
         G[t] = torch.where(m[t], g, 0.0)
         diff[t] = torch.where(m[t], g - q_a, 0.0)

@@ -8,7 +8,7 @@ import torch
 from .. import reference
 from .._args import check_discount
 from .._core.scan import ScanOp
-from ..reference import _flags, _prep
+from ..reference import _flags, _prep, _when
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
 from ..scan.kernel import (cut_flags, flags_before, load_at, load_step, load_step_flag, row_value,
@@ -30,6 +30,11 @@ class Inputs(NamedTuple):
 
 class Scalars(NamedTuple):
     gamma: float
+
+
+class Extras(NamedTuple):
+    # gamma is a nonzero number: last_value may enter as the scan's initial carry (`_plan`)
+    carry_last: bool
 
 
 R, TERM, TRUNC, LAST_V, NEXT_V, MASK = slots(Inputs)
@@ -174,7 +179,7 @@ def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32, packed=None
     m, end = torch_scan.decisions(x.mask, r, packed)
     v_succ = torch_scan.successor(None, nv, lv, r, m, packed)
     cut = torch_scan.cut(term, trunc, end)
-    alpha = r + torch.where(cut & ~term, s.gamma * v_succ, 0.0)
+    alpha = r + _when(cut & ~term, s.gamma, v_succ)
     beta = torch_scan.keep(cut, s.gamma, dtype)
     return torch_scan.zero_masked(
         torch_scan.scan(*torch_scan.masked(alpha, beta, m), reverse=True), m)
@@ -184,16 +189,20 @@ def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):
     return reference.discounted_returns(**x._asdict(), **s._asdict(), dtype=dtype)
 
 
-def _plan(x, call, out_dtype, extra):
+def _plan(x, call, out_dtype, extra: Extras):
     if x.mask is not None:
         return scan_plan(KERNEL_MASKED, x, call, 1, out_dtype)
-    # last_value as the initial carry: one row's (packed rows read one per segment)
-    carried = x.last_value is not None and x.next_values is None and call.segments is None
+    # last_value as the initial carry: one row's (packed rows read one per segment). Not with a
+    # gamma that is 0 or may be (a tensor): the carry enters G[T-1] through beta = gamma, a
+    # select at 0, where r + gamma v' is a product (NaN for an inf or NaN v'; docs/semantics.md
+    # §1, §3), which variant 0 forms in alpha
+    carried = (extra.carry_last and x.last_value is not None and x.next_values is None
+               and call.segments is None)
     return scan_plan(KERNEL, x, call, 1, out_dtype, variant=int(carried),
                      carried="last_value" if carried else None)
 
 
-OP = ScanOp("discounted_returns", Inputs, Scalars,
+OP = ScanOp("discounted_returns", Inputs, Scalars, extras=Extras,
             check=lambda x, td, extra, segments=None: value_args(x, td, bootstrap=False,
                                                                  segments=segments), plan=_plan,
             torch=torch_impl, loop=loop_impl, row_params=1, backward=backward,
@@ -230,6 +239,8 @@ def discounted_returns(rewards, terminated, truncated=None, *, last_value=None, 
 
         >>> G = rl_triton.discounted_returns(rewards, terminated, gamma=0.99)
     """
+    gamma = check_discount("gamma", gamma)
     return OP(Inputs(rewards, terminated, truncated, last_value, next_values, mask),
-              Scalars(check_discount("gamma", gamma)), time_dim, backend, out_dtype,
+              Scalars(gamma), time_dim, backend, out_dtype,
+              Extras(not isinstance(gamma, Tensor) and gamma != 0),
               cu_seqlens=cu_seqlens, check_offsets=check_offsets)

@@ -183,12 +183,17 @@ def _scan_torch(xs, dones, mask, init, scale, packed=None):
     if m is not None:
         d = d.expand(xs.shape)
     before = torch_scan.shift_down(d, torch.zeros_like(d[0]), m)
+    if init is None:
+        # z[-1] = 0 is read as the other backends read it: scale * 0 (NaN for a non-finite
+        # per-row discount)
+        init = torch.zeros_like(xs if packed is not None else xs[0])
     if packed is not None:
         starts = packed.starts.reshape(packed.starts.shape + tail)
         before = before | starts
-        if init is not None:  # z = x + scale * initial there (a zero scale cuts, a select)
-            xs = xs + torch.where(starts & (scale != 0), scale * init, 0.0)
-            init = None
+        # z = x + scale * initial there (a zero scale cuts, a select, whose d scale is still
+        # the product's: reference._trace)
+        xs = xs + reference._trace(~starts, scale, init)
+        init = None
     z = torch_scan.scan(*torch_scan.masked(xs, torch_scan.keep(before, scale, xs.dtype), m),
                         reverse=False, initial=init)
     return torch_scan.zero_masked(z, m)

@@ -8,7 +8,7 @@ import torch
 from .. import reference
 from .._args import check_discount
 from .._core.scan import ScanOp
-from ..reference import _flags, _prep
+from ..reference import _flags, _prep, _when
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
 from ..scan.kernel import (cut_flags, finish_linear, flags_before, load_at, load_step, row_value,
@@ -194,7 +194,7 @@ def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32, packed=None
     term, trunc = _flags(x.terminated, x.truncated)
     m, end = torch_scan.decisions(x.mask, r, packed)
     v_succ = torch_scan.successor(v, nv, lv, r, m, packed)
-    alpha = r + torch.where(term, 0.0, s.gamma * v_succ) - v
+    alpha = r + _when(~term, s.gamma, v_succ) - v
     beta = torch_scan.keep(torch_scan.cut(term, trunc, end), s.gamma * s.lam, dtype)
     adv = torch_scan.scan(*torch_scan.masked(alpha, beta, m), reverse=True)
     return torch_scan.zero_masked(adv, m), torch_scan.zero_masked(adv + v, m)

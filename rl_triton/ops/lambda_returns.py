@@ -8,7 +8,7 @@ import torch
 from .. import reference
 from .._args import check_discount
 from .._core.scan import ScanOp
-from ..reference import _flags, _prep
+from ..reference import _flags, _prep, _when
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
 from ..scan.kernel import (cut_flags, flags_before, load_at, load_step, row_value, single_store,
@@ -46,7 +46,8 @@ def coef(step, after):
     v_succ, _ = successor(step, V, NEXT_V, LAST_V, None, True, False, None)
     keep = tl.where(cut, 0.0, lam)
     alpha = r + tl.where(term, 0.0, gamma * (1.0 - keep) * v_succ)
-    beta = gamma * keep  # keep is 0 at terminations (cut includes them)
+    # 0 at a cut (terminations included): a select, not gamma * keep (NaN for a NaN gamma)
+    beta = tl.where(cut, 0.0, gamma * lam)
     return alpha, beta, 0.0
 
 
@@ -77,12 +78,13 @@ def finish_masked(step, pieces, beta, wn):
     lam = step.params[1]
     r, term, cut, nv = pieces
     if step.HAS_NEXT:
-        keep = tl.where(cut | (wn == 0), 0.0, lam)
+        cut = cut | (wn == 0)
         v_succ = nv
     else:
-        keep = tl.where(cut, 0.0, lam)
         v_succ = wn
-    return r + tl.where(term, 0.0, gamma * (1.0 - keep) * v_succ), gamma * keep
+    keep = tl.where(cut, 0.0, lam)
+    return (r + tl.where(term, 0.0, gamma * (1.0 - keep) * v_succ),
+            tl.where(cut, 0.0, gamma * lam))  # (a select at a cut, as `coef`'s)
 
 
 @triton.jit
@@ -152,7 +154,9 @@ def grad_store(step, res, res_prev, aux):
     if D_NEXT & VARIANT:
         store_out(step, 2, d_succ)
     if D_ROWS & VARIANT:
-        store_out(step, 3, res * (tl.where(term, 0.0, (1.0 - keep) * v_succ) + keep * g_after))
+        # (G[t+1] is not read at a cut: a select, as keep's, so that its NaN stays out)
+        store_out(step, 3, res * (tl.where(term, 0.0, (1.0 - keep) * v_succ)
+                                  + tl.where(cut, 0.0, lam * g_after)))
         store_out(step, 4, res * tl.where(cut, 0.0, gamma * (g_after - v_succ)))
     if D_LAST & VARIANT:
         store_at(step, 5, step.mask & at_end, d_succ)
@@ -185,9 +189,10 @@ def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32, packed=None
     term, trunc = _flags(x.terminated, x.truncated)
     m, end = torch_scan.decisions(x.mask, r, packed)
     v_succ = torch_scan.successor(v, nv, lv, r, m, packed)
-    keep = torch_scan.keep(torch_scan.cut(term, trunc, end), s.lam, dtype)  # 0 at terms too
-    alpha = r + torch.where(term, 0.0, s.gamma * (1 - keep) * v_succ)
-    beta = s.gamma * keep
+    cut = torch_scan.cut(term, trunc, end)
+    keep = torch_scan.keep(cut, s.lam, dtype)  # 0 at terms too
+    alpha = r + _when(~term, s.gamma * (1 - keep), v_succ)
+    beta = torch_scan.keep(cut, s.gamma * s.lam, dtype)  # a select: no gradient at a cut
     return torch_scan.zero_masked(
         torch_scan.scan(*torch_scan.masked(alpha, beta, m), reverse=True), m)
 

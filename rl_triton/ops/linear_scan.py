@@ -39,7 +39,7 @@ ALPHA, BETA, INITIAL = slots(Inputs)
 def coef(step, after):
     alpha = load_step(step, ALPHA)
     beta = load_step(step, BETA)
-    # A[t] is NaN where beta[t] is: as alpha NaN with beta 0, so that betas stay finite (the
+    # A[t] is NaN where beta[t] is: as alpha NaN with beta 0, so that no beta is NaN (the
     # scan's combine relies on it) and a cut before that step still holds
     nan = beta != beta
     return tl.where(nan, float("nan"), alpha), tl.where(nan, 0.0, beta), 0.0
@@ -133,6 +133,10 @@ def _check(x: Inputs, time_dim, extra):
 
 def _torch(x: Inputs, s, extra: Extras, dtype=torch.float32):
     al, be, init = _prep(dtype, *x)
+    if init is None:
+        # A[T] (A[-1]) = 0 is read as the other backends read it (docs/semantics.md §2): a NaN
+        # or infinite beta at the boundary step makes A NaN there (beta * 0), a zero one cuts
+        init = torch.zeros_like(al[0])
     return torch_scan.scan(al, be, reverse=extra.reverse, initial=init)
 
 

@@ -9,7 +9,7 @@ from .. import reference
 from .._args import (FLAG, INDEX, VALUE, Call, check_action_range, check_actions, check_bool,
                      check_discount, check_scalar)
 from .._core.scan import ScanOp
-from ..reference import _decided, _flags, _prep
+from ..reference import _decided, _flags, _prep, _when
 from ..scan import torch_scan
 from ..scan.jit import HAS_TRITON, INTERPRETER, cdiv, next_power_of_2, slots, tl, triton
 from ..scan.kernel import (clip, cut_flags, finish_linear, flags_before, load_at, load_step,
@@ -155,7 +155,9 @@ def terms(step, WHOLE: tl.constexpr):
             expected = tl.where(t == T - 1, end, expected)
 
     alpha = r + tl.where(term, 0.0, gamma * (expected - tl.where(cut, 0.0, c_next * q_a_next)))
-    # a NaN trace coefficient makes alpha NaN; beta stays finite (the scan's combine relies on it)
+    # a NaN trace coefficient makes alpha NaN, with beta 0: no beta is NaN (the scan's combine
+    # relies on it), but gamma = 0 times an infinite c, which makes alpha NaN too (gamma c Q'):
+    # the scan reads that NaN beta as 0 (`kernel.combine`), A[t] = alpha, NaN
     beta = tl.where(cut | (c_next != c_next), 0.0, gamma * c_next)
     q_a = 0.0
     if step.VARIANT == 1:  # also return G - Q(s_t, a_t)
@@ -229,7 +231,8 @@ def coef_masked(step, after):
     # c = 0 keeps -c Q_a (NaN with a NaN Q_a, as the reference's c Q') and drops r
     a_own = c * (tl.where(c == 0, 0.0, r) - q_a)
     k_own = tl.where(term, 0.0, gamma * c)  # NaN with a NaN c: alpha NaN
-    # a NaN trace coefficient makes alpha NaN; beta stays finite (the scan's combine relies on it)
+    # a NaN trace coefficient makes alpha NaN, with beta 0 (the scan's combine relies on it; as
+    # in `terms`, gamma = 0 times an infinite c makes k_own, so alpha, NaN too)
     beta = tl.where(cut | (c != c), 0.0, gamma * c)
     return (tl.trans(expected), (a_own, k_own)), beta, (r, term, cut, q_a)
 
@@ -331,8 +334,9 @@ def grad_coef(step, after):
         d_a += load_step(step, G_DRET)
     if HAS_DADV & VARIANT:
         d_adv = load_step(step, G_DADV)
-    # G[t] - Q(s_t, a_t): what c[t] multiplies in G[t-1]
-    ahead = load_step(step, G_RET) - q_a
+    # G[t] - Q(s_t, a_t): what c[t] multiplies in G[t-1]; not read where t-1 is cut (a select:
+    # a NaN there reaches neither d lam nor d c)
+    ahead = tl.where(stop_b, 0.0, load_step(step, G_RET) - q_a)
     # d ratio = lam y ahead below the clip (ties too, as torch.clamp), y = d G[t-1] / d (c[t] ..)
     k_ratio = tl.where(ratio <= c_clip, lam * ahead, 0.0)
     return d_a + d_adv, beta, (d_adv, a_t, term_b | first, stop_b, c, k_ratio / mu,
@@ -400,7 +404,8 @@ def grad_store(step, res, res_prev, aux):
                 e_slot += q * p
         if D_ROWS & VARIANT:  # d gamma: E[t-1] from slot t, and c[t] (G[t] - Q(s_t, a_t))
             e = tl.trans(tl.sum(e_slot, axis=2))
-            store_out(step, O_GAMMA, he * e + tl.where(stop_b, 0.0, res_prev * c_ahead))
+            store_out(step, O_GAMMA, tl.where(off_b, 0.0, he * e)
+                      + tl.where(stop_b, 0.0, res_prev * c_ahead))
             store_out(step, O_LAM, y * clip_ahead)
 
 
@@ -426,9 +431,10 @@ def backward(x: Inputs, outs, grads, s: Scalars, rows, call, extra: Extras, need
            like(dmu, x.behavior_probs) if nmu else None, None, None,
            like((gamma * hl).unsqueeze(-1) * lpi, x.last_q_values) if nlq else None,
            like((gamma * hl).unsqueeze(-1) * lq, x.last_target_probs) if nlpi else None, None]
-    if nrows:  # E[T-1] from the bootstrap state
+    if nrows:  # E[T-1] from the bootstrap state, not read after a termination (a select)
         td = call.time_dim
-        res[9] = torch.stack([dg.sum(td) + hl * (lpi * lq).sum(-1), dl.sum(td)])
+        end = torch.where(x.terminated.select(td, -1) != 0, 0.0, hl * (lpi * lq).sum(-1))
+        res[9] = torch.stack([dg.sum(td) + end, dl.sum(td)])
     return res
 
 
@@ -451,9 +457,9 @@ def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32, packed=None
     c_next = torch_scan.shift_up(s.lam * torch.clamp(pi_a / mu, max=s.c_clip), zero, m)
     q_a_next = torch_scan.shift_up(q_a, zero, m)
     cut = torch_scan.cut(term, trunc, end)
-    boot = expected - torch.where(cut, 0.0, c_next * q_a_next)
-    alpha = r + torch.where(term, 0.0, s.gamma * boot)
-    beta = torch.where(cut, 0.0, s.gamma * c_next)
+    boot = expected - _when(~cut, c_next, q_a_next)
+    alpha = r + _when(~term, s.gamma, boot)
+    beta = _when(~cut, s.gamma, c_next)
     g = torch_scan.scan(*torch_scan.masked(alpha, beta, m), reverse=True)
     return torch_scan.zero_masked(g, m), torch_scan.zero_masked(g - q_a, m)
 

@@ -8,11 +8,11 @@ import torch
 from .. import reference
 from .._args import check_discount, check_scalar
 from .._core.scan import ScanOp
-from ..reference import _decided, _flags, _prep
+from ..reference import _decided, _flags, _prep, _when
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import (clip, cut_flags, finish_linear, flags_before, load_at, load_step,
-                           row_value, store_out, successor, value_before)
+from ..scan.kernel import (clip, cut_coefficient, cut_flags, finish_linear, flags_before, load_at,
+                           load_step, row_value, store_out, successor, value_before)
 from ..scan.launch import Kernel
 from ._common import bits, like, run_backward, scan_plan, value_args
 
@@ -56,8 +56,9 @@ def coef(step, after):
     ratio = tl.exp(load_step(step, TARGET_LP) - load_step(step, BEHAVIOR_LP))
     target = r + tl.where(term, 0.0, gamma * v_succ)
     alpha = clip(ratio, rho_clip) * (target - v)
-    # a NaN ratio makes alpha NaN; beta stays finite (the scan's combine relies on it)
-    beta = tl.where(cut | (ratio != ratio), 0.0, gamma * lam * clip(ratio, c_clip))
+    # a NaN trace coefficient (a NaN ratio, or gamma lam = 0 times an infinite ratio with
+    # c_clip = inf) makes alpha NaN, with beta 0 (the scan's combine relies on it)
+    alpha, beta = cut_coefficient(alpha, gamma * lam * clip(ratio, c_clip), cut)
     return alpha, beta, (r, v, term, cut, ratio, v_succ, v_slot_next)
 
 
@@ -98,7 +99,6 @@ def coef_masked(step, after):
         c = tl.zeros(step.mask.shape, tl.float32)
     else:
         c = tl.where(term, 0.0, rho * gamma)  # NaN with a NaN ratio: alpha NaN
-    beta = tl.where(cut | (ratio != ratio), 0.0, gamma * lam * clip(ratio, c_clip))
     # (one return: Triton 3.6 checks every return's types)
     if step.HAS_NEXT:
         a = rho * (r + tl.where(term, 0.0, gamma * nv) - v)
@@ -106,6 +106,7 @@ def coef_masked(step, after):
     else:
         a = rho * (r - v)
         own = (r, v, term, cut, ratio)
+    a, beta = cut_coefficient(a, gamma * lam * clip(ratio, c_clip), cut)  # as `coef`'s
     return (v, (a, c)), beta, own
 
 
@@ -213,7 +214,8 @@ def grad_coef(step, after):
     term_b, cut_b = flags_before(step, G_TERM, G_TRUNC, term, cut)
     ratio_b = tl.exp(value_before(step, G_TLP, tlp) - value_before(step, G_BLP, blp))
     stop_b = cut_b | first
-    beta = tl.where(stop_b | (ratio_b != ratio_b), 0.0, gamma * lam * clip(ratio_b, c_clip))
+    c_b = gamma * lam * clip(ratio_b, c_clip)  # NaN (a NaN ratio, 0 * inf): 0, as a NaN ratio's
+    beta = tl.where(stop_b | (c_b != c_b), 0.0, c_b)
     p_b = zero
     if HAS_DPG & VARIANT:
         p_b = value_before(step, G_DPG, d_pg) * clip(ratio_b, pg_rho_clip)
@@ -309,14 +311,14 @@ def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32, packed=None
     v_succ = torch_scan.successor(v, nv, lv, r, m, packed)
     cut = torch_scan.cut(term, trunc, end)
     ratio = torch.exp(tlp - blp)  # torch.clamp keeps a NaN ratio NaN
-    target = r + torch.where(term, 0.0, s.gamma * v_succ)
+    target = r + _when(~term, s.gamma, v_succ)
     alpha = torch.clamp(ratio, max=s.rho_clip) * (target - v)
-    beta = torch.where(cut, 0.0, s.gamma * s.lam * torch.clamp(ratio, max=s.c_clip))
+    beta = _when(~cut, s.gamma * s.lam, torch.clamp(ratio, max=s.c_clip))
     d = torch_scan.scan(*torch_scan.masked(alpha, beta, m), reverse=True)
     vs = v + d
     vs_succ = torch.where(cut, v_succ, torch_scan.shift_up(vs, torch.zeros_like(r[0]), m))
-    boot = s.lam * vs_succ + (1 - s.lam) * v_succ
-    pg = torch.clamp(ratio, max=s.pg_rho_clip) * (r + torch.where(term, 0.0, s.gamma * boot) - v)
+    boot = _when(~term, s.lam, vs_succ) + _when(~term, 1 - s.lam, v_succ)  # (as the loop's)
+    pg = torch.clamp(ratio, max=s.pg_rho_clip) * (r + _when(~term, s.gamma, boot) - v)
     return torch_scan.zero_masked(vs, m), torch_scan.zero_masked(pg, m)
 
 

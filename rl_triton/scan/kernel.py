@@ -50,15 +50,19 @@ from .jit import tl, triton
 def apply_map(a, b, x):
     """The map A -> a + b * A applied to x: exactly a where b = 0, whatever x holds (a cut is a
     select, not a multiplication by zero: 0 * inf is NaN, and nothing after a cut may reach the
-    steps before it)."""
-    return tl.where(b == 0, a, a + b * x)
+    steps before it), and where b is NaN, which in a composed map means 0 (`combine`). One
+    ordered compare (false for NaN), as many instructions as a test of b == 0."""
+    return tl.where(tl.abs(b) > 0, a + b * x, a)
 
 
 @triton.jit
 def combine(a1, b1, a2, b2):
     """(a1, b1) then (a2, b2): the later element in scan order applied to the earlier's result.
-    Where b2 = 0 the result is (a2, 0) exactly (`apply_map`; b1 * 0 is 0, since every builder
-    gives finite betas: a NaN coefficient goes into alpha, with beta 0)."""
+    Where b2 = 0 the result is (a2, 0) exactly (`apply_map`). The betas' product is NaN only as
+    0 * inf (an infinite beta, e.g. V-trace's c with c_clip = inf, beside a cut; every builder
+    turns a NaN coefficient into alpha NaN with beta 0, `cut_coefficient`): the composition
+    with a cut is a constant map, and its NaN beta stands for that 0 wherever a map is applied
+    (`apply_map`) or its product taken (NaN again). No instruction beyond the plain product."""
     return apply_map(a2, b2, a1), b1 * b2
 
 
@@ -66,6 +70,16 @@ def combine(a1, b1, a2, b2):
 def combine_with_exclusive(a1, b1, ea1, eb1, a2, b2, ea2, eb2):
     """`combine`, plus (ea, eb): the composition of all elements but the last one in scan order."""
     return apply_map(a2, b2, a1), b1 * b2, apply_map(ea2, eb2, a1), b1 * eb2
+
+
+@triton.jit
+def cut_coefficient(alpha, c, cut):
+    """A step's map with beta = c where the trace goes on and 0 at a cut (a select), for a
+    coefficient c that may be NaN (0 * inf in its product, a NaN ratio or discount): there
+    alpha becomes NaN and beta 0, as A[t] = alpha + c * A[t+1] is NaN, so that no beta is NaN
+    (a NaN beta stands for 0 in a composed map, `combine`)."""
+    nan = (c != c) & ~cut
+    return tl.where(nan, float("nan"), alpha), tl.where(cut | nan, 0.0, c)
 
 
 @triton.jit
@@ -97,7 +111,8 @@ class Rows(NamedTuple):
     slots (pointers; time / batch-1 / batch-2 / action strides), the output slots, the rows'
     indices (b1, b2) and mask, the window end T, the action count and the op's scalars (per-row
     vectors with ROW_PARAMS, semantics §6). With `OPTS` (the constant tuple (HAS_TRUNC, HAS_NEXT,
-    HAS_LAST, VARIANT, BLOCK_A, ACT_BLOCKS, ACT_VEC)) it is all a `Step` is built from."""
+    HAS_LAST, VARIANT, BLOCK_A, ACT_BLOCKS, ACT_VEC), then ROW_PARAMS for `row_discount_nan`)
+    it is all a `Step` is built from."""
     ins: tuple
     st: tuple
     s1: tuple
@@ -433,7 +448,8 @@ def look_back(words_a, words_b, pid_b, order, n_row_tiles, r, live, tag, carry_i
             acc_a, acc_b = combine(edge(ca, TIME_AXIS, WINDOW, WINDOW - 1),
                                    edge(cb, TIME_AXIS, WINDOW, WINDOW - 1), acc_a, acc_b)
             hi -= DEPTH
-            busy = (tl.max(tl.where(live, acc_b != 0.0, False).to(tl.int32)) != 0) & (hi >= -1)
+            varies = tl.where(live, tl.abs(acc_b) > 0, False)  # (a NaN beta: 0, `combine`)
+            busy = (tl.max(varies.to(tl.int32)) != 0) & (hi >= -1)
     return acc_a
 
 
@@ -543,13 +559,28 @@ def tile_coefficients(rows, OPTS: tl.constexpr, chunk, n_chunks, COEF: tl.conste
             w, pieces = alpha
             alpha = (tl.where(keep, w, 0.0), pieces)
         else:
+            alpha, beta = row_discount_nan(OPTS, alpha, beta)
             alpha = tl.where(keep, alpha, 0.0)
             beta = tl.where(keep, beta, 1.0)
         aux = (aux, keep)
     else:
+        alpha, beta = row_discount_nan(OPTS, alpha, beta)
         alpha = tl.where(mask, alpha, 0.0)
         beta = tl.where(mask, beta, 1.0)
     return t, mask, alpha, beta, aux
+
+
+@triton.jit
+def row_discount_nan(OPTS: tl.constexpr, alpha, beta):
+    """With per-row discounts (OPTS[7], ROW_PARAMS > 0: tensors, not range-checked) a builder's
+    beta may be NaN (a NaN gamma, inf * 0): as `cut_coefficient`, alpha NaN and beta 0 there
+    (the builders give 0 at a cut, never NaN). Nothing without them: number discounts are
+    checked, and the builders' own NaN coefficients go through `cut_coefficient`."""
+    if OPTS[7] > 0:
+        nan = beta != beta
+        alpha = tl.where(nan, float("nan"), alpha)
+        beta = tl.where(nan, 0.0, beta)
+    return alpha, beta
 
 
 @triton.jit
@@ -743,6 +774,7 @@ def finish_chunk(alphas, betas, auxs, ew_s, ewd_s, carry_w, rows, OPTS: tl.const
         aux, keep = auxs[J]
         wn = apply_map(ew_s[J], ewd_s[J], carry_w)
         alpha, beta = finish(FINISH, rows, OPTS, pieces, betas[J], wn)
+        alpha, beta = row_discount_nan(OPTS, alpha, beta)
         alpha = tl.where(keep, alpha, 0.0)
         beta = tl.where(keep, beta, 1.0)
         if restarts is not None:
@@ -1014,8 +1046,10 @@ def scan_kernel(
         st = multiples(st, ROW_VEC)
         ost = multiples(ost, ROW_VEC)
         B = B // ROW_VEC * ROW_VEC
-    # what every `Step` holds besides its rows and steps (compile-time constants)
-    OPTS: tl.constexpr = (HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A, ACT_BLOCKS, ACT_VEC)
+    # what every `Step` holds besides its rows and steps (compile-time constants), and
+    # ROW_PARAMS (`row_discount_nan`)
+    OPTS: tl.constexpr = (HAS_TRUNC, HAS_NEXT, HAS_LAST, VARIANT, BLOCK_A, ACT_BLOCKS, ACT_VEC,
+                          ROW_PARAMS)
     k = tl.program_id(0)
     order = k // n_row_tiles  # tiles before this one in scan order, along its rows
     pid_b = k % n_row_tiles

@@ -5,7 +5,8 @@ evaluates the recurrence with `scan`, a doubling scan: log2(T) vectorized steps 
 time-major `[T, ...]` tensors, all arithmetic in the inputs' dtype (float32 as a backend; the
 tests also run it in float64 as a fast vectorized check of large shapes). Flags are bool
 (`flag != 0`) and every flag is a select, as is a zero beta in the scan: nothing after a cut
-reaches the steps before it (0 * inf is NaN).
+reaches the steps before it (0 * inf is NaN). `scan` is differentiated by its adjoint (`Scan`),
+whose d beta is the product's derivative also where beta = 0.
 """
 from __future__ import annotations
 
@@ -66,21 +67,28 @@ def _then(a2, b2, a1):
 
 
 def _both(b2, b1):
-    """b1 * b2, and exactly 0 where b2 = 0."""
-    return torch.where(b2 == 0, 0.0, b2 * b1)
+    """b1 * b2, and exactly 0 where either is 0: a map composed with a cut is constant, whatever
+    the other holds (0 * inf is NaN: an infinite beta, e.g. V-trace's c with c_clip = inf, would
+    otherwise carry NaN across the cut)."""
+    return torch.where((b2 == 0) | (b1 == 0), 0.0, b2 * b1)
 
 
-def scan(alpha, beta, *, reverse: bool, initial=None):
-    """A[t] = alpha[t] + beta[t] * A[t+1] (reverse) or A[t-1] (forward), along axis 0, where
-    beta[t] = 0 gives A[t] = alpha[t] whatever A[t+1] holds (a select, as in every backend).
-
-    `beta` may have fewer trailing axes than `alpha` (size 1, broadcast): flags over features.
-    """
-    a, b = alpha, beta
+def _doubling(a, b, reverse: bool, initial):
+    """The recurrence's values by doubling (no autograd: `Scan` differentiates it). `initial`
+    enters the boundary step (T-1, or 0) as the sequential loop reads it, A = alpha + beta *
+    initial there (a select where beta = 0), which then starts from a constant map: composed
+    maps never apply an infinite product of betas to it (inf * 0 is NaN where the loop's
+    step-by-step products give inf)."""
+    if initial is not None:
+        edge = slice(-1, None) if reverse else slice(0, 1)
+        a_edge = _then(a[edge], b[edge], initial.unsqueeze(0))
+        b_edge = torch.zeros_like(b[edge])
+        a = torch.cat([a[:-1], a_edge]) if reverse else torch.cat([a_edge, a[1:]])
+        b = torch.cat([b[:-1], b_edge]) if reverse else torch.cat([b_edge, b[1:]])
     T = a.shape[0]
     k = 1
     while k < T:
-        last = not (2 * k < T or initial is not None)
+        last = 2 * k >= T
         if reverse:
             a = torch.cat([_then(a[:-k], b[:-k], a[k:]), a[-k:]])
             b = b if last else torch.cat([_both(b[:-k], b[k:]), b[-k:]])
@@ -88,9 +96,64 @@ def scan(alpha, beta, *, reverse: bool, initial=None):
             a = torch.cat([a[:k], _then(a[k:], b[k:], a[:-k])])
             b = b if last else torch.cat([b[:k], _both(b[k:], b[:-k])])
         k *= 2
-    if initial is not None:
-        a = _then(a, b, initial)
     return a
+
+
+def _shift(x, reverse: bool, fill):
+    """x one step later in scan order: x[t+1] (reverse) or x[t-1], `fill` past the end."""
+    edge = fill.expand_as(x[:1]) if isinstance(fill, Tensor) else torch.full_like(x[:1], fill)
+    return torch.cat([x[1:], edge]) if reverse else torch.cat([edge, x[:-1]])
+
+
+class Scan(torch.autograd.Function):
+    """`scan`, differentiated by its adjoint (docs/semantics.md §6), the scan the other way:
+    for reverse=True H[t] = dA[t] + beta[t-1] H[t-1], d alpha = H, d beta[t] = H[t] A[t+1]
+    (A[T] = initial, default 0), d initial = beta[T-1] H[T-1]; forward=True mirrored. A zero
+    beta is a select in the values and in H (the adjoint is cut there too), and d beta is the
+    product's derivative there as anywhere: a coefficient that is 0 through its value (gamma
+    = 0, lam = 0) gets its gradient. A cut of an estimator (a flag, a window end) is a select in
+    its builder (`keep`), which gives that beta no gradient at all. Autograd through the
+    doubling steps' selects would drop d beta where beta = 0."""
+
+    @staticmethod
+    def forward(ctx, alpha, beta, initial, reverse):
+        A = _doubling(alpha, beta, reverse, initial)
+        ctx.reverse = reverse
+        ctx.save_for_backward(beta, A, initial)
+        return A
+
+    @staticmethod
+    def backward(ctx, dA):
+        beta, A, initial = ctx.saved_tensors
+        reverse = ctx.reverse
+        n_alpha, n_beta, n_init, _ = ctx.needs_input_grad
+        # the adjoint runs the other way; step t reads the step before it in the forward's order
+        H = _doubling(dA, _shift(beta, not reverse, 0.0), not reverse, None)
+        d_alpha = d_beta = d_init = None
+        if n_alpha:
+            d_alpha = H
+        if n_beta:
+            outer = initial if initial is not None else 0.0
+            d_beta = (H * _shift(A, reverse, outer)).sum_to_size(beta.shape)
+        if n_init:
+            edge = -1 if reverse else 0
+            d_init = _then(torch.zeros_like(H[edge]), beta[edge], H[edge])
+            d_init = d_init.sum_to_size(initial.shape)
+        return d_alpha, d_beta, d_init, None
+
+
+def scan(alpha, beta, *, reverse: bool, initial=None):
+    """A[t] = alpha[t] + beta[t] * A[t+1] (reverse) or A[t-1] (forward), along axis 0, where
+    beta[t] = 0 gives A[t] = alpha[t] whatever A[t+1] holds (a select, as in every backend).
+    With `initial` None nothing is read past the window (the boundary step's beta is not
+    applied to a 0 there: the estimators' betas are 0 at it anyway; linear_scan passes 0).
+
+    `beta` may have fewer trailing axes than `alpha` (size 1, broadcast): flags over features.
+    """
+    if not (torch.is_grad_enabled() and any(
+            isinstance(x, Tensor) and x.requires_grad for x in (alpha, beta, initial))):
+        return _doubling(alpha, beta, reverse, initial)
+    return Scan.apply(alpha, beta, initial, reverse)
 
 
 def decisions(mask, like, packed=None):
@@ -166,5 +229,9 @@ def cut(term, trunc, end=None):
 
 
 def keep(cut, scale, dtype):
-    """scale where the trace goes on, 0 at a cut."""
-    return scale * (~cut).to(dtype)
+    """scale where the trace goes on, 0 at a cut: a select, so that a cut's beta gets no
+    gradient at all (a product with 0 would pass on 0 * d beta, NaN where the step after the
+    cut holds an inf or NaN)."""
+    if isinstance(scale, Tensor):  # in the compute dtype at least, as a product with it
+        scale = scale.to(torch.promote_types(dtype, scale.dtype))
+    return torch.where(cut, torch.zeros((), dtype=dtype, device=cut.device), scale)

@@ -82,6 +82,25 @@ def test_retrace_onpolicy_state_values_is_bootstrapped_return(backend, device):
 
 # ---- the action axis, forward and backward -------------------------------------------------------
 
+@INTERPRETER_WARNINGS
+def test_infinite_trace_coefficient_beside_a_termination(backend, device):
+    """c = lam min(c_clip, pi / mu) = -inf (a target probability of -inf, or a negative one over
+    mu = 0) two steps after a termination: its 0 * inf in the betas' product must not carry a
+    NaN to the terminated step (docs/semantics.md §1); G[1] is NaN by the formula."""
+    r, q = torch.ones(3, 1, device=device), torch.ones(3, 1, 2, device=device)
+    actions = torch.zeros(3, 1, dtype=torch.long, device=device)
+    term = flags(1, 0, 0).to(device)
+    lq, lpi = torch.ones(1, 2, device=device), torch.full((1, 2), 0.5, device=device)
+    for pi_bad, mu_bad in ((-math.inf, 0.5), (-0.5, 0.0)):
+        pi = torch.full((3, 1, 2), 0.5, device=device)
+        mu = torch.full((3, 1), 0.5, device=device)
+        pi[2, 0, 0], mu[2, 0] = pi_bad, mu_bad
+        got = rl_triton.retrace(r, q, actions, pi, mu, term, last_q_values=lq,
+                                last_target_probs=lpi, backend=backend).flatten().cpu()
+        assert got[1].isnan(), got
+        torch.testing.assert_close(got[[0, 2]], torch.tensor([1.0, 1.99]))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_retrace_many_actions(backend, device):
     case = make_case("retrace", 45, (3,), n_act=37, device=device, seed=2)

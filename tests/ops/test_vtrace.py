@@ -63,6 +63,32 @@ def test_onpolicy_vtrace_lambda_one_is_lambda_return(backend, device):
     assert rel_err(vs, lr) < 1e-5
 
 
+# ---- an infinite trace coefficient beside a cut (semantics §1, §2) ------------------------------
+
+@INTERPRETER_WARNINGS
+def test_infinite_ratio_beside_a_termination(backend, device):
+    """c_clip = inf and a ratio that overflows to inf: beta = gamma lam c is inf, and 0 * inf (the
+    betas' product across the termination) must not carry a NaN to the steps before it; with
+    lam = 0, c = 0 * inf is NaN by the formula (there only)."""
+    inf, nan = float("inf"), float("nan")
+    r, v = t(1.0, 1.0, 1.0, 1.0).to(device), t(0.0, 0.0, 0.0, 0.0).to(device)
+    term, blp = flags(0, 1, 0, 0).to(device), t(0.0, 0.0, 0.0, 0.0).to(device)
+    for at, lv, lam, vs_want, pg_want in (
+            (3, 0.0, 1.0, [1.99, 1.0, 1.99, 1.0], [1.99, 1.0, 1.99, 1.0]),
+            (2, 1.0, 1.0, [1.99, 1.0, inf, 1.99], [1.99, 1.0, 2.9701, 1.99]),
+            (2, 1.0, 0.0, [1.0, 1.0, nan, 1.99], [1.0, 1.0, 1.0, 1.99])):
+        tlp = torch.zeros(4, 1, device=device)
+        tlp[at] = 100.0  # exp(100) is inf in float32
+        vs, pg = rl_triton.vtrace(r, v, term, tlp, blp,
+                                  last_value=torch.tensor([lv], device=device), gamma=0.99,
+                                  lam=lam, c_clip=inf, backend=backend)
+        for got, want in ((vs, vs_want), (pg, pg_want)):
+            got = got.flatten().cpu()
+            assert torch.equal(got.isnan(), torch.tensor(want).isnan()), (at, lam, got)
+            fine = ~torch.tensor(want).isnan()
+            torch.testing.assert_close(got[fine], torch.tensor(want)[fine])
+
+
 # ---- NaN log-probabilities give NaN (semantics §1) -----------------------------------------------
 
 @INTERPRETER_WARNINGS
