@@ -50,11 +50,14 @@ def parse_shape(s):
 def public_defaults(name: str) -> dict:
     """The defaults of `rl_triton.<name>`'s scalars and options (the op's `scalars` and
     `extras`): the benchmark times the calls users make. A scalar the function leaves to the
-    caller (eligibility traces' gamma and lam) takes GAE's default."""
+    caller (eligibility traces' gamma and lam) takes GAE's default; an option the function
+    derives itself (discounted_returns' `carry_last`) is not the caller's, and not here."""
     op = OPS[name]
     params = inspect.signature(getattr(rl_triton, name)).parameters
     out = {}
     for field in op.scalars._fields + (op.extras._fields if op.extras is not None else ()):
+        if field not in params:
+            continue
         default = params[field].default
         out[field] = (public_defaults("gae")[field] if default is inspect.Parameter.empty
                       else default)
@@ -88,7 +91,7 @@ def n_out(name: str, kw: dict) -> int:
     if op.extras is None:
         return op.outputs
     defaults = public_defaults(name)
-    return op.n_out(op.extras(**{f: kw.get(f, defaults[f]) for f in op.extras._fields}))
+    return op.n_out(op.extras(**{f: kw.get(f, defaults.get(f)) for f in op.extras._fields}))
 
 
 def is_bootstrap(name: str) -> bool:

@@ -865,20 +865,29 @@ def compute_policy_loss_bypass_mode(old_log_prob, log_prob, advantages, response
     return loss, metrics
 
 
+def _aggregation(mode, mask, shape, dp_size, batch_num_tokens, global_batch_size,
+                 loss_scale_factor):
+    """(mask as bool, our aggregation, the factor after it) of verl's `agg_loss` arguments."""
+    from ..ops.policy_loss import _count, _plan
+
+    if mode not in _VERL_AGGREGATIONS:
+        raise ValueError(f"Invalid loss_agg_mode: {mode}")
+    m = mask != 0
+    base, factor = _plan(mode, m, None, shape, int(dp_size),
+                         _count("batch_num_tokens", batch_num_tokens),
+                         _count("global_batch_size", global_batch_size),
+                         _count("loss_scale_factor", loss_scale_factor))
+    return m, base, factor
+
+
 def agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_tokens=None,
              global_batch_size=None, loss_scale_factor=None):
     """verl's `agg_loss`: per-token losses `[B, T]` to a scalar (policy_loss's aggregation, in
     torch: a reduction already); an empty selection gives 0 where verl's token-mean gives NaN."""
     from ..ops import _losses
-    from ..ops.policy_loss import _count, _plan
 
-    if loss_agg_mode not in _VERL_AGGREGATIONS:
-        raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
-    m = loss_mask != 0
-    base, factor = _plan(loss_agg_mode, m, None, tuple(loss_mat.shape), int(dp_size),
-                         _count("batch_num_tokens", batch_num_tokens),
-                         _count("global_batch_size", global_batch_size),
-                         _count("loss_scale_factor", loss_scale_factor))
+    m, base, factor = _aggregation(loss_agg_mode, loss_mask, tuple(loss_mat.shape), dp_size,
+                                   batch_num_tokens, global_batch_size, loss_scale_factor)
     loss = _losses.aggregate(loss_mat, m, base, None)
     return loss if factor is None else loss * factor
 
@@ -895,15 +904,8 @@ def compute_value_loss(vpreds: Tensor, returns: Tensor, values: Tensor, response
     the larger (torch, no gradient; the kernel computes no such metric). Differences: an empty
     selection gives a loss of 0 where verl's token-mean and seq-mean modes give NaN; masks are read
     as 0 / 1."""
-    from ..ops.policy_loss import _count, _plan
-
-    if loss_agg_mode not in _VERL_AGGREGATIONS:
-        raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
-    m = response_mask != 0
-    base, factor = _plan(loss_agg_mode, m, None, tuple(vpreds.shape), int(dp_size),
-                         _count("batch_num_tokens", batch_num_tokens),
-                         _count("global_batch_size", global_batch_size),
-                         _count("loss_scale_factor", loss_scale_factor))
+    m, base, factor = _aggregation(loss_agg_mode, response_mask, tuple(vpreds.shape), dp_size,
+                                   batch_num_tokens, global_batch_size, loss_scale_factor)
     dtype = vpreds.dtype if vpreds.dtype in (torch.float32, torch.float64) else torch.float32
     loss = rl_triton.value_loss(vpreds, returns, values, m, clip=float(cliprange_value),
                                 aggregation=base, backend=backend, out_dtype=dtype)

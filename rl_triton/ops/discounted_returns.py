@@ -33,7 +33,9 @@ class Scalars(NamedTuple):
 
 
 class Extras(NamedTuple):
-    # gamma is a nonzero number: last_value may enter as the scan's initial carry (`_plan`)
+    # gamma is a nonzero number: last_value may enter as the scan's initial carry (`_plan`).
+    # Derived by `discounted_returns` from gamma, not an argument of it; an option so that the
+    # plan's key holds it
     carry_last: bool
 
 
