@@ -365,21 +365,18 @@ def minimum(x, y):
 
 
 @triton.jit
-def max_shares(x, y):
-    """The shares of max(x, y)'s gradient that go to x and to y, torch.maximum's: half each at
-    a tie, all to both where either is NaN (the frameworks' losses are torch.maximum and
-    torch.minimum, so at a tie such as an advantage of exactly 0 their gradients are these)."""
-    tie = x == y
-    return (tl.where(tie, 0.5, tl.where(x < y, 0.0, 1.0)),
-            tl.where(tie, 0.5, tl.where(x > y, 0.0, 1.0)))
+def max_grad(x, y, dx, dy):
+    """The derivative of max(x, y) from its sides' derivatives dx and dy, torch.maximum's: the
+    larger side's, half of each at a tie, both where either side is NaN. The frameworks' losses
+    are torch.maximum and torch.minimum, so at a tie (an advantage of exactly 0) their gradients
+    are these. A side not taken adds nothing, whatever its derivative holds (a select)."""
+    return tl.where(x > y, dx, tl.where(x < y, dy, tl.where(x == y, 0.5 * (dx + dy), dx + dy)))
 
 
 @triton.jit
-def min_shares(x, y):
-    """`max_shares` of min(x, y), torch.minimum's."""
-    tie = x == y
-    return (tl.where(tie, 0.5, tl.where(x > y, 0.0, 1.0)),
-            tl.where(tie, 0.5, tl.where(x < y, 0.0, 1.0)))
+def min_grad(x, y, dx, dy):
+    """`max_grad` of min(x, y), torch.minimum's."""
+    return tl.where(x < y, dx, tl.where(x > y, dy, tl.where(x == y, 0.5 * (dx + dy), dx + dy)))
 
 
 @triton.jit

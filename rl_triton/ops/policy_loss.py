@@ -346,23 +346,19 @@ def terms(x, o, a, ld, sel, clip_low, clip_high, dual_clip, delta, ratio_clamp, 
             c = -a * rc
             l = L.maximum(u, c)
             clip = c > u
-            wu, wc = L.max_shares(u, c)
             # the clamps pass the gradient inside their bounds, the bounds included (torch's)
             du = -a
             if DELTA:
                 du = tl.where(r <= delta, du, 0.0)
-            dr = wu * du + wc * tl.where((r >= lo) & (r <= hi), -a, 0.0)
-            dl_da = -(wu * rr + wc * rc)
+            dr = L.max_grad(u, c, du, tl.where((r >= lo) & (r <= hi), -a, 0.0))
+            dl_da = L.max_grad(u, c, -rr, -rc)
             if DUAL:
                 neg = a < 0
                 bound = -a * dual_clip
-                wb, wl = L.min_shares(bound, l)
-                wb = tl.where(neg, wb, 0.0)
-                wl = tl.where(neg, wl, 1.0)
                 lower = neg & (bound < l)
+                dr = tl.where(neg, L.min_grad(bound, l, 0.0, dr), dr)
+                dl_da = tl.where(neg, L.min_grad(bound, l, -dual_clip, dl_da), dl_da)
                 l = tl.where(neg, L.minimum(bound, l), l)
-                dr = wl * dr
-                dl_da = wl * dl_da - wb * dual_clip
             dl_dd = dr * r
             if LOSS == 4:  # clip_cov: 0 at the pick
                 l = tl.where(sel, 0.0, l)

@@ -36,8 +36,8 @@ class Options(NamedTuple):
 @triton.jit
 def surrogate(x, o, a, clip_low, clip_high, dual_clip, ratio_clamp, DUAL: tl.constexpr):
     """l at each position, and what its gradient needs: the raw and clamped log-ratios, the
-    ratio and its clip, dl/dr and dl/dA (torch.maximum's and torch.minimum's shares at a tie or
-    a NaN, `_losses.max_shares`)."""
+    ratio and its clip, dl/dr and dl/dA (torch.maximum's and torch.minimum's at a tie or a NaN,
+    `_losses.max_grad`)."""
     raw = x - o
     d = L.clamp(raw, -ratio_clamp, ratio_clamp)
     r = tl.exp(d)
@@ -47,18 +47,15 @@ def surrogate(x, o, a, clip_low, clip_high, dual_clip, ratio_clamp, DUAL: tl.con
     u = -a * r
     c = -a * rc
     l = L.maximum(u, c)
-    wu, wc = L.max_shares(u, c)
     # the clamp passes the gradient inside its bounds, the bounds included (torch's)
-    dl_dr = -a * (wu + tl.where((r >= lo) & (r <= hi), wc, 0.0))
-    dl_da = -(wu * r + wc * rc)
+    dl_dr = L.max_grad(u, c, -a, tl.where((r >= lo) & (r <= hi), -a, 0.0))
+    dl_da = L.max_grad(u, c, -r, -rc)
     if DUAL:
         neg = a < 0
         bound = -a * dual_clip
-        wb, wl = L.min_shares(bound, l)
-        wl = tl.where(neg, wl, 1.0)
+        dl_dr = tl.where(neg, L.min_grad(bound, l, 0.0, dl_dr), dl_dr)
+        dl_da = tl.where(neg, L.min_grad(bound, l, -dual_clip, dl_da), dl_da)
         l = tl.where(neg, L.minimum(bound, l), l)
-        dl_dr = wl * dl_dr
-        dl_da = wl * dl_da - tl.where(neg, wb, 0.0) * dual_clip
     return l, raw, d, r, rc, dl_dr, dl_da
 
 

@@ -45,21 +45,22 @@ def error(e, delta, HUBER: tl.constexpr):
 
 @triton.jit
 def terms(v, ret, old, clip, delta, CLIPPED: tl.constexpr, HUBER: tl.constexpr):
-    """l, and what its gradient needs: f' of the unclipped and the clipped error, the shares of
-    the gradient that go to each (torch.maximum's, `_losses.max_shares`), whether V - old is
-    inside the clip."""
+    """l and its derivatives by V, by the returns (negated) and by the old values: of the larger
+    error's, as torch.maximum's (`_losses.max_grad`); the clamp passes V's gradient inside the
+    clip (a select) and old's outside it, as 1 - that (autograd's arithmetic: NaN where f' is)."""
     f, df = error(v - ret, delta, HUBER)
     l = f
-    dfc = df
-    wu = tl.full(v.shape, 1.0, tl.float32)
-    wc = tl.zeros(v.shape, tl.float32)
-    inside = tl.full(v.shape, 1, tl.int1)
+    dv = df
+    dr = df
+    do = tl.zeros(v.shape, tl.float32)
     if CLIPPED:
         fc, dfc = error(old + L.clamp(v - old, -clip, clip) - ret, delta, HUBER)
-        wu, wc = L.max_shares(f, fc)
         l = L.maximum(f, fc)
         inside = tl.abs(v - old) <= clip
-    return l, df, dfc, wu, wc, inside
+        dv = L.max_grad(f, fc, df, tl.where(inside, dfc, 0.0))
+        dr = L.max_grad(f, fc, df, dfc)
+        do = L.max_grad(f, fc, 0.0, dfc * tl.where(inside, 0.0, 1.0))
+    return l, dv, dr, do
 
 
 @triton.jit
@@ -79,7 +80,7 @@ def forward_kernel(values, returns, old, mask, scale, cu, loss, parts, ticket, i
     if CLIPPED:
         o = L.load(old, i, C, old_r, old_c, inb, FLAT)
     keep = L.selected(mask, i, C, m_r, m_c, inb, HAS_MASK, FLAT)
-    l, _, _, _, _, _ = terms(v, ret, o, clip, delta, CLIPPED, HUBER)
+    l, _, _, _ = terms(v, ret, o, clip, delta, CLIPPED, HUBER)
     if PER_POSITION:
         tl.store(loss + i, tl.where(keep, l, 0.0).to(loss.dtype.element_ty), mask=inb)
     if SEQ != 0:
@@ -108,7 +109,7 @@ def backward_kernel(values, returns, old, mask, scale, cu, g_loss, inv, d_v, d_r
     if CLIPPED:
         o = L.load(old, i, C, old_r, old_c, inb, FLAT)
     keep = L.selected(mask, i, C, m_r, m_c, inb, HAS_MASK, FLAT)
-    l, df, dfc, wu, wc, inside = terms(v, ret, o, clip, delta, CLIPPED, HUBER)
+    l, dv, dr, do = terms(v, ret, o, clip, delta, CLIPPED, HUBER)
     if PER_POSITION:
         g = L.load(g_loss, i, C, g_r, g_c, inb, FLAT)
     else:
@@ -117,18 +118,13 @@ def backward_kernel(values, returns, old, mask, scale, cu, g_loss, inv, d_v, d_r
         g = g * tl.load(inv)
     if SEQ != 0:
         g = g * L.seq_weight(scale, cu, i, C, S, inb, STEPS, SEQ)
-    # selects after the products: a masked position's NaN or inf (in f') stays out (0 * NaN);
-    # a zero share multiplies a finite f' (that error is the smaller); the clamp passes V's
-    # gradient by a select, old's as 1 - that (autograd's arithmetic: NaN where f' is)
+    # selects after the products: a masked position's NaN or inf (in f') stays out (0 * NaN)
     if D_V:
-        dv = wu * df + wc * tl.where(inside, dfc, 0.0)
         tl.store(d_v + i, tl.where(keep, g * dv, 0.0).to(d_v.dtype.element_ty), mask=inb)
     if D_RET:
-        d_r = tl.where(keep, -g * (wu * df + wc * dfc), 0.0)
-        tl.store(d_ret + i, d_r.to(d_ret.dtype.element_ty), mask=inb)
+        tl.store(d_ret + i, tl.where(keep, -g * dr, 0.0).to(d_ret.dtype.element_ty), mask=inb)
     if D_OLD:
-        d_o = tl.where(keep, g * wc * dfc * tl.where(inside, 0.0, 1.0), 0.0)
-        tl.store(d_old + i, d_o.to(d_old.dtype.element_ty), mask=inb)
+        tl.store(d_old + i, tl.where(keep, g * do, 0.0).to(d_old.dtype.element_ty), mask=inb)
 
 
 def _scalars(o: Options) -> tuple:

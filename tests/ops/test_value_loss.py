@@ -99,6 +99,8 @@ def test_nonfinite_errors_at_counted_positions(backend, device):
                                 backend=backend)
     (g,) = torch.autograd.grad(loss.sum(), v)
     assert g[:2].tolist() == [1.0, 1.0]
+    loss = rl_triton.value_loss(v[:2], ret[:2], aggregation="none", backend=backend)  # mse
+    assert torch.autograd.grad(loss.sum(), v)[0][:2].tolist() == [inf, inf]
     for kind in ("mse", "huber"):
         a = [v.detach().clone().requires_grad_(), old.detach().clone().requires_grad_()]
         b = [v.detach().double().requires_grad_(), old.detach().double().requires_grad_()]
