@@ -74,6 +74,16 @@ def test_scores_far_above_their_spread(backend, device):
                 assert rel_err(got, want) < 1e-5, (level, kw, groups)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch", "loop"])
+def test_empty_scores_keep_their_gradient(backend):
+    """No response at all: an empty result in the graph of the scores (a zero gradient)."""
+    s = torch.zeros(0, requires_grad=True)
+    for groups in (dict(group_size=4), dict(group_index=torch.zeros(0, dtype=torch.long))):
+        a = rl_triton.group_advantages(s, **groups, backend=backend)
+        assert a.shape == (0,) and a.requires_grad
+        assert torch.autograd.grad(a.sum(), s)[0].shape == (0,)
+
+
 def test_group_advantages_nan_stays_in_its_group():
     s = torch.tensor([1.0, float("nan"), 3.0, 4.0, 5.0, 7.0])
     a = rl_triton.group_advantages(s, group_size=3)

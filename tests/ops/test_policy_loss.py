@@ -883,3 +883,16 @@ def test_stopped_gradients_are_zeros_not_detached(backend):
         assert all(x.grad is not None for x in xs), t
         if t in ("gspo", "gpg", "cispo", "dppo_tv", "dppo_kl"):
             assert (xs[1].grad == 0).all(), t
+
+
+@pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
+def test_empty_inputs_keep_their_gradients(backend):
+    """No position at all: loss 0, and every input that requires grad gets a zero gradient (the
+    loop backend's loss was no function of them)."""
+    for shape in [(0,), (3, 0)]:
+        xs = [torch.zeros(shape, requires_grad=True) for _ in range(3)]
+        for t in ("vanilla", "sapo") + (("gspo",) if len(shape) == 2 else ()):
+            loss = rl_triton.policy_loss(*xs, loss_type=t, backend=backend)[0]
+            assert loss.item() == 0 and loss.requires_grad, t
+            assert all(g.shape == shape and not g.any()
+                       for g in torch.autograd.grad(loss, xs)), t
