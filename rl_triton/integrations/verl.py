@@ -229,12 +229,12 @@ def _segment_sum(x: Tensor, ids: Tensor, n: int) -> Tensor:
     return x.new_zeros((n,) + tuple(x.shape[1:])).index_add_(0, ids, x)
 
 
-def _group_std(s: Tensor, ids: Tensor, n: int) -> Tensor:
-    """Each group's unbiased standard deviation (torch.std), float64, `[G]`."""
-    s = s.double()
+def _group_stats(s: Tensor, ids: Tensor, n: int) -> tuple:
+    """Each group's size, mean and unbiased standard deviation (torch.std; NaN for a group of
+    one) of `s`, in its dtype: `[G]` each."""
     count = _segment_sum(torch.ones_like(s), ids, n)
     mean = _segment_sum(s, ids, n) / count
-    return (_segment_sum((s - mean[ids]) ** 2, ids, n) / (count - 1)).sqrt()
+    return count, mean, (_segment_sum((s - mean[ids]) ** 2, ids, n) / (count - 1)).sqrt()
 
 
 def _reverse_cumsum(x: Tensor) -> Tensor:
@@ -249,18 +249,6 @@ def _cumsum(x: Tensor) -> Tensor:
                                  backend=backend, out_dtype=x.dtype)
 
 
-def _group_mean_std32(scores: Tensor, ids: Tensor, n: int):
-    """verl's `group_mean_std(eps=0)`: each group's mean and unbiased std of the scores cast to
-    float32, summed in float32 as verl sums them; a group of one has mean 0 and std 1. `[G]`."""
-    s = scores.float()
-    count = _segment_sum(torch.ones_like(s), ids, n)
-    mean = _segment_sum(s, ids, n) / count.clamp_min(1.0)
-    c = s - mean[ids]
-    std = (_segment_sum(c * c, ids, n) / (count - 1.0).clamp_min(1.0)).clamp(min=0.0).sqrt()
-    single = count <= 1.0
-    return torch.where(single, 0.0, mean), torch.where(single, 1.0, std)
-
-
 @torch.no_grad()
 def compute_grpo_vectorized_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor,
                                               index, epsilon: float = 1e-6,
@@ -272,11 +260,13 @@ def compute_grpo_vectorized_outcome_advantage(token_level_rewards: Tensor, respo
     if scores.dtype == torch.float64:
         # verl subtracts the float32 mean from the float64 scores: the scores' digits below
         # float32 stay in the advantage, which the float32 group kernel cannot give
+        # (verl's `group_mean_std(eps=0)`: float32 sums; a group of one has mean 0, std 1)
         ids, n, _ = _index(index, scores.device)
-        mean, std = _group_mean_std32(scores, ids, n)
-        a = scores - mean[ids]
+        count, mean, std = _group_stats(scores.float(), ids, n)
+        single = count <= 1.0
+        a = scores - torch.where(single, 0.0, mean)[ids]
         if norm_adv_by_std_in_grpo:
-            a = a / (std[ids] + epsilon)
+            a = a / (torch.where(single, 1.0, std)[ids] + epsilon)
     else:
         # a float32 or narrower score minus a float32 mean is the float32 score's difference
         groups, lone = _groups(index, scores.device)
@@ -333,7 +323,7 @@ def compute_grpo_passk_outcome_advantage(token_level_rewards: Tensor, response_m
         0, ids, torch.where(winner, -torch.inf, s), "amax")
     a = torch.where(winner, best[ids] - second[ids], 0.0)
     if norm:
-        a = a / (_group_std(s, ids, n)[ids] + epsilon)
+        a = a / (_group_stats(s.double(), ids, n)[2][ids] + epsilon)
     out = _per_token(a.to(scores.dtype), token_level_rewards, response_mask)
     return out, out
 
