@@ -2,8 +2,9 @@
 # On the GPU machine, in one command: versions, the test suite with compiled kernels, then
 # (AB=1, or AB_WARM=1 then AB_TIME=1 in two calls) the A/B of every forward cell of at least 4 MB
 # against the base revision prepared in .ab/ (tools/ab_base.py; AB_BWD=1: the backward cells'
-# too, AB_ARGS: more arguments of its `time`, e.g. --rep-ms 15), (FULLCALL=1) GAE's full call at 4096x128 against the base and
-# rl-triton 0.1.3 (.ab/paper/src), and (BENCH=1) the benchmark, cut at BENCH_SECONDS. Logs and
+# too, AB_ARGS: more arguments of its `time`, e.g. --rep-ms 15), (FULLCALL=1) GAE's full call at
+# 4096x128 against the base and rl-triton 0.1.3 (.ab/paper/src), and (BENCH=1) the benchmark,
+# cut at BENCH_SECONDS. Logs and
 # reports go to $OUT when set (the device tool), else to ./gpu_out. Arguments: the test paths
 # (default: tests, the whole suite; SKIP_TESTS=1 runs none). Wheels in .whl (tools/gpu_wheels.sh
 # fetches them on a machine with an index) are installed first, into /tmp/rl_triton_site.

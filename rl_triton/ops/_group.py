@@ -2,10 +2,11 @@
 
 Each program holds a tile of whole groups, [groups, group_size] (the size padded to a power of
 two), and computes every group's sum, mean and centered sum of squares in registers (shifted by
-the group's first score), then the advantages: no index_add round trips, no host sync. Arithmetic is float32 (bfloat16 / float16
-scores are widened). `scale="batch_std"` divides by the std of all scores, one torch reduction
-before the launch, read by the kernel from the device. Launched as the scans are
-(`scan.launch.launch`: the compiled kernel after the first call).
+the group's first score), then the advantages: no index_add round trips, no host sync.
+Arithmetic is float32 (bfloat16 / float16 scores are widened). `scale="batch_std"` divides by
+the std of all scores, one torch reduction before the launch, read by the kernel from the
+device. Launched as the scans are (`scan.launch.launch`: the compiled kernel after the first
+call).
 """
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ from .._core.scan import ScanOp
 from ..reference import _prep
 from ..scan import torch_scan
 from ..scan.jit import slots, tl, triton
-from ..scan.kernel import load_at, load_step, single_store, store_at, store_out, value_before
+from ..scan.kernel import (load_at, load_step, nan_beta, single_store, store_at, store_out,
+                           value_before)
 from ..scan.launch import Kernel
 from ._common import bits, like, run_backward, scan_plan
 
@@ -39,10 +40,9 @@ ALPHA, BETA, INITIAL = slots(Inputs)
 def coef(step, after):
     alpha = load_step(step, ALPHA)
     beta = load_step(step, BETA)
-    # A[t] is NaN where beta[t] is: as alpha NaN with beta 0, so that no beta is NaN (the
-    # scan's combine relies on it) and a cut before that step still holds
-    nan = beta != beta
-    return tl.where(nan, float("nan"), alpha), tl.where(nan, 0.0, beta), 0.0
+    # A[t] is NaN where beta[t] is, and a cut before that step still holds
+    alpha, beta = nan_beta(alpha, beta)
+    return alpha, beta, 0.0
 
 
 REVERSE = Kernel(coef, single_store, reverse=True)

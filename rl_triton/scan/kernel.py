@@ -73,13 +73,20 @@ def combine_with_exclusive(a1, b1, ea1, eb1, a2, b2, ea2, eb2):
 
 
 @triton.jit
+def nan_beta(alpha, beta):
+    """A step's map whose beta may be NaN: there alpha NaN and beta 0, as A[t] = alpha + beta *
+    A[t+1] is NaN, so that no beta is NaN (a NaN beta stands for 0 in a composed map,
+    `combine`)."""
+    nan = beta != beta
+    return tl.where(nan, float("nan"), alpha), tl.where(nan, 0.0, beta)
+
+
+@triton.jit
 def cut_coefficient(alpha, c, cut):
     """A step's map with beta = c where the trace goes on and 0 at a cut (a select), for a
-    coefficient c that may be NaN (0 * inf in its product, a NaN ratio or discount): there
-    alpha becomes NaN and beta 0, as A[t] = alpha + c * A[t+1] is NaN, so that no beta is NaN
-    (a NaN beta stands for 0 in a composed map, `combine`)."""
-    nan = (c != c) & ~cut
-    return tl.where(nan, float("nan"), alpha), tl.where(cut | nan, 0.0, c)
+    coefficient c that may be NaN (0 * inf in its product, a NaN ratio or discount):
+    `nan_beta` of it."""
+    return nan_beta(alpha, tl.where(cut, 0.0, c))
 
 
 @triton.jit
@@ -573,13 +580,11 @@ def tile_coefficients(rows, OPTS: tl.constexpr, chunk, n_chunks, COEF: tl.conste
 @triton.jit
 def row_discount_nan(OPTS: tl.constexpr, alpha, beta):
     """With per-row discounts (OPTS[7], ROW_PARAMS > 0: tensors, not range-checked) a builder's
-    beta may be NaN (a NaN gamma, inf * 0): as `cut_coefficient`, alpha NaN and beta 0 there
+    beta may be NaN (a NaN gamma, inf * 0): `nan_beta`, alpha NaN and beta 0 there
     (the builders give 0 at a cut, never NaN). Nothing without them: number discounts are
     checked, and the builders' own NaN coefficients go through `cut_coefficient`."""
     if OPTS[7] > 0:
-        nan = beta != beta
-        alpha = tl.where(nan, float("nan"), alpha)
-        beta = tl.where(nan, 0.0, beta)
+        alpha, beta = nan_beta(alpha, beta)
     return alpha, beta
 
 
