@@ -150,6 +150,13 @@ def _groups(index, device):
     return dict(group_index=ids), counts[ids] == 1
 
 
+def _over_std_one(a: Tensor, epsilon: float) -> Tensor:
+    """`a / (std + epsilon)` at verl's std 1 of a group of one, rounded as verl's: a division
+    by a tensor (on CUDA, a division by a Python number is a product with its reciprocal,
+    an ulp away, which whitening a near-constant batch, as GDPO does, makes visible)."""
+    return a / (torch.ones((), dtype=torch.float32, device=a.device) + epsilon)
+
+
 def _per_token(a: Tensor, token_level_rewards: Tensor, response_mask: Tensor) -> Tensor:
     """verl's `scores.unsqueeze(-1) * response_mask`, in its dtype."""
     dtype = torch.result_type(token_level_rewards, response_mask)
@@ -167,7 +174,7 @@ def compute_grpo_outcome_advantage(token_level_rewards: Tensor, response_mask: T
     scale = "std" if norm_adv_by_std_in_grpo else "none"
     a = rl_triton.group_advantages(scores, **groups, scale=scale, eps=epsilon, backend=backend)
     if norm_adv_by_std_in_grpo and lone is not None:
-        a = torch.where(lone, a / (1.0 + epsilon), a)
+        a = torch.where(lone, _over_std_one(a, epsilon), a)
     out = _per_token(a, token_level_rewards, response_mask)
     return out, out
 
@@ -274,7 +281,7 @@ def compute_grpo_vectorized_outcome_advantage(token_level_rewards: Tensor, respo
                                        scale="std" if norm_adv_by_std_in_grpo else "none",
                                        eps=epsilon, backend=backend)
         if norm_adv_by_std_in_grpo and lone is not None:
-            a = torch.where(lone, a / (1.0 + epsilon), a)  # verl's group of one: std 1
+            a = torch.where(lone, _over_std_one(a, epsilon), a)  # verl's group of one: std 1
     out = a.unsqueeze(-1) * response_mask
     return out, out
 

@@ -75,10 +75,12 @@ def test_scores_far_above_their_spread(backend, device):
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch", "loop"])
-def test_empty_scores_keep_their_gradient(backend):
+def test_empty_scores_keep_their_gradient(backend, device):
     """No response at all: an empty result in the graph of the scores (a zero gradient)."""
-    s = torch.zeros(0, requires_grad=True)
-    for groups in (dict(group_size=4), dict(group_index=torch.zeros(0, dtype=torch.long))):
+    dev = device if backend == "triton" else "cpu"
+    s = torch.zeros(0, requires_grad=True, device=dev)
+    for groups in (dict(group_size=4),
+                   dict(group_index=torch.zeros(0, dtype=torch.long, device=dev))):
         a = rl_triton.group_advantages(s, **groups, backend=backend)
         assert a.shape == (0,) and a.requires_grad
         assert torch.autograd.grad(a.sum(), s)[0].shape == (0,)
@@ -217,7 +219,7 @@ def test_group_advantages_gradcheck():
 
 
 def rel_err(got, want):
-    return ((got.double() - want).norm() / want.norm()).item()
+    return ((got.double().to(want.device) - want).norm() / want.norm()).item()
 
 
 @pytest.mark.parametrize("B,n", [(65536, 8), (65536 * 3, 3), (1024 * 1024, 1024), (5, 1)])

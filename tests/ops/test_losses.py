@@ -8,6 +8,7 @@ import torch
 import rl_triton
 from cases import rel_err
 from conftest import DEVICE
+from op_checks.bounds import bounds_checked
 from loss_cases import (AGGREGATIONS, BACKENDS, CU, SEQ_MODES, assert_close, both_ways,
                         check_against_spec, cleanrl_ppo, grads_of, leaves, ppo_case, randn,
                         random_mask, sac_case, spec_crr, spec_kl, spec_ppo, spec_sac, spec_value)
@@ -462,10 +463,15 @@ def test_loss_offsets_checked_on_every_call(backend):
                 call()
         with pytest.raises(ValueError, match="cu_seqlens"):
             call(check_offsets=False)
-        with pytest.MonkeyPatch.context() as mp:  # unread, as a GPU's: inside the tensors
+        with pytest.MonkeyPatch.context() as mp, bounds_checked():  # unread, as a GPU's
             mp.setattr(rl_triton.ops._losses, "check_offsets",
-                       lambda cu, L, device, data=True: cu)
+                       lambda cu, L, device, data=True: cu.to(device))
             assert call(check_offsets=False).isfinite()
+            for bad in ([3, 1, 2], [0, -4, 7], [0, 99, 200], [0, 10**12, 7]) * (backend == "triton"):
+                kept = cu.clone()
+                cu.numpy()[:] = bad[0], bad[1], bad[-1]
+                call(check_offsets=False)  # inside the tensors, whatever the values
+                cu.numpy()[:] = kept.numpy()
         cu.numpy()[1] = 3
         torch.testing.assert_close(call(check_offsets=False), want)
         with pytest.raises(TypeError, match="check_offsets must be a bool"):

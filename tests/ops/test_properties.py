@@ -6,6 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rl_triton.scan import tiles
+from conftest import DEVICE
 from cases import ESTIMATORS, FLAG_DTYPES, assert_close, make_case
 from op_checks.gradients import (assert_grads_close, call, differentiable, grads, reference_grads,
                                  weights_like)
@@ -101,7 +102,9 @@ def spoiled_after_a_cut(name, value, where, backend):
     termination at T-1 and `value` in the bootstrap (last_value, last_q_values), which it drops.
     The loss weighs the outputs of the other episode only."""
     T, k = 6, 2
-    case, leaves = differentiable(name, T, (3,), dtype=torch.float32, per_row=True, trunc=False)
+    device = DEVICE if backend == "triton" else "cpu"
+    case, leaves = differentiable(name, T, (3,), dtype=torch.float32, per_row=True, trunc=False,
+                                  device=device)
     forward = "dones" in case.steps
     flag = "dones" if forward else "terminated"
     spot = T - 1 if where == "bootstrap" else k
@@ -114,14 +117,14 @@ def spoiled_after_a_cut(name, value, where, backend):
         else:
             leaves["x" if forward else "rewards"][k if forward else k + 1] = value
     out = call(case, leaves, list(leaves.values()), "time-major", backend=backend)
-    steps = torch.arange(T)[:, None]
+    steps = torch.arange(T, device=device)[:, None]
     keep = (steps > k) if forward else (steps <= k)
     if where == "bootstrap":
         keep = torch.ones_like(keep)
     loss = sum((torch.where(keep.reshape(keep.shape + (1,) * (o.ndim - 2)), o, 0.0)).sum()
                for o in out)
     d = torch.autograd.grad(loss, [leaves[n] for n in ("gamma", "lam") if n in leaves])
-    return torch.cat(d)
+    return torch.cat(d).cpu()
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")

@@ -15,6 +15,7 @@ from rl_triton._core import plans as _plans
 from rl_triton.scan import tiles
 from cases import BACKENDS, ESTIMATORS, FLAGGED, assert_close, make_case, rel_err, subprocess_env
 from conftest import DEVICE
+from op_checks.bounds import bounds_checked
 from op_checks.large import float64_vectorized
 from op_checks.large_masks import packed_against_float64, random_lengths
 from op_checks.masks import packed_call
@@ -86,9 +87,9 @@ def test_check_offsets_false_reads_nothing(backend, monkeypatch):
         with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
             packed_call("gae", [3, 4], True, torch.tensor(bad), backend, check_offsets=False)
     def unread(cu, L, device, data=True, dtypes=(torch.int64,)):  # a GPU's, unchecked
-        return cu if cu.dtype in dtypes else cu.long()
+        return cu.to(device, cu.dtype if cu.dtype in dtypes else torch.int64)
 
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, bounds_checked():
         mp.setattr(rl_triton._core.scan, "check_offsets", unread)
         for bad in bads:
             for name in FLAGGED:
@@ -105,6 +106,29 @@ def test_check_offsets_false_reads_nothing(backend, monkeypatch):
     with pytest.raises(ValueError, match="no segment"):
         packed_call("gae", [3, 4], True, torch.tensor([0]), backend, check_offsets=False)
 
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's check (a GPU faults instead)")
+def test_bounds_checked_sees_reads_and_writes_past_a_tensor():
+    """`bounds_checked`, which the offsets tests lean on, refuses a load and a store outside the
+    launch's tensors (in Triton's interpreter, which reads and writes them silently)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy(x, y, n, m):
+        i = tl.arange(0, 8)
+        tl.store(y + i, tl.load(x + i, mask=i < n, other=0.0), mask=i < m)
+
+    x, y = torch.ones(4), torch.zeros(8)
+    with bounds_checked():
+        copy[(1,)](x, y, 4, 8)
+        with pytest.raises(Exception, match="copy: create_masked_load of 1 element"):
+            copy[(1,)](x, y, 5, 8)
+        with pytest.raises(Exception, match="copy: create_masked_store of 2 element"):
+            copy[(1,)](x, torch.zeros(4), 4, 6)
+    copy[(1,)](x, y, 4, 8)  # outside, nothing is watched
+    assert y.tolist() == [1.0] * 4 + [0.0] * 4
 
 LOOK_BACK = r'''
 import os, struct, sys
