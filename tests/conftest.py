@@ -22,7 +22,23 @@ def device():
     return DEVICE
 
 
+# CUDA errors after which the process's context is lost: every later CUDA call of the worker
+# fails too, so the worker leaves and pytest-xdist starts a fresh one (the test is reported as
+# the crash it is, not hidden among hundreds of failures it did not cause)
+STICKY_CUDA_ERRORS = ("illegal memory access", "misaligned address", "unspecified launch failure",
+                      "illegal instruction")
+
 if torch.cuda.is_available():
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(item, call):
+        yield
+        if call.excinfo is not None and any(e in str(call.excinfo.value)
+                                            for e in STICKY_CUDA_ERRORS):
+            import sys
+            print(f"\n{item.nodeid}: {call.excinfo.value}\nthe CUDA context is lost; this "
+                  "worker stops", file=sys.stderr, flush=True)
+            os._exit(3)
+
     @pytest.fixture(autouse=True)
     def _return_cached_gpu_memory():
         """The workers share one GPU: a large test's cached blocks go back to the driver after
