@@ -4,10 +4,10 @@
 # against the base revision prepared in .ab/ (tools/ab_base.py; AB_BWD=1: the backward cells'
 # too, AB_ARGS: more arguments of its `time`, e.g. --rep-ms 15), (FULLCALL=1) GAE's full call at
 # 4096x128 against the base and rl-triton 0.1.3 (.ab/paper/src), and (BENCH=1) the benchmark,
-# cut at BENCH_SECONDS. Logs and
-# reports go to $OUT when set (the device tool), else to ./gpu_out. Arguments: the test paths
-# (default: tests, the whole suite; SKIP_TESTS=1 runs none). Wheels in .whl (tools/gpu_wheels.sh
-# fetches them on a machine with an index) are installed first, into /tmp/rl_triton_site.
+# cut at BENCH_SECONDS. Logs and reports go to $OUT when set (the device tool), else to
+# ./gpu_out. Arguments: the test paths (default: tests, the whole suite; SKIP_TESTS=1 runs none).
+# Wheels in .whl (tools/gpu_wheels.sh fetches them on a machine with an index) are installed
+# first, into /tmp/rl_triton_site.
 set -uo pipefail
 out=${OUT:-gpu_out}; mkdir -p "$out"
 if compgen -G ".whl/*.whl" > /dev/null; then

@@ -874,7 +874,7 @@ def test_stopped_gradients_are_zeros_not_detached(backend):
     old log-probabilities) still give every input that requires grad one, 0 there, on every
     backend: never a silent detach."""
     g = torch.Generator().manual_seed(0)
-    dev = DEVICE if backend == "triton" else "cpu"
+    dev = device_of(backend)
     lp = 0.3 * torch.randn(3, 7, generator=g)
     old, adv = lp + 0.2 * torch.randn(3, 7, generator=g), torch.randn(3, 7, generator=g)
     lp, old, adv = lp.to(dev), old.to(dev), adv.to(dev)
@@ -891,7 +891,7 @@ def test_stopped_gradients_are_zeros_not_detached(backend):
 def test_empty_inputs_keep_their_gradients(backend):
     """No position at all: loss 0, and every input that requires grad gets a zero gradient (the
     loop backend's loss was no function of them)."""
-    dev = DEVICE if backend == "triton" else "cpu"
+    dev = device_of(backend)
     for shape in [(0,), (3, 0)]:
         xs = [torch.zeros(shape, requires_grad=True, device=dev) for _ in range(3)]
         for t in ("vanilla", "sapo") + (("gspo",) if len(shape) == 2 else ()):

@@ -107,7 +107,6 @@ def test_check_offsets_false_reads_nothing(backend, monkeypatch):
         packed_call("gae", [3, 4], True, torch.tensor([0]), backend, check_offsets=False)
 
 
-
 @pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's check (a GPU faults instead)")
 def test_bounds_checked_sees_reads_and_writes_past_a_tensor():
     """`bounds_checked`, which the offsets tests lean on, refuses a load and a store outside the
@@ -129,6 +128,7 @@ def test_bounds_checked_sees_reads_and_writes_past_a_tensor():
             copy[(1,)](x, torch.zeros(4), 4, 6)
     copy[(1,)](x, y, 4, 8)  # outside, nothing is watched
     assert y.tolist() == [1.0] * 4 + [0.0] * 4
+
 
 LOOK_BACK = r'''
 import os, struct, sys
