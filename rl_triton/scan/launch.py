@@ -341,7 +341,8 @@ def launch(fn, grid: int, args: tuple, device: torch.device, memo: Optional[dict
     what Triton specializes on (`_spec`). `memo`: a dict of the caller's plan whose signature
     fixes every specialization of this launch site (dtypes, alignment, integers, meta): the
     compiled kernel is kept there under `fn`, and the key is not formed again."""
-    if device.type != "cuda" or not HAS_TRITON:  # Triton's interpreter
+    if device.type != "cuda" or not HAS_TRITON or torch.compiler.is_compiling():
+        # Triton's interpreter; or traced by torch.compile, whose launch returns no kernel
         fn[(grid,)](*args, **meta)
         return
     hit = None if memo is None else memo.get(fn)
@@ -352,6 +353,8 @@ def launch(fn, grid: int, args: tuple, device: torch.device, memo: Optional[dict
             on = device.index != _current_device()  # Triton launches on the current device
             with torch.cuda.device(device) if on else contextlib.nullcontext():
                 compiled = fn[(grid,)](*args, **meta)
+            if not hasattr(compiled, "packed_metadata"):  # no compiled kernel to replay
+                return
             if len(_COMPILED) >= _MAX_COMPILED:
                 _COMPILED.clear()
             # the tensors' positions, fixed by the key (a tensor's spec is not a number's)

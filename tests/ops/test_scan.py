@@ -271,3 +271,30 @@ def test_packed_in_place_bf16_features_and_walk():
                                                         True, features=(16,)))
     with tiles.override(walk=True):
         assert all(e < 1e-5 for e in packed_against_float64("episodic_cumsum", lengths, True))
+
+
+@pytest.mark.parametrize("compiling", [False, True])
+def test_launch_caches_only_a_compiled_kernel(monkeypatch, compiling):
+    """`launch` keeps (and later replays) a launch's result only where it is a compiled kernel:
+    a launch traced by torch.compile (dynamo) returns None, which replayed was
+    `'NoneType' object has no attribute 'run'` (Retrace's action check on CUDA under the
+    trainer's `compile` backend, then every later launch of that specialization). While
+    compiling, the launch is Triton's own, uncached. The CUDA path with a stand-in kernel."""
+    from rl_triton.scan import launch as L
+
+    calls = []
+
+    class Kernel:  # `fn[(grid,)](*args, **meta)`: what torch.compile's trace returns
+        arg_names = ["x", "n", "BLOCK"]
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: calls.append(grid)
+
+    monkeypatch.setattr(L, "HAS_TRITON", True)
+    monkeypatch.setattr(L, "_current_device", lambda: 0)
+    monkeypatch.setattr(L, "_COMPILED", {})
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+    x = torch.zeros(4)
+    for _ in range(2):
+        L.launch(Kernel(), 1, (x, 4), torch.device("cuda", 0), BLOCK=4)
+    assert calls == [(1,), (1,)] and not L._COMPILED
