@@ -97,8 +97,8 @@ def _label(c):
 
 def _fns(c, device):
     """(new, base, check): the cell's call with this checkout's package and the base's (`--bwd`:
-    their backward passes, on graphs built here), and `check()`, which exits unless both
-    results (gradients) match float64."""
+    their backward passes, on graphs built here), and `check()`, which names the sides whose
+    results (gradients) do not match float64 (a cell with one is reported, not timed)."""
     import rl_triton_base
     from rl_triton.bench import calls, checks, registry
     rl_triton = __import__(NEW)
@@ -116,9 +116,14 @@ def _fns(c, device):
         new = calls.backward_fn(fn_new(**kw), leaves)
         base = calls.backward_fn(fn_base(**kw), leaves)
 
-        def check():  # exits on a wrong gradient
-            for fn in (fn_new, fn_base):
-                checks.check_gradients(fn, kw, leaves, name, _label(c))
+        def check():  # the sides whose gradients are wrong, and how (none: time the cell)
+            wrong = []
+            for side, fn in (("new", fn_new), ("base", fn_base)):
+                try:
+                    checks.check_gradients(fn, kw, leaves, name, _label(c))
+                except SystemExit as e:
+                    wrong.append(f"{side}: {e}")
+            return wrong
     else:
         new = functools.partial(fn_new, **kw)
         base = functools.partial(fn_base, **kw)
@@ -126,8 +131,8 @@ def _fns(c, device):
         def check():
             refs = checks.float64_result(name, kw)
             errs = [checks.rel_err(f(), refs, kw["time_dim"]) for f in (new, base)]
-            if not max(errs) < 1e-5:
-                sys.exit(f"{_label(c)}: relative errors {errs}; not timing a wrong result")
+            return [f"{side}: relative error {e:.3g} >= 1e-5"
+                    for side, e in zip(("new", "base"), errs) if not e < 1e-5]
     return new, base, check
 
 
@@ -147,7 +152,12 @@ def time_cells(min_mb: float, rounds: int, rep_ms: float, out: str) -> None:
     rows = []
     for c in cells(min_mb):
         new, base, check = _fns(c, "cuda")
-        check()
+        wrong = check()
+        if wrong:  # reported and not timed; the other cells go on
+            rows.append(dict(cell=_label(c), mb=c[-1] / 1e6, wrong=wrong))
+            print(f"{_label(c)}: not timed, a wrong result: {'; '.join(wrong)}", flush=True)
+            del new, base, check
+            continue
         hold = timing._HOLD_CYCLES_GRAD if BWD else timing._HOLD_CYCLES
         t_new, t_base = [], []
         for _ in range(rounds):
@@ -161,9 +171,11 @@ def time_cells(min_mb: float, rounds: int, rep_ms: float, out: str) -> None:
               f"{row['base_us']:.2f} us ratio {row['ratio']:.3f}", flush=True)
         del new, base, check
         torch.cuda.empty_cache()
-    ratios = [r["ratio"] for r in rows]
-    summary = dict(cells=len(rows), median=statistics.median(ratios), worst=max(ratios),
-                   best=min(ratios), over_1_05=sum(r > 1.05 for r in ratios),
+    ratios = [r["ratio"] for r in rows if "ratio" in r]
+    ratios = ratios or [float("nan")]  # (no cell timed)
+    summary = dict(cells=len(rows), wrong=sum("wrong" in r for r in rows),
+                   median=statistics.median(ratios), worst=max(ratios), best=min(ratios),
+                   over_1_05=sum(r > 1.05 for r in ratios),
                    over_1_10=sum(r > 1.10 for r in ratios),
                    base=(BASE_DIR / "REVISION").read_text().strip(),
                    torch=torch.__version__, gpu=torch.cuda.get_device_name())
