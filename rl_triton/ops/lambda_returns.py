@@ -44,10 +44,11 @@ def coef(step, after):
     r = load_step(step, R)
     term, cut = cut_flags(step, TERM, TRUNC)
     v_succ, _ = successor(step, V, NEXT_V, LAST_V, None, True, False, None)
-    keep = tl.where(cut, 0.0, lam)
-    alpha = r + tl.where(term, 0.0, gamma * (1.0 - keep) * v_succ)
-    # 0 at a cut (terminations included): a select, not gamma * keep (NaN for a NaN gamma)
+    # 0 at a cut (terminations included): a select, not gamma * keep (NaN for a NaN gamma);
+    # gamma (1 - keep) as gamma - beta, one select on cut (two cost 28 registers and five
+    # rounds of loads at 4096x128: docs/dev/ab-history.md)
     beta = tl.where(cut, 0.0, gamma * lam)
+    alpha = r + tl.where(term, 0.0, (gamma - beta) * v_succ)
     return alpha, beta, 0.0
 
 

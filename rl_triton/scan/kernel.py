@@ -84,9 +84,11 @@ def nan_beta(alpha, beta):
 @triton.jit
 def cut_coefficient(alpha, c, cut):
     """A step's map with beta = c where the trace goes on and 0 at a cut (a select), for a
-    coefficient c that may be NaN (0 * inf in its product, a NaN ratio or discount):
-    `nan_beta` of it."""
-    return nan_beta(alpha, tl.where(cut, 0.0, c))
+    coefficient c that may be NaN (0 * inf in its product, a NaN ratio or discount): there
+    `nan_beta`'s alpha NaN and beta 0, written on c and cut (`nan_beta` of the select made
+    ptxas issue V-trace's loads in two rounds instead of one: docs/dev/ab-history.md)."""
+    bad = (c != c) & ~cut
+    return tl.where(bad, float("nan"), alpha), tl.where(cut | bad, 0.0, c)
 
 
 @triton.jit
