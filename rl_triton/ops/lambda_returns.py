@@ -45,7 +45,7 @@ def coef(step, after):
     term, cut = cut_flags(step, TERM, TRUNC)
     v_succ, _ = successor(step, V, NEXT_V, LAST_V, None, True, False, None)
     # 0 at a cut (terminations included): a select, not gamma * keep (NaN for a NaN gamma);
-    # gamma (1 - keep) as gamma - beta, one select on cut (two cost 28 registers and five
+    # gamma (1 - keep) as gamma - beta, one select on cut (two cost 28 registers and 5 more
     # rounds of loads at 4096x128: docs/dev/ab-history.md)
     beta = tl.where(cut, 0.0, gamma * lam)
     alpha = r + tl.where(term, 0.0, (gamma - beta) * v_succ)
