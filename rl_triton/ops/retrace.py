@@ -324,7 +324,9 @@ def grad_coef(step, after):
     pi_a = tl.trans(load_value(step.ins[G_PI], tl.trans(slot_offsets(step, G_PI, t))
                                + a_tr * step.sa[G_PI], mask_tr))
     mu = tl.where(mask, load_step(step, G_MU), 1.0)
-    ratio = pi_a / mu
+    # correctly rounded, so that pi = mu is exactly 1, a tie at the clip (the gradient passes,
+    # semantics §6); a GPU's default division is approximate (2 ulp) and can land above it
+    ratio = tl.math.div_rn(pi_a, mu)
     c = lam * clip(ratio, c_clip)
     stop_b = cut_b | first
     beta = tl.where(stop_b | (c != c), 0.0, gamma * c)
