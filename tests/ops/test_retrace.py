@@ -4,6 +4,7 @@ backward), NaN probabilities, and masked and packed calls on its kernel. The che
 shares (tests/ops/op_checks: every backend, layout and dtype against the float64 reference,
 gradcheck and the Triton backward, masks, packed rows, non-finite inputs, large shapes) run here for
 it too."""
+import dataclasses
 import math
 
 import pytest
@@ -111,20 +112,21 @@ def test_gradient_passes_at_the_clip_tie(backend, device, dtype):
     exactly, so on the CPU this holds either way."""
     T, N = (1024, 256) if device == "cuda" else (37, 50)  # many ties where it matters
     c = make_case("retrace", T, (N,), device=device, seed=11, dtype=dtype)
-    kw = dict(c.steps, **{k: v for k, v in c.extra.items() if k != "return_advantages"})
-    kw["behavior_probs"] = kw["target_probs"].gather(-1, kw["actions"][..., None])[..., 0]
-    w = torch.randn(kw["rewards"].shape, generator=torch.Generator().manual_seed(2)).to(device)
+    c.steps["behavior_probs"] = c.steps["target_probs"].gather(
+        -1, c.steps["actions"][..., None])[..., 0].requires_grad_()
+    out = c.fn(**c.steps, **c.extra, backend=backend)
+    weights = weights_like(out)
+    got = grads(out, weights, {"mu": c.steps["behavior_probs"]})["mu"]
 
-    def d_mu(kw, **opts):
-        mu = kw["behavior_probs"].detach().requires_grad_()
-        out = rl_triton.retrace(**dict(kw, behavior_probs=mu), **opts)
-        return torch.autograd.grad((out * w.to(out.dtype)).sum(), mu)[0]
+    def f64(d):  # the same values in float64, for the reference
+        return {k: v.detach().double() if torch.is_tensor(v) and v.is_floating_point() else v
+                for k, v in d.items()}
 
-    got = d_mu(kw, backend=backend).double()
-    want = d_mu({k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
-                 for k, v in kw.items()}, backend="torch", out_dtype=torch.float64)
+    ref = dataclasses.replace(c, steps=f64(c.steps), extra=f64(c.extra))
+    want = reference_grads(ref, {"mu": ref.steps["behavior_probs"].requires_grad_()},
+                           weights)["mu"]
     assert (want != 0).double().mean() > 0.5  # the ties carry a gradient
-    torch.testing.assert_close(got, want, rtol=1e-2 if dtype is torch.bfloat16 else 1e-4,
+    torch.testing.assert_close(got.double(), want, rtol=1e-2 if dtype is torch.bfloat16 else 1e-4,
                                atol=1e-3)
 
 
