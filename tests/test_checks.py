@@ -55,6 +55,51 @@ def test_negated_view_is_read_as_its_values(backend):
         torch.testing.assert_close(g, w)
 
 
+def _one_input_calls(backend):
+    """(name, x, f): the ops of semantics §8 to 11 as functions of one floating input."""
+    g = torch.Generator().manual_seed(1)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(DEVICE)
+
+    lp, old, adv, ids = rnd(4, 6), rnd(4, 6), rnd(4, 6), torch.tensor([2, 0, 2, 1, 0, 0])
+    term = torch.tensor([True, False, False, True, False, False], device=DEVICE)
+    yield "group_advantages", rnd(6), lambda s: rl_triton.group_advantages(
+        s, group_size=3, backend=backend)
+    yield "group_advantages(group_index)", rnd(6), lambda s: rl_triton.group_advantages(
+        s, ids.to(DEVICE), scale="batch_std", backend=backend)
+    yield "masked_whiten", lp, lambda x: rl_triton.masked_whiten(x, backend=backend)
+    yield "ppo_policy_loss", lp, lambda x: rl_triton.ppo_policy_loss(x, old, adv,
+                                                                     backend=backend)
+    yield "policy_loss", adv, lambda a: rl_triton.policy_loss(lp, old, a, loss_type="gspo",
+                                                              backend=backend)[0]
+    yield "value_loss", old, lambda r: rl_triton.value_loss(lp, r, adv, clip=0.2,
+                                                            backend=backend)
+    yield "kl_penalty", lp, lambda x: rl_triton.kl_penalty(x, old, backend=backend)
+    yield "rollout_correction", old, lambda x: rl_triton.rollout_correction(
+        lp, x, backend=backend)[0]
+    yield "sac_targets", rnd(6, 2), lambda q: rl_triton.sac_targets(
+        adv[0], term, q, lp[0], backend=backend)
+    yield "crr_weights", rnd(6, 3), lambda q: rl_triton.crr_weights(adv[0], q,
+                                                                    backend=backend)
+    if backend != "loop":  # (the fused head has the torch and triton backends)
+        labels, weight = torch.tensor([1, 6, 0, 3], device=DEVICE), rnd(7, 5)
+        yield "token_log_probs", rnd(4, 5), lambda h: rl_triton.token_log_probs(
+            h, weight, labels, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_op_reads_a_negated_view_as_its_values(backend):
+    """As `test_negated_view_is_read_as_its_values`, for every op that is not a scan, before
+    and after calls with its plain twin validated the signature."""
+    for name, x, f in _one_input_calls(backend):
+        want = f(x)
+        neg = torch._neg_view(-x)
+        for _ in range(2):
+            torch.testing.assert_close(f(neg), want, msg=name)
+            f(-x)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("value", [-1, 5, 1000, -(2**40)])
 def test_retrace_actions_out_of_range(backend, value):

@@ -20,7 +20,7 @@ from .. import reference
 from typing import NamedTuple, Optional
 
 from .._args import FLAG_DTYPES, _flag_grad_error, check_backend, check_out_dtype
-from .._core.op import Op, Plan
+from .._core.op import Op, Plan, first_order
 from .._core.plans import backend_for
 from . import _group, _whiten
 
@@ -56,6 +56,8 @@ def _values(name, x):
     x = _tensor(name, x)
     if not x.is_floating_point():
         raise TypeError(f"{name} has dtype {x.dtype}; expected a floating dtype")
+    if not torch.compiler.is_compiling() and x.is_neg():  # (traced tensors are no views)
+        x = x.resolve_neg()  # a kernel reads a negated view's bits, not its values
     return x
 
 
@@ -181,7 +183,7 @@ def _group_run(x: GroupInputs, plan: Plan) -> Tensor:
             a = _group_advantages_torch(s.to(_float(s)), ids, n_groups, **args)
     if x.mask is not None:  # a select: a NaN or inf advantage stays out of masked-out tokens
         a = torch.where(x.mask != 0, a[:, None], 0.0)
-    return a if a.dtype is o.out_dtype else a.to(o.out_dtype)
+    return _first_order(a if a.dtype is o.out_dtype else a.to(o.out_dtype), plan)
 
 
 GROUP = Op("group_advantages", "outcome", GroupInputs, GroupOptions, tensors=GroupTensors,
@@ -327,7 +329,7 @@ def _whiten_run(x: WhitenInputs, plan: Plan) -> Tensor:
             raise ValueError("backend='loop' whitens one process's data; pass group=None")
         out = reference.masked_whiten(x, m, shift_mean=shift_mean, eps=eps,
                                       std_correction=correction, dtype=dtype)
-        return out.to(out_dtype)
+        return _first_order(out.to(out_dtype), plan)
     # from xs, not x: a NaN at a masked position would reach the gradients through d out / d var
     xs = torch.where(m, x.to(dtype), 0.0)
     # float64 statistics, centered on this process's mean first (as the Triton path's): a
@@ -353,7 +355,15 @@ def _whiten_run(x: WhitenInputs, plan: Plan) -> Tensor:
     out = _centered(xs, mean) * torch.rsqrt(var + eps).to(dtype)
     if not shift_mean:
         out = out + mean.to(dtype)
-    return torch.where(m, out, 0.0).to(out_dtype)
+    return _first_order(torch.where(m, out, 0.0).to(out_dtype), plan)
+
+
+def _first_order(out: Tensor, plan: Plan) -> Tensor:
+    """The torch and loop backends' output, refusing second-order gradients as every op does."""
+    outs = [out]
+    if plan.needs_grad:
+        first_order(outs)
+    return outs[0]
 
 
 

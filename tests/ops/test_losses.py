@@ -143,6 +143,57 @@ def test_every_input_gets_its_gradient_and_none_is_written(backend, device):
         rl_triton.ppo_policy_loss(lp, old, adv, mask.float().requires_grad_(), backend=backend)
 
 
+def _differentiable_calls(backend, device):
+    """(name, leaves, outputs) of every op of semantics §8 to 11 with a gradient."""
+    lp, old, adv = leaves(*ppo_case((4, 9), dtype=torch.float32, device=device))
+    mask = random_mask((4, 9), 2, device)
+    yield "ppo_policy_loss", [lp, old, adv], rl_triton.ppo_policy_loss(
+        lp, old, adv, mask, backend=backend)
+    yield "policy_loss", [lp, old, adv], rl_triton.policy_loss(
+        lp, old, adv, mask, backend=backend)[:1]
+    yield "value_loss", [lp, old, adv], rl_triton.value_loss(lp, old, adv, mask, clip=0.1,
+                                                             backend=backend)
+    yield "kl_penalty", [lp, old], rl_triton.kl_penalty(lp, old, backend=backend)
+    case = sac_case(9, 2, 3, device=device)
+    floats = {k: leaves(t)[0] for k, t in case.items() if t.is_floating_point()}
+    yield "sac_targets", list(floats.values()), rl_triton.sac_targets(**dict(case, **floats),
+                                                                      backend=backend)
+    yield "masked_whiten", [lp], rl_triton.masked_whiten(lp, mask, backend=backend)
+    s = leaves(randn((6,), 3, device=device))[0]
+    yield "group_advantages", [s], rl_triton.group_advantages(s, group_size=3, backend=backend)
+    if backend != "loop":  # (the fused head has the torch and triton backends)
+        h, w = leaves(randn((7, 8), 4, device=device), randn((11, 8), 5, device=device))
+        labels = torch.randint(0, 11, (7,), generator=torch.Generator().manual_seed(0))
+        yield "token_log_probs", [h, w], rl_triton.token_log_probs(
+            h, w, labels.to(device), return_entropy=True, backend=backend)
+        yield "linear_policy_loss", [h, w], rl_triton.linear_policy_loss(
+            h, w, labels.to(device), lp[0, :7].detach(), adv[0, :7].detach(),
+            entropy_coef=0.1, backend=backend)[:1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_undefined_output_gradients(backend, device):
+    """Outputs whose gradients are undefined (autograd's None, as gradcheck's
+    check_undefined_grad passes) count as zeros: no input gets a nonzero gradient, and no
+    backward fails or reads another tensor in the gradient's place."""
+    undefined = torch._C._functions.UndefinedGrad()
+    for name, xs, out in _differentiable_calls(backend, device):
+        out = [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
+        got = torch.autograd.grad([undefined(o) for o in out], xs,
+                                  [torch.ones_like(o) for o in out], allow_unused=True)
+        assert all(g is None or not g.any() for g in got), name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_second_order_refused_everywhere(backend, device):
+    """Second-order gradients raise on every backend (the torch and loop backends'
+    autograd through torch ops included)."""
+    for name, xs, out in _differentiable_calls(backend, device):
+        out = [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
+        with pytest.raises(RuntimeError, match="first-order gradients only"):
+            torch.autograd.grad(sum(o.sum() for o in out), xs[0], create_graph=True)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_metrics_edited_in_place_leave_the_backward(backend, device):
     """A returned metric (no gradient) edited in place, as a trainer's all-reduce or scaling

@@ -188,6 +188,29 @@ def test_second_order_raises(name, backend, device):
 
 @pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
 @per_op("name", ESTIMATORS)
+def test_undefined_output_gradients(name, backend, device):
+    """An output whose gradient is undefined (autograd's None, as gradcheck's
+    check_undefined_grad passes) counts as a zero gradient: with every output's undefined, no
+    input gets a nonzero gradient; with one output's, the others' gradients are those of the
+    defined outputs alone."""
+    undefined = torch._C._functions.UndefinedGrad()
+    case, leaves = differentiable(name, 6, (2,), dtype=torch.float32, device=device)
+    out = call(case, leaves, list(leaves.values()), "time-major", backend=backend)
+    got = torch.autograd.grad([undefined(o) for o in out], list(leaves.values()),
+                              [torch.ones_like(o) for o in out], allow_unused=True,
+                              retain_graph=True)
+    assert all(g is None or not g.any() for g in got)
+    if len(out) == 2:
+        want = torch.autograd.grad(out[0].sum(), list(leaves.values()), allow_unused=True,
+                                   retain_graph=True)
+        got = torch.autograd.grad(out[0].sum() + undefined(out[1]).sum(),
+                                  list(leaves.values()), allow_unused=True)
+        for g, w in zip(got, want):
+            assert (g is None or not g.any()) if w is None else torch.equal(g, w)
+
+
+@pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
+@per_op("name", ESTIMATORS)
 def test_never_detached(name, backend, device):
     """An input that requires grad gives outputs in the graph; a flag that requires grad is
     refused (flags are not differentiable); without grad nothing is recorded."""
