@@ -355,6 +355,28 @@ def clamp(x, low, high):
 
 
 @triton.jit
+def k3(x):
+    """(exp(-x) + x - 1, its derivative 1 - exp(-x)): Schulman's k3 of the log-ratio x and
+    its gradient, to float32 precision near 0 as well, from their series where |x| < 1 (there
+    exp(-x) - 1 keeps only ~|x| of its digits; docs/semantics.md §9)."""
+    small = tl.abs(x) < 1.0
+    t = tl.where(small, -x, 0.0)
+    # (exp(t) - 1 - t) / t^2 = 1/2! + t/3! + ... + t^8/10! (the next term is under 1e-7 of it)
+    p = t * 2.755731922398589e-07 + 2.7557319223985893e-06
+    p = p * t + 2.48015873015873e-05
+    p = p * t + 0.0001984126984126984
+    p = p * t + 0.001388888888888889
+    p = p * t + 0.008333333333333333
+    p = p * t + 0.041666666666666664
+    p = p * t + 0.16666666666666666
+    p = p * t + 0.5
+    e = tl.exp(-x)
+    k = tl.where(small, t * t * p, (e - 1.0) + x)
+    dk = tl.where(small, -t * (1.0 + t * p), 1.0 - e)  # 1 - exp(-x) = -expm1(t)
+    return k, dk
+
+
+@triton.jit
 def maximum(x, y):
     return tl.maximum(x, y, propagate_nan=tl.PropagateNan.ALL)
 

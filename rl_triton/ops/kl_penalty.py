@@ -47,10 +47,7 @@ def estimate(d, clamp, KIND: tl.constexpr, CLAMPED: tl.constexpr):
         if CLAMPED:  # k3 > clamp below d = -(clamp + 1): bounded there, exp(-d) stays finite
             low = -(tl.minimum(clamp, 80.0) + 1.0)  # (d = -inf: inf - inf would be NaN)
             d = tl.where(d < low, low, d)
-        e = tl.exp(-d)
-        # (e - 1) + d: OpenRLHF's float32 rounding; verl's tests pass within their tolerance
-        k = (e - 1.0) + d
-        dk = 1.0 - e
+        k, dk = L.k3(d)
     if CLAMPED:
         dk = tl.where(tl.abs(k) <= clamp, dk, 0.0)
         k = L.clamp(k, -clamp, clamp)

@@ -545,7 +545,7 @@ def policy_terms(lp, old, adv, options) -> Terms:
     d = PL.clamped(lp - old, o.log_ratio_clamp)
     l, clip, lower, negative, positive = PL.token_terms(o, lp, old, adv, d, None)
     dt = lp.dtype
-    metrics = {"clip_fraction": clip.to(dt), "approx_kl": (d.exp() - 1 - d).detach()}
+    metrics = {"clip_fraction": clip.to(dt), "approx_kl": reference.k3(-d).detach()}
     if full:
         metrics.update(clip_fraction_lower=lower.to(dt), clip_fraction_negative=negative.to(dt),
                        clip_fraction_positive=positive.to(dt), ppo_kl=-d.detach())
@@ -862,7 +862,7 @@ def _two_pass(a, labels, temperature, ignore_index, keep, cu, old, adv, ref, w, 
     loss = pg + torch.where(keep, w * extra, 0.0).sum()
     d = PL.clamped(x - old_, pl_args["log_ratio_clamp"]).detach()
     count = keep.sum().clamp_min(1)
-    sums.update(approx_kl=torch.where(keep, d.exp() - 1 - d, 0.0).sum(),
+    sums.update(approx_kl=torch.where(keep, reference.k3(-d), 0.0).sum(),
                 entropy=torch.where(keep, ent.detach(), 0.0).sum())
     metrics = {k: v / count for k, v in sums.items()}
     metrics.update((k if k != "kl" else "ppo_kl", v) for k, v in pm.items())

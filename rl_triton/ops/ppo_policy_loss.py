@@ -86,7 +86,7 @@ def forward_kernel(lp, old, adv, mask, scale, cu, loss, parts, ticket, inv, m0, 
     tl.store(out, tl.sum(keep.to(tl.float32), axis=0))
     tl.store(out + 1, tl.sum(tl.where(keep, w, 0.0), axis=0))
     tl.store(out + 2, tl.sum((keep & (-a * rc > -a * r)).to(tl.float32), axis=0))
-    tl.store(out + 3, tl.sum(tl.where(keep, r - 1.0 - d, 0.0), axis=0))
+    tl.store(out + 3, tl.sum(tl.where(keep, L.k3(-d)[0], 0.0), axis=0))
     L.finish_last(parts, ticket, loss, inv, m0, m1, m2, m3, m4, m5, 4, R, METRICS, MEAN,
                   WRITE_LOSS, ROWS)
 
@@ -120,8 +120,8 @@ def backward_kernel(lp, old, adv, mask, scale, cu, g_loss, g_kl, inv, d_lp, d_ol
         if SEQ != 0:
             g = g * L.seq_weight(scale, cu, i, C, S, inb, STEPS, SEQ)
     dd = g * dl_dr * r
-    if HAS_GKL:  # approx_kl = mean of r - 1 - d
-        dd += tl.load(g_kl).to(tl.float32) * tl.load(inv) * (r - 1.0)
+    if HAS_GKL:  # approx_kl = mean of k3(-d) = r - 1 - d: its derivative r - 1 = -k3'(-d)
+        dd -= tl.load(g_kl).to(tl.float32) * tl.load(inv) * L.k3(-d)[1]
     dd = tl.where(keep & (tl.abs(raw) <= ratio_clamp), dd, 0.0)
     if D_LP:
         tl.store(d_lp + i, dd.to(d_lp.dtype.element_ty), mask=inb)
@@ -221,7 +221,7 @@ def torch_impl(x: Inputs, o: Options, dtype):
         l = torch.where(adv < 0, torch.minimum(l, -adv * o.dual_clip), l)
     return (L.aggregate(l, m, o.aggregation, x.cu_seqlens),
             L.masked_mean((clipped > unclipped).to(dtype), m),
-            L.masked_mean(ratio - 1 - d, m))
+            L.masked_mean(reference.k3(-d), m))
 
 
 def loop_impl(x: Inputs, o: Options, dtype):

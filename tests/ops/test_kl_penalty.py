@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import rl_triton
+from cases import rel_err
 from loss_cases import BACKENDS, both_ways, check_against_spec, leaves, randn, spec_kl
 from loss_cases import frameworks  # noqa: F401 (a fixture)
 import op_checks
@@ -32,6 +33,30 @@ def test_kl_penalty_triton(kind, clamp, device):
         check_against_spec(lambda *xs: rl_triton.kl_penalty(*xs, kind, clamp, backend="triton"),
                            lambda *xs: spec_kl(*xs, kind, clamp), xs,
                            grad_tol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale", [1e-1, 1e-3, 1e-5, 0.9, 1.1])
+def test_k3_precise_near_zero(scale, backend, device):
+    """k3 and its gradient to float32 precision where log-ratios are small (a policy near its
+    reference), and on either side of |d| = 1, where the kernels switch from k3's series to
+    its exp: kl_penalty and ppo_policy_loss's approx_kl against float64 on the same float32
+    inputs. Written exp(-d) - 1 + d in float32, k3 is 4% off at |d| = 1e-3."""
+    lp = -5 * torch.rand(5, 37, generator=torch.Generator().manual_seed(3))
+    ref = (lp.double() + scale * randn((5, 37), 4, dtype=torch.float64)).float()
+    d = lp.double() - ref.double()
+    x = leaves(lp.to(device))[0]
+    k = rl_triton.kl_penalty(x, ref.to(device), "k3", backend=backend)
+    k.backward(torch.ones_like(k))
+    assert rel_err(k.double().cpu(), torch.expm1(-d) + d) < 1e-6
+    assert rel_err(x.grad.double().cpu(), -torch.expm1(-d)) < 1e-6
+    x = leaves(ref.to(device))[0]
+    _, _, approx = rl_triton.ppo_policy_loss(x, lp.to(device), torch.ones_like(x),
+                                             backend=backend)
+    approx.backward()
+    want = (torch.expm1(-d) + d).mean()  # k3 of (old, new) = r - 1 - (new - old)
+    assert abs(approx.item() - want.item()) < 1e-6 * want.item()
+    assert rel_err(x.grad.double().cpu(), torch.expm1(-d) / d.numel()) < 1e-6
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # interpreter
