@@ -31,6 +31,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from .. import reference
 from .._args import Call, check_backend, check_bool, check_offsets, check_out_dtype, signature
 from ..scan import torch_scan
 from . import custom_ops
@@ -174,12 +175,16 @@ class ScanOp(Op):
                               for f in self.discounts if isinstance(getattr(s, f), Tensor)})
         dtype = torch.float64 if call.float64 else torch.float32
         res = (self.torch if backend == "torch" else self.loop)(tx, s, extra, dtype)
-        return self._outputs(res, x[0].shape, out_dtype, call, n)
+        # the loop reads only what each step's formula reads (a T = 1 Retrace no Q-values): the
+        # rest, where it requires grad, gets a zero gradient, not None (semantics §6)
+        return self._outputs(res, x[0].shape, out_dtype, call, n,
+                             (*x, *s) if backend == "loop" else ())
 
     @staticmethod
-    def _outputs(res, shape, out_dtype, call: Call, n: int):
+    def _outputs(res, shape, out_dtype, call: Call, n: int, inputs: tuple = ()):
         """The first `n` time-major results of a torch or loop implementation as new outputs of
-        `shape` in the caller's layout; differentiable (first order) where the call is."""
+        `shape` in the caller's layout; differentiable (first order) where the call is, and
+        attached to the `inputs` that require grad (a zero gradient each, `reference.attached`)."""
         res = res if isinstance(res, tuple) else (res,)
         outs = []
         for r in res[:n]:
@@ -187,6 +192,8 @@ class ScanOp(Op):
             (out.movedim(call.time_dim, 0) if call.time_dim else out).copy_(r)
             outs.append(out)
         if call.needs_grad:
+            if inputs:
+                outs[0] = reference.attached(outs[0], *inputs)
             first_order(outs)
         return _result(outs)
 

@@ -194,8 +194,10 @@ def torch_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float32, packed=None
     keep = torch_scan.keep(cut, s.lam, dtype)  # 0 at terms too
     alpha = r + _when(~term, s.gamma * (1 - keep), v_succ)
     beta = torch_scan.keep(cut, s.gamma * s.lam, dtype)  # a select: no gradient at a cut
-    return torch_scan.zero_masked(
+    out = torch_scan.zero_masked(
         torch_scan.scan(*torch_scan.masked(alpha, beta, m), reverse=True), m)
+    # values unread beside next_values: a zero gradient, as the kernels give (semantics §6)
+    return out if nv is None else reference.attached(out, x.values)
 
 
 def loop_impl(x: Inputs, s: Scalars, extra=(), dtype=torch.float64):

@@ -281,5 +281,8 @@ def value_loss(values, returns, old_values=None, mask=None, *, clip=None, kind="
 
         >>> v_loss = rl_triton.value_loss(new_values, returns, old_values, mask, clip=0.2)
     """
-    return OP((values, returns, old_values, mask, cu_seqlens),
+    loss = OP((values, returns, old_values, mask, cu_seqlens),
               (clip, kind, huber_delta, aggregation, check_offsets, backend, out_dtype))
+    if clip is None and old_values is not None:  # unread: a zero gradient (semantics §6)
+        loss = reference.attached(loss, old_values)
+    return loss

@@ -130,6 +130,9 @@ def test_every_input_gets_its_gradient_and_none_is_written(backend, device):
     v, ret, vold = leaves(lp, adv, old)
     rl_triton.value_loss(v, ret, vold, mask, clip=0.1, backend=backend).backward()
     assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in (v, ret, vold))
+    vold.grad = None  # without a clip the old values are unread: a zero gradient, not None
+    rl_triton.value_loss(v.detach(), ret.detach(), vold, mask, backend=backend).backward()
+    assert vold.grad is not None and not vold.grad.any()
     case = sac_case(9, 2, 3, device=device)
     floats = {k: leaves(t)[0] for k, t in case.items() if t.is_floating_point()}
     alpha = torch.tensor(0.2, device=device, requires_grad=True)

@@ -187,6 +187,22 @@ def test_second_order_raises(name, backend, device):
 
 
 @pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
+@pytest.mark.parametrize("T", [1, 6])
+@pytest.mark.parametrize("bootstrap,trunc,per_row", PATTERNS)
+@per_op("name", ESTIMATORS)
+def test_every_input_gets_a_gradient(name, bootstrap, trunc, per_row, T, backend, device):
+    """Every input that requires grad gets a gradient, zero where the formula does not read it
+    (values beside next_values, a one-step Retrace's Q-values), never None: the same inputs on
+    every backend (semantics §6)."""
+    case, leaves = differentiable(name, T, (2,), bootstrap=bootstrap, trunc=trunc,
+                                  per_row=per_row, dtype=torch.float32, device=device)
+    out = call(case, leaves, list(leaves.values()), "time-major", backend=backend)
+    got = torch.autograd.grad(sum(o.sum() for o in out), list(leaves.values()),
+                              allow_unused=True)
+    assert [k for k, g in zip(leaves, got) if g is None] == []
+
+
+@pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
 @per_op("name", ESTIMATORS)
 def test_undefined_output_gradients(name, backend, device):
     """An output whose gradient is undefined (autograd's None, as gradcheck's
