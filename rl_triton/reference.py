@@ -682,8 +682,8 @@ def rollout_correction(log_probs, rollout_log_probs, mask=None, *, level="token"
         stat = [token(t) for t in set_]
 
         def levels(xs):
-            return {"sequence": sum(xs), "geometric": sum(xs) / max(len(xs), 1),
-                    "max": max(xs) if xs else 0.0}
+            top = (math.nan if any(x != x for x in xs) else max(xs)) if xs else 0.0
+            return {"sequence": sum(xs), "geometric": sum(xs) / max(len(xs), 1), "max": top}
 
         seq_stat, seq_logr = levels(stat), levels(logr)
         for i, t in enumerate(set_):

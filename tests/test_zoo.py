@@ -364,6 +364,36 @@ def test_rollout_correction_kernel(options, device):
     assert (wp.reshape(B, T) - want[0]).abs().max() <= 1e-5 * max(1, want[0].abs().max())
 
 
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric", "max"])
+def test_rollout_correction_nan_where_it_counts(level, device):
+    """A NaN log-probability at a set position: its sequence's weights are NaN (truncate) or the
+    sequence is rejected (mask) on every backend, rows and packed, the max's included (fmax and
+    Python's max drop a NaN); the other sequences are as without it."""
+    old, roll, m = _rollout(device, B=4, T=9)
+    old = torch.where(m, old, -1.0)
+    t = int(m[1].nonzero()[0])
+    bad = old.clone()
+    bad[1, t] = torch.nan
+    B, T = m.shape
+    cu = torch.arange(0, B * T + 1, T, device=device)
+    for kw in (dict(mode="truncate", high=2.0), dict(mode="mask", statistic="k2", high=2.0)):
+        clean = rl_triton.rollout_correction(old, roll, m, level=level, backend="torch", **kw)
+        for backend in ("loop", "torch", "triton"):
+            for w, keep in (rl_triton.rollout_correction(bad, roll, m, level=level,
+                                                         backend=backend, **kw),
+                            [r.reshape(B, T) for r in rl_triton.rollout_correction(
+                                bad.reshape(-1), roll.reshape(-1), m.reshape(-1),
+                                cu_seqlens=cu, level=level, backend=backend, **kw)]):
+                others = torch.arange(B, device=device) != 1
+                assert torch.equal(keep[others], clean[1][others]), (backend, kw)
+                assert torch.allclose(w[others], clean[0][others].to(w.dtype)), (backend, kw)
+                hit = slice(None) if level != "token" else t
+                if kw["mode"] == "truncate":
+                    assert w[1, hit][m[1, hit]].isnan().all(), (backend, kw)
+                else:
+                    assert not keep[1, hit].any(), (backend, kw)
+
+
 def test_rollout_correction_weights_are_constants(device):
     """Weights carry no gradient (they reweight samples) and the inputs are left as they were."""
     old, roll, m = _rollout(device)

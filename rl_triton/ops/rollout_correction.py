@@ -183,10 +183,13 @@ def rollout_kernel(lp_ptr, rp_ptr, mask_ptr, w_ptr, keep_ptr, cu_ptr, T, low, hi
             x_sum += x
             d_sum += d
             count += on.to(tl.float32)
-            x_max = tl.maximum(x_max, tl.where(on, x, -float("inf")))
+            x_max = L.maximum(x_max, tl.where(on, x, -float("inf")))
     n = tl.sum(count, 0)
-    seq_x = _level(tl.sum(x_sum, 0), n, tl.max(x_max, 0), LEVEL)
-    seq_d = _level(tl.sum(d_sum, 0), n, tl.max(x_max, 0), WLEVEL)
+    # (tl.max drops a NaN, as fmax does: a NaN statistic makes its sequence's max NaN)
+    s_max = tl.where(tl.max((x_max != x_max).to(tl.int32), 0) > 0, float("nan"),
+                     tl.max(x_max, 0))
+    seq_x = _level(tl.sum(x_sum, 0), n, s_max, LEVEL)
+    seq_d = _level(tl.sum(d_sum, 0), n, s_max, WLEVEL)
     for start in range(a, b, BLOCK):  # pass 2: the weights and the kept tokens
         i = start + lanes
         inb = i < b
