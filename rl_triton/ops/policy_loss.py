@@ -253,9 +253,11 @@ def torch_impl(x: Tensors, o: Options, dtype):
 
 
 def loop_impl(x: Tensors, o: Options, dtype):
-    return reference.policy_loss(*x[:4], weights=x.weights, selected=x.selected,
-                                 cu_seqlens=x.cu_seqlens, dtype=dtype,
-                                 **{k: getattr(o, k) for k in Options._fields[:-2]})
+    loss, *metrics = reference.policy_loss(*x[:4], weights=x.weights, selected=x.selected,
+                                           cu_seqlens=x.cu_seqlens, dtype=dtype,
+                                           **{k: getattr(o, k) for k in Options._fields[:-2]})
+    # (what no step reads, no position counting or none there, still gets its gradient, 0)
+    return (reference.attached(loss, *x[:3], x.weights), *metrics)
 
 
 # ---- the Triton backend --------------------------------------------------------------------------

@@ -889,13 +889,18 @@ def test_stopped_gradients_are_zeros_not_detached(backend):
 
 @pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
 def test_empty_inputs_keep_their_gradients(backend):
-    """No position at all: loss 0, and every input that requires grad gets a zero gradient (the
-    loop backend's loss was no function of them)."""
+    """No position at all, or none that counts: loss 0, and every input that requires grad gets
+    a zero gradient (the loop backend's loss was no function of them)."""
     dev = device_of(backend)
-    for shape in [(0,), (3, 0)]:
+    for shape, mask in [((0,), None), ((3, 0), None), ((0, 5), None),
+                        ((2, 4), torch.zeros(2, 4, device=dev))]:
         xs = [torch.zeros(shape, requires_grad=True, device=dev) for _ in range(3)]
-        for t in ("vanilla", "sapo") + (("gspo",) if len(shape) == 2 else ()):
-            loss = rl_triton.policy_loss(*xs, loss_type=t, backend=backend)[0]
-            assert loss.item() == 0 and loss.requires_grad, t
+        kinds = [dict(loss_type="vanilla"), dict(loss_type="sapo")]
+        if len(shape) == 2:
+            kinds += [dict(loss_type="gspo"), dict(ratio_level="sequence"),
+                      dict(loss_type="geo_mean", aggregation="seq-mean")]
+        for kw in kinds:
+            loss = rl_triton.policy_loss(*xs, mask, backend=backend, **kw)[0]
+            assert loss.item() == 0 and loss.requires_grad, kw
             assert all(g.shape == shape and not g.any()
-                       for g in torch.autograd.grad(loss, xs)), t
+                       for g in torch.autograd.grad(loss, xs)), kw
