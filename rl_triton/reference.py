@@ -725,6 +725,10 @@ def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, weights=None
         sequences = None
     lo, hi = 1.0 - clip_low, 1.0 + clip_high
     clamp = math.inf if log_ratio_clamp is None else log_ratio_clamp
+
+    def bound(x, low=True):  # clamp(x, -clamp, clamp); none without a clamp (its backward
+        # would zero a NaN's gradient: torch.clamp passes it only between the bounds)
+        return x if clamp == math.inf else torch.clamp(x, -clamp if low else None, clamp)
     flat = [t.reshape(-1) for t in (lp, old, adv, keep)]
     seq_d = {}  # a sequence's log-ratio at each of its positions (flat index)
     if (ratio_level == "sequence" or loss_type == "gspo" or loss_type == "geo_mean") and \
@@ -738,9 +742,9 @@ def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, weights=None
             if loss_type == "gspo":
                 mean = total.detach() / max(n, 1)
                 for i in idx:
-                    seq_d[i] = torch.clamp(mean + flat[0][i] - flat[0][i].detach(), max=clamp)
+                    seq_d[i] = bound(mean + flat[0][i] - flat[0][i].detach(), low=False)
             elif loss_type != "geo_mean":
-                mean = torch.clamp(total / max(n, 1), -clamp, clamp)
+                mean = bound(total / max(n, 1))
                 for i in idx:
                     seq_d[i] = mean
     if loss_type == "geo_mean":
@@ -753,7 +757,7 @@ def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, weights=None
     for i in range(lp.numel()):
         x, o, a = flat[0][i], flat[1][i], flat[2][i]
         raw = x - o
-        d = seq_d.get(i, torch.clamp(raw, -clamp, clamp))
+        d = seq_d.get(i, bound(raw))
         r = torch.exp(d)
         rv, av = float(r.detach()), float(a.detach())  # for the branches and flags
         clip = lower = neg = pos = False
@@ -769,14 +773,14 @@ def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, weights=None
                 xf, of = float(x.detach()), float(o.detach())
                 bkl = q * (of - xf) + (1 - q) * _log((1 - q + 1e-8) / (1 - p + 1e-8))
                 ok = (bkl <= clip_high or p <= q) if av > 0 else (bkl <= clip_low or p >= q)
-            l = -a * min(rv, truncation) * x if ok else zero
+            l = -a * min(rv, truncation) * x * float(ok)  # (a product, verl's)
             clip, lower = not ok, ok and rv > truncation
         elif loss_type == "sapo":
             tau = tau_pos if av > 0 else tau_neg
             l = -a * torch.sigmoid(tau * (r - 1)) * 4 / tau
         elif loss_type == "cispo":
             l = -min(max(rv, lo), hi) * a * x
-            clip = rv < lo or rv > hi
+            clip = not lo <= rv <= hi  # (a NaN ratio counts)
         elif loss_type == "kl_cov":
             l = -a * r + (kl_cov_coef * d.abs() if sel[i] else 0.0)
         else:  # the clipped surrogate (TRL's delta bounds the unclipped ratio)
@@ -795,7 +799,7 @@ def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, weights=None
             neg, pos = rv < lo and av < 0, rr > hi and av > 0
         if wf is not None:
             l = l * wf[i]
-        kl = raw if i in seq_d else torch.clamp(raw, -clamp, clamp)
+        kl = raw if i in seq_d else bound(raw)
         ls.append(l if isinstance(l, torch.Tensor) else zero + l)
         flags.append([float(clip), float(lower), float(neg), float(pos),
                       float((kl.abs() if loss_type == "kl_cov" else -kl).detach())])
@@ -819,7 +823,7 @@ def _geo_mean_loop(lp, old, adv, w, keep, sequences, clip_low, clip_high, clamp,
         for x, o, a, k, wi in zip(lp[s].reshape(-1), old[s].reshape(-1), adv[s].reshape(-1),
                                   keep[s].reshape(-1), (w[s].reshape(-1) if w is not None
                                                         else [None] * lp[s].numel())):
-            d = torch.clamp(x - o, -clamp, clamp)
+            d = x - o if clamp == math.inf else torch.clamp(x - o, -clamp, clamp)
             dc = torch.clamp(d, -clip_low, clip_high)
             # clipped toward 0 on the side the advantage pushes
             dm = torch.minimum(d, dc) if a > 0 else torch.maximum(d, dc) if a < 0 else 0.0 * d

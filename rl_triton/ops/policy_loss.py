@@ -82,7 +82,8 @@ def token_terms(o: Options, x: Tensor, old: Tensor, a: Tensor, d: Tensor, sel: O
                                                                 / (1.0 - p + 1e-8))
             up, down = (bkl <= o.clip_high) | (p <= p_old), (bkl <= o.clip_low) | (p >= p_old)
         valid = torch.where(a > 0, up, down)
-        l = torch.where(valid, -a * truncated * x, 0.0)
+        # a product with the gate, verl's: a NaN log-probability is NaN where the gate closes
+        l = -a * truncated * x * valid.to(x.dtype)
         return l, ~valid, (r > o.truncation) & valid, negative, positive
     r = d.exp()
     if t == "sapo":
@@ -91,7 +92,8 @@ def token_terms(o: Options, x: Tensor, old: Tensor, a: Tensor, d: Tensor, sel: O
     negative, positive = (r < lo) & (a < 0), (r > hi) & (a > 0)
     if t == "cispo":
         rc = r.clamp(lo, hi).detach()
-        return -rc * a * x, (r < lo) | (r > hi), lower, negative, positive
+        # clipped where r differs from its clamp, verl's: a NaN ratio counts
+        return -rc * a * x, ~((r >= lo) & (r <= hi)), lower, negative, positive
     if t == "kl_cov":
         l = -a * r
         return torch.where(sel, l + o.kl_cov_coef * d.abs(), l), clip, lower, zero, zero
@@ -312,9 +314,10 @@ def terms(x, o, a, ld, sel, clip_low, clip_high, dual_clip, delta, ratio_clamp, 
             up = (bkl <= clip_high) | (p <= q)
             down = (bkl <= clip_low) | (p >= q)
         valid = tl.where(a > 0, up, down)
-        l = tl.where(valid, -a * tr * x, 0.0)
-        dl_dx = tl.where(valid, -a * tr, 0.0)
-        dl_da = tl.where(valid, -tr * x, 0.0)
+        v = valid.to(tl.float32)  # a product with the gate, as `token_terms`
+        l = -a * tr * x * v
+        dl_dx = -a * tr * v
+        dl_da = -tr * x * v
         clip = ~valid
         lower = valid & (r > truncation)
     elif LOSS == 2:  # sapo
@@ -331,7 +334,7 @@ def terms(x, o, a, ld, sel, clip_low, clip_high, dual_clip, delta, ratio_clamp, 
             l = -rc * a * x
             dl_dx = -rc * a
             dl_da = -rc * x
-            clip = (r < lo) | (r > hi)
+            clip = ~((r >= lo) & (r <= hi))  # (a NaN ratio counts, as `token_terms`)
         elif LOSS == 5:  # kl_cov
             sign = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
             l = -a * r + tl.where(sel, kl_cov_coef * tl.abs(d), 0.0)

@@ -129,6 +129,30 @@ def test_verl_losses(name, agg, backend):
 
 
 @needs_fw
+@pytest.mark.parametrize("name", [n for n in LOSS_TYPES])
+def test_verl_losses_nan_where_it_counts(name, backend):
+    """A NaN log-probability at a position that counts: the loss, the gradients' NaN pattern at
+    the positions that count and the metrics as verl's (dppo's gate is a product with it, cispo
+    counts a NaN ratio as clipped). Where the mask is not set the gradients are 0 (semantics
+    §9), where verl's sequence-level losses multiply a NaN by the mask's 0."""
+    *inputs, mask = batch(kind="multi-turn", seed=3, device=device_of(backend))
+    b, t = (int(i) for i in mask.nonzero()[0])
+    inputs[0] = inputs[0].clone()
+    inputs[0][b, t] = torch.nan
+    (l0, g0, m0), (l1, g1, m1) = run_both(name, inputs, mask.float(), "token-mean",
+                                          verl_config(), False)
+    assert l1.isnan().item() == l0.isnan().item()
+    for a, w in zip(g1, g0):
+        if w is not None:
+            assert torch.equal(a.isnan()[mask], w.isnan()[mask])
+            assert not a[~mask].any()
+    assert m1.keys() == m0.keys()
+    for k in m0:
+        assert m1[k] == m0[k] or (m1[k] != m1[k] and m0[k] != m0[k]) or \
+            abs(m1[k] - m0[k]) <= 1e-6, (k, m1[k], m0[k])
+
+
+@needs_fw
 @pytest.mark.parametrize("agg", VERL_AGGS)
 def test_verl_global_batch_info(agg, backend):
     """dp_size, batch_num_tokens, global_batch_size and loss_scale_factor, as verl's agg_loss."""
@@ -866,6 +890,27 @@ def test_ties_and_nan_advantages_as_the_frameworks(backend, device):
         want = torch.where(adv < 0, torch.minimum(want, -adv * 3.0), want)
         for x, y in zip(torch.autograd.grad(got.sum(), a), torch.autograd.grad(want.sum(), b)):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("log_ratio_clamp", [None, 20.0])
+def test_nan_patterns_agree_across_backends(log_ratio_clamp):
+    """A NaN log-probability at a position that counts: every backend gives the same loss and
+    gradients' NaN pattern, with or without the log-ratio's clamp (the loop's clamp to +-inf
+    passed no gradient to a NaN)."""
+    lp = torch.tensor([[-1.0, -0.5, float("nan"), -0.3], [-1.0, -0.5, -0.2, -0.3]])
+    old = torch.tensor([[-1.1, -0.6, -0.8, -0.2], [-1.1, -0.6, -0.8, -0.2]])
+    adv = torch.tensor([[0.5, -0.3, 0.7, 1.0], [0.5, -0.3, 0.7, 1.0]])
+    for t in LOSS_TYPES:
+        kw = {"dro": dict(dro_beta=0.1), "geo_mean": dict(aggregation="seq-mean")}.get(t, {})
+        seen = []
+        for backend in ("loop", "torch", "triton"):
+            dev = device_of(backend)
+            xs = [x.to(dev).requires_grad_() for x in (lp, old, adv)]
+            loss = rl_triton.policy_loss(*xs, loss_type=t, log_ratio_clamp=log_ratio_clamp,
+                                         backend=backend, **kw)[0]
+            seen.append([loss.isnan().item()] + [g.isnan().cpu().tolist()
+                                                  for g in torch.autograd.grad(loss, xs)])
+        assert seen[0] == seen[1] == seen[2], t
 
 
 @pytest.mark.parametrize("backend", ["torch", "loop", "triton"])
