@@ -142,7 +142,7 @@ def _stats_torch(z: Tensor, y: Tensor, valid: Tensor, bias, inv_t: float):
     lse = torch.logsumexp(z, -1)
     logp = z - lse[:, None]
     p = logp.exp()
-    ent = -torch.where(p > 0, p * logp, 0.0).sum(-1)
+    ent = -torch.where(p == 0, 0.0, p * logp).sum(-1)  # (0 log 0 = 0; a NaN row stays NaN)
     lp = logp.gather(-1, y[:, None]).squeeze(-1)
     return torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0), lse
 

@@ -501,6 +501,23 @@ def test_nan_at_a_masked_token_reaches_no_loss(backend):
     assert torch.isfinite(h.grad).all() and (h.grad[0, 1] == 0).all()
 
 
+def test_nan_hidden_state_where_it_counts():
+    """A NaN hidden state at a token that counts: its log-probability and entropy are NaN on
+    every backend (the torch backend's 0 log 0 = 0 select read a NaN probability as 0), the
+    other tokens' as without it."""
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(4, 6, generator=g), torch.randn(11, 6, generator=g)
+    labels = torch.tensor([1, 2, 3, 4])
+    clean = rl_triton.token_log_probs(h, w, labels, return_entropy=True, backend="loop")
+    h[1] = float("nan")
+    for backend in BACKENDS + ["loop"]:
+        lp, ent = rl_triton.token_log_probs(h.to(DEVICE), w.to(DEVICE), labels.to(DEVICE),
+                                            return_entropy=True, backend=backend)
+        for got, want in zip((lp.cpu(), ent.cpu()), clean):
+            assert got[1].isnan() and not got[[0, 2, 3]].isnan().any(), backend
+            torch.testing.assert_close(got[[0, 2, 3]], want[[0, 2, 3]].float())
+
+
 @pytest.mark.parametrize("backend", BACKENDS + ["loop"])
 def test_no_tokens(backend):
     h, w = leaves(torch.randn(0, 4, device=DEVICE), torch.randn(9, 4, device=DEVICE))
