@@ -85,13 +85,25 @@ def compute_approx_kl(log_probs: Tensor, log_probs_base: Tensor, log_probs_old=N
 
 # ---- PolicyLoss (semantics §10) ------------------------------------------------------------------
 
+def _masked_mean(x: Tensor, mask, dim=None) -> Tensor:
+    """OpenRLHF's `masked_mean`: `mask=None` a plain mean, as its own. The masked positions leave
+    by a select, not by OpenRLHF's product: a NaN or inf there (0 * NaN is NaN) reaches no
+    statistic, metric or gradient (semantics §9, where we deliberately differ from OpenRLHF)."""
+    if mask is None:
+        return x.mean() if dim is None else x.mean(dim)
+    x = torch.where(mask != 0, x * mask, 0.0)
+    return x.sum() / mask.sum() if dim is None else x.sum(dim) / mask.sum(dim)
+
+
 class PolicyLoss(torch.nn.Module):
     """OpenRLHF's `openrlhf.models.loss.PolicyLoss` (0.11.2): same constructor, same forward,
     same outputs `(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)`, the loss one
     `rl_triton.policy_loss` call ("ppo": vanilla; "gspo": the sequence ratio, differentiable).
     The train / rollout correction (`is_correction_*`, with `rollout_log_probs`) forms its
     per-token coefficient in torch, as OpenRLHF, and passes it as policy_loss's `weights`.
-    Difference: an empty selection gives a loss of 0 where OpenRLHF's masked mean gives NaN."""
+    Differences: an empty selection gives a loss of 0 where OpenRLHF's masked mean gives NaN; a
+    NaN or inf at a masked position reaches no output (semantics §9), where OpenRLHF's product
+    by the mask gives NaN (and its "seq" correction rejects the sequence)."""
 
     def __init__(self, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2,
                  dual_clip: float = None, token_level_loss: bool = True,
@@ -130,14 +142,16 @@ class PolicyLoss(torch.nn.Module):
         self.is_correction_threshold = is_correction_threshold
 
     def _correction(self, old_log_probs, rollout_log_probs, action_mask):
-        """OpenRLHF's coefficient (no gradient), filter fraction and vLLM KL."""
+        """OpenRLHF's coefficient (no gradient), filter fraction and vLLM KL; `action_mask=None`
+        takes plain means, as OpenRLHF's."""
         low, high = self.is_correction_threshold
         seq_level = self.is_correction_level == "seq"
         is_log_ratio = (old_log_probs - rollout_log_probs).detach()
         token_is = is_log_ratio.exp()
 
         def seq_mean(x):
-            return ((x * action_mask).sum(-1) / action_mask.sum(-1)).unsqueeze(-1)
+            # a sequence's statistic over its masked-in tokens only (semantics §9)
+            return _masked_mean(x, action_mask, -1).unsqueeze(-1)
 
         if self.is_correction_gating == "ratio":
             stat = (seq_mean(is_log_ratio) if seq_level else is_log_ratio).exp()
@@ -160,8 +174,8 @@ class PolicyLoss(torch.nn.Module):
         if seq_level:
             ratio = filtered.float().mean()
         else:
-            ratio = (filtered.float() * action_mask).sum() / action_mask.sum()
-        vllm_kl = ((rollout_log_probs - old_log_probs) * action_mask).sum() / action_mask.sum()
+            ratio = _masked_mean(filtered.float(), action_mask)
+        vllm_kl = _masked_mean(rollout_log_probs - old_log_probs, action_mask)
         return coef.expand(old_log_probs.shape), ratio, vllm_kl
 
     def forward(self, log_probs, old_log_probs, advantages, action_mask=None,
@@ -195,9 +209,7 @@ class PolicyLoss(torch.nn.Module):
         if not gspo or correct:
             # OpenRLHF's ppo_kl: the unclamped log-ratio against the old policy (the loss clamps
             # it at +-20, and gspo with the correction takes its ratio against the rollout)
-            d = (log_probs - old_log_probs).detach()
-            ppo_kl = -(d.mean() if action_mask is None else
-                       (d * action_mask).sum() / action_mask.sum())
+            ppo_kl = -_masked_mean((log_probs - old_log_probs).detach(), action_mask)
         return loss, metrics["clip_fraction"], ppo_kl, vllm_kl, is_filter_ratio
 
 

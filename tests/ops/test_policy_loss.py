@@ -286,23 +286,83 @@ def test_openrlhf_policy_loss(loss_type, dual_clip, token_level, kind, backend):
                        global_batch_size=9.0))
 
 
-@needs_fw
-@pytest.mark.parametrize("level,mode,gating,threshold", [
+# OpenRLHF's train / rollout corrections (level, mode, gating, threshold)
+ORL_CORRECTIONS = [
     ("token", "mask", "ratio", (0.8, 1.25)), ("token", "clip", "ratio", (0.8, 1.25)),
     ("seq", "mask", "ratio", (0.9, 1.1)), ("token", "mask", "binary_kl", (0.0, 0.05)),
-    ("seq", "mask", "tv", (0.0, 0.1))])
+    ("seq", "mask", "tv", (0.0, 0.1))]
+# every level with every gating
+ORL_ALL_CORRECTIONS = ORL_CORRECTIONS + [("seq", "mask", "binary_kl", (0.0, 0.05)),
+                                         ("token", "mask", "tv", (0.0, 0.1))]
+
+
+def orl_correction(inputs, level, mode, gating, threshold, **kw):
+    """The rollout's log-probabilities (old_log_probs plus noise) and PolicyLoss's options."""
+    old = inputs[1]
+    g = torch.Generator().manual_seed(4)
+    noise = torch.randn(old.shape, generator=g).to(old.device)
+    rollout = (old + 0.2 * noise).clamp(max=-0.02)
+    return rollout, dict(clip_eps_low=0.2, clip_eps_high=0.28, is_correction_level=level,
+                         is_correction_mode=mode, is_correction_gating=gating,
+                         is_correction_threshold=threshold, **kw)
+
+
+@needs_fw
+@pytest.mark.parametrize("level,mode,gating,threshold", ORL_CORRECTIONS)
 @pytest.mark.parametrize("loss_type", ["ppo", "gspo"])
 def test_openrlhf_is_correction(level, mode, gating, threshold, loss_type, backend):
     *inputs, mask = batch(seed=12, device=device_of(backend))
-    B, T = mask.shape
-    g = torch.Generator().manual_seed(4)
     mask[0, :4] = True  # OpenRLHF's per-sequence means need a token in every row
-    noise = torch.randn(B, T, generator=g).to(mask.device)
-    rollout = (inputs[1] + 0.2 * noise).clamp(max=-0.02)
-    kw = dict(clip_eps_low=0.2, clip_eps_high=0.28, policy_loss_type=loss_type,
-              is_correction_level=level, is_correction_mode=mode,
-              is_correction_gating=gating, is_correction_threshold=threshold)
+    rollout, kw = orl_correction(inputs, level, mode, gating, threshold,
+                                 policy_loss_type=loss_type)
     check_orl(orl_both(kw, inputs, mask.float(), rollout))
+
+
+@needs_fw
+@pytest.mark.parametrize("level,mode,gating,threshold", ORL_ALL_CORRECTIONS)
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_openrlhf_is_correction_without_mask(level, mode, gating, threshold, dual_clip,
+                                             backend):
+    """action_mask=None: OpenRLHF's masked_mean takes it as a plain mean, in the correction's
+    statistics, filter fraction and vllm_kl too (ppo's token-level loss: OpenRLHF's per-sample
+    loss and gspo need the mask)."""
+    *inputs, _ = batch(seed=14, device=device_of(backend))
+    rollout, kw = orl_correction(inputs, level, mode, gating, threshold, dual_clip=dual_clip)
+    check_orl(orl_both(kw, inputs, None, rollout))
+
+
+@needs_fw
+@pytest.mark.parametrize("level,mode,gating,threshold",
+                         [("off", "mask", "ratio", (0.5, 5.0))] + ORL_ALL_CORRECTIONS)
+@pytest.mark.parametrize("loss_type", ["ppo", "gspo"])
+def test_openrlhf_masked_nonfinite(level, mode, gating, threshold, loss_type, backend):
+    """A NaN or inf in log_probs, old_log_probs or rollout_log_probs where action_mask is 0
+    reaches neither the loss, nor a gradient, nor a metric: the outputs are the clean call's
+    (semantics §9). OpenRLHF's masked means multiply by the mask and give NaN there (with
+    level="seq" a masked NaN rejects the whole sequence); here we deliberately differ."""
+    *inputs, mask = batch(seed=15, device=device_of(backend))
+    rollout, kw = orl_correction(inputs, level, mode, gating, threshold,
+                                 policy_loss_type=loss_type)
+    m = mask.float()
+
+    def run(lp, old, roll):
+        xs = [t.detach().clone().requires_grad_(True) for t in (lp, old, inputs[2])]
+        res = our_orl.PolicyLoss(**kw)(*xs, m, roll)
+        return res, grads(res[0], xs)
+
+    out0, g0 = run(inputs[0], inputs[1], rollout)
+    assert all(o is None or torch.isfinite(o).all() for o in out0)
+    for which in range(3):
+        for value in (float("nan"), float("inf"), -float("inf")):
+            bad = [t.detach().clone() for t in (inputs[0], inputs[1], rollout)]
+            bad[which][~mask] = value
+            out, g = run(*bad)
+            for a, b in zip(out, out0):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    close(a, b, 1e-6)
+            for a, b in zip(g, g0):
+                close(a, b, 1e-6)
 
 
 @needs_fw
