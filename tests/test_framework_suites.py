@@ -68,13 +68,7 @@ NOT_COLLECTED = {
 }
 # Tests that pass as shipped and fail with the switch on, each a documented difference
 # (docs/llm.md, "Checked with the frameworks' own tests")
-DIFFERENCES = {
-    # k3 compared with OpenRLHF's float32 evaluation at rtol 1e-5 near k3 = 0.004: the torch
-    # backend computes it in OpenRLHF's order with torch's exp and passes; the kernels' exp
-    # (numpy's in the interpreter, ex2.approx on a GPU) rounds 1 ulp apart
-    "tests/test_kl_estimator_gradient.py::test_flag_off_matches_legacy":
-        ("k3 through Triton's exp", ("on-triton",)),
-}
+DIFFERENCES = {}
 
 
 def _installed():
