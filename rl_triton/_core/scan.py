@@ -222,8 +222,10 @@ class ScanOp(Op):
             raise TypeError(f"{ref_name} must be a torch.Tensor, got {type(ref).__name__}")
         if ref.ndim == 0:
             raise ValueError(f"{ref_name} must have a time axis; got a 0-d tensor")
+        # time_dim counts the axes of the forward scans' dones (x may have trailing features)
+        axes = x.dones if isinstance(getattr(x, "dones", None), Tensor) else ref
         if not isinstance(time_dim, int) or isinstance(time_dim, bool) or time_dim not in (
-                0, -ref.ndim):
+                0, -max(axes.ndim, 1)):
             raise ValueError(f"with cu_seqlens the per-step tensors are packed [L, ...] with "
                              f"time on axis 0; got time_dim={time_dim!r}")
         backend = backend_for(check_backend(backend), ref.device)

@@ -179,6 +179,31 @@ def test_packed_rows_match_their_rows(name, backend, device):
             assert_close([o[s:e] for o in got], [w[:, 0] for w in want])
 
 
+@per_op("name", FLAGGED)
+@pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
+def test_packed_time_dim_counts_the_step_axes(name, backend):
+    """Packed, time is axis 0 of the per-step tensors: time_dim 0 or -1 for [L] steps, counted
+    on `dones` where a forward scan's x carries feature axes (the unpacked rule); -2 is out of
+    range."""
+    lengths = [2, 0, 3]
+    cu = torch.tensor([0] + lengths).cumsum(0).to(DEVICE)
+    features = (3,) if name == "eligibility_traces" else ()
+    case = make_case(name, 5, (3,), features=features, device=DEVICE, seed=2)
+    seg = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+    packed = {k: None if v is None else v[torch.arange(5), seg.to(v.device)]
+              for k, v in case.steps.items()}
+    extra = {k: v for k, v in case.extra.items()}
+
+    def run(td):
+        out = case.fn(**packed, **extra, cu_seqlens=cu, time_dim=td, backend=backend)
+        return out if isinstance(out, tuple) else (out,)
+
+    for a, b in zip(run(0), run(-1)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="time_dim"):
+        run(-2)
+
+
 # ---- packed rows in place (the Triton kernels, semantics §7): segment ends as window ends --------
 
 TWO_OUTPUTS = ("gae", "vtrace", "retrace")  # retrace: with return_advantages (make_inputs)
