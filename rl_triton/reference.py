@@ -237,10 +237,13 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
     G = torch.zeros_like(r)
     diff = torch.zeros_like(r)
     g_next = e_next = c_next = q_next_a = torch.zeros_like(r[0])  # of the next decision step
+    # (formed once: one formed per step and dropped by the select below would give an infinite
+    # bootstrap Q-value 0 * inf = NaN gradients)
+    e_last = (lpi * lq).sum(-1)
     for t in reversed(range(r.shape[0])):
         # E[t], c[t+1], Q(s_{t+1}, a_{t+1}) from the next decision step, or from the bootstrap
         # state s_T at the window end (where the trace is cut: no c, no Q')
-        expected = torch.where(end[t], (lpi * lq).sum(-1), e_next)
+        expected = torch.where(end[t], e_last, e_next)
         cut = _cut(term, trunc, t, end)
         # G[t] = r + g (1 - term) (E - (1 - cut) c Q') + g (1 - cut) c G[t+1]  (cut includes term)
         boot = expected - _when(~cut, c_next, q_next_a)

@@ -102,6 +102,28 @@ def test_infinite_trace_coefficient_beside_a_termination(backend, device):
         torch.testing.assert_close(got[[0, 2]], torch.tensor([1.0, 1.99]))
 
 
+@pytest.mark.parametrize("backend", ["loop", "torch", "triton"])
+def test_infinite_bootstrap_q_value_gradient(backend, device):
+    """G[T-1] = r + g sum_a pi(a|s_T) Q(s_T, a): with Q(s_T, a0) = -inf its gradient to
+    pi(a0|s_T) is g * -inf, the others' g Q (the loop formed the expectation at every step and
+    dropped it by a select: 0 * inf = NaN)."""
+    g = torch.Generator().manual_seed(0)
+    T, N, A = 3, 1, 3
+    r, q = torch.randn(T, N, generator=g), torch.randn(T, N, A, generator=g)
+    pi = torch.softmax(torch.randn(T, N, A, generator=g), -1)
+    lq, lpi = torch.randn(N, A, generator=g), torch.softmax(torch.randn(N, A, generator=g), -1)
+    lq[0, 0] = -torch.inf
+    lpi = lpi.to(device).requires_grad_()
+    G = rl_triton.retrace(r.to(device), q.to(device), torch.zeros(T, N, dtype=torch.long,
+                          device=device), pi.to(device), torch.full((T, N), 0.5, device=device),
+                          torch.zeros(T, N, device=device), last_q_values=lq.to(device),
+                          last_target_probs=lpi, gamma=0.9, backend=backend)
+    G[T - 1].sum().backward()
+    want = 0.9 * lq[0]
+    assert lpi.grad[0, 0].item() == -torch.inf
+    torch.testing.assert_close(lpi.grad[0, 1:].cpu(), want[1:])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_gradient_passes_at_the_clip_tie(backend, device, dtype):
     """pi(a_t | s_t) = mu(a_t | s_t) exactly at every step: the ratio is 1, a tie at c_clip = 1,
