@@ -914,9 +914,10 @@ def linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, mask=N
     `metrics` (0-d float32 tensors, no gradient): "pg_loss" (the aggregated policy term alone),
     "approx_kl" (k3 of old against new, per token), "entropy", "kl" (with `ref_log_probs`),
     means over the tokens that count, and the loss type's: "clip_fraction" and, with
-    `dual_clip`, "dual_clip_fraction" for vanilla and grpo (as `ppo_policy_loss`);
-    `policy_loss`'s "clip_fraction", "clip_fraction_lower", "clip_fraction_negative",
-    "clip_fraction_positive" and its "kl" as "ppo_kl" for the others. Gradients reach `hidden`,
+    `dual_clip`, "dual_clip_fraction" for vanilla and grpo with token ratios (as
+    `ppo_policy_loss`); `policy_loss`'s "clip_fraction", "clip_fraction_lower",
+    "clip_fraction_negative", "clip_fraction_positive" and its "kl" as "ppo_kl" for the others
+    (and for those two with ratio_level="sequence"). Gradients reach `hidden`,
     `weight`, `bias`, and the floating per-token inputs that require grad, each in its own
     dtype.
 
