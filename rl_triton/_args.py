@@ -19,12 +19,14 @@ VALUE_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16, torch.fl
 FLAG_DTYPES = frozenset((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
                          torch.int64, torch.float32, torch.float64, torch.bfloat16,
                          torch.float16))  # the common ones; `_check_dtype` decides the rest
+# (torch reduces no wider unsigned integers: aminmax, unique)
+INDEX_DTYPES = frozenset((torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64))
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 BACKENDS = ("auto", "triton", "torch", "loop")
 
 VALUE = "value"  # float32 / bfloat16 / float16 / float64
 FLAG = "flag"  # bool, any integer dtype, or any float dtype (set where nonzero)
-INDEX = "index"  # any integer dtype (action indices)
+INDEX = "index"  # an integer dtype of INDEX_DTYPES (action indices, labels)
 
 
 def _check_dtype(name: str, dt: torch.dtype, kind: str) -> None:
@@ -33,13 +35,13 @@ def _check_dtype(name: str, dt: torch.dtype, kind: str) -> None:
             return
         want = "float32, bfloat16, float16 or float64"
     elif kind == FLAG:
-        if not dt.is_complex:
+        if not dt.is_complex and (not dt.is_floating_point or dt in VALUE_DTYPES):
             return
-        want = "bool, an integer dtype or a float dtype"
+        want = "bool, an integer dtype or float32, bfloat16, float16 or float64"
     else:
-        if dt != torch.bool and not dt.is_floating_point and not dt.is_complex:
+        if dt in INDEX_DTYPES:
             return
-        want = "an integer dtype"
+        want = "an integer dtype: int64, int32, int16, int8 or uint8"
     raise TypeError(f"{name} has dtype {dt}; expected {want}")
 
 
@@ -341,9 +343,14 @@ def check_offsets(cu, L: int, device: torch.device, *, data: bool = True,
         raise ValueError(f"cu_seqlens has no segment (shape (1,)) but there are L = {L} packed "
                          "steps")
     cpu = cu.device.type == "cpu"
+    if cu.device.type == "meta" and device.type != "meta":  # (no values to read or move)
+        raise ValueError(f"cu_seqlens is on {cu.device} but the data is on {device}; pass the "
+                         "offsets on the data's device or on the CPU")
+    if not torch.compiler.is_compiling() and cu.is_neg():
+        cu = cu.resolve_neg()  # the kernels read its memory: a negated view's values, not bits
     if data or (cpu and not torch.compiler.is_compiling()):
         if cpu:  # read where it lies, without a torch op
-            c = cu.resolve_neg().numpy()
+            c = cu.numpy()
             first, last, rising = int(c[0]), int(c[-1]), bool((c[1:] >= c[:-1]).all())
         else:
             first, last, rising = torch.stack([cu[0].long(), cu[-1].long(),

@@ -101,6 +101,38 @@ def test_every_op_reads_a_negated_view_as_its_values(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_negated_offsets_are_read_as_their_values(backend):
+    """cu_seqlens as a lazily negated view: the kernels read the offsets' values (they read its
+    memory, the negated bits, where only the check resolved it)."""
+    neg = torch._neg_view(-torch.tensor([0, 2, 5]))
+    plain = torch.tensor([0, 2, 5])
+    g = torch.Generator().manual_seed(0)
+    r, v = torch.randn(5, generator=g).to(DEVICE), torch.randn(5, generator=g).to(DEVICE)
+    term = torch.tensor([False, True, False, False, False], device=DEVICE)
+    for f in (lambda cu: rl_triton.gae(r, v, term, last_value=v[:2], cu_seqlens=cu,
+                                       backend=backend),
+              lambda cu: rl_triton.ppo_policy_loss(r, v, r, cu_seqlens=cu, backend=backend,
+                                                   aggregation="seq-mean-token-mean"),
+              lambda cu: rl_triton.rollout_correction(r, v, cu_seqlens=cu, level="sequence",
+                                                      backend=backend)):
+        for a, b in zip(f(plain), f(neg)):
+            torch.testing.assert_close(b, a)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_option_pairs_checked_after_a_cached_call(backend):
+    """policy_loss's cov_bounds: (True, 5.0) equals (1.0, 5.0) as a key, and is refused after
+    the plan of (1.0, 5.0) was cached as before it."""
+    lp = torch.randn(2, 6, device=DEVICE)
+    for _ in range(2):
+        rl_triton.policy_loss(lp, lp, lp, loss_type="clip_cov", cov_bounds=(1.0, 5.0),
+                              backend=backend)
+    with pytest.raises(TypeError, match="cov_bounds"):
+        rl_triton.policy_loss(lp, lp, lp, loss_type="clip_cov", cov_bounds=(True, 5.0),
+                              backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("value", [-1, 5, 1000, -(2**40)])
 def test_retrace_actions_out_of_range(backend, value):
     """An action outside [0, num_actions) is a ValueError naming `actions` on every backend;

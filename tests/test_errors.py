@@ -84,6 +84,59 @@ def test_dtypes(backend):
            **dict(gae_args(), rewards=[1.0, 2.0]), backend=backend)
 
 
+def test_dtypes_the_kernels_do_not_take(backend):
+    """float8 flags, masks and values, and the unsigned integers torch does not reduce (uint16
+    and wider) as actions, labels or group ids: a TypeError naming the argument on every
+    backend (the loop and torch backends took some of them, the kernels failed on them)."""
+    a = gae_args()
+    for name in ("terminated", "rewards"):
+        raises(TypeError, f"{name} has dtype torch.float8_e4m3fn", rl_triton.gae,
+               **dict(a, **{name: a[name].to(torch.float8_e4m3fn)}), backend=backend)
+    raises(TypeError, "mask has dtype torch.float8_e5m2", rl_triton.gae, **a, backend=backend,
+           mask=torch.ones(6, 3, device=DEVICE).to(torch.float8_e5m2))
+    lp = torch.randn(2, 4, device=DEVICE)
+    raises(TypeError, "mask has dtype torch.float8_e5m2", rl_triton.ppo_policy_loss,
+           log_probs=lp, old_log_probs=lp, advantages=lp, backend=backend,
+           mask=torch.ones(2, 4, device=DEVICE).to(torch.float8_e5m2))
+    f8 = torch.randn(6, device=DEVICE).to(torch.float8_e4m3fn)
+    raises(TypeError, "scores has dtype torch.float8", rl_triton.group_advantages, scores=f8,
+           group_size=3, backend=backend)
+    raises(TypeError, "x has dtype torch.float8", rl_triton.masked_whiten, x=f8, backend=backend)
+    raises(TypeError, "log_probs has dtype torch.float8", rl_triton.rollout_correction,
+           log_probs=f8, rollout_log_probs=f8, backend=backend)
+    raises(TypeError, "group_index has dtype torch.complex64", rl_triton.group_advantages,
+           scores=f8.float(), group_index=torch.zeros(6, dtype=torch.complex64, device=DEVICE),
+           backend=backend)
+    case = make_case("retrace", 5, (2,), n_act=3, device=DEVICE)
+    raises(TypeError, "actions has dtype torch.uint16", case.fn,
+           **dict(case.steps, actions=case.steps["actions"].to(torch.uint16)), **case.extra,
+           backend=backend)
+    if backend != "loop":  # (the fused head has the torch and triton backends)
+        h, w = torch.randn(3, 4, device=DEVICE), torch.randn(5, 4, device=DEVICE)
+        raises(TypeError, "labels has dtype torch.uint32", rl_triton.token_log_probs,
+               hidden=h, weight=w, labels=torch.zeros(3, dtype=torch.uint32, device=DEVICE),
+               backend=backend)
+
+
+def test_offsets_and_counts_on_devices_without_data(backend):
+    """Offsets and verl's global counts on the meta device (no values to read), and counts of
+    a dtype that is no count: an error naming them."""
+    lp = torch.randn(5, device=DEVICE)
+    meta = torch.tensor([0, 2, 5]).to("meta")
+    raises(ValueError, "cu_seqlens is on meta", rl_triton.ppo_policy_loss, log_probs=lp,
+           old_log_probs=lp, advantages=lp, cu_seqlens=meta, aggregation="seq-mean-token-mean",
+           backend=backend)
+    raises(ValueError, "cu_seqlens is on meta", rl_triton.gae, rewards=lp, values=lp,
+           terminated=lp > 5, last_value=lp[:2], cu_seqlens=meta, backend=backend)
+    lp = torch.randn(2, 4, device=DEVICE)
+    for count, exc, msg in [(torch.tensor(True), TypeError, "batch_num_tokens has dtype"),
+                            (torch.tensor(6 + 1j), TypeError, "batch_num_tokens has dtype"),
+                            (torch.tensor(6.0, device="meta"), ValueError,
+                             "batch_num_tokens is on meta")]:
+        raises(exc, msg, rl_triton.policy_loss, log_probs=lp, old_log_probs=lp, advantages=lp,
+               batch_num_tokens=count, dp_size=2, backend=backend)
+
+
 def test_devices(backend):
     a = gae_args()
     a["values"] = a["values"].to("meta")

@@ -97,10 +97,14 @@ class Op:
                  saved: int = 0, nondiff: tuple = (), check: Optional[Callable] = None,
                  runtime_check: Optional[Callable] = None, torch: Optional[Callable] = None,
                  loop: Optional[Callable] = None, tensors: Optional[type] = None,
-                 grad_like: Optional[Callable] = None, run: Optional[Callable] = None):
+                 grad_like: Optional[Callable] = None, run: Optional[Callable] = None,
+                 pairs: tuple = ()):
         if kind not in KINDS:
             raise ValueError(f"an op's kind is one of {KINDS}; got {kind!r}")
         self.name, self.kind, self.inputs, self.options = name, kind, inputs, options
+        # the positions in `a` of options that are tuples of numbers: their items' types join
+        # the plan's key (True == 1.0, so (True, 5.0) would find the plan of (1.0, 5.0))
+        self.pairs = pairs
         self.tensors = tensors or inputs
         self.outputs, self.saved, self.nondiff = outputs, saved, nondiff
         self._forward, self._backward, self._fake = forward, backward, fake
@@ -151,6 +155,8 @@ class Op:
         if not torch.compiler.is_compiling():
             try:
                 key = (self, torch.is_grad_enabled(), a, tuple(map(type, a)), *signature(t))
+                if self.pairs:
+                    key += tuple([tuple(map(type, a[i])) for i in self.pairs])
                 plan = _PLANS.get(key)
             except (AttributeError, TypeError):  # not a tensor, or unhashable: `check` names it
                 key = None

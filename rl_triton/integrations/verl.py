@@ -871,9 +871,9 @@ def _aggregation(mode, mask, shape, dp_size, batch_num_tokens, global_batch_size
         raise ValueError(f"Invalid loss_agg_mode: {mode}")
     m = mask != 0
     base, factor = _plan(mode, m, None, shape, int(dp_size),
-                         _count("batch_num_tokens", batch_num_tokens),
-                         _count("global_batch_size", global_batch_size),
-                         _count("loss_scale_factor", loss_scale_factor))
+                         _count("batch_num_tokens", batch_num_tokens, m.device),
+                         _count("global_batch_size", global_batch_size, m.device),
+                         _count("loss_scale_factor", loss_scale_factor, m.device))
     return m, base, factor
 
 

@@ -19,7 +19,8 @@ import torch
 from .. import reference
 from typing import NamedTuple, Optional
 
-from .._args import FLAG_DTYPES, _flag_grad_error, check_backend, check_out_dtype
+from .._args import (FLAG_DTYPES, INDEX_DTYPES, VALUE_DTYPES, _flag_grad_error, check_backend,
+                     check_out_dtype)
 from .._core.op import Op, Plan, first_order
 from .._core.plans import backend_for
 from . import _group, _whiten
@@ -54,8 +55,9 @@ def _tensor(name, x, device=None):
 
 def _values(name, x):
     x = _tensor(name, x)
-    if not x.is_floating_point():
-        raise TypeError(f"{name} has dtype {x.dtype}; expected a floating dtype")
+    if x.dtype not in VALUE_DTYPES:
+        raise TypeError(f"{name} has dtype {x.dtype}; expected float32, bfloat16, float16 or "
+                        "float64")
     if not torch.compiler.is_compiling() and x.is_neg():  # (traced tensors are no views)
         x = x.resolve_neg()  # a kernel reads a negated view's bits, not its values
     return x
@@ -65,7 +67,8 @@ def _mask(mask, device):
     """A mask (bool / integer / float, set where nonzero) as 0/1 in its place."""
     mask = _tensor("mask", mask, device)
     if mask.dtype not in FLAG_DTYPES:
-        raise TypeError(f"mask has dtype {mask.dtype}; expected bool, an integer or a float dtype")
+        raise TypeError(f"mask has dtype {mask.dtype}; expected bool, uint8, int8, int16, int32, "
+                        "int64, float32, float64, bfloat16 or float16")
     if mask.requires_grad and torch.is_grad_enabled():  # never a silent detach
         raise _flag_grad_error("mask")
     return mask
@@ -133,8 +136,9 @@ def _group_check(t: tuple, a: tuple):
         gi = None
     else:
         gi = _tensor("group_index", group_index, s.device)
-        if gi.is_floating_point() or gi.dtype is torch.bool:
-            raise TypeError(f"group_index has dtype {gi.dtype}; expected an integer dtype")
+        if gi.dtype not in INDEX_DTYPES:
+            raise TypeError(f"group_index has dtype {gi.dtype}; expected an integer dtype: "
+                            "int64, int32, int16, int8 or uint8")
         if gi.shape != s.shape:
             raise ValueError(f"group_index has shape {tuple(gi.shape)} but scores has shape "
                              f"{tuple(s.shape)}; one group id per score")
@@ -143,8 +147,8 @@ def _group_check(t: tuple, a: tuple):
         if mask.ndim != 2 or mask.shape[0] != B:
             raise ValueError(f"mask has shape {tuple(mask.shape)}; expected (B, T) with B = "
                              f"{B}, the number of scores")
-    o = GroupOptions(0 if group_size is None else group_size, baseline, scale, eps, correction,
-                     out_dtype)
+    o = GroupOptions(0 if group_size is None else int(group_size), baseline, scale, eps,
+                     correction, out_dtype)  # (a NumPy integer too)
     backend = backend_for(backend, s.device)
     needs_grad = s.requires_grad and torch.is_grad_enabled()
     return GroupInputs(s, gi, mask), Plan(o, backend, needs_grad, _float(s))

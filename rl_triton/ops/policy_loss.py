@@ -603,11 +603,16 @@ def fake(x: Tensors, o: Options):
 
 # ---- arguments and the public function -----------------------------------------------------------
 
-def _count(name, value):
-    """A global count or factor: a positive number, or a one-element tensor (kept a tensor)."""
+def _count(name, value, device):
+    """A global count or factor: a positive number, or a one-element real tensor on the data's
+    `device` or the CPU (kept a tensor)."""
     if value is None:
         return None
     if isinstance(value, Tensor):
+        if value.dtype is torch.bool or value.is_complex():
+            raise TypeError(f"{name} has dtype {value.dtype}; expected a real number dtype")
+        if value.device != device and value.device.type != "cpu":
+            raise ValueError(f"{name} is on {value.device} but the data is on {device}")
         if value.numel() != 1:
             raise ValueError(f"{name} must be a number or a one-element tensor, got shape "
                              f"{tuple(value.shape)}")
@@ -751,9 +756,9 @@ def _check(t: tuple, a: tuple):
         truncation, dro_beta, cov_ratio, cov_bounds, kl_cov_coef)
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
         raise ValueError(f"dp_size must be a positive int, got {dp_size!r}")
-    batch_num_tokens = _count("batch_num_tokens", batch_num_tokens)
-    global_batch_size = _count("global_batch_size", global_batch_size)
-    loss_scale_factor = _count("loss_scale_factor", loss_scale_factor)
+    batch_num_tokens = _count("batch_num_tokens", batch_num_tokens, lp.device)
+    global_batch_size = _count("global_batch_size", global_batch_size, lp.device)
+    loss_scale_factor = _count("loss_scale_factor", loss_scale_factor, lp.device)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     seq_ratio = ratio_level == "sequence" or loss_type == "gspo"
@@ -804,7 +809,8 @@ def _run(x: Inputs, plan) -> tuple:
 # the framework's; `_run` forms what the call reads of values before the kernels run
 OP = Op("policy_loss", "loss", Inputs, Options, tensors=Tensors, outputs=6, saved=2,
         nondiff=(1, 2, 3, 4, 5), forward=forward, backward=backward, fake=fake, check=_check,
-        runtime_check=L.runtime_check, torch=torch_impl, loop=loop_impl, run=_run)
+        runtime_check=L.runtime_check, torch=torch_impl, loop=loop_impl, run=_run,
+        pairs=(13,))  # cov_bounds
 
 
 def policy_loss(log_probs, old_log_probs, advantages, mask=None, *, loss_type="vanilla",
