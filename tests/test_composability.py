@@ -27,6 +27,42 @@ def test_fullgraph_compile_matches_eager(name, device):
     assert_close(tuple(g / 2.0 for g in got), case.reference())
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("name", ESTIMATORS)
+def test_fullgraph_compile_batch_major_with_gradients(name, backend):
+    """The torch backend (and the Triton backend's masked calls with gradients, which run its
+    code) compiled on batch-major inputs that require grad: both outputs and the gradients as
+    eager (torch.compile merged the two outputs' equal torch.empty calls into one tensor)."""
+    from cases import to_layout
+    case = make_case(name, 9, (4,), seed=5)
+    mask = None if backend == "torch" or name.startswith("linear_scan") else \
+        torch.rand(4, 9, generator=torch.Generator().manual_seed(1)) < 0.7
+    floats = [k for k, v in case.steps.items() if v is not None and v.is_floating_point()
+              and k not in ("terminated", "truncated", "dones")]
+    extra = dict(case.extra)
+    if name == "retrace":
+        extra["check_actions"] = False  # (its range check reads values: no trace)
+
+    def step(*xs):
+        steps = {k: to_layout(v, "batch-major") for k, v in case.steps.items()}
+        steps.update(zip(floats, xs))
+        out = case.fn(**steps, **extra, time_dim=1, backend=backend,
+                      **({} if mask is None else {"mask": mask}))
+        return out if isinstance(out, tuple) else (out,)
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        torch._dynamo.reset()
+        xs = [to_layout(case.steps[k], "batch-major").clone().requires_grad_() for k in floats]
+        out = fn(*xs)
+        grads = torch.autograd.grad(sum(o.sum() * (i + 1) for i, o in enumerate(out)), xs)
+        results.append((out, grads))
+    (want, want_g), (got, got_g) = results
+    assert len(got) == len(want)
+    for a, b in zip((*got, *got_g), (*want, *want_g)):
+        torch.testing.assert_close(a, b)
+
+
 def test_ops_are_registered():
     """Every op of the registry has its custom op, and its backward where it has gradients."""
     from rl_triton._core.op import OPS, UNDECLARED, ops

@@ -186,11 +186,13 @@ class ScanOp(Op):
         `shape` in the caller's layout; differentiable (first order) where the call is, and
         attached to the `inputs` that require grad (a zero gradient each, `reference.attached`)."""
         res = res if isinstance(res, tuple) else (res,)
-        outs = []
-        for r in res[:n]:
-            out = torch.empty(shape, dtype=out_dtype, device=call.device)
-            (out.movedim(call.time_dim, 0) if call.time_dim else out).copy_(r)
-            outs.append(out)
+        # new tensors, contiguous in the caller's layout; not torch.empty(shape) filled by
+        # copy_: torch.compile merges equal empty() calls, and two outputs became one
+        td = call.time_dim
+        tm = (shape[td], *shape[:td], *shape[td + 1:])  # the time-major shape
+        outs = [r.expand(tm).movedim(0, td).to(out_dtype, copy=True,
+                                                memory_format=torch.contiguous_format)
+                for r in res[:n]]
         if call.needs_grad:
             if inputs:
                 outs[0] = reference.attached(outs[0], *inputs)
