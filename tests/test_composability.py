@@ -39,9 +39,7 @@ def test_fullgraph_compile_batch_major_with_gradients(name, backend):
         torch.rand(4, 9, generator=torch.Generator().manual_seed(1)) < 0.7
     floats = [k for k, v in case.steps.items() if v is not None and v.is_floating_point()
               and k not in ("terminated", "truncated", "dones")]
-    extra = dict(case.extra)
-    if name == "retrace":
-        extra["check_actions"] = False  # (its range check reads values: no trace)
+    extra = dict(case.extra)  # (Retrace's actions check: not traced, on every backend)
 
     def step(*xs):
         steps = {k: to_layout(v, "batch-major") for k, v in case.steps.items()}

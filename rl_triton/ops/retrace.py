@@ -509,7 +509,9 @@ def _ones(device) -> Tensor:
 
 
 def _check_actions(x: Inputs, extra: Extras):
-    if extra.check_actions:
+    # (traced by torch.compile, the torch and loop backends' check would read values: there,
+    # as with check_actions=False, they clamp; the Triton backend checks in its custom op)
+    if extra.check_actions and not torch.compiler.is_compiling():
         n_act = x.q_values.shape[-1]
         # (the kernel where Triton compiles: a CUDA machine without it runs the torch backend)
         on_gpu = x.actions.is_cuda and HAS_TRITON and not INTERPRETER
@@ -613,7 +615,8 @@ def retrace(rewards, q_values, actions, target_probs, behavior_probs, terminated
 
     Actions outside `[0, A)` raise `ValueError` (one reduction, and on CUDA one sync, per call);
     `check_actions=False` skips that check (for CUDA-graph capture), and every backend then
-    clamps the actions into `[0, A)`: never a read outside the tensors.
+    clamps the actions into `[0, A)`: never a read outside the tensors. Traced by
+    torch.compile, the torch and loop backends clamp them too (semantics §3).
 
     `mask` (semantics §7; bool, integer or float, the shape of `rewards`): the decision steps. The
     recurrence runs over them only, as if the other steps were deleted from each row: a step's
