@@ -417,7 +417,7 @@ def value_loss(values, returns, old_values=None, mask=None, *, cu_seqlens=None, 
 
     l = error(v - ret)
     if clip is not None:
-        l = torch.maximum(l, error(old + torch.clamp(v - old, -clip, clip) - ret))
+        l = torch.maximum(l, error((old - ret) + torch.clamp(v - old, -clip, clip)))
     return _aggregate(l, keep, aggregation, cu_seqlens)
 
 

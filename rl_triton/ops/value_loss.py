@@ -54,7 +54,8 @@ def terms(v, ret, old, clip, delta, CLIPPED: tl.constexpr, HUBER: tl.constexpr):
     dr = df
     do = tl.zeros(v.shape, tl.float32)
     if CLIPPED:
-        fc, dfc = error(old + L.clamp(v - old, -clip, clip) - ret, delta, HUBER)
+        # (old - R) first: exact where old and R are close, as values far from 0 are
+        fc, dfc = error((old - ret) + L.clamp(v - old, -clip, clip), delta, HUBER)
         l = L.maximum(f, fc)
         inside = tl.abs(v - old) <= clip
         dv = L.max_grad(f, fc, df, tl.where(inside, dfc, 0.0))
@@ -218,7 +219,7 @@ def torch_impl(x: Inputs, o: Options, dtype):
 
     l = error(v - ret)
     if o.clip is not None:
-        l = torch.maximum(l, error(old + (v - old).clamp(-o.clip, o.clip) - ret))
+        l = torch.maximum(l, error((old - ret) + (v - old).clamp(-o.clip, o.clip)))
     return (L.aggregate(l, m, o.aggregation, x.cu_seqlens),)
 
 

@@ -87,6 +87,29 @@ op_checks.install(globals(), OPS)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["mse", "huber"])
+def test_clipped_loss_precise_far_from_zero(kind, backend, device):
+    """Values around 1e3 with returns and old values within 0.5 of them: the clipped error as
+    (old - R) + clamp(V - old), so the loss and its gradients keep float32's relative precision
+    (old + clamp(V - old) - R rounds at 1e3: 1e-4 off in d old_values)."""
+    from cases import rel_err
+    g = torch.Generator().manual_seed(0)
+    v = 1000 + torch.randn(8, 37, generator=g)
+    ret, old = v + 0.1 * torch.randn(8, 37, generator=g), v + 0.1 * torch.randn(8, 37, generator=g)
+    xs = [t.to(device).requires_grad_() for t in (v, ret, old)]
+    loss = rl_triton.value_loss(*xs, clip=0.2, kind=kind, backend=backend)
+    got = [loss, *torch.autograd.grad(loss, xs)]
+    x64 = [t.double().requires_grad_() for t in (v, ret, old)]
+    e = x64[0] - x64[1]
+    ec = (x64[2] - x64[1]) + (x64[0] - x64[2]).clamp(-0.2, 0.2)
+    f = (lambda e: 0.5 * e * e) if kind == "mse" else (
+        lambda e: torch.nn.functional.huber_loss(e, torch.zeros_like(e), reduction="none"))
+    want = torch.maximum(f(e), f(ec)).mean()
+    for a, b in zip(got, [want, *torch.autograd.grad(want, x64)]):
+        assert rel_err(a.detach().double().cpu(), b.detach()) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_nonfinite_errors_at_counted_positions(backend, device):
     """Huber's derivative beyond delta is +-delta, an infinite error's included (no 0 * inf from
     the quadratic branch), and a NaN value or return gives the NaN pattern of autograd through
