@@ -25,7 +25,7 @@ OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 BACKENDS = ("auto", "triton", "torch", "loop")
 
 VALUE = "value"  # float32 / bfloat16 / float16 / float64
-FLAG = "flag"  # bool, any integer dtype, or any float dtype (set where nonzero)
+FLAG = "flag"  # bool, any integer dtype, or a float dtype of VALUE_DTYPES (set where nonzero)
 INDEX = "index"  # an integer dtype of INDEX_DTYPES (action indices, labels)
 
 
