@@ -29,6 +29,12 @@ FLAG = "flag"  # bool, any integer dtype, or a float dtype of VALUE_DTYPES (set 
 INDEX = "index"  # an integer dtype of INDEX_DTYPES (action indices, labels)
 
 
+def resolved(x: Tensor) -> Tensor:
+    """`x`, a lazily negated view's values where it is one: kernels read memory, the negated
+    bits (traced by torch.compile, tensors are no such views)."""
+    return x.resolve_neg() if not torch.compiler.is_compiling() and x.is_neg() else x
+
+
 def _check_dtype(name: str, dt: torch.dtype, kind: str) -> None:
     if kind == VALUE:
         if dt in VALUE_DTYPES:
@@ -181,10 +187,7 @@ class Call:
         if dt is torch.float64 and kind == VALUE:
             self.float64 = True
         if self.key is not None:  # None while torch.compile traces (the custom op checks)
-            # kernels read memory: a lazily negated view's values, not its bits (the dtypes
-            # above are real, so no conjugate bit)
-            if x.is_neg():
-                x = x.resolve_neg()
+            x = resolved(x)  # (the dtypes above are real, so no conjugate bit)
             self.key.append((x.shape, x.stride(), dt, x.data_ptr() % 16 == 0))
         return x
 
@@ -346,8 +349,7 @@ def check_offsets(cu, L: int, device: torch.device, *, data: bool = True,
     if cu.device.type == "meta" and device.type != "meta":  # (no values to read or move)
         raise ValueError(f"cu_seqlens is on {cu.device} but the data is on {device}; pass the "
                          "offsets on the data's device or on the CPU")
-    if not torch.compiler.is_compiling() and cu.is_neg():
-        cu = cu.resolve_neg()  # the kernels read its memory: a negated view's values, not bits
+    cu = resolved(cu)
     if data or (cpu and not torch.compiler.is_compiling()):
         if cpu:  # read where it lies, without a torch op
             c = cu.numpy()

@@ -57,7 +57,7 @@ class Plan:
                  dtype: torch.dtype = torch.float32):
         self.o, self.backend, self.needs_grad, self.dtype = o, backend, needs_grad, dtype
         self.memo = {}
-        self.drop = None  # the tensors the checks set aside (None), by position
+        self.drop = None  # the positions of the tensors the checks set aside as unread
         # False where the checked call holds objects of its own (a tensor option, a generator:
         # a key per call), run once, uncached
         self.cache = True
@@ -162,20 +162,28 @@ class Op:
                 key = None
         if plan is None:
             x, plan = self.check(t, a)
+            plan.drop = tuple(i for i, (c, g) in enumerate(zip(x, t))
+                              if c is None and g is not None) or None
             # cached where the checks ran on the caller's own tensors (no negated view
             # resolved, no offsets converted; some set aside as unread): the hot path runs on
             # those
             if key is not None and plan.cache and all([c is g or c is None
                                                         for c, g in zip(x, t)]):
-                drop = tuple(i for i, (c, g) in enumerate(zip(x, t)) if c is not g)
-                plan.drop = drop or None
                 store(key, plan)
         else:
             x = self.inputs(*t) if plan.drop is None else self.inputs(
                 *[None if i in plan.drop else g for i, g in enumerate(t)])
             if self.runtime_check is not None:
                 self.runtime_check(x, plan.o)
-        return self.run(x, plan)
+        out = self.run(x, plan)
+        if plan.drop is not None and torch.is_grad_enabled():
+            # a tensor set aside as unread (value_loss's old_values without a clip) that
+            # requires grad gets one, 0: never a silent detach (semantics §6)
+            dropped = [t[i] for i in plan.drop]
+            if isinstance(out, tuple):
+                return (reference.attached(out[0], *dropped), *out[1:])
+            return reference.attached(out, *dropped)
+        return out
 
     def run(self, x: tuple, plan: Plan):
         """The checked call on its backend: a tensor, or a tuple of `outputs` tensors."""

@@ -20,7 +20,7 @@ from .. import reference
 from typing import NamedTuple, Optional
 
 from .._args import (FLAG_DTYPES, INDEX_DTYPES, VALUE_DTYPES, _flag_grad_error, check_backend,
-                     check_out_dtype)
+                     check_out_dtype, resolved)
 from .._core.op import Op, Plan, first_order
 from .._core.plans import backend_for
 from . import _group, _whiten
@@ -58,9 +58,7 @@ def _values(name, x):
     if x.dtype not in VALUE_DTYPES:
         raise TypeError(f"{name} has dtype {x.dtype}; expected float32, bfloat16, float16 or "
                         "float64")
-    if not torch.compiler.is_compiling() and x.is_neg():  # (traced tensors are no views)
-        x = x.resolve_neg()  # a kernel reads a negated view's bits, not its values
-    return x
+    return resolved(x)
 
 
 def _mask(mask, device):

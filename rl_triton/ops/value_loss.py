@@ -250,7 +250,7 @@ def _check(t: tuple, a: tuple):
             raise ValueError("clip needs old_values (the values at rollout time) to clip "
                              "around")
     else:
-        old = None  # unread without a clip
+        old = None  # unread without a clip (`Op` gives it a zero gradient)
     o = Options(clip, kind, huber_delta, aggregation, out_dtype, check_offsets)
     return Inputs(v, ret, old, mask, cu), L.plan(call, backend, o)
 
@@ -282,8 +282,5 @@ def value_loss(values, returns, old_values=None, mask=None, *, clip=None, kind="
 
         >>> v_loss = rl_triton.value_loss(new_values, returns, old_values, mask, clip=0.2)
     """
-    loss = OP((values, returns, old_values, mask, cu_seqlens),
+    return OP((values, returns, old_values, mask, cu_seqlens),
               (clip, kind, huber_delta, aggregation, check_offsets, backend, out_dtype))
-    if clip is None and old_values is not None:  # unread: a zero gradient (semantics §6)
-        loss = reference.attached(loss, old_values)
-    return loss
