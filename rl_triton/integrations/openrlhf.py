@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 import rl_triton
-from .verl import _no_flags, _put_back
+from .verl import _like_tokens, _no_flags, _put_back
 
 __all__ = ["get_advantages_and_returns", "get_cumulative_returns", "compute_approx_kl",
            "PolicyLoss", "use_rl_triton", "revert_rl_triton"]
@@ -182,6 +182,7 @@ class PolicyLoss(torch.nn.Module):
                 rollout_log_probs=None, dp_size: int = 1, batch_num_tokens=None,
                 global_batch_size=None):
         gspo = self.policy_loss_type == "gspo"
+        advantages = _like_tokens(advantages, log_probs, "advantages")
         correct = self.is_correction_level != "off"
         weights = vllm_kl = is_filter_ratio = None
         if correct and not gspo:

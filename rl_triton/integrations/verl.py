@@ -82,6 +82,18 @@ def _whiten(x: Tensor, mask: Tensor) -> Tensor:
     return out
 
 
+def _like_tokens(x, tokens: Tensor, name: str):
+    """`x` broadcast to the tokens' shape (a view), as the frameworks' arithmetic broadcasts it:
+    advantages of one per response, `[B, 1]`, are each response's for all its tokens."""
+    if not isinstance(x, Tensor) or x.shape == tokens.shape:
+        return x
+    try:
+        return x.expand(tokens.shape)
+    except RuntimeError:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, which does not broadcast to the "
+                         f"log-probabilities' {tuple(tokens.shape)}") from None
+
+
 def _no_flags(x: Tensor) -> Tensor:
     """No termination inside a response: its end is the episode's (last_value 0)."""
     return torch.zeros((), dtype=torch.bool, device=x.device).expand(x.shape)
@@ -698,6 +710,8 @@ def _verl_loss(loss_type, old_log_prob, log_prob, advantages, response_mask, los
     if loss_agg_mode not in _VERL_AGGREGATIONS and loss_type != "geo_mean":
         raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
     dtype = log_prob.dtype if log_prob.dtype in (torch.float32, torch.float64) else torch.float32
+    advantages = _like_tokens(advantages, log_prob, "advantages")
+    weights = _like_tokens(weights, log_prob, "rollout_is_weights")
     loss, metrics = rl_triton.policy_loss(
         log_prob, old_log_prob, advantages, response_mask, loss_type=loss_type,
         aggregation=loss_agg_mode, weights=weights, backend=backend, out_dtype=dtype,

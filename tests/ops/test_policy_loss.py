@@ -249,6 +249,50 @@ def test_verl_patch_and_revert():
     assert ca.POLICY_LOSS_REGISTRY == before and ca.agg_loss is agg
 
 
+@needs_fw
+@pytest.mark.parametrize("name", [n for n in LOSS_TYPES])
+def test_verl_one_advantage_per_response(name, backend):
+    """Advantages of one per response, [B, 1] (and weights of one per response), broadcast to
+    the tokens as verl's arithmetic broadcasts them: loss, gradients (d advantages summed over
+    the tokens) and metrics as verl's. clip_cov and kl_cov index the advantages by the tokens'
+    mask, which verl 0.9.1 cannot do with [B, 1] (IndexError): there the drop-in computes what
+    verl computes for the advantages expanded to the tokens."""
+    lp, old, adv, w, mask = batch(seed=3, device=device_of(backend))
+    inputs = [lp, old, adv[:, :1].contiguous(), w[:, :1].contiguous()]
+    verl_fn = FW.verl.POLICY_LOSS_REGISTRY[name]
+    if name in ("clip_cov", "kl_cov"):
+        with pytest.raises(IndexError):
+            verl_fn(old, lp, inputs[2], mask.float(), "token-mean", verl_config())
+
+        def verl_fn(old, lp, adv, mask, agg, config, w, f=verl_fn):
+            return f(old, lp, adv.expand_as(lp), mask, agg, config, w)
+    for agg in ("token-mean", "seq-mean-token-sum"):
+        out = []
+        for fn in (verl_fn, our_verl.POLICY_LOSSES[name]):
+            xs = [t.detach().clone().requires_grad_(True) for t in inputs]
+            torch.manual_seed(7)  # clip_cov's draw
+            loss, metrics = fn(xs[1], xs[0], xs[2], mask.float(), agg, verl_config(), xs[3])
+            out.append((loss, grads(loss, xs), metrics))
+        (l0, g0, m0), (l1, g1, m1) = out
+        close(l1, l0, 2e-5)
+        for a, b in zip(g1, g0):
+            close(a, b, 2e-5)
+        assert g1[2].shape == (lp.shape[0], 1)
+        assert m1.keys() == m0.keys()
+        for k in m0:
+            assert abs(m1[k] - m0[k]) <= 1e-6, (k, m1[k], m0[k])
+
+
+def test_drop_ins_name_advantages_that_do_not_broadcast():
+    lp, old, adv, _, mask = batch()
+    with pytest.raises(ValueError, match="advantages has shape"):
+        our_orl.PolicyLoss()(lp, old, adv[:, :3], mask)
+    if FW is not None:
+        with pytest.raises(ValueError, match="advantages has shape"):
+            our_verl.compute_policy_loss_vanilla(old, lp, adv[:2], mask, "token-mean",
+                                                 verl_config())
+
+
 # ---- OpenRLHF ------------------------------------------------------------------------------------
 
 def orl_both(kwargs, inputs, mask, rollout=None, **call):
@@ -284,6 +328,17 @@ def test_openrlhf_policy_loss(loss_type, dual_clip, token_level, kind, backend):
     check_orl(orl_both(kw, inputs, mask.float()))
     check_orl(orl_both(kw, inputs, mask.float(), dp_size=4, batch_num_tokens=90.0,
                        global_batch_size=9.0))
+
+
+@needs_fw
+@pytest.mark.parametrize("loss_type", ["ppo", "gspo"])
+def test_openrlhf_one_advantage_per_response(loss_type, backend):
+    """[B, 1] advantages broadcast to the tokens, as OpenRLHF's arithmetic does."""
+    lp, old, adv, _, mask = batch(seed=13, device=device_of(backend))
+    kw = dict(clip_eps_low=0.2, clip_eps_high=0.28, policy_loss_type=loss_type)
+    pair = orl_both(kw, [lp, old, adv[:, :1].contiguous()], mask.float())
+    check_orl(pair)
+    assert pair[1][1][2].shape == (lp.shape[0], 1)
 
 
 # OpenRLHF's train / rollout corrections (level, mode, gating, threshold)
