@@ -29,14 +29,15 @@ def test_fullgraph_compile_matches_eager(name, device):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("name", ESTIMATORS)
-def test_fullgraph_compile_batch_major_with_gradients(name, backend):
+def test_fullgraph_compile_batch_major_with_gradients(name, backend, device):
     """The torch backend (and the Triton backend's masked calls with gradients, which run its
     code) compiled on batch-major inputs that require grad: both outputs and the gradients as
     eager (torch.compile merged the two outputs' equal torch.empty calls into one tensor)."""
     from cases import to_layout
-    case = make_case(name, 9, (4,), seed=5)
+    device = device if backend == "triton" else "cpu"
+    case = make_case(name, 9, (4,), device=device, seed=5)
     mask = None if backend == "torch" or name.startswith("linear_scan") else \
-        torch.rand(4, 9, generator=torch.Generator().manual_seed(1)) < 0.7
+        (torch.rand(4, 9, generator=torch.Generator().manual_seed(1)) < 0.7).to(device)
     floats = [k for k, v in case.steps.items() if v is not None and v.is_floating_point()
               and k not in ("terminated", "truncated", "dones")]
     extra = dict(case.extra)  # (Retrace's actions check: not traced, on every backend)
