@@ -19,7 +19,7 @@ import torch
 from .. import reference
 from typing import NamedTuple, Optional
 
-from .._args import (FLAG_DTYPES, INDEX_DTYPES, VALUE_DTYPES, _flag_grad_error, check_backend,
+from .._args import (FLAG_DTYPES, INDEX, VALUE, _check_dtype, _flag_grad_error, check_backend,
                      check_out_dtype, resolved)
 from .._core.op import Op, Plan, first_order
 from .._core.plans import backend_for
@@ -55,9 +55,7 @@ def _tensor(name, x, device=None):
 
 def _values(name, x):
     x = _tensor(name, x)
-    if x.dtype not in VALUE_DTYPES:
-        raise TypeError(f"{name} has dtype {x.dtype}; expected float32, bfloat16, float16 or "
-                        "float64")
+    _check_dtype(name, x.dtype, VALUE)
     return resolved(x)
 
 
@@ -134,9 +132,7 @@ def _group_check(t: tuple, a: tuple):
         gi = None
     else:
         gi = _tensor("group_index", group_index, s.device)
-        if gi.dtype not in INDEX_DTYPES:
-            raise TypeError(f"group_index has dtype {gi.dtype}; expected an integer dtype: "
-                            "int64, int32, int16, int8 or uint8")
+        _check_dtype("group_index", gi.dtype, INDEX)
         if gi.shape != s.shape:
             raise ValueError(f"group_index has shape {tuple(gi.shape)} but scores has shape "
                              f"{tuple(s.shape)}; one group id per score")
