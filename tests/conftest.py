@@ -26,7 +26,7 @@ def device():
 # fails too, so the worker leaves and pytest-xdist starts a fresh one (the test is reported as
 # the crash it is, not hidden among hundreds of failures it did not cause)
 STICKY_CUDA_ERRORS = ("illegal memory access", "misaligned address", "unspecified launch failure",
-                      "illegal instruction")
+                      "illegal instruction", "device-side assert triggered")
 
 if torch.cuda.is_available():
     @pytest.hookimpl(hookwrapper=True)

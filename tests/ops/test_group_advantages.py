@@ -59,11 +59,11 @@ def test_group_index_and_group_size_agree():
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch", "loop"])
-def test_numpy_group_size(backend):
+def test_numpy_group_size(backend, device):
     """group_size as a NumPy integer, as every backend's check accepts it (the kernel's launch
     took only a Python int)."""
     import numpy as np
-    s = scores_and_ids(B=12)[0].float()  # (float32: the kernel's)
+    s = scores_and_ids(B=12)[0].float().to(device)  # (float32: the kernel's)
     want = rl_triton.group_advantages(s, group_size=4, backend=backend)
     for n in (np.int64(4), np.int32(4)):
         torch.testing.assert_close(rl_triton.group_advantages(s, group_size=n, backend=backend),

@@ -261,8 +261,11 @@ def test_verl_one_advantage_per_response(name, backend):
     inputs = [lp, old, adv[:, :1].contiguous(), w[:, :1].contiguous()]
     verl_fn = FW.verl.POLICY_LOSS_REGISTRY[name]
     if name in ("clip_cov", "kl_cov"):
+        # on the CPU: on a GPU verl's out-of-range index is a device-side assert, which ends
+        # the process's CUDA context instead of raising
         with pytest.raises(IndexError):
-            verl_fn(old, lp, inputs[2], mask.float(), "token-mean", verl_config())
+            verl_fn(old.cpu(), lp.cpu(), inputs[2].cpu(), mask.float().cpu(), "token-mean",
+                    verl_config())
 
         def verl_fn(old, lp, adv, mask, agg, config, w, f=verl_fn):
             return f(old, lp, adv.expand_as(lp), mask, agg, config, w)
